@@ -1,0 +1,3 @@
+"""StaleFlow: disaggregated RL post-training with a strictly bounded staleness protocol."""
+
+__version__ = "0.1.0"
