@@ -1,0 +1,74 @@
+"""The seams between the runtime and the parts it drives: rollout engines, trainers and clocks.
+
+The same coordinator, servers and protocol drive real parts (vLLM, torch, Ray) and simulated ones
+(virtual time, cost model). Simulated parts advance lazily: whenever they are called they first
+bring their state up to ``clock.now()``; ``next_event_time`` tells the run loop how far a virtual
+clock may jump. Real parts work in the background and return ``None`` there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory, TrainingBatch, TrainResult
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Time for the runtime: seconds since the run started, real or virtual."""
+
+    def now(self) -> float: ...
+
+    def sleep_until(self, deadline: float) -> None:
+        """Wait (real clock) or jump (virtual clock) to ``deadline``; never goes backwards."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """One rollout instance (a vLLM engine, or a simulated one)."""
+
+    instance_id: str
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> None:
+        """Route: start (or resume, if ``output_ids`` is not empty) these requests."""
+
+    def interrupt(self, request_ids: Sequence[str]) -> list[RolloutRequest]:
+        """Stop these requests and return them as partials that can resume on any instance whose
+        version is at least their ``group_version``. Ids that already finished are skipped (their
+        trajectory comes from ``collect``)."""
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop these requests and discard their output."""
+
+    def load_weights(self, version: int, weights: Any) -> None:
+        """Pull: switch to model ``version``. Running requests keep their tokens and continue on
+        the new weights (their per-token versions record the switch)."""
+
+    def snapshot(self) -> InstanceSnapshot: ...
+
+    def collect(self) -> list[Trajectory]:
+        """Trajectories finished since the last call (rewards not yet computed)."""
+
+    def next_event_time(self) -> float | None:
+        """Simulated engines: the next time a request finishes. Real engines: None."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """The training side: one step at a time, in the background."""
+
+    def start_step(self, batch: TrainingBatch) -> None:
+        """Begin training on ``batch`` (buffer ``batch.version``); returns at once."""
+
+    def poll(self) -> TrainResult | None:
+        """The result of the running step once it has finished (then the trainer is idle), else None."""
+
+    def weights(self) -> Any:
+        """The current weights, for the parameter server (a state dict, a path, or a sim token)."""
+
+    def next_event_time(self) -> float | None:
+        """Simulated trainers: when the running step finishes. Real trainers: None."""
+
+    def close(self) -> None: ...
