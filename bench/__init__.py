@@ -1,1 +1,1 @@
-
+"""Benchmarks: each prints its figures and the command that reproduces them."""

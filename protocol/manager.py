@@ -107,7 +107,9 @@ class StalenessManager:
         self._redundancy = _check_int("redundancy", redundancy, 0)
         self._version = 0
         self._buckets: deque[_Bucket] = deque(_Bucket() for _ in range(self._eta + 1))
-        self._groups: dict[GroupId, GroupRecord] = {}
+        # group id -> version; the status is which dict of its bucket holds the id. Plain ints keep
+        # this dict out of the garbage collector's way, so per-operation cost stays flat at 100k groups.
+        self._versions: dict[GroupId, int] = {}
         self._hooks: list[EventHook] = [] if on_event is None else [on_event]
         self._seq = 0
 
@@ -130,25 +132,24 @@ class StalenessManager:
         return self._version
 
     def __len__(self) -> int:
-        return len(self._groups)
+        return len(self._versions)
 
     def __contains__(self, group_id: object) -> bool:
-        return group_id in self._groups
+        return group_id in self._versions
 
     def group(self, group_id: GroupId) -> GroupRecord:
         """The record of an active group; :class:`UnknownGroupError` if it is not active."""
-        try:
-            return self._groups[group_id]
-        except (KeyError, TypeError):
-            raise UnknownGroupError(f"group {group_id!r} is not active") from None
+        version = self._version_of(group_id)
+        running = group_id in self._bucket_at(version).running
+        return GroupRecord(group_id, version, GroupStatus.RUNNING if running else GroupStatus.DONE)
 
     def groups(self) -> Iterator[GroupRecord]:
         """Every active group, by deadline, running before done, in arrival order."""
         for bucket in self._buckets:
             for group_id in bucket.running:
-                yield self._groups[group_id]
+                yield GroupRecord(group_id, self._versions[group_id], GroupStatus.RUNNING)
             for group_id in bucket.done:
-                yield self._groups[group_id]
+                yield GroupRecord(group_id, self._versions[group_id], GroupStatus.DONE)
 
     def capacity(self, offset: int) -> int:
         """How many groups may have a deadline offset ``<= offset`` (``cap(k)`` of the invariant)."""
@@ -165,16 +166,7 @@ class StalenessManager:
     def reserve_slack(self, version: int) -> int:
         """How many more groups generated from ``version`` would be admitted right now (0: none)."""
         self._check_version(version)
-        offset = version + self._eta - self._version
-        if offset < 0:
-            return 0
-        slack = self.capacity(self._eta)
-        prefix = 0
-        for k, bucket in enumerate(self._buckets):
-            prefix += len(bucket)
-            if k >= offset:
-                slack = min(slack, self.capacity(k) - prefix)
-        return slack
+        return self._slack_at(version + self._eta - self._version)
 
     def can_reserve(self, version: int) -> bool:
         """Whether ``reserve(new_id, version)`` would admit the group now."""
@@ -224,40 +216,39 @@ class StalenessManager:
         if isinstance(group_id, bool) or not isinstance(group_id, (str, int)):
             raise TypeError(f"group_id must be a str or int, got {type(group_id).__name__}")
         self._check_version(version)
-        if group_id in self._groups:
+        if group_id in self._versions:
             raise DuplicateGroupError(f"group {group_id!r} is already active")
         before = self.counts() if self._hooks else None
-        accepted = self.reserve_slack(version) > 0
+        accepted = self._slack_at(version + self._eta - self._version) > 0
         if accepted:
-            self._buckets[version + self._eta - self._version].running[group_id] = None
-            self._groups[group_id] = GroupRecord(group_id, version, GroupStatus.RUNNING)
+            self._bucket_at(version).running[group_id] = None
+            self._versions[group_id] = version
         if before is not None:
             self._emit("reserve", group_id, version, accepted, None, before)
         return accepted
 
     def occupy(self, group_id: GroupId) -> None:
         """Mark a running group finished (its rewards are in); it may now be consumed."""
-        record = self._running_or_done(group_id, "occupy", GroupStatus.RUNNING)
+        version = self._version_of(group_id)
+        bucket = self._bucket_at(version)
+        if group_id not in bucket.running:
+            raise InvalidTransitionError(f"cannot occupy group {group_id!r}: it is already done")
         before = self.counts() if self._hooks else None
-        bucket = self._bucket_of(record)
         del bucket.running[group_id]
         bucket.done[group_id] = None
-        self._groups[group_id] = GroupRecord(group_id, record.version, GroupStatus.DONE)
         if before is not None:
-            self._emit("occupy", group_id, record.version, None, None, before)
+            self._emit("occupy", group_id, version, None, None, before)
 
     def abort(self, group_id: GroupId) -> None:
         """Remove a running or finished, unconsumed group (failed instance, filter, cancellation)."""
-        record = self._running_or_done(group_id, "abort", None)
+        version = self._version_of(group_id)
         before = self.counts() if self._hooks else None
-        bucket = self._bucket_of(record)
-        if record.status is GroupStatus.RUNNING:
-            del bucket.running[group_id]
-        else:
+        bucket = self._bucket_at(version)
+        if bucket.running.pop(group_id, bucket) is bucket:
             del bucket.done[group_id]
-        del self._groups[group_id]
+        del self._versions[group_id]
         if before is not None:
-            self._emit("abort", group_id, record.version, None, None, before)
+            self._emit("abort", group_id, version, None, None, before)
 
     def can_consume(self) -> bool:
         """Whether a batch can be taken now (eager: whenever any choice of done groups keeps Inv)."""
@@ -283,9 +274,9 @@ class StalenessManager:
         head = self._buckets.popleft()
         dropped = (*head.running, *head.done)
         self._buckets.append(_Bucket())
-        versions = tuple(self._groups.pop(group_id).version for group_id in taken)
+        versions = tuple(self._versions.pop(group_id) for group_id in taken)
         for group_id in dropped:
-            del self._groups[group_id]
+            del self._versions[group_id]
         batch = ConsumedBatch(self._version, tuple(taken), versions, dropped)
         self._version += 1
         if before is not None:
@@ -343,18 +334,29 @@ class StalenessManager:
                 f"version {version} is ahead of the trainer: the newest model is {self._version}"
             )
 
-    def _running_or_done(
-        self, group_id: GroupId, op: str, required: GroupStatus | None
-    ) -> GroupRecord:
-        record = self.group(group_id)
-        if required is not None and record.status is not required:
-            raise InvalidTransitionError(
-                f"cannot {op} group {group_id!r}: it is {record.status.value}, not {required.value}"
-            )
-        return record
+    def _slack_at(self, offset: int) -> int:
+        """min over k >= offset of cap(k) - #{groups with deadline offset <= k}; 0 if offset < 0."""
+        if offset < 0:
+            return 0
+        slack = self.capacity(self._eta)
+        prefix = 0
+        capacity = self._redundancy
+        for k, bucket in enumerate(self._buckets):
+            prefix += len(bucket)
+            capacity += self._batch_size
+            if k >= offset and capacity - prefix < slack:
+                slack = capacity - prefix
+        return slack
 
-    def _bucket_of(self, record: GroupRecord) -> _Bucket:
-        return self._buckets[record.version + self._eta - self._version]
+    def _version_of(self, group_id: GroupId) -> int:
+        try:
+            return self._versions[group_id]
+        except (KeyError, TypeError):
+            raise UnknownGroupError(f"group {group_id!r} is not active") from None
+
+    def _bucket_at(self, version: int) -> _Bucket:
+        """The bucket of groups reserved with ``version`` (their deadline is ``version + eta``)."""
+        return self._buckets[version + self._eta - self._version]
 
     def _consume_plan(self) -> list[int] | None:
         """How many done groups to take per deadline offset, or None when consume is not enabled.
@@ -395,7 +397,7 @@ class StalenessManager:
         group_id, version, status = entry
         if isinstance(group_id, bool) or not isinstance(group_id, (str, int)):
             raise SnapshotError(f"invalid snapshot group id {group_id!r}")
-        if group_id in self._groups:
+        if group_id in self._versions:
             raise SnapshotError(f"invalid snapshot: group {group_id!r} appears twice")
         try:
             self._check_version(version)
@@ -407,7 +409,7 @@ class StalenessManager:
             raise SnapshotError(f"invalid snapshot: group {group_id!r} is past its deadline")
         bucket = self._buckets[offset]
         (bucket.running if record.status is GroupStatus.RUNNING else bucket.done)[group_id] = None
-        self._groups[group_id] = record
+        self._versions[group_id] = version
 
     def _check_invariant(self) -> None:
         prefix = 0

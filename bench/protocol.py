@@ -1,0 +1,191 @@
+"""Operations per second of the staleness protocol in a steady state like a real run.
+
+Two measurements:
+
+* steady state: for eta in {1, 3} and batch_size in {64, 512}, instances sit at versions
+  ``version - eta .. version``; groups are reserved at a random one of those versions until the
+  protocol refuses, finished in random order (occupy), a few are aborted (failed instances), and
+  batches are consumed as soon as possible. Every call is timed; the timer's own cost is subtracted.
+* scaling: the cost of reserve/occupy/abort at 1,000, 10,000 and 100,000 active groups (batch size
+  chosen so that the protocol holds that many), to show the cost does not grow with the group count.
+
+Reproduce: ``staleflow bench protocol [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import defaultdict
+from typing import Callable
+
+from staleflow.protocol import StalenessManager
+
+OPS = ("reserve", "occupy", "abort", "consume")
+GOAL_OPS_PER_S = 200_000
+GOAL_SCALING_RATIO = 1.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
+    parser.add_argument("--batches", type=int, default=200, help="batches consumed per steady-state run")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _timer_overhead_ns() -> float:
+    clock = time.perf_counter_ns
+    samples = []
+    for _ in range(20_000):
+        start = clock()
+        samples.append(clock() - start)
+    samples.sort()
+    return float(samples[len(samples) // 2])
+
+
+class _Timings:
+    """Per-operation total time (ns) and count, with the timer's cost removed."""
+
+    def __init__(self, overhead_ns: float) -> None:
+        self.overhead_ns = overhead_ns
+        self.total_ns: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+
+    def call(self, op: str, fn: Callable[[], object]) -> object:
+        start = time.perf_counter_ns()
+        result = fn()
+        self.total_ns[op] += max(0.0, time.perf_counter_ns() - start - self.overhead_ns)
+        self.count[op] += 1
+        return result
+
+    def ops_per_s(self, op: str) -> float:
+        return self.count[op] / (self.total_ns[op] / 1e9) if self.total_ns[op] else float("inf")
+
+
+def steady_state(eta: int, batch_size: int, batches: int, seed: int, overhead_ns: float) -> dict[str, float]:
+    """Run ``batches`` consumes of a refill/finish/consume cycle and time every protocol call."""
+    rng = random.Random(seed)
+    manager = StalenessManager(eta=eta, batch_size=batch_size)
+    timings = _Timings(overhead_ns)
+    running: list[int] = []
+    next_id = 0
+    while manager.version < batches:
+        # instances at versions version-eta .. version keep asking until refused at their version
+        while True:
+            version = rng.randint(max(0, manager.version - eta), manager.version)
+            if not timings.call("reserve", lambda: manager.reserve(next_id, version)):
+                break
+            running.append(next_id)
+            next_id += 1
+        rng.shuffle(running)
+        finishing, running = running[: batch_size], running[batch_size:]
+        for group_id in finishing:
+            if rng.random() < 0.02:
+                timings.call("abort", lambda: manager.abort(group_id))
+            else:
+                timings.call("occupy", lambda: manager.occupy(group_id))
+        while manager.can_consume():
+            timings.call("consume", manager.consume)
+        if not finishing and not manager.can_consume():
+            break
+        running = [g for g in running if g in manager]
+    total_ns = sum(timings.total_ns.values())
+    row = {f"{op}_ops_per_s": timings.ops_per_s(op) for op in OPS}
+    row["all_ops_per_s"] = sum(timings.count.values()) / (total_ns / 1e9)
+    row["consumed_batches"] = float(manager.version)
+    return row
+
+
+def scaling(active: int, eta: int, rounds: int, seed: int, overhead_ns: float) -> dict[str, float]:
+    """Per-operation cost (ns) of reserve/occupy/abort with ``active`` groups in the protocol.
+
+    The protocol is filled to ``active`` groups, half of them finished (untimed); each timed round
+    aborts a random finished group, reserves a new one in its place and finishes a random running
+    one, so the size stays constant and dict resizing during the fill is not counted.
+    """
+    rng = random.Random(seed)
+    manager = StalenessManager(eta=eta, batch_size=active // (eta + 1))
+    for group_id in range(active):
+        manager.reserve(group_id, 0)
+    running, done = list(range(0, active, 2)), list(range(1, active, 2))
+    for group_id in done:
+        manager.occupy(group_id)
+    timings = _Timings(overhead_ns)
+
+    def take_random(ids: list[int]) -> int:
+        index = rng.randrange(len(ids))
+        ids[index], ids[-1] = ids[-1], ids[index]
+        return ids.pop()
+
+    for new_id in range(active, active + rounds):
+        gone = take_random(done)
+        timings.call("abort", lambda: manager.abort(gone))
+        timings.call("reserve", lambda: manager.reserve(new_id, 0))
+        running.append(new_id)
+        finished = take_random(running)
+        timings.call("occupy", lambda: manager.occupy(finished))
+        done.append(finished)
+    return {op: timings.total_ns[op] / timings.count[op] for op in ("reserve", "occupy", "abort")}
+
+
+def run(args: argparse.Namespace) -> int:
+    overhead_ns = _timer_overhead_ns()
+    steady = {
+        f"eta={eta},B={b}": steady_state(eta, b, args.batches, args.seed, overhead_ns)
+        for eta in (1, 3)
+        for b in (64, 512)
+    }
+    sizes = (1_000, 10_000, 100_000)
+    per_op_ns = {str(n): scaling(n, 3, 20_000, args.seed, overhead_ns) for n in sizes}
+    worst_ratio = max(
+        max(per_op_ns[str(n)][op] for n in sizes) / min(per_op_ns[str(n)][op] for n in sizes)
+        for op in ("reserve", "occupy", "abort")
+    )
+    slowest = min(row["all_ops_per_s"] for row in steady.values())
+    result = {
+        "steady_state": steady,
+        "per_op_ns_by_active_groups": per_op_ns,
+        "slowest_all_ops_per_s": slowest,
+        "worst_scaling_ratio": worst_ratio,
+        "goals": {
+            "ops_per_s": {"goal": GOAL_OPS_PER_S, "met": slowest >= GOAL_OPS_PER_S},
+            "scaling_ratio": {"goal": GOAL_SCALING_RATIO, "met": worst_ratio <= GOAL_SCALING_RATIO},
+        },
+        "timer_overhead_ns": overhead_ns,
+        "command": "staleflow bench protocol",
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    _print_tables(result)
+    return 0
+
+
+def _print_tables(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title="Protocol steady state (operations per second)")
+    table.add_column("setting")
+    for op in (*OPS, "all"):
+        table.add_column(op, justify="right")
+    for setting, row in result["steady_state"].items():
+        table.add_row(setting, *(f"{row[f'{op}_ops_per_s']:,.0f}" for op in (*OPS, "all")))
+    console.print(table)
+    scale = Table(title="Per-operation cost by active groups (ns, eta=3)")
+    scale.add_column("active groups", justify="right")
+    for op in ("reserve", "occupy", "abort"):
+        scale.add_column(op, justify="right")
+    for size, row in result["per_op_ns_by_active_groups"].items():
+        scale.add_row(f"{int(size):,}", *(f"{row[op]:,.0f}" for op in ("reserve", "occupy", "abort")))
+    console.print(scale)
+    goals = result["goals"]
+    console.print(
+        f"slowest steady state: {result['slowest_all_ops_per_s']:,.0f} ops/s "
+        f"(goal >= {GOAL_OPS_PER_S:,}: {'met' if goals['ops_per_s']['met'] else 'NOT met'}); "
+        f"worst cost ratio 1k -> 100k groups: {result['worst_scaling_ratio']:.2f}x "
+        f"(goal <= {GOAL_SCALING_RATIO}x: {'met' if goals['scaling_ratio']['met'] else 'NOT met'})"
+    )
+    console.print(f"reproduce: {result['command']}")

