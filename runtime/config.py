@@ -1,0 +1,361 @@
+"""The typed configuration of a training job (``staleflow train``).
+
+A job is described by a YAML file validated by :class:`JobConfig` (pydantic v2), with ``key=value``
+overrides from the command line on dotted keys (``protocol.eta=4``, ``train.lr=1e-4``). The values
+of an override are parsed as YAML (``true``, ``3``, ``[0.9, 0.98]``). Every invalid value is reported
+as ``<dotted key>: <problem>; allowed: <range or choices>``, unknown keys are refused, and settings
+that contradict each other are refused with both keys named.
+
+The defaults are the built-in CPU job (``shared/reference/cpu-rl-demo.md``); the shipped
+``runtime/configs/default.yaml`` spells them out and must stay equal to them.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A job configuration that cannot be used; the message names every bad key."""
+
+
+class System(str, enum.Enum):
+    """Which rollout/training system runs the job (design section 3.3: baselines in the same code).
+
+    ``sync``: generate a whole batch, train, update every instance (VeRL). ``one-step-off``:
+    staleness 1 with global updates (VeRL-Pipeline). ``inflight-cap``: AReaL/VeRL-Async admission
+    with partial rollout and global updates. ``start-version-gc``: ROLL-style, abort groups older
+    than the bound. ``staleflow``: the staleness protocol with the coordinator's routing,
+    synchronisation and migration.
+    """
+
+    SYNC = "sync"
+    ONE_STEP_OFF = "one-step-off"
+    INFLIGHT_CAP = "inflight-cap"
+    START_VERSION_GC = "start-version-gc"
+    STALEFLOW = "staleflow"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
+
+
+class ModelConfig(_Section):
+    """The policy model. ``path`` null: the built-in tiny model, built locally (no hub)."""
+
+    path: str | None = None
+    tiny_model_dir: str = Field("~/.cache/staleflow/tiny-model", min_length=1)
+    seed: int = Field(0, ge=0)
+
+
+class TaskConfig(_Section):
+    """Prompts and the reward. ``prompt_file`` null: the built-in "repeat the letter" task."""
+
+    name: Literal["repeat_letter"] = "repeat_letter"
+    max_count: int = Field(64, ge=1, le=400)
+    prompt_file: str | None = None
+    prompt_key: str = Field("prompt", min_length=1)
+    answer_key: str = Field("answer", min_length=1)
+    reward: Literal["repeat_letter", "exact_match"] = "repeat_letter"
+    reward_timeout_s: float = Field(5.0, gt=0, le=3600)
+    max_prompt_tokens: int = Field(32, ge=1, le=65536)
+    eval_prompts: int = Field(128, ge=0, le=100000)
+    eval_every: int = Field(25, ge=0, le=1_000_000)
+
+
+class WarmupConfig(_Section):
+    """Supervised warm-up on reference answers so rewards have variance from the first RL step."""
+
+    steps: int = Field(50, ge=0, le=100000)
+    batch_size: int = Field(64, ge=1, le=65536)
+    lr: float = Field(3e-3, gt=0, le=1)
+
+
+class RolloutConfig(_Section):
+    """Rollout instances and sampling."""
+
+    instances: int = Field(2, ge=1, le=1024)
+    group_size: int = Field(8, ge=1, le=4096)
+    group_extra: int = Field(0, ge=0, le=4096)
+    max_new_tokens: int = Field(72, ge=1, le=1_000_000)
+    max_model_len: int = Field(256, ge=2, le=1_000_000)
+    temperature: float = Field(1.0, gt=0, le=10)
+    max_num_seqs: int = Field(256, ge=1, le=65536)
+
+
+#: ``protocol.eta`` when the config leaves it out (or null): what each system means by default.
+DEFAULT_ETA = {"sync": 0, "one-step-off": 1, "inflight-cap": 2, "start-version-gc": 2, "staleflow": 2}
+
+
+class ProtocolConfig(_Section):
+    """The staleness protocol: bound ``eta``, groups per batch, redundancy slack.
+
+    ``eta`` left out or null takes the system's default (:data:`DEFAULT_ETA`).
+    """
+
+    eta: int = Field(2, ge=0, le=1024)
+    batch_groups: int = Field(16, ge=1, le=1_000_000)
+    redundancy: int = Field(0, ge=0, le=1_000_000)
+
+
+class CoordinatorConfig(_Section):
+    """StaleFlow's strategies (design section 3.2); each can be switched off for ablations."""
+
+    routing: bool = True
+    sync: bool = True
+    migration: bool = True
+    mu: float = Field(0.3, ge=0, le=1)
+    phi_wait: float = Field(3.0, gt=0, le=1000)
+    phi_throughput: float = Field(5.0, gt=0, le=1000)
+    snapshot_interval_s: float = Field(0.05, gt=0, le=60)
+
+
+class TrainConfig(_Section):
+    """The optimiser and the RL objective (``runtime/algorithms.py``)."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    steps: int = Field(150, ge=1, le=10_000_000)
+    max_time_s: float | None = Field(None, gt=0)
+    lr: float = Field(3e-4, gt=0, le=1)
+    lr_warmup_steps: int = Field(10, ge=0, le=1_000_000)
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(1.0, gt=0, le=1e6)
+    minibatches: int = Field(1, ge=1, le=4096)
+    correction: Literal["none", "decoupled_ppo", "tis"] = "decoupled_ppo"
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    weight_cap: float = Field(5.0, ge=1, le=1e6)
+    scale_advantages: bool = True
+    threads: int = Field(1, ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> "TrainConfig":
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"train.betas[{i}] = {beta} is out of range; allowed: 0 <= beta < 1")
+        return self
+
+
+class CheckpointConfig(_Section):
+    """Checkpoints: model, optimiser, protocol snapshot and server state every ``every`` steps."""
+
+    every: int = Field(50, ge=0, le=10_000_000)
+    keep: int = Field(2, ge=1, le=1000)
+
+
+class MetricsConfig(_Section):
+    """Where metrics go besides ``metrics.jsonl`` (always written)."""
+
+    tensorboard: bool = True
+    progress: bool = True
+    report: bool = True
+
+
+class JobConfig(_Section):
+    """A training job. Defaults: the built-in CPU job."""
+
+    system: System = System.STALEFLOW
+    seed: int = Field(0, ge=0)
+    run_dir: str | None = None
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    warmup: WarmupConfig = WarmupConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    protocol: ProtocolConfig = ProtocolConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_eta(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        protocol = raw.get("protocol")
+        if protocol is None:
+            protocol = {}
+        if isinstance(protocol, dict) and protocol.get("eta") is None:
+            system = raw.get("system", System.STALEFLOW)
+            system_name = system.value if isinstance(system, System) else system
+            # an unknown system is reported by its own field; give eta the common default meanwhile
+            raw = {**raw, "protocol": {**protocol, "eta": DEFAULT_ETA.get(str(system_name), 2)}}
+        return raw
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobConfig":
+        problems: list[str] = []
+        eta, system = self.protocol.eta, self.system
+        if system is System.SYNC and eta != 0:
+            problems.append(f"system=sync trains on-policy; it needs protocol.eta=0 (got {eta})")
+        if system is System.ONE_STEP_OFF and eta != 1:
+            problems.append(f"system=one-step-off needs protocol.eta=1 (got {eta})")
+        if system is System.SYNC and self.protocol.redundancy != 0:
+            problems.append(f"system=sync has no redundancy; protocol.redundancy must be 0 (got {self.protocol.redundancy})")
+        if self.rollout.group_size < 2:
+            problems.append(
+                f"rollout.group_size={self.rollout.group_size}: group advantages need at least 2 samples per group"
+            )
+        if self.protocol.batch_groups % self.train.minibatches != 0:
+            problems.append(
+                f"train.minibatches={self.train.minibatches} must divide protocol.batch_groups="
+                f"{self.protocol.batch_groups} (minibatches hold whole groups)"
+            )
+        if self.task.max_prompt_tokens + self.rollout.max_new_tokens > self.rollout.max_model_len:
+            problems.append(
+                f"task.max_prompt_tokens ({self.task.max_prompt_tokens}) + rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}) exceeds rollout.max_model_len ({self.rollout.max_model_len})"
+            )
+        if self.task.prompt_file is None and self.task.reward != "repeat_letter":
+            problems.append(f"the built-in task is scored by task.reward=repeat_letter (got {self.task.reward})")
+        if self.task.prompt_file is None and self.task.max_count + 1 > self.rollout.max_new_tokens:
+            problems.append(
+                f"task.max_count={self.task.max_count} needs rollout.max_new_tokens >= {self.task.max_count + 1} "
+                f"(answer plus end of sequence), got {self.rollout.max_new_tokens}"
+            )
+        if self.task.eval_every > 0 and self.task.eval_prompts == 0:
+            problems.append("task.eval_every > 0 needs task.eval_prompts > 0 (or set task.eval_every=0)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def batch_trajectories(self) -> int:
+        """Trajectories trained per step: ``batch_groups * group_size``."""
+        return self.protocol.batch_groups * self.rollout.group_size
+
+
+# ---------------------------------------------------------------------------------------- loading
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
+    """The job in ``path`` (default: the built-in job) with ``key=value`` ``overrides`` applied."""
+    source = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        raw = yaml.safe_load(source.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {source}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {source} is not valid YAML: {err}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {source} must hold a mapping of sections, got {type(raw).__name__}")
+    for override in overrides:
+        apply_override(raw, override)
+    where = f"config {source}" + (f" with overrides {' '.join(overrides)}" if overrides else "")
+    return validate_config(raw, source=where)
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set the dotted key of ``key=value`` in the nested dict ``raw`` (value parsed as YAML)."""
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} is not of the form key=value (e.g. protocol.eta=4)")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    parts = key.split(".")
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def validate_config(raw: dict[str, Any], source: str = "config") -> JobConfig:
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as err:
+        lines = [_describe(error) for error in err.errors()]
+        raise ConfigError(f"invalid {source}:\n  " + "\n  ".join(lines)) from None
+
+
+def dump_config(config: JobConfig) -> str:
+    """The config as YAML that :func:`load_config` reads back to an equal config."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _describe(error: Any) -> str:
+    loc = tuple(str(part) for part in error["loc"])
+    key = ".".join(loc) if loc else "config"
+    message = error["msg"]
+    if error["type"] == "value_error":  # our own cross-field checks carry their keys already
+        return message.removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        allowed = _section_keys(loc[:-1])
+        return f"{key}: unknown key; allowed keys here: {', '.join(allowed)}"
+    got = error.get("input")
+    allowed = _allowed(loc)
+    text = f"{key}: {message} (got {got!r})"
+    return f"{text}; allowed: {allowed}" if allowed else text
+
+
+def _field(loc: tuple[str, ...]) -> FieldInfo | None:
+    model: Any = JobConfig
+    info: FieldInfo | None = None
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return info if part.isdigit() else None
+        info = model.model_fields[part]
+        model = info.annotation
+    return info
+
+
+def _section_keys(loc: tuple[str, ...]) -> list[str]:
+    model: Any = JobConfig
+    for part in loc:
+        model = model.model_fields[part].annotation
+    return list(model.model_fields)
+
+
+def _allowed(loc: tuple[str, ...]) -> str:
+    """The allowed range or choices of the field at ``loc``, from its type and constraints."""
+    info = _field(loc)
+    if info is None:
+        return ""
+    annotation = info.annotation
+    choices = _choices(annotation)
+    if choices:
+        return "one of " + ", ".join(choices)
+    bounds = []
+    for meta in info.metadata:
+        for name, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            value = getattr(meta, name, None)
+            if value is not None:
+                bounds.append(f"{symbol} {value}")
+        if getattr(meta, "min_length", None):
+            bounds.append("non-empty")
+    type_name = _type_name(annotation)
+    if bounds:
+        return f"{type_name} " + " and ".join(bounds)
+    return type_name
+
+
+def _type_name(annotation: Any) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and args:
+        return "null or " + " or ".join(_type_name(a) for a in args)
+    if typing.get_origin(annotation) is tuple:
+        return "list of " + ", ".join(_type_name(a) for a in args)
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _choices(annotation: Any) -> list[str]:
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return [str(member.value) for member in annotation]
+    if typing.get_origin(annotation) is Literal:
+        return [str(arg) for arg in typing.get_args(annotation)]
+    return []
