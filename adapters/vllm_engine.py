@@ -1,0 +1,518 @@
+"""The :class:`~staleflow.runtime.interfaces.RolloutEngine` seam on a real vLLM engine.
+
+One background thread owns a vLLM ``LLMEngine`` and steps it; the runtime's calls (submit, interrupt,
+abort, load_weights) are queued to that thread and run *between* two engine steps, so every call sees
+a consistent engine and needs no lock inside vLLM. This gives the three things StaleFlow needs:
+
+* **per-token versions**: a weight reload runs between steps, so the version current when a step's
+  output is processed is the version that produced its tokens;
+* **in-place reload keeping running requests**: the same as vLLM's ``pause_generation(mode="keep")``
+  -> reload -> resume, without the pause: requests keep their KV cache and go on with the new
+  weights;
+* **resumable partials**: an interrupted request comes back with its tokens, behaviour log-probs and
+  versions; any engine resumes it with ``prompt + output so far`` as its prompt.
+
+Why ``LLMEngine`` in a thread rather than ``AsyncLLM``: with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the
+``LLMEngine`` runs in this process (start-up 2-3 s on CPU), while ``AsyncLLM`` always starts its
+engine core in a subprocess (13-19 s on CPU).
+
+vLLM reads its environment at import time; :func:`set_vllm_env_defaults` sets the CPU settings the
+project measured (``environment.md``) unless they are set already, before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+from staleflow.runtime.clock import RealClock
+from staleflow.runtime.cost_model import ProfileRecord
+from staleflow.runtime.interfaces import Clock
+from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
+
+#: CPU defaults: in-process engine core, one OpenMP thread without pinning (spin-waiting against
+#: another busy process slows vLLM 10-20x), 1 GiB of KV cache, no warm-up, no hub access.
+VLLM_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_CI_ENV": "1",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+WORKER_EXTENSION = "staleflow.adapters.vllm_worker_extension.WeightReloadExtension"
+_T = TypeVar("_T")
+
+
+def set_vllm_env_defaults() -> None:
+    """Set :data:`VLLM_ENV_DEFAULTS` where the environment does not set them (call before importing vLLM)."""
+    for key, value in VLLM_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How every request of an engine is sampled. ``temperature=0`` is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    #: generate exactly ``max_new_tokens`` (profiling); EOS still counts as a token
+    ignore_eos: bool = False
+
+
+@dataclass
+class _Published:
+    """What the engine thread publishes for :meth:`VLLMEngine.snapshot` (read under the lock)."""
+
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    kv_tokens: int = 0
+    generated_tokens: int = 0
+    loading: bool = False
+
+
+@dataclass
+class _Window:
+    """The previous snapshot's token count and time, for ``tokens_per_s`` over the last interval."""
+
+    tokens: int = 0
+    wall: float = field(default_factory=time.monotonic)
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread died; the engine cannot be used any more."""
+
+
+class VLLMEngine:
+    """A rollout instance on vLLM (see the module docstring). All methods are thread-safe.
+
+    ``model`` is a local model folder. ``version`` is the version of the weights in that folder.
+    ``engine_kwargs`` go to vLLM's ``EngineArgs`` (they override the defaults set here).
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        model: str | os.PathLike[str],
+        *,
+        version: int = 0,
+        sampling: SamplingConfig = SamplingConfig(),
+        max_model_len: int = 512,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        clock: Clock | None = None,
+        weights_dir: str | os.PathLike[str] | None = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        model_path = Path(model)
+        if not (model_path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {model_path} has no config.json (vLLM would try the hub)")
+        self.instance_id = instance_id
+        self._version = version
+        self._sampling = sampling
+        self._max_model_len = max_model_len
+        self._clock: Clock = clock if clock is not None else RealClock()
+        self._weights_dir = Path(weights_dir) if weights_dir is not None else _default_weights_dir()
+        self._engine_args = dict(
+            model=str(model_path),
+            dtype="float32",
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=True,
+            seed=seed,
+            worker_extension_cls=WORKER_EXTENSION,
+            # A reload must not let new requests reuse prompt KV computed with older weights.
+            enable_prefix_caching=False,
+            # Behaviour log-probs of the distribution actually sampled from (after temperature).
+            logprobs_mode="processed_logprobs",
+            # Outputs of step t must come back before step t+1 runs (versions are tagged per step).
+            async_scheduling=False,
+            disable_log_stats=True,
+        )
+        self._engine_args.update(engine_kwargs or {})
+
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._published = _Published()
+        self._window = _Window()
+        self._live: dict[str, RolloutRequest] = {}  # engine thread only
+        self._internal_ids: dict[str, str] = {}  # vLLM's internal id -> our id; engine thread only
+        self._finished: list[Trajectory] = []  # under the lock
+        self._decode_steps: deque[ProfileRecord] = deque(maxlen=100_000)  # under the lock
+        self._failure: BaseException | None = None
+        self._stopping = threading.Event()
+        self._llm: Any = None
+        started: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name=f"vllm-engine-{instance_id}", daemon=True
+        )
+        self._thread.start()
+        started.result(timeout=start_timeout_s)
+
+    # ---------------------------------------------------------------- RolloutEngine
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> None:
+        for request in requests:
+            self._check_request(request)
+        self._call(lambda: self._do_submit(list(requests)))
+
+    def interrupt(self, request_ids: Sequence[str]) -> list[RolloutRequest]:
+        return self._call(lambda: self._do_stop(list(request_ids)))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        ids = set(request_ids)
+        self._call(lambda: self._do_stop(list(ids)))
+        with self._lock:
+            self._finished = [t for t in self._finished if t.request_id not in ids]
+
+    def load_weights(self, version: int, weights: Any) -> None:
+        """Reload the weights in place and become ``version``; returns when the new weights serve.
+
+        ``weights``: a safetensors file, a folder holding ``model.safetensors``, or a state dict
+        (name -> tensor, checkpoint names), which is written to a temporary safetensors file first.
+        """
+        if version < self._version:
+            raise ValueError(f"{self.instance_id}: cannot load version {version} over version {self._version}")
+        with self._lock:
+            self._published.loading = True
+        try:
+            path, temporary = self._weights_file(weights)
+            try:
+                self._call(lambda: self._do_load(version, path))
+            finally:
+                if temporary:
+                    path.unlink(missing_ok=True)
+        finally:
+            with self._lock:
+                self._published.loading = False
+
+    def snapshot(self) -> InstanceSnapshot:
+        self._raise_if_failed()
+        now_wall = time.monotonic()
+        with self._lock:
+            published = replace(self._published)
+            elapsed = now_wall - self._window.wall
+            new_tokens = published.generated_tokens - self._window.tokens
+            self._window = _Window(tokens=published.generated_tokens, wall=now_wall)
+        return InstanceSnapshot(
+            instance_id=self.instance_id,
+            version=self._version,
+            running=published.running,
+            waiting=published.waiting,
+            kv_tokens=published.kv_tokens,
+            kv_capacity=self.kv_capacity,
+            tokens_per_s=new_tokens / elapsed if elapsed > 0 else 0.0,
+            time=self._clock.now(),
+            loading=published.loading,
+        )
+
+    def collect(self) -> list[Trajectory]:
+        self._raise_if_failed()
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def next_event_time(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self._stopping.set()
+        self._commands.put((lambda: None, Future()))  # wake the thread
+        self._thread.join()
+
+    # ---------------------------------------------------------------- extras
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the KV cache can hold (all blocks)."""
+        cache = self._llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks) * int(cache.block_size)
+
+    def idle(self) -> bool:
+        """True when no request is running or waiting."""
+        return self._call(lambda: not self._live)
+
+    def decode_steps(self) -> list[ProfileRecord]:
+        """The pure decode steps (no prefill in them) measured since the last call: running
+        requests, KV-cache tokens and seconds of each, for fitting the cost model."""
+        with self._lock:
+            steps = list(self._decode_steps)
+            self._decode_steps.clear()
+        return steps
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- caller side
+
+    def _check_request(self, request: RolloutRequest) -> None:
+        name = f"{self.instance_id}: request {request.request_id!r}"
+        if not request.prompt_ids:
+            raise ValueError(f"{name} has an empty prompt")
+        if not len(request.output_ids) == len(request.logprobs) == len(request.versions):
+            raise ValueError(
+                f"{name}: output_ids, logprobs and versions differ in length "
+                f"({len(request.output_ids)}, {len(request.logprobs)}, {len(request.versions)})"
+            )
+        if request.remaining_tokens < 0:
+            raise ValueError(f"{name} has more output tokens than max_new_tokens ({request.max_new_tokens})")
+        total = len(request.prompt_ids) + request.max_new_tokens
+        if total > self._max_model_len:
+            raise ValueError(
+                f"{name}: prompt ({len(request.prompt_ids)}) + max_new_tokens ({request.max_new_tokens}) "
+                f"= {total} exceeds max_model_len {self._max_model_len}"
+            )
+
+    def _weights_file(self, weights: Any) -> tuple[Path, bool]:
+        if isinstance(weights, (str, os.PathLike)):
+            path = Path(weights)
+            if path.is_dir():
+                path = path / "model.safetensors"
+            if not path.is_file():
+                raise FileNotFoundError(f"{self.instance_id}: no safetensors weights at {path}")
+            return path, False
+        if isinstance(weights, Mapping):
+            from safetensors.torch import save_file
+
+            self._weights_dir.mkdir(parents=True, exist_ok=True)
+            handle, name = tempfile.mkstemp(prefix=f"{self.instance_id}-", suffix=".safetensors", dir=self._weights_dir)
+            os.close(handle)
+            tensors = {key: value.detach().to("cpu").contiguous() for key, value in weights.items()}
+            save_file(tensors, name)
+            return Path(name), True
+        raise TypeError(
+            f"{self.instance_id}: weights must be a safetensors path or a state dict, not {type(weights).__name__}"
+        )
+
+    def _call(self, command: Callable[[], _T], timeout: float | None = 600.0) -> _T:
+        self._raise_if_failed()
+        if threading.current_thread() is self._thread:
+            return command()
+        done: Future[_T] = Future()
+        self._commands.put((command, done))
+        return done.result(timeout=timeout)
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise EngineFailed(f"{self.instance_id}: the vLLM engine thread failed") from self._failure
+        if self._stopping.is_set():
+            raise EngineFailed(f"{self.instance_id}: the engine is closed")
+
+    # ---------------------------------------------------------------- engine thread
+
+    def _run(self, started: Future[None]) -> None:
+        try:
+            self._llm = _make_llm_engine(self._engine_args)
+        except BaseException as error:  # noqa: BLE001 - reported to the constructor
+            self._failure = error
+            started.set_exception(error)
+            return
+        started.set_result(None)
+        try:
+            while not self._stopping.is_set():
+                self._run_commands(block=not self._live)
+                if self._live and not self._stopping.is_set():
+                    self._step()
+        except BaseException as error:  # noqa: BLE001 - surfaced by the next call
+            self._failure = error
+        finally:
+            self._fail_pending()
+            self._llm.engine_core.shutdown()
+            self._llm = None
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command, done = item
+            try:
+                done.set_result(command())
+            except Exception as error:  # noqa: BLE001 - raised in the caller's thread
+                done.set_exception(error)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._publish()
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
+                _, done = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not done.done():
+                done.set_exception(EngineFailed(f"{self.instance_id}: the engine stopped"))
+
+    def _step(self) -> None:
+        scheduler = self._scheduler()
+        decode = scheduler is not None and _pure_decode(scheduler)
+        n, kv = (len(scheduler.running), _kv_tokens(scheduler)) if decode else (0, 0)
+        start = time.perf_counter()
+        outputs = self._llm.step()
+        seconds = time.perf_counter() - start
+        generated = 0
+        for output in outputs:
+            generated += self._absorb(output)
+        with self._lock:
+            self._published.generated_tokens += generated
+            if decode and n:
+                self._decode_steps.append(ProfileRecord(n=n, kv_tokens=kv, latency=seconds))
+        self._publish()
+
+    def _absorb(self, output: Any) -> int:
+        """Append one request's new tokens (with log-probs and the current version); returns their count."""
+        request = self._live.get(output.request_id)
+        if request is None:  # stopped in this very step
+            return 0
+        completion = output.outputs[0]
+        new_ids = list(completion.token_ids)
+        logprobs = completion.logprobs or []
+        if len(logprobs) != len(new_ids):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(new_ids)} tokens")
+        for token, candidates in zip(new_ids, logprobs):
+            request.output_ids.append(token)
+            request.logprobs.append(float(candidates[token].logprob))
+            request.versions.append(self._version)
+        if output.finished:
+            del self._live[request.request_id]
+            self._forget_internal(request.request_id)
+            self._finish(request, completion.finish_reason or "stop")
+        return len(new_ids)
+
+    def _finish(self, request: RolloutRequest, reason: str) -> None:
+        trajectory = Trajectory(
+            request_id=request.request_id,
+            group_id=request.group_id,
+            prompt_ids=list(request.prompt_ids),
+            output_ids=request.output_ids,
+            logprobs=request.logprobs,
+            versions=request.versions,
+            finish_reason=reason,
+            metadata=dict(request.metadata),
+        )
+        with self._lock:
+            self._finished.append(trajectory)
+
+    def _do_submit(self, requests: list[RolloutRequest]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        for request in requests:
+            if request.request_id in self._live:
+                raise ValueError(f"{self.instance_id}: request {request.request_id!r} is already running here")
+            if request.group_version > self._version:
+                raise ValueError(
+                    f"{self.instance_id} (version {self._version}) cannot serve request "
+                    f"{request.request_id!r} of group version {request.group_version}"
+                )
+        for original in requests:
+            request = replace(
+                original,
+                output_ids=list(original.output_ids),
+                logprobs=list(original.logprobs),
+                versions=list(original.versions),
+                metadata=dict(original.metadata),
+            )
+            if request.remaining_tokens == 0:
+                self._finish(request, "length")
+                continue
+            params = SamplingParams(
+                n=1,
+                temperature=self._sampling.temperature,
+                top_p=self._sampling.top_p,
+                top_k=self._sampling.top_k,
+                stop_token_ids=list(self._sampling.stop_token_ids),
+                ignore_eos=self._sampling.ignore_eos,
+                max_tokens=request.remaining_tokens,
+                logprobs=0,
+                output_kind=RequestOutputKind.DELTA,
+                detokenize=False,
+            )
+            prompt = {"prompt_token_ids": request.prompt_ids + request.output_ids}
+            internal = self._llm.add_request(request.request_id, prompt, params)
+            self._internal_ids[internal] = request.request_id
+            self._live[request.request_id] = request
+
+    def _do_stop(self, request_ids: list[str]) -> list[RolloutRequest]:
+        stopped = [self._live.pop(rid) for rid in request_ids if rid in self._live]
+        if stopped:
+            self._llm.abort_request([r.request_id for r in stopped])
+            for request in stopped:
+                self._forget_internal(request.request_id)
+        return stopped
+
+    def _do_load(self, version: int, path: Path) -> None:
+        self._llm.collective_rpc("staleflow_reload_safetensors", args=(str(path),))
+        self._version = version
+        self._llm.set_weight_version(str(version))
+
+    def _forget_internal(self, request_id: str) -> None:
+        for internal in [i for i, rid in self._internal_ids.items() if rid == request_id]:
+            del self._internal_ids[internal]
+
+    def _scheduler(self) -> Any:
+        """vLLM's scheduler when the engine core runs in this process (else None)."""
+        core = getattr(self._llm.engine_core, "engine_core", None)
+        return getattr(core, "scheduler", None)
+
+    def _publish(self) -> None:
+        scheduler = self._scheduler()
+        if scheduler is not None:
+            running = tuple(self._internal_ids.get(r.request_id, r.request_id) for r in scheduler.running)
+            waiting = tuple(self._internal_ids.get(r.request_id, r.request_id) for r in scheduler.waiting)
+            kv = _kv_tokens(scheduler)
+        else:  # engine core in another process: all our live requests count as running
+            running, waiting = tuple(self._live), ()
+            kv = sum(len(r.prompt_ids) + len(r.output_ids) for r in self._live.values())
+        with self._lock:
+            self._published.running = running
+            self._published.waiting = waiting
+            self._published.kv_tokens = kv
+
+
+def _make_llm_engine(engine_args: dict[str, Any]) -> Any:
+    set_vllm_env_defaults()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(**engine_args))
+
+
+def _pure_decode(scheduler: Any) -> bool:
+    """True when the next step decodes one token for each running request and prefills nothing."""
+    if len(scheduler.waiting):
+        return False
+    return all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
+
+
+def _kv_tokens(scheduler: Any) -> int:
+    return sum(int(r.num_computed_tokens) for r in scheduler.running)
+
+
+def _default_weights_dir() -> Path:
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / "staleflow-weights"

@@ -1,0 +1,26 @@
+"""A vLLM worker extension: reload the model's weights in place from a safetensors file.
+
+vLLM mixes this class into its worker (``worker_extension_cls``); the engine calls the method through
+``collective_rpc``, which serialises arguments with msgpack: a dict of tensors would arrive as lists,
+so the weights travel as a file path (on tmpfs where there is one). Loading goes through the worker's
+``reload_weights``, because the CPU backend repacks linear weights after start-up and the model's own
+``load_weights`` then fails on the repacked parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WeightReloadExtension:
+    """Methods that vLLM adds to every worker (``self`` is the worker)."""
+
+    reload_weights: Any  # provided by the vLLM worker this class is mixed into
+
+    def staleflow_reload_safetensors(self, path: str) -> int:
+        """Load every tensor of the safetensors file ``path`` into the model; returns their count."""
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+        self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        return len(tensors)
