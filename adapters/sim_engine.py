@@ -1,0 +1,421 @@
+"""A simulated rollout instance: continuous-batching decode timed by the cost model, in virtual time.
+
+The engine behaves like one vLLM instance seen from outside (the
+:class:`~staleflow.runtime.interfaces.RolloutEngine` seam) and advances lazily: every call first
+brings it up to ``clock.now()``.
+
+Model of execution:
+
+* Decode runs in steps. A step of the ``n`` running requests holding ``K`` KV tokens takes
+  ``L(n, K)`` seconds (:class:`~staleflow.runtime.cost_model.CostModel`); each running request
+  gains one token, so ``K`` grows by ``n`` per step. The running set changes only at step
+  boundaries: a command that arrives mid-step lets the step in progress finish first.
+* Admission is first-come first-served from the waiting queue: a request starts when fewer than
+  ``max_running`` requests run and its context (prompt + tokens already generated) plus one more
+  token for every running request fits in ``kv_capacity``. Admitted requests first (re)build their
+  KV cache: the instance stalls ``prefill_s_per_token`` per context token. When the next step would
+  overflow the KV cache, the most recently admitted request is preempted back to the head of the
+  queue (it keeps its tokens), as vLLM does.
+* A request finishes after generating ``metadata[REQUEST_LENGTH_KEY]`` tokens, capped by
+  ``max_new_tokens`` (finish reason ``"length"`` then; without the key it runs to the cap).
+* ``load_weights`` switches the version at once and blocks this instance for ``weight_load_s``;
+  running requests keep their KV and continue on the new weights (their per-token versions show it).
+
+Between two events (a finish, a KV overflow, a command) the running set is fixed, so ``s`` steps
+take ``s*(a_b + a_k*K + M(n)) + a_k*n*s*(s-1)/2`` seconds: the engine jumps over them in closed
+form. Work is O(events * log n), independent of the number of tokens (until a trajectory is built:
+its token lists are made by repetition, at C speed). Token ids are ``0`` and behaviour log-probs
+a constant ``FAKE_LOGPROB``: the simulator models time, not text.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.interfaces import Clock
+from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
+from staleflow.runtime.workload import REQUEST_LENGTH_KEY, Workload
+
+FAKE_TOKEN = 0
+FAKE_LOGPROB = -1.0
+
+
+@dataclass
+class _Live:
+    """A request on this instance: what it came with, and what it generated here so far."""
+
+    request: RolloutRequest
+    target: int  # total output tokens at which it finishes
+    context: int  # prompt + output tokens resident when running (as of ``base_step``)
+    produced: int  # output tokens as of ``base_step``
+    base_step: int = 0  # engine step count when it was last admitted
+    runs: list[list[int]] = field(default_factory=list)  # [version, count] of tokens generated here
+
+
+class SimEngine:
+    """One simulated rollout instance (see the module docstring for the execution model).
+
+    Args:
+        instance_id: the instance's name.
+        clock: the run's clock (a :class:`~staleflow.runtime.clock.VirtualClock`).
+        cost_model: decode latency of this instance.
+        kv_capacity: KV-cache capacity in tokens.
+        max_running: most requests decoding at once.
+        prefill_s_per_token: stall per context token when a request is admitted.
+        weight_load_s: how long ``load_weights`` blocks the instance.
+        version: the model version it starts with.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        clock: Clock,
+        cost_model: CostModel,
+        kv_capacity: int,
+        *,
+        max_running: int = 256,
+        prefill_s_per_token: float = 0.0,
+        weight_load_s: float = 0.0,
+        version: int = 0,
+    ) -> None:
+        if kv_capacity < 2:
+            raise ValueError(f"kv_capacity must be >= 2 tokens, got {kv_capacity}")
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        self.instance_id = instance_id
+        self._clock = clock
+        self._cost = cost_model
+        self._capacity = kv_capacity
+        self._max_running = max_running
+        self._prefill = prefill_s_per_token
+        self._load_s = weight_load_s
+        self._version = version
+        self._version_marks: list[tuple[int, int]] = [(0, version)]  # (step, version from that step)
+        self._t = clock.now()  # the state below is exact at this time (a step boundary)
+        self._busy_until = self._t  # end of a weight load or prefill stall
+        self._load_until = self._t  # end of the last weight load
+        self._steps = 0  # decode steps done
+        self._kv = 0
+        self._running: dict[str, _Live] = {}  # in admission order
+        self._waiting: OrderedDict[str, _Live] = OrderedDict()
+        self._finish_heap: list[tuple[int, int, str]] = []  # (finish step, admission seq, id)
+        self._seq = 0
+        self._finished: list[Trajectory] = []
+        self._tokens = 0  # tokens generated so far
+        self._busy_s = 0.0  # seconds spent decoding, prefilling or loading (for utilisation)
+        self._last_snapshot = (self._t, 0)
+        self._last_rate = 0.0
+        self._closed = False
+
+    @classmethod
+    def from_workload(cls, workload: Workload, instance_id: str, clock: Clock, version: int = 0) -> "SimEngine":
+        spec = workload.instance
+        return cls(
+            instance_id,
+            clock,
+            workload.build_cost_model(),
+            spec.kv_capacity_tokens,
+            max_running=spec.max_running,
+            prefill_s_per_token=spec.prefill_s_per_token,
+            weight_load_s=spec.weight_load_s,
+            version=version,
+        )
+
+    # ------------------------------------------------------------------ the RolloutEngine seam
+    def submit(self, requests: Sequence[RolloutRequest]) -> None:
+        self._settle()
+        for request in requests:
+            if request.request_id in self._running or request.request_id in self._waiting:
+                raise ValueError(f"{self.instance_id}: request {request.request_id!r} is already on this instance")
+            if request.group_version > self._version:
+                raise ValueError(
+                    f"{self.instance_id}: request {request.request_id!r} needs version >= "
+                    f"{request.group_version}, instance is at {self._version}"
+                )
+            live = self._live(request)
+            if live.produced >= live.target:
+                self._finished.append(self._trajectory(live))
+            else:
+                self._waiting[request.request_id] = live
+        self._advance(self._clock.now())
+
+    def interrupt(self, request_ids: Sequence[str]) -> list[RolloutRequest]:
+        self._settle()
+        partials = []
+        for request_id in request_ids:
+            live = self._remove(request_id)
+            if live is not None:
+                partials.append(self._partial(live))
+        self._advance(self._clock.now())
+        return partials
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._settle()
+        ids = set(request_ids)
+        for request_id in ids:
+            self._remove(request_id)
+        if any(t.request_id in ids for t in self._finished):
+            self._finished = [t for t in self._finished if t.request_id not in ids]
+        self._advance(self._clock.now())
+
+    def load_weights(self, version: int, weights: Any = None) -> None:
+        if version < self._version:
+            raise ValueError(f"{self.instance_id}: cannot go back from version {self._version} to {version}")
+        self._settle()
+        self._version = version
+        self._version_marks.append((self._steps, version))
+        start = max(self._t, self._busy_until)
+        self._busy_s += self._load_s
+        self._busy_until = self._load_until = start + self._load_s
+        self._advance(self._clock.now())
+
+    def snapshot(self) -> InstanceSnapshot:
+        now = self._clock.now()
+        self._advance(now)
+        last_time, last_tokens = self._last_snapshot
+        if now > last_time:
+            self._last_rate = (self._tokens - last_tokens) / (now - last_time)
+            self._last_snapshot = (now, self._tokens)
+        return InstanceSnapshot(
+            instance_id=self.instance_id,
+            version=self._version,
+            running=tuple(self._running),
+            waiting=tuple(self._waiting),
+            kv_tokens=self._kv,
+            kv_capacity=self._capacity,
+            tokens_per_s=self._last_rate,
+            time=now,
+            loading=self._load_until > now,
+        )
+
+    def collect(self) -> list[Trajectory]:
+        self._advance(self._clock.now())
+        done, self._finished = self._finished, []
+        return done
+
+    def next_event_time(self) -> float | None:
+        self._advance(self._clock.now())
+        if self._busy_until > self._t:
+            return self._busy_until
+        if self._running:
+            n = len(self._running)
+            steps = min(self._steps_to_finish(), self._steps_to_overflow(n))
+            return self._t + self._time_for(steps, n, self._kv)
+        return None
+
+    def close(self) -> None:
+        self._running.clear()
+        self._waiting.clear()
+        self._finish_heap.clear()
+        self._closed = True
+
+    # ------------------------------------------------------------------ figures for reports
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def tokens_generated(self) -> int:
+        """Decode tokens produced so far (including tokens of requests later interrupted or aborted)."""
+        return self._tokens
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds spent decoding, prefilling or loading weights, up to the last state update."""
+        return self._busy_s
+
+    # ------------------------------------------------------------------ execution
+    def _live(self, request: RolloutRequest) -> _Live:
+        wanted = int(request.metadata.get(REQUEST_LENGTH_KEY, request.max_new_tokens))
+        produced = len(request.output_ids)
+        target = min(wanted, request.max_new_tokens)
+        if len(request.prompt_ids) + target + 1 > self._capacity:
+            raise ValueError(
+                f"{self.instance_id}: request {request.request_id!r} needs {len(request.prompt_ids) + target + 1} "
+                f"KV tokens at its longest, more than this instance's capacity {self._capacity}"
+            )
+        return _Live(
+            request=request,
+            target=target,
+            context=len(request.prompt_ids) + produced,
+            produced=produced,
+        )
+
+    def _time_for(self, steps: int, n: int, kv: int) -> float:
+        """Seconds for ``steps`` decode steps of ``n`` requests starting at ``kv`` KV tokens."""
+        base = self._cost.step_latency(n, kv)
+        return steps * base + self._cost.a_k * n * steps * (steps - 1) / 2
+
+    def _steps_within(self, budget: float, n: int, kv: int, limit: int) -> int:
+        """The most steps (<= limit) that end within ``budget`` seconds."""
+        base = self._cost.step_latency(n, kv)
+        half = self._cost.a_k * n / 2
+        if half == 0:
+            steps = int(budget // base)
+        else:
+            b = base - half
+            steps = int((-b + math.sqrt(b * b + 4 * half * budget)) / (2 * half))
+        steps = max(0, min(steps, limit))
+        while steps < limit and self._time_for(steps + 1, n, kv) <= budget:
+            steps += 1
+        while steps > 0 and self._time_for(steps, n, kv) > budget:
+            steps -= 1
+        return steps
+
+    def _steps_to_finish(self) -> int:
+        heap = self._finish_heap
+        while heap:
+            step, seq, request_id = heap[0]
+            live = self._running.get(request_id)
+            if live is not None and live.base_step + live.target - live.produced == step:
+                return step - self._steps
+            heapq.heappop(heap)  # stale: the request left the running set since
+        raise AssertionError("running requests but no finish scheduled")
+
+    def _steps_to_overflow(self, n: int) -> int:
+        return (self._capacity - self._kv) // n
+
+    def _do_steps(self, steps: int) -> None:
+        n = len(self._running)
+        elapsed = self._time_for(steps, n, self._kv)
+        self._t += elapsed
+        self._busy_s += elapsed
+        self._steps += steps
+        self._kv += n * steps
+        self._tokens += n * steps
+
+    def _advance(self, now: float) -> None:
+        """Bring the state to the last step boundary at or before ``now``."""
+        while True:
+            if self._busy_until > self._t:
+                if self._busy_until > now:
+                    return
+                self._t = self._busy_until
+            self._finish_due()
+            self._admit()
+            if self._busy_until > self._t:
+                continue  # an admission started a prefill stall
+            if not self._running:
+                self._t = max(self._t, now)
+                return
+            n = len(self._running)
+            while self._steps_to_overflow(n) == 0:
+                self._preempt_last()
+                n = len(self._running)
+            steps = min(self._steps_to_finish(), self._steps_to_overflow(n))
+            if self._t + self._time_for(steps, n, self._kv) > now:
+                within = self._steps_within(now - self._t, n, self._kv, steps)
+                if within:
+                    self._do_steps(within)
+                return
+            self._do_steps(steps)
+
+    def _settle(self) -> None:
+        """Advance to now, then let a decode step in progress finish, so that a command applies at
+        a step boundary (never retroactively)."""
+        if self._closed:
+            raise RuntimeError(f"{self.instance_id}: engine is closed")
+        now = self._clock.now()
+        self._advance(now)
+        if self._running and self._busy_until <= self._t < now:
+            self._do_steps(1)
+            self._finish_due()
+
+    def _finish_due(self) -> None:
+        heap = self._finish_heap
+        while heap and heap[0][0] <= self._steps:
+            step, _, request_id = heapq.heappop(heap)
+            live = self._running.get(request_id)
+            if live is None or live.base_step + live.target - live.produced != step:
+                continue
+            self._stop(request_id)
+            self._finished.append(self._trajectory(live))
+
+    def _admit(self) -> None:
+        stall_tokens = 0
+        while self._waiting and len(self._running) < self._max_running:
+            request_id, live = next(iter(self._waiting.items()))
+            if self._kv + live.context + len(self._running) + 1 > self._capacity:
+                break
+            del self._waiting[request_id]
+            live.base_step = self._steps
+            self._running[request_id] = live
+            self._kv += live.context
+            self._seq += 1
+            heapq.heappush(self._finish_heap, (self._steps + live.target - live.produced, self._seq, request_id))
+            stall_tokens += live.context
+        if stall_tokens and self._prefill > 0:
+            stall = stall_tokens * self._prefill
+            self._busy_until = self._t + stall
+            self._busy_s += stall
+
+    def _stop(self, request_id: str) -> _Live:
+        """Take a running request out of the batch, folding the tokens it generated into its record."""
+        live = self._running.pop(request_id)
+        new = self._steps - live.base_step
+        if new:
+            self._record_runs(live, live.base_step, self._steps)
+        live.produced += new
+        live.context += new
+        self._kv -= live.context
+        live.base_step = self._steps
+        return live
+
+    def _record_runs(self, live: _Live, start: int, end: int) -> None:
+        marks = self._version_marks
+        for i, (mark_step, version) in enumerate(marks):
+            next_step = marks[i + 1][0] if i + 1 < len(marks) else end
+            lo, hi = max(start, mark_step), min(end, next_step)
+            if hi > lo:
+                if live.runs and live.runs[-1][0] == version:
+                    live.runs[-1][1] += hi - lo
+                else:
+                    live.runs.append([version, hi - lo])
+
+    def _preempt_last(self) -> None:
+        request_id = next(reversed(self._running))
+        live = self._stop(request_id)
+        self._waiting[request_id] = live
+        self._waiting.move_to_end(request_id, last=False)
+
+    def _remove(self, request_id: str) -> _Live | None:
+        if request_id in self._running:
+            return self._stop(request_id)
+        return self._waiting.pop(request_id, None)
+
+    # ------------------------------------------------------------------ records
+    def _outputs(self, live: _Live) -> tuple[list[int], list[float], list[int]]:
+        request = live.request
+        added = live.produced - len(request.output_ids)
+        versions = list(request.versions)
+        for version, count in live.runs:
+            versions += [version] * count
+        return (
+            request.output_ids + [FAKE_TOKEN] * added,
+            request.logprobs + [FAKE_LOGPROB] * added,
+            versions,
+        )
+
+    def _partial(self, live: _Live) -> RolloutRequest:
+        output_ids, logprobs, versions = self._outputs(live)
+        return replace(live.request, output_ids=output_ids, logprobs=logprobs, versions=versions)
+
+    def _trajectory(self, live: _Live) -> Trajectory:
+        request = live.request
+        output_ids, logprobs, versions = self._outputs(live)
+        reason = "length" if live.target >= request.max_new_tokens else "stop"
+        return Trajectory(
+            request_id=request.request_id,
+            group_id=request.group_id,
+            prompt_ids=request.prompt_ids,
+            output_ids=output_ids,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reason=reason,
+            metadata={**request.metadata, "instance_id": self.instance_id, "finish_time": self._t},
+        )

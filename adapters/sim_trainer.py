@@ -1,0 +1,112 @@
+"""A simulated trainer: each step takes the workload's training time for its batch, in virtual time.
+
+Step time is ``base_s + per_token_s * tokens`` where ``tokens`` counts the prompt and response
+tokens of every trajectory in the batch (:class:`~staleflow.runtime.workload.TrainingSpec`).
+Weights are a version token (:class:`SimWeights`): the simulator moves versions, not tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from staleflow.runtime.interfaces import Clock
+from staleflow.runtime.types import TrainingBatch, TrainResult
+from staleflow.runtime.workload import TrainingSpec, Workload
+
+
+@dataclass(frozen=True)
+class SimWeights:
+    """The simulated model at ``version``."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class _Step:
+    version: int
+    start: float
+    end: float
+    tokens: int
+    response_tokens: int
+    groups: int
+    trajectories: int
+
+
+class SimTrainer:
+    """The :class:`~staleflow.runtime.interfaces.Trainer` seam, timed by a training-time model.
+
+    Training on buffer ``b`` turns version ``b`` into ``b + 1``; a batch for any other buffer than
+    the trainer's current version is refused (it would skip or repeat a version).
+    """
+
+    def __init__(self, clock: Clock, training: TrainingSpec, version: int = 0) -> None:
+        self._clock = clock
+        self._training = training
+        self._version = version
+        self._step: _Step | None = None
+        self._busy_s = 0.0
+
+    @classmethod
+    def from_workload(cls, workload: Workload, clock: Clock, version: int = 0) -> "SimTrainer":
+        return cls(clock, workload.training, version)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds spent training in finished steps."""
+        return self._busy_s
+
+    def start_step(self, batch: TrainingBatch) -> None:
+        if self._step is not None:
+            raise RuntimeError(f"trainer is busy with buffer {self._step.version}; poll() it first")
+        if batch.version != self._version:
+            raise ValueError(f"trainer is at version {self._version}, cannot train on buffer {batch.version}")
+        prompt = response = trajectories = 0
+        for group in batch.groups.values():
+            for trajectory in group:
+                prompt += len(trajectory.prompt_ids)
+                response += len(trajectory.output_ids)
+                trajectories += 1
+        start = self._clock.now()
+        self._step = _Step(
+            version=batch.version,
+            start=start,
+            end=start + self._training.step_time(prompt + response),
+            tokens=prompt + response,
+            response_tokens=response,
+            groups=len(batch.groups),
+            trajectories=trajectories,
+        )
+
+    def poll(self) -> TrainResult | None:
+        step = self._step
+        if step is None or self._clock.now() < step.end:
+            return None
+        self._step = None
+        self._version = step.version + 1
+        self._busy_s += step.end - step.start
+        return TrainResult(
+            version=self._version,
+            metrics={
+                "step_time_s": step.end - step.start,
+                "start_time": step.start,
+                "end_time": step.end,
+                "batch_tokens": float(step.tokens),
+                "response_tokens": float(step.response_tokens),
+                "groups": float(step.groups),
+                "trajectories": float(step.trajectories),
+            },
+        )
+
+    def weights(self) -> Any:
+        return SimWeights(self._version)
+
+    def next_event_time(self) -> float | None:
+        return None if self._step is None else self._step.end
+
+    def close(self) -> None:
+        self._step = None

@@ -1,0 +1,79 @@
+"""The throughput no system can beat on a workload: every instance always at its best, training never waited for.
+
+Tokens are response tokens per second of wall-clock time, as ``staleflow simulate`` reports them.
+
+Rollout side. A request of response length ``R`` stays ``R`` decode steps in an instance and holds
+``P + t`` KV tokens at its ``t``-th step (``P``: prompt tokens). In a steady state the running slots
+are held by requests in proportion to ``R``, so the mean KV tokens per running request is
+
+    k = P + E[R^2] / (2 E[R]).
+
+An instance running ``n`` requests then produces ``T(n) = n / L(n, n k)`` tokens/s, which grows with
+``n``; the best it can do is the largest ``n`` that fits: ``n* = min(max_running, C / k)`` (``C``:
+KV capacity; ``n*`` may be fractional: a time average). Each request also costs ``prefill * P``
+seconds of prompt prefill, spread over its ``E[R]`` tokens, so one instance reaches at most
+
+    1 / (1 / T(n*) + prefill * P / E[R])    tokens/s,
+
+and the rollout bound is that times the number of instances. Weight loads are not charged.
+
+Training side. A batch of ``B`` groups of ``N`` responses holds ``B N E[R]`` response tokens and
+takes ``base + per_token * B N (P + E[R])`` seconds, so training consumes at most
+``B N E[R] / step_time`` tokens/s. The upper bound is the smaller of the two.
+
+``E[R]`` and ``E[R^2]`` are estimated from a large seeded sample of the workload's length
+distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from staleflow.runtime.workload import Workload
+
+
+@dataclass(frozen=True)
+class UpperBound:
+    """The bound and the figures it comes from."""
+
+    tokens_per_s: float
+    rollout_tokens_per_s: float
+    training_tokens_per_s: float
+    per_instance_tokens_per_s: float
+    best_running: float
+    mean_kv_per_request: float
+    mean_response_tokens: float
+    limited_by: str
+
+    def to_dict(self) -> dict[str, float | str]:
+        return asdict(self)
+
+
+def upper_bound(workload: Workload, seed: int = 0, samples: int = 200_000) -> UpperBound:
+    """Compute :class:`UpperBound` for ``workload`` (see the module docstring for the formula)."""
+    import numpy as np
+
+    draws = workload.response_tokens.sample(np.random.default_rng(seed), samples).astype(float)
+    mean_r = float(draws.mean())
+    mean_kv = workload.prompt_tokens + float((draws**2).mean()) / (2 * mean_r)
+    cost = workload.build_cost_model()
+    spec = workload.instance
+    best_n = min(float(spec.max_running), spec.kv_capacity_tokens / mean_kv)
+    decode = cost.throughput(best_n, best_n * mean_kv)
+    prefill_per_token = spec.prefill_s_per_token * workload.prompt_tokens / mean_r
+    per_instance = 1.0 / (1.0 / decode + prefill_per_token)
+    rollout = per_instance * workload.cluster.rollout_instances
+
+    responses = workload.batch.groups_per_step * workload.batch.group_size
+    step_time = workload.training.step_time(round(responses * (workload.prompt_tokens + mean_r)))
+    training = responses * mean_r / step_time if step_time > 0 else float("inf")
+    return UpperBound(
+        tokens_per_s=min(rollout, training),
+        rollout_tokens_per_s=rollout,
+        training_tokens_per_s=training,
+        per_instance_tokens_per_s=per_instance,
+        best_running=best_n,
+        mean_kv_per_request=mean_kv,
+        mean_response_tokens=mean_r,
+        limited_by="rollout" if rollout <= training else "training",
+    )

@@ -1,0 +1,260 @@
+"""Workload files for ``staleflow simulate``: cluster, cost model, lengths, batch and training time.
+
+A workload is a YAML file validated by :class:`Workload` (pydantic); a wrong or missing key is
+reported with its dotted path. The shipped files live in ``runtime/workloads/`` and can be named
+without a path (``--workload qwen3-30b-a3b-128gpu``).
+
+Response lengths are long-tailed: a log-normal clipped at the maximum response length (a response
+that reaches the maximum is truncated there, as in RL post-training). The log-normal's location is
+solved so that the *clipped* mean equals ``mean``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.types import PromptGroup
+
+WORKLOAD_DIR = Path(__file__).parent / "workloads"
+
+#: ``PromptGroup.metadata`` key: the response lengths (tokens) drawn for the samples of the group.
+GROUP_LENGTHS_KEY = "response_lengths"
+#: ``RolloutRequest.metadata`` key: the response length of that one request (an int), which the
+#: simulated engine generates before it finishes the request (the trajectory server copies it).
+REQUEST_LENGTH_KEY = "response_length"
+
+
+class WorkloadError(ValueError):
+    """A workload file that cannot be read or does not validate; the message names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CostModelSpec(_Strict):
+    """Decode cost coefficients of one instance (see :class:`~staleflow.runtime.cost_model.CostModel`)."""
+
+    thr: float = Field(ge=0)
+    o_b: float = Field(ge=0)
+    o_k: float = Field(ge=0)
+    a_b: float = Field(ge=0)
+    a_k: float = Field(ge=0)
+
+    def build(self) -> CostModel:
+        return CostModel(thr=self.thr, o_b=self.o_b, o_k=self.o_k, a_b=self.a_b, a_k=self.a_k)
+
+
+class ClusterSpec(_Strict):
+    rollout_instances: int = Field(ge=1, description="rollout instances (vLLM engines)")
+    gpus_per_instance: int = Field(ge=1, description="GPUs per rollout instance (TP x PP)")
+    trainer_gpus: int = Field(ge=0, description="GPUs of the trainer (reported; the step time is the training model)")
+
+
+class InstanceSpec(_Strict):
+    kv_capacity_tokens: int = Field(ge=1, description="KV-cache capacity of one instance, in tokens")
+    max_running: int = Field(default=256, ge=1, description="most requests decoding at once (vLLM max_num_seqs)")
+    prefill_s_per_token: float = Field(default=0.0, ge=0, description="seconds per token to (re)build the KV cache of an admitted request")
+    weight_load_s: float = Field(default=0.0, ge=0, description="seconds a Pull blocks the instance")
+
+
+class LognormalLengths(_Strict):
+    """Log-normal response lengths with log-scale spread ``sigma``, clipped at ``max``, clipped mean ``mean``."""
+
+    distribution: Literal["lognormal"]
+    mean: float = Field(gt=0)
+    sigma: float = Field(gt=0, le=4)
+    max: int = Field(ge=1)
+    min: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "LognormalLengths":
+        if not self.min < self.mean < self.max:
+            raise ValueError(f"need min < mean < max, got min={self.min}, mean={self.mean}, max={self.max}")
+        return self
+
+    @cached_property
+    def mu(self) -> float:
+        """Log-scale location whose clipped mean ``E[min(max(X, min), max)]`` equals ``mean``."""
+        from scipy.optimize import brentq
+        from scipy.stats import norm
+
+        s, lo, hi = self.sigma, math.log(self.min), math.log(self.max)
+
+        def clipped_mean(mu: float) -> float:
+            # E[clip(X, a, b)] for X = exp(N(mu, s^2)).
+            body = math.exp(mu + s * s / 2) * (norm.cdf((hi - mu - s * s) / s) - norm.cdf((lo - mu - s * s) / s))
+            return self.min * norm.cdf((lo - mu) / s) + body + self.max * norm.sf((hi - mu) / s)
+
+        return float(brentq(lambda mu: clipped_mean(mu) - self.mean, lo - 10 * s, hi + 10 * s, xtol=1e-10))
+
+    def sample(self, rng: Any, size: int) -> Any:
+        import numpy as np
+
+        draws = rng.lognormal(self.mu, self.sigma, size)
+        return np.clip(np.rint(draws), self.min, self.max).astype(np.int64)
+
+
+class UniformLengths(_Strict):
+    distribution: Literal["uniform"]
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "UniformLengths":
+        if self.min > self.max:
+            raise ValueError(f"need min <= max, got min={self.min}, max={self.max}")
+        return self
+
+    def sample(self, rng: Any, size: int) -> Any:
+        return rng.integers(self.min, self.max + 1, size)
+
+
+class FixedLengths(_Strict):
+    distribution: Literal["fixed"]
+    tokens: int = Field(ge=1)
+
+    @property
+    def max(self) -> int:
+        return self.tokens
+
+    def sample(self, rng: Any, size: int) -> Any:
+        import numpy as np
+
+        return np.full(size, self.tokens, dtype=np.int64)
+
+
+LengthSpec = Annotated[Union[LognormalLengths, UniformLengths, FixedLengths], Field(discriminator="distribution")]
+
+
+class BatchSpec(_Strict):
+    groups_per_step: int = Field(ge=1, description="prompt groups per training batch (B)")
+    group_size: int = Field(ge=1, description="responses per prompt (N)")
+
+
+class TrainingSpec(_Strict):
+    """Training step time ``base_s + per_token_s * tokens`` for the batch's prompt + response tokens."""
+
+    base_s: float = Field(ge=0)
+    per_token_s: float = Field(ge=0)
+
+    def step_time(self, batch_tokens: int) -> float:
+        return self.base_s + self.per_token_s * batch_tokens
+
+
+class Workload(_Strict):
+    """A simulated RL post-training job: see ``docs/simulation.md`` for every key."""
+
+    name: str
+    description: str = ""
+    model: str
+    cost_model: CostModelSpec
+    cluster: ClusterSpec
+    instance: InstanceSpec
+    prompt_tokens: int = Field(ge=1)
+    response_tokens: LengthSpec
+    batch: BatchSpec
+    training: TrainingSpec
+
+    @model_validator(mode="after")
+    def _fits_kv(self) -> "Workload":
+        longest = self.prompt_tokens + self.response_tokens.max
+        if longest + 1 > self.instance.kv_capacity_tokens:
+            raise ValueError(
+                f"instance.kv_capacity_tokens={self.instance.kv_capacity_tokens} cannot hold the longest "
+                f"request (prompt_tokens + response_tokens.max + 1 = {longest + 1})"
+            )
+        return self
+
+    @property
+    def gpus(self) -> int:
+        return self.cluster.rollout_instances * self.cluster.gpus_per_instance + self.cluster.trainer_gpus
+
+    def build_cost_model(self) -> CostModel:
+        return self.cost_model.build()
+
+    def prompt_groups(self, seed: int, start: int = 0) -> Iterator[PromptGroup]:
+        """An endless stream of prompt groups ``g{start}, g{start+1}, ...`` with drawn response lengths
+        in ``metadata[GROUP_LENGTHS_KEY]`` (one per sample) and ``metadata["max_new_tokens"]`` the
+        maximum response length. Deterministic for a given seed."""
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        prompt = [1] * self.prompt_tokens
+        index = start
+        while True:
+            lengths = self.response_tokens.sample(rng, self.batch.group_size)
+            yield PromptGroup(
+                group_id=f"g{index}",
+                prompt_ids=list(prompt),
+                n_samples=self.batch.group_size,
+                metadata={GROUP_LENGTHS_KEY: [int(x) for x in lengths], "max_new_tokens": self.response_tokens.max},
+            )
+            index += 1
+
+    def length_stats(self, seed: int = 0, samples: int = 200_000) -> dict[str, float]:
+        """Mean, max and percentiles of ``samples`` drawn response lengths (what the docs report)."""
+        import numpy as np
+
+        draws = self.response_tokens.sample(np.random.default_rng(seed), samples)
+        return {
+            "mean": float(draws.mean()),
+            "p50": float(np.percentile(draws, 50)),
+            "p99": float(np.percentile(draws, 99)),
+            "max": float(draws.max()),
+            "mean_sq_over_mean": float((draws.astype(float) ** 2).mean() / draws.mean()),
+        }
+
+
+def _format_validation_error(source: str, exc: ValidationError) -> str:
+    lines = [f"{source}: invalid workload"]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def resolve_workload_path(name_or_path: str | Path) -> Path:
+    """A file path as given, else a shipped workload by name (with or without ``.yaml``)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    shipped = WORKLOAD_DIR / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
+    if shipped.exists():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in WORKLOAD_DIR.glob("*.yaml")))
+    raise WorkloadError(f"{name_or_path}: no such file, and no shipped workload by that name (shipped: {names})")
+
+
+def parse_workload(data: Any, source: str = "workload") -> Workload:
+    """Validate a parsed mapping; :class:`WorkloadError` names every bad key."""
+    if not isinstance(data, dict):
+        raise WorkloadError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return Workload.model_validate(data)
+    except ValidationError as exc:
+        raise WorkloadError(_format_validation_error(source, exc)) from None
+
+
+def load_workload(name_or_path: str | Path) -> Workload:
+    """Read and validate a workload YAML file (or a shipped workload by name)."""
+    import yaml
+
+    path = resolve_workload_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise WorkloadError(f"{path}: not valid YAML ({exc})") from None
+    except OSError as exc:
+        raise WorkloadError(f"{path}: cannot read ({exc.strerror})") from None
+    return parse_workload(data, source=str(path))
+
+
+def shipped_workloads() -> list[str]:
+    return sorted(p.stem for p in WORKLOAD_DIR.glob("*.yaml"))

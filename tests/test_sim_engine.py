@@ -1,0 +1,216 @@
+"""The simulated rollout engine: step latency from the cost model, KV limits, interrupt/resume, abort, Pull."""
+
+from __future__ import annotations
+
+import pytest
+
+from staleflow.adapters.sim_engine import FAKE_LOGPROB, SimEngine
+from staleflow.runtime.clock import VirtualClock
+from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.interfaces import RolloutEngine
+from staleflow.runtime.types import RolloutRequest
+from staleflow.runtime.workload import REQUEST_LENGTH_KEY
+
+COST = CostModel(thr=0.01, o_b=0.002, o_k=1e-4, a_b=0.002, a_k=1e-6)
+
+
+def request(rid: str, length: int, prompt: int = 10, version: int = 0, max_new: int = 10_000) -> RolloutRequest:
+    return RolloutRequest(rid, "g", [1] * prompt, max_new, version, metadata={REQUEST_LENGTH_KEY: length})
+
+
+def run_to_idle(engine: SimEngine, clock: VirtualClock) -> dict[str, tuple[float, object]]:
+    """Jump the clock from event to event; return each trajectory with the time it was collected."""
+    out = {}
+    while (t := engine.next_event_time()) is not None:
+        clock.sleep_until(t)
+        for trajectory in engine.collect():
+            out[trajectory.request_id] = (clock.now(), trajectory)
+    return out
+
+
+def expected_time(steps: int, n: int, kv: int) -> float:
+    """Sum of per-step latencies, one step at a time: what the engine must reproduce in closed form."""
+    total = 0.0
+    for _ in range(steps):
+        total += COST.step_latency(n, kv)
+        kv += n
+    return total
+
+
+def test_is_a_rollout_engine() -> None:
+    assert isinstance(SimEngine("i", VirtualClock(), COST, 1000), RolloutEngine)
+
+
+def test_step_latency_follows_the_cost_model() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000)
+    engine.submit([request("a", 50), request("b", 120), request("c", 120)])
+    done = run_to_idle(engine, clock)
+    t_a = expected_time(50, 3, 30)
+    # after a finishes, b and c continue with K = 2 * (10 + 50)
+    t_bc = t_a + expected_time(70, 2, 2 * 60)
+    assert done["a"][0] == pytest.approx(t_a, rel=1e-12)
+    assert done["b"][0] == pytest.approx(t_bc, rel=1e-12)
+    assert done["c"][0] == pytest.approx(t_bc, rel=1e-12)
+    trajectory = done["b"][1]
+    assert len(trajectory.output_ids) == 120 and trajectory.versions == [0] * 120
+    assert trajectory.logprobs == [FAKE_LOGPROB] * 120
+    assert trajectory.finish_reason == "stop"
+    assert engine.tokens_generated == 50 + 120 + 120
+
+
+def test_snapshot_mid_run_reports_running_kv_and_throughput() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000)
+    engine.submit([request("a", 1000), request("b", 1000)])
+    engine.snapshot()
+    t10 = expected_time(10, 2, 20)
+    clock.sleep_until(t10 + 1e-9)  # just after step 10 ended
+    snap = engine.snapshot()
+    assert snap.running == ("a", "b") and snap.waiting == ()
+    assert snap.kv_tokens == 20 + 2 * 10
+    assert snap.tokens_per_s == pytest.approx(20 / (t10 + 1e-9))
+    assert snap.version == 0 and not snap.loading and snap.kv_capacity == 100_000
+
+
+def test_max_new_tokens_caps_the_response() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000)
+    engine.submit([request("a", 500, max_new=40)])
+    (_, trajectory), = run_to_idle(engine, clock).values()
+    assert len(trajectory.output_ids) == 40 and trajectory.finish_reason == "length"
+
+
+def test_requests_that_do_not_fit_the_kv_cache_wait() -> None:
+    clock = VirtualClock()
+    # capacity 100: a (prompt 40) is admitted; b (prompt 40) needs 40 + 2 more for the next step
+    engine = SimEngine("i0", clock, COST, 100)
+    engine.submit([request("a", 30, prompt=40), request("b", 10, prompt=40), request("c", 5, prompt=40)])
+    snap = engine.snapshot()
+    assert snap.running == ("a", "b") and snap.waiting == ("c",)
+    done = run_to_idle(engine, clock)
+    # b finishes after 10 steps of two requests; c starts then (KV 50 + 40 + 2 <= 100)
+    t_b = expected_time(10, 2, 80)
+    assert done["b"][0] == pytest.approx(t_b)
+    assert done["c"][0] == pytest.approx(t_b + expected_time(5, 2, 50 + 40))
+    assert set(done) == {"a", "b", "c"}
+
+
+def test_kv_overflow_preempts_the_latest_request_which_keeps_its_tokens() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 60)
+    engine.submit([request("a", 30, prompt=10), request("b", 30, prompt=10)])  # 20 + 2 per step
+    # K reaches 60 after 20 steps: the next step needs 62, so b (admitted last) is preempted
+    clock.sleep_until(expected_time(20, 2, 20) + 1e-9)
+    snap = engine.snapshot()
+    assert snap.running == ("a",) and snap.waiting == ("b",) and snap.kv_tokens == 30
+    done = run_to_idle(engine, clock)
+    assert len(done["b"][1].output_ids) == 30 and len(done["a"][1].output_ids) == 30
+    # b resumed only after a finished (a alone: 10 more steps)
+    assert done["b"][0] > done["a"][0]
+
+
+def test_max_running_limits_the_batch() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000, max_running=2)
+    engine.submit([request(r, 10) for r in "abc"])
+    snap = engine.snapshot()
+    assert snap.running == ("a", "b") and snap.waiting == ("c",)
+
+
+def test_interrupt_returns_partials_that_resume_elsewhere_with_versions() -> None:
+    clock = VirtualClock()
+    first = SimEngine("i0", clock, COST, 100_000)
+    first.submit([request("a", 100), request("b", 100)])
+    clock.sleep_until(expected_time(30, 2, 20) + 1e-9)  # step 31 has just begun: it completes first
+    (partial,) = first.interrupt(["a"])
+    assert len(partial.output_ids) == 31 and partial.versions == [0] * 31
+    assert partial.logprobs == [FAKE_LOGPROB] * 31 and partial.remaining_tokens == 10_000 - 31
+    assert first.snapshot().running == ("b",)
+    assert first.interrupt(["nope"]) == []
+
+    second = SimEngine("i1", clock, COST, 100_000, version=2)
+    start = clock.now()
+    second.submit([partial])
+    assert second.snapshot().kv_tokens == 10 + 31  # the partial's context is resident again
+    done = run_to_idle(second, clock)
+    trajectory = done["a"][1]
+    assert len(trajectory.output_ids) == 100
+    assert trajectory.versions == [0] * 31 + [2] * 69
+    assert done["a"][0] == pytest.approx(start + expected_time(69, 1, 41))
+
+
+def test_interrupt_mid_step_lets_the_step_finish() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000)
+    engine.submit([request("a", 100)])
+    clock.sleep_until(expected_time(5, 1, 10) + COST.step_latency(1, 15) / 2)  # halfway through step 6
+    (partial,) = engine.interrupt(["a"])
+    assert len(partial.output_ids) == 6
+
+
+def test_abort_discards_running_waiting_and_uncollected_requests() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000, max_running=1)
+    engine.submit([request("a", 5), request("b", 50), request("c", 50)])
+    clock.sleep_until(expected_time(5, 1, 10) + 1e-9)  # a finished, b started
+    engine.abort(["a", "b", "c"])
+    assert engine.collect() == []
+    snap = engine.snapshot()
+    assert snap.running == () and snap.waiting == () and snap.kv_tokens == 0
+    assert engine.next_event_time() is None
+
+
+def test_load_weights_blocks_only_this_instance_and_switches_versions() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000, weight_load_s=2.0)
+    other = SimEngine("i1", clock, COST, 100_000)
+    engine.submit([request("a", 20)])
+    other.submit([request("b", 20)])
+    t11 = expected_time(11, 1, 10)
+    clock.sleep_until(t11 - 1e-9)  # during step 11: it completes, then the load starts
+    engine.load_weights(1, None)
+    snap = engine.snapshot()
+    assert snap.loading and snap.version == 1
+    done = run_to_idle(engine, clock)
+    assert done["a"][0] == pytest.approx(t11 + 2.0 + expected_time(9, 1, 21))
+    assert done["a"][1].versions == [0] * 11 + [1] * 9
+    assert not engine.snapshot().loading
+    (b,) = other.collect()  # the other instance never waited
+    assert b.metadata["finish_time"] == pytest.approx(expected_time(20, 1, 10))
+    with pytest.raises(ValueError, match="cannot go back"):
+        engine.load_weights(0, None)
+
+
+def test_prefill_stall_delays_decode() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000, prefill_s_per_token=0.01)
+    engine.submit([request("a", 10, prompt=50)])
+    done = run_to_idle(engine, clock)
+    assert done["a"][0] == pytest.approx(0.5 + expected_time(10, 1, 50))
+
+
+def test_refuses_requests_newer_than_the_instance_or_too_long() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100)
+    with pytest.raises(ValueError, match="needs version >= 1"):
+        engine.submit([request("a", 5, version=1)])
+    with pytest.raises(ValueError, match="KV tokens at its longest"):
+        engine.submit([request("b", 95, prompt=10)])
+    engine.submit([request("c", 5)])
+    with pytest.raises(ValueError, match="already on this instance"):
+        engine.submit([request("c", 5)])
+
+
+def test_many_requests_take_events_not_tokens() -> None:
+    """1,000 requests of up to 20,000 tokens: the event loop runs per finish, not per token."""
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, CostModel(0.01, 0.0, 1e-4, 0.002, 3e-8), 10_000_000, max_running=1000)
+    engine.submit([request(f"r{i}", 20 * (i + 1), max_new=30_000) for i in range(1000)])
+    events = 0
+    while (t := engine.next_event_time()) is not None:
+        clock.sleep_until(t)
+        engine.collect()
+        events += 1
+    assert engine.tokens_generated == sum(20 * (i + 1) for i in range(1000))
+    assert events == 1000
