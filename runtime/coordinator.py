@@ -1,0 +1,214 @@
+"""The rollout coordinator: snapshots in, commands out (design 3.1; paper section 5).
+
+It keeps a speculative view of every instance (:mod:`staleflow.runtime.fleet`), takes snapshots
+that agree with it, and decides commands with the policy's strategies:
+
+1. **Pull** (:mod:`~staleflow.runtime.sync`): instances that should load the newest version now.
+2. **Interrupt** (:mod:`~staleflow.runtime.migration`, on full ticks when nothing was pulled):
+   waiting or excess requests go back to the trajectory server and are routed again.
+3. **Route**: queued requests (partials and group members not placed yet) in priority order, each
+   only to instances whose version is at least its group's version; the queue is served in order
+   and a request that cannot be placed holds back the rest until the next decision.
+4. **Admit**: while the queue is empty, pending groups are admitted: the router picks an instance
+   among those whose version the protocol would admit, the protocol **reserves** the group at that
+   version (the :class:`~staleflow.protocol.StalenessManager` is the only authority), and the
+   group's requests are routed.
+
+Group aborts (staleness GC) also go through here, so that the protocol, the trajectory server and
+the speculative state change together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from staleflow.protocol import StalenessManager
+from staleflow.runtime.commands import Abort, Command, Interrupt, Pull, Route
+from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.fleet import FleetArrays, InstanceView
+from staleflow.runtime.migration import plan_migration
+from staleflow.runtime.policies import SystemPolicy
+from staleflow.runtime.routing import LeastLoadedRouter, ThroughputRouter
+from staleflow.runtime.sync import plan_pulls
+from staleflow.runtime.trajectory_server import GroupState, TrajectoryServer
+from staleflow.runtime.types import InstanceSnapshot, RolloutRequest
+
+
+class Coordinator:
+    """Decides Route / Interrupt / Pull / Abort commands for a fleet of rollout instances.
+
+    Args:
+        manager: the staleness protocol (reserves go through it).
+        trajectory_server: where groups and requests live (local object or a Ray proxy).
+        policy: the system policy (strategies and knobs).
+        cost_model: the instances' decode cost model (throughput routing and migration).
+        snapshots: one initial snapshot per instance (empty instances), in a fixed order.
+    """
+
+    def __init__(
+        self,
+        manager: StalenessManager,
+        trajectory_server: TrajectoryServer,
+        policy: SystemPolicy,
+        cost_model: CostModel,
+        snapshots: Sequence[InstanceSnapshot],
+    ) -> None:
+        if not snapshots:
+            raise ValueError("the coordinator needs at least one rollout instance")
+        self.manager = manager
+        self.ts = trajectory_server
+        self.policy = policy
+        self.cost_model = cost_model
+        self.views = [InstanceView(s) for s in snapshots]
+        self._index = {v.instance_id: i for i, v in enumerate(self.views)}
+        if len(self._index) != len(self.views):
+            raise ValueError("instance ids must be unique")
+        self.router: ThroughputRouter | LeastLoadedRouter = (
+            ThroughputRouter(cost_model, policy.mu)
+            if policy.routing == "throughput"
+            else LeastLoadedRouter(policy.max_running)
+        )
+        #: admitted groups not yet removed without training (the inflight cap's accepted + running)
+        self.live_groups = 0
+        self.stats: Counter[str] = Counter()
+        self.decision_seconds = 0.0
+
+    # ----------------------------------------------------------------- observations
+    def view(self, instance_id: str) -> InstanceView:
+        return self.views[self._index[instance_id]]
+
+    def observe(self, snapshot: InstanceSnapshot) -> bool:
+        """Take an instance snapshot unless it contradicts the speculative state."""
+        accepted = self.view(snapshot.instance_id).observe(snapshot)
+        self.stats["snapshots_accepted" if accepted else "snapshots_rejected"] += 1
+        return accepted
+
+    def forget(self, instance_id: str, request_ids: Iterable[str]) -> None:
+        """These requests left the instance (finished and collected, or cancelled)."""
+        view = self.view(instance_id)
+        for rid in request_ids:
+            view.remove(rid)
+
+    def groups_removed(self, count: int) -> None:
+        """Admitted groups that ended without being trained (aborted, failed, dropped)."""
+        self.live_groups -= count
+
+    # ----------------------------------------------------------------- decisions
+    def plan(self, ps_version: int | None, full: bool) -> list[Command]:
+        """Commands for now. ``full``: a periodic tick (migration is considered only then)."""
+        started = time.perf_counter()
+        commands: list[Command] = []
+        pulls = plan_pulls(self.policy.sync, self.views, ps_version, self.manager, self.policy.sync_kv_fraction)
+        for i in pulls:
+            assert ps_version is not None
+            commands.append(self.pull(self.views[i].instance_id, ps_version))
+        if full and self.policy.migration and not pulls:
+            for i, rids in plan_migration(
+                self.views, self.cost_model, self.policy.phi_wait, self.policy.phi_throughput
+            ).items():
+                self.forget(self.views[i].instance_id, rids)
+                commands.append(Interrupt(self.views[i].instance_id, tuple(rids)))
+                self.stats["migrated_requests"] += len(rids)
+        routes: dict[int, list[str]] = {}
+        fleet = FleetArrays.of(self.views)
+        if self._route_queue(fleet, routes):
+            self._admit(fleet, ps_version, routes)
+        for i, rids in routes.items():
+            commands.append(Route(self.views[i].instance_id, tuple(rids)))
+        self.stats["pulls"] += len(pulls)
+        self.decision_seconds += time.perf_counter() - started
+        return commands
+
+    def pull(self, instance_id: str, version: int) -> Pull:
+        """A Pull command; the view takes the new version at once (older snapshots are stale)."""
+        view = self.view(instance_id)
+        view.version = version
+        view.loading = True
+        return Pull(instance_id, version)
+
+    def _route_queue(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
+        """Place queued requests in order; False if one could not be placed."""
+        if self.ts.queued_count() == 0:
+            return True
+        for request in self.ts.queued():
+            if not self._place(request, fleet, routes):
+                return False
+        return True
+
+    def _place(self, request: RolloutRequest, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
+        tokens = len(request.prompt_ids) + len(request.output_ids)
+        choice = self.router.choose(fleet, tokens, fleet.version >= request.group_version)
+        if choice is None:
+            return False
+        self._assign(choice, request.request_id, tokens, request.group_version, fleet, routes)
+        return True
+
+    def _assign(
+        self, i: int, rid: str, tokens: int, group_version: int, fleet: FleetArrays, routes: dict[int, list[str]]
+    ) -> None:
+        self.views[i].add(rid, tokens, group_version)
+        fleet.add(i, tokens)
+        routes.setdefault(i, []).append(rid)
+
+    def _admit(self, fleet: FleetArrays, ps_version: int | None, routes: dict[int, list[str]]) -> None:
+        """Admit pending groups while the router, the protocol (and the policy's cap) allow."""
+        while True:
+            group = self.ts.next_pending()
+            if group is None:
+                return
+            if self.policy.admission == "inflight_cap":
+                cap = (self.manager.eta + (ps_version or 0) + 1) * self.manager.batch_size
+                if self.live_groups >= cap:
+                    return
+            admissible = [
+                v for v in np.unique(fleet.version).tolist() if v <= self.manager.version and self.manager.can_reserve(v)
+            ]
+            if not admissible:
+                self.stats["protocol_refusals"] += 1
+                return
+            tokens = len(group.prompt_ids)
+            choice = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible))
+            if choice is None:
+                return
+            version = int(fleet.version[choice])
+            if not self.manager.reserve(group.group_id, version):
+                raise RuntimeError(f"protocol refused group {group.group_id!r} at version {version} after can_reserve")
+            self.live_groups += 1
+            self.stats["groups_admitted"] += 1
+            requests = self.ts.admit(group.group_id, version)
+            self._assign(choice, requests[0].request_id, tokens, version, fleet, routes)
+            for request in requests[1:]:
+                if not self._place(request, fleet, routes):
+                    return
+
+    # ----------------------------------------------------------------- aborts
+    def cancel(self, pairs: Iterable[tuple[str, str]]) -> list[Command]:
+        """Abort commands for ``(instance_id, request_id)`` pairs the TS cancelled."""
+        by_instance: dict[str, list[str]] = {}
+        for instance_id, rid in pairs:
+            by_instance.setdefault(instance_id, []).append(rid)
+        commands: list[Command] = []
+        for instance_id, rids in by_instance.items():
+            self.forget(instance_id, rids)
+            commands.append(Abort(instance_id, tuple(rids)))
+        return commands
+
+    def abort_stale_groups(self) -> list[Command]:
+        """Staleness GC (ROLL style): abort generating groups due in the head buffer."""
+        head = self.manager.version
+        stale = [
+            g.group_id
+            for g in self.manager.groups()
+            if g.version + self.manager.eta == head and self.ts.group_state(str(g.group_id)) is GroupState.GENERATING
+        ]
+        pairs: list[tuple[str, str]] = []
+        for group_id in stale:
+            self.manager.abort(group_id)
+            pairs.extend(self.ts.abort_group(str(group_id)))
+        self.groups_removed(len(stale))
+        self.stats["gc_aborted_groups"] += len(stale)
+        return self.cancel(pairs)

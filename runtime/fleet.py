@@ -1,0 +1,99 @@
+"""The coordinator's speculative view of the rollout instances (paper Fig. 12a).
+
+Each :class:`InstanceView` holds what the coordinator believes an instance runs: the requests it
+routed there (minus those it interrupted, aborted or saw finish), the model version it told the
+instance to load, and the KV tokens and waiting queue from the last snapshot it accepted. A snapshot
+that contradicts the view (an older version than the pull issued, or a request the coordinator took
+away or never sent) is stale and is rejected. :class:`FleetArrays` lays the views out as numpy
+arrays so a routing decision over many instances is a few vector operations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from staleflow.runtime.types import InstanceSnapshot
+
+
+class InstanceView:
+    """Speculative state of one instance."""
+
+    __slots__ = (
+        "instance_id", "version", "loading", "kv_tokens", "kv_capacity", "tokens_per_s",
+        "requests", "waiting", "accepted", "rejected",
+    )
+
+    def __init__(self, snapshot: InstanceSnapshot) -> None:
+        self.instance_id = snapshot.instance_id
+        self.version = snapshot.version
+        self.loading = snapshot.loading
+        self.kv_tokens = snapshot.kv_tokens
+        self.kv_capacity = snapshot.kv_capacity
+        self.tokens_per_s = snapshot.tokens_per_s
+        #: request id -> (tokens in KV when routed, group version)
+        self.requests: dict[str, tuple[int, int]] = {}
+        self.waiting: tuple[str, ...] = snapshot.waiting
+        self.accepted = 0
+        self.rejected = 0
+        if snapshot.running or snapshot.waiting:
+            raise ValueError(
+                f"instance {snapshot.instance_id!r} already holds requests the coordinator did not route"
+            )
+
+    def observe(self, snapshot: InstanceSnapshot) -> bool:
+        """Take a snapshot unless it contradicts the speculative state; returns whether it was taken."""
+        contradicts = snapshot.version != self.version or any(
+            rid not in self.requests for rid in (*snapshot.running, *snapshot.waiting)
+        )
+        if contradicts:
+            self.rejected += 1
+            return False
+        self.accepted += 1
+        self.loading = snapshot.loading
+        self.kv_tokens = snapshot.kv_tokens
+        self.kv_capacity = snapshot.kv_capacity
+        self.tokens_per_s = snapshot.tokens_per_s
+        self.waiting = snapshot.waiting
+        return True
+
+    def add(self, request_id: str, tokens: int, group_version: int) -> None:
+        self.requests[request_id] = (tokens, group_version)
+        self.kv_tokens += tokens
+
+    def remove(self, request_id: str) -> None:
+        """The request left (finished, interrupted or aborted); unknown ids are ignored."""
+        entry = self.requests.pop(request_id, None)
+        if entry is not None:
+            self.kv_tokens = max(0, self.kv_tokens - entry[0])
+            if request_id in self.waiting:
+                self.waiting = tuple(r for r in self.waiting if r != request_id)
+
+
+@dataclass
+class FleetArrays:
+    """The views as arrays, index-aligned with the coordinator's instance list; updated as it routes."""
+
+    n: np.ndarray
+    kv: np.ndarray
+    cap: np.ndarray
+    version: np.ndarray
+    waiting: np.ndarray
+    loading: np.ndarray
+
+    @classmethod
+    def of(cls, views: Sequence[InstanceView]) -> "FleetArrays":
+        return cls(
+            n=np.array([len(v.requests) for v in views], dtype=np.float64),
+            kv=np.array([v.kv_tokens for v in views], dtype=np.float64),
+            cap=np.array([v.kv_capacity for v in views], dtype=np.float64),
+            version=np.array([v.version for v in views], dtype=np.int64),
+            waiting=np.array([len(v.waiting) for v in views], dtype=np.int64),
+            loading=np.array([v.loading for v in views], dtype=bool),
+        )
+
+    def add(self, index: int, tokens: int) -> None:
+        self.n[index] += 1
+        self.kv[index] += tokens

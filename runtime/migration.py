@@ -1,0 +1,55 @@
+"""Migration strategy: interrupt waiting or excess requests so they can be re-routed (design 3.2).
+
+Two triggers, as in the paper's Algorithm 5 (thresholds ``phi_wait`` and ``phi_throughput``):
+
+* **waiting**: an instance whose engine queue holds more than ``phi_wait`` requests (its KV cache is
+  full) gives up the waiting ones beyond ``phi_wait``;
+* **imbalance**: if the busiest instance's estimated throughput is more than ``phi_throughput``
+  times that of the least busy one, the busiest gives up half the difference in requests, among
+  those the least busy one may run (its version is at least their group version).
+
+Interrupted requests keep their tokens and group version; the router places them again. At most
+one imbalance migration per decision, like the reference coordinator.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.fleet import FleetArrays, InstanceView
+from staleflow.runtime.routing import fleet_throughput
+
+
+def plan_migration(
+    views: Sequence[InstanceView],
+    cost_model: CostModel,
+    phi_wait: int,
+    phi_throughput: float,
+) -> dict[int, list[str]]:
+    """Instance index -> request ids to interrupt."""
+    plan: dict[int, list[str]] = {}
+    for i, view in enumerate(views):
+        if len(view.waiting) > phi_wait and not view.loading:
+            excess = [rid for rid in view.waiting[phi_wait:] if rid in view.requests]
+            if excess:
+                plan[i] = excess
+    fleet = FleetArrays.of(views)
+    active = ~fleet.loading
+    if active.sum() < 2:
+        return plan
+    throughput = fleet_throughput(cost_model, fleet.n, fleet.kv)
+    low = int(np.argmin(np.where(active, throughput, np.inf)))
+    high = int(np.argmax(np.where(active, throughput, -np.inf)))
+    if high == low or high in plan:
+        return plan
+    if throughput[high] <= phi_throughput * throughput[low] or (throughput[low] == 0 and throughput[high] == 0):
+        return plan
+    count = int(fleet.n[high] - fleet.n[low]) // 2
+    target_version = views[low].version
+    movable = [rid for rid, (_, gv) in views[high].requests.items() if gv <= target_version]
+    if count > 0 and movable:
+        plan[high] = movable[-count:]
+    return plan
