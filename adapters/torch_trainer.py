@@ -1,0 +1,339 @@
+"""The :class:`~staleflow.runtime.interfaces.Trainer` seam on a Hugging Face causal LM in plain torch.
+
+One training step per batch (``runtime/algorithms.py`` for the objective), run in a background
+thread so that :meth:`TorchTrainer.start_step` returns at once and the run loop goes on routing and
+collecting while the step runs. torch releases the GIL inside its kernels, so the step uses a core
+of its own while vLLM decodes in another thread; placed in a Ray actor (``runtime/placement.py``),
+it runs in a process of its own with ``threads`` intra-op threads.
+
+Versions: the trainer holds version ``v`` and trains only on buffer ``v`` (``batch.version == v``);
+the step turns it into ``v + 1``. :meth:`weights` always returns a complete, consistent copy of the
+newest finished version (never weights that a running step is changing).
+
+The model runs in eval mode (no dropout), so the log-probs of the first minibatch at the start of a
+step *are* the proximal policy's: no extra forward pass is needed unless ``minibatches > 1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from staleflow.runtime.algorithms import (
+    Correction,
+    LossSettings,
+    PackedBatch,
+    pack_batch,
+    policy_loss,
+    token_logprobs,
+    token_staleness,
+)
+from staleflow.runtime.types import TrainingBatch, TrainResult
+
+CHECKPOINT_MODEL = "model.safetensors"
+CHECKPOINT_STATE = "trainer_state.pt"
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Optimiser, schedule and objective of a :class:`TorchTrainer` (see ``runtime/config.py``)."""
+
+    lr: float = 3e-4
+    lr_warmup_steps: int = 10
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    minibatches: int = 1
+    loss: LossSettings = field(default_factory=LossSettings)
+    scale_advantages: bool = True
+    temperature: float = 1.0
+
+    @classmethod
+    def from_config(cls, job: Any) -> "TrainerSettings":
+        """Settings of a :class:`~staleflow.runtime.config.JobConfig`."""
+        t = job.train
+        return cls(
+            lr=t.lr,
+            lr_warmup_steps=t.lr_warmup_steps,
+            betas=tuple(t.betas),
+            weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip,
+            minibatches=t.minibatches,
+            loss=LossSettings(correction=Correction(t.correction), clip_eps=t.clip_eps, weight_cap=t.weight_cap),
+            scale_advantages=t.scale_advantages,
+            temperature=job.rollout.temperature,
+        )
+
+
+def load_causal_lm(path: str | os.PathLike[str]) -> Any:
+    """A local Hugging Face causal LM in float32 (never the hub: a missing folder is an error)."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {folder} has no config.json (refusing to reach for the hub)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+
+
+class TorchTrainer:
+    """GRPO training of a causal LM on CPU (or one GPU with ``device="cuda"``).
+
+    Args:
+        model_path: local model folder holding version ``version``'s weights.
+        settings: optimiser and objective.
+        pad_id: padding token id.
+        version: the version of the weights in ``model_path``.
+        threads: torch intra-op threads (process-wide; ``None`` leaves torch's setting alone).
+        device: where the model lives.
+        seed: torch seed.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        settings: TrainerSettings = TrainerSettings(),
+        pad_id: int = 0,
+        version: int = 0,
+        threads: int | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self._settings = settings
+        self._pad_id = pad_id
+        self._device = torch.device(device)
+        self._model = load_causal_lm(model_path).to(self._device)
+        self._model.eval()  # no dropout: see the module docstring
+        self._optimizer = torch.optim.AdamW(
+            self._model.parameters(),
+            lr=settings.lr,
+            betas=settings.betas,
+            weight_decay=settings.weight_decay,
+        )
+        warmup = settings.lr_warmup_steps
+        self._scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self._optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self._version = version
+        self._lock = threading.Lock()  # guards the model between the step thread and callers
+        self._published = self._copy_weights()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-trainer")
+        self._running: Future[TrainResult] | None = None
+
+    # ------------------------------------------------------------------------------ Trainer seam
+    @property
+    def version(self) -> int:
+        """The newest finished version (the one :meth:`weights` returns)."""
+        return self._version
+
+    def start_step(self, batch: TrainingBatch) -> None:
+        if self._running is not None:
+            raise RuntimeError("a training step is already running; poll() it first")
+        if batch.version != self._version:
+            raise ValueError(
+                f"batch is buffer {batch.version} but the trainer holds version {self._version}; "
+                "buffer v trains version v into v + 1"
+            )
+        self._running = self._executor.submit(self._step, batch)
+
+    def poll(self) -> TrainResult | None:
+        if self._running is None or not self._running.done():
+            return None
+        future, self._running = self._running, None
+        return future.result()  # re-raises a failed step's exception
+
+    def wait(self, timeout: float | None = None) -> TrainResult:
+        """Block until the running step finishes and return its result."""
+        if self._running is None:
+            raise RuntimeError("no training step is running")
+        self._running.result(timeout=timeout)
+        result = self.poll()
+        assert result is not None
+        return result
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A CPU state dict of version :attr:`version` (a copy; safe to hand to other threads)."""
+        return self._published
+
+    def next_event_time(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, folder: str | os.PathLike[str]) -> Path:
+        """Write model, optimiser, schedule, version and RNG state to ``folder`` (no step may run)."""
+        from safetensors.torch import save_file
+
+        if self._running is not None:
+            raise RuntimeError("cannot checkpoint while a training step is running")
+        target = Path(folder)
+        target.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            save_file({k: v.contiguous() for k, v in self._published.items()}, str(target / CHECKPOINT_MODEL))
+            torch.save(
+                {
+                    "version": self._version,
+                    "optimizer": self._optimizer.state_dict(),
+                    "scheduler": self._scheduler.state_dict(),
+                    "torch_rng": torch.get_rng_state(),
+                    "python_rng": random.getstate(),
+                },
+                target / CHECKPOINT_STATE,
+            )
+        return target
+
+    def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
+        """Restore what :meth:`save_checkpoint` wrote; returns the restored version."""
+        from safetensors.torch import load_file
+
+        if self._running is not None:
+            raise RuntimeError("cannot restore while a training step is running")
+        source = Path(folder)
+        for name in (CHECKPOINT_MODEL, CHECKPOINT_STATE):
+            if not (source / name).is_file():
+                raise FileNotFoundError(f"checkpoint {source} has no {name}")
+        with self._lock:
+            self._model.load_state_dict(load_file(str(source / CHECKPOINT_MODEL)), strict=True)
+            state = torch.load(source / CHECKPOINT_STATE, weights_only=False)
+            self._optimizer.load_state_dict(state["optimizer"])
+            self._scheduler.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["torch_rng"])
+            random.setstate(state["python_rng"])
+            self._version = int(state["version"])
+            self._published = self._copy_weights()
+        return self._version
+
+    # --------------------------------------------------------------------------------- evaluation
+    def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int, batch_size: int = 64) -> list[list[int]]:
+        """Greedy responses of the current weights (blocks; waits for a running step's lock)."""
+        outputs: list[list[int]] = []
+        with self._lock, torch.no_grad():
+            for start in range(0, len(prompts), batch_size):
+                chunk = prompts[start : start + batch_size]
+                outputs.extend(_greedy(self._model, chunk, max_new_tokens, eos_id, self._pad_id, self._device))
+        return outputs
+
+    # ----------------------------------------------------------------------------------- the step
+    def _step(self, batch: TrainingBatch) -> TrainResult:
+        started = time.perf_counter()
+        settings = self._settings
+        packed = pack_batch(batch, pad_id=self._pad_id, scale_advantages=settings.scale_advantages)
+        group_sizes = [len(group) for group in batch.groups.values()]
+        chunks = _minibatch_rows(group_sizes, settings.minibatches)
+        with self._lock:
+            before = [p.detach().clone() for p in self._model.parameters()]
+            proximal = None
+            if settings.minibatches > 1 and settings.loss.correction is not Correction.NONE:
+                with torch.no_grad():
+                    proximal = [self._logprobs(packed.rows(rows)) for rows in chunks]
+            sums: dict[str, float] = {}
+            grad_norms = []
+            for index, rows in enumerate(chunks):
+                part = packed.rows(rows)
+                logp = self._logprobs(part)
+                prox = proximal[index] if proximal is not None else logp.detach()
+                loss, metrics = policy_loss(logp, part, settings.loss, prox)
+                self._optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), settings.grad_clip)))
+                self._optimizer.step()
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value
+            lr = self._scheduler.get_last_lr()[0]
+            self._scheduler.step()
+            update = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(self._model.parameters(), before)))
+            new_version = self._version + 1
+            self._published = self._copy_weights()
+            self._version = new_version
+        seconds = time.perf_counter() - started
+        metrics = {key: value / len(chunks) for key, value in sums.items() if key != "tokens"}
+        staleness = token_staleness(packed, batch.version).float()
+        lengths = packed.loss_mask.sum(dim=1)
+        metrics.update(
+            {
+                "tokens": float(packed.response_tokens),
+                "grad_norm": max(grad_norms),
+                "update_norm": update,
+                "lr": lr,
+                "reward_mean": float(packed.rewards.mean()),
+                "response_len_mean": float(lengths.mean()),
+                "response_len_max": float(lengths.max()),
+                "token_staleness_mean": float(staleness.mean()),
+                "token_staleness_max": float(staleness.max()),
+                "train_s": seconds,
+                "train_tokens_per_s": packed.response_tokens / seconds if seconds > 0 else 0.0,
+            }
+        )
+        return TrainResult(version=new_version, metrics=metrics)
+
+    def _logprobs(self, part: PackedBatch) -> torch.Tensor:
+        input_ids = part.input_ids.to(self._device)
+        logits = self._model(input_ids=input_ids, attention_mask=part.attention_mask.to(self._device)).logits
+        if self._settings.temperature != 1.0:
+            logits = logits / self._settings.temperature
+        return token_logprobs(logits, input_ids).cpu()
+
+    def _copy_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self._model.state_dict().items()}
+
+
+def _minibatch_rows(group_sizes: Sequence[int], minibatches: int) -> list[slice]:
+    """Row slices of ``minibatches`` runs of whole groups (as even as the group count allows)."""
+    if minibatches > len(group_sizes):
+        raise ValueError(f"{minibatches} minibatches but only {len(group_sizes)} groups in the batch")
+    bounds = [0]
+    for sizes in _split(list(group_sizes), minibatches):
+        bounds.append(bounds[-1] + sum(sizes))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(items[start : start + size])
+        start += size
+    return out
+
+
+def _greedy(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int, pad_id: int, device: torch.device) -> list[list[int]]:
+    """Greedy decoding of left-padded prompts with Hugging Face ``generate``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = torch.tensor(list(prompt))
+        mask[i, width - len(prompt) :] = 1
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    responses = []
+    for row in out[:, width:].tolist():
+        response = []
+        for token in row:
+            if token == eos_id:
+                break
+            response.append(token)
+        responses.append(response)
+    return responses
