@@ -1,0 +1,272 @@
+"""Protocol traces as JSON lines: one header, then one object per :class:`ProtocolEvent`.
+
+The header holds the protocol parameters and the manager's starting snapshot (so that a trace of a
+resumed run can be replayed from where it began)::
+
+    {"type": "header", "format": "staleflow.trace/1", "eta": 2, "batch_size": 4, "redundancy": 0,
+     "start": {...StalenessManager.snapshot()...}}
+    {"type": "event", "seq": 0, "op": "reserve", "group_id": "p0", "version": 0, "accepted": true,
+     "batch": null, "before": {"version": 0, "running": [0, 0, 0], "done": [0, 0, 0]}, "after": {...}}
+
+Consume events carry ``batch = {"version", "group_ids", "group_versions", "dropped"}``.
+``staleflow.verification.trace_validation`` replays such files against the spec.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Iterator, Mapping
+
+from staleflow.protocol.events import ConsumedBatch, CounterState, GroupId, ProtocolEvent
+from staleflow.protocol.manager import StalenessManager
+
+TRACE_FORMAT = "staleflow.trace/1"
+OPS = ("reserve", "occupy", "abort", "consume")
+
+
+class TraceFormatError(ValueError):
+    """A trace line that is not a valid header or event; the message names the line and the field."""
+
+
+@dataclass(frozen=True)
+class TraceHeader:
+    """The protocol parameters of a trace and the snapshot of the manager when tracing began."""
+
+    eta: int
+    batch_size: int
+    redundancy: int
+    start: Mapping[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "type": "header",
+            "format": TRACE_FORMAT,
+            "eta": self.eta,
+            "batch_size": self.batch_size,
+            "redundancy": self.redundancy,
+            "start": None if self.start is None else dict(self.start),
+        }
+
+
+# ----------------------------------------------------------------------------- to JSON
+
+
+def counters_to_json(state: CounterState) -> dict[str, Any]:
+    return {"version": state.version, "running": list(state.running), "done": list(state.done)}
+
+
+def batch_to_json(batch: ConsumedBatch) -> dict[str, Any]:
+    return {
+        "version": batch.version,
+        "group_ids": list(batch.group_ids),
+        "group_versions": list(batch.group_versions),
+        "dropped": list(batch.dropped),
+    }
+
+
+def event_to_json(event: ProtocolEvent) -> dict[str, Any]:
+    return {
+        "type": "event",
+        "seq": event.seq,
+        "op": event.op,
+        "group_id": event.group_id,
+        "version": event.version,
+        "accepted": event.accepted,
+        "batch": None if event.batch is None else batch_to_json(event.batch),
+        "before": counters_to_json(event.before),
+        "after": counters_to_json(event.after),
+    }
+
+
+# ----------------------------------------------------------------------------- from JSON
+
+
+def _field(data: Mapping[str, Any], name: str, where: str) -> Any:
+    if name not in data:
+        raise TraceFormatError(f"{where}: missing field {name!r}")
+    return data[name]
+
+
+def _int(value: Any, name: str, where: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TraceFormatError(f"{where}: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _group_id(value: Any, name: str, where: str) -> GroupId:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TraceFormatError(f"{where}: {name} must be a str or int group id, got {value!r}")
+    return value
+
+
+def _int_list(value: Any, name: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise TraceFormatError(f"{where}: {name} must be a list, got {value!r}")
+    return tuple(_int(item, name, where) for item in value)
+
+
+def _id_list(value: Any, name: str, where: str) -> tuple[GroupId, ...]:
+    if not isinstance(value, list):
+        raise TraceFormatError(f"{where}: {name} must be a list, got {value!r}")
+    return tuple(_group_id(item, name, where) for item in value)
+
+
+def _mapping(value: Any, name: str, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise TraceFormatError(f"{where}: {name} must be an object, got {value!r}")
+    return value
+
+
+def counters_from_json(data: Any, where: str) -> CounterState:
+    data = _mapping(data, "counter state", where)
+    return CounterState(
+        version=_int(_field(data, "version", where), "version", where),
+        running=_int_list(_field(data, "running", where), "running", where),
+        done=_int_list(_field(data, "done", where), "done", where),
+    )
+
+
+def batch_from_json(data: Any, where: str) -> ConsumedBatch:
+    data = _mapping(data, "batch", where)
+    return ConsumedBatch(
+        version=_int(_field(data, "version", where), "batch version", where),
+        group_ids=_id_list(_field(data, "group_ids", where), "group_ids", where),
+        group_versions=_int_list(_field(data, "group_versions", where), "group_versions", where),
+        dropped=_id_list(_field(data, "dropped", where), "dropped", where),
+    )
+
+
+def event_from_json(data: Any, where: str = "event") -> ProtocolEvent:
+    """The event of one trace line (already JSON-decoded); ``where`` prefixes error messages."""
+    data = _mapping(data, "event", where)
+    op = _field(data, "op", where)
+    if op not in OPS:
+        raise TraceFormatError(f"{where}: op must be one of {', '.join(OPS)}, got {op!r}")
+    group_id = _field(data, "group_id", where)
+    version = _field(data, "version", where)
+    accepted = _field(data, "accepted", where)
+    batch = _field(data, "batch", where)
+    if op == "consume":
+        if batch is None:
+            raise TraceFormatError(f"{where}: a consume event needs a batch")
+        parsed_batch: ConsumedBatch | None = batch_from_json(batch, where)
+        parsed_group: GroupId | None = None
+    else:
+        parsed_batch = None
+        parsed_group = _group_id(group_id, "group_id", where)
+    if op == "reserve" and not isinstance(accepted, bool):
+        raise TraceFormatError(f"{where}: a reserve event needs accepted true or false, got {accepted!r}")
+    return ProtocolEvent(
+        seq=_int(_field(data, "seq", where), "seq", where),
+        op=op,
+        group_id=parsed_group,
+        version=None if version is None else _int(version, "version", where),
+        accepted=accepted if isinstance(accepted, bool) else None,
+        batch=parsed_batch,
+        before=counters_from_json(_field(data, "before", where), where),
+        after=counters_from_json(_field(data, "after", where), where),
+    )
+
+
+def header_from_json(data: Any, where: str = "header") -> TraceHeader:
+    data = _mapping(data, "header", where)
+    if data.get("type") != "header" or data.get("format") != TRACE_FORMAT:
+        raise TraceFormatError(f"{where}: not a trace header (expected type 'header', format {TRACE_FORMAT!r})")
+    start = data.get("start")
+    return TraceHeader(
+        eta=_int(_field(data, "eta", where), "eta", where),
+        batch_size=_int(_field(data, "batch_size", where), "batch_size", where, minimum=1),
+        redundancy=_int(_field(data, "redundancy", where), "redundancy", where),
+        start=None if start is None else _mapping(start, "start", where),
+    )
+
+
+def read_trace(path: str | Path) -> tuple[TraceHeader, list[ProtocolEvent]]:
+    """The header and events of a JSONL trace file; errors name the line."""
+    header: TraceHeader | None = None
+    events: list[ProtocolEvent] = []
+    with open(path, encoding="utf-8") as stream:
+        for number, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TraceFormatError(f"{where}: not JSON ({error.msg})") from None
+            if header is None:
+                header = header_from_json(data, where)
+            else:
+                events.append(event_from_json(data, where))
+    if header is None:
+        raise TraceFormatError(f"{path}: empty trace (no header line)")
+    return header, events
+
+
+def iter_lines(header: TraceHeader, events: list[ProtocolEvent]) -> Iterator[str]:
+    """The lines of a trace file, without newlines."""
+    yield json.dumps(header.to_json())
+    for event in events:
+        yield json.dumps(event_to_json(event))
+
+
+# ----------------------------------------------------------------------------- writer
+
+
+class JsonlTraceWriter:
+    """An event hook that appends every :class:`ProtocolEvent` to a JSONL trace file.
+
+    >>> with JsonlTraceWriter.attach(manager, "run/trace.jsonl"):   # doctest: +SKIP
+    ...     manager.reserve("p0", 0)
+
+    The header is written when the file is opened. Lines are flushed as written, so a crashed run
+    leaves a valid prefix. Use :meth:`attach` to take the parameters and starting snapshot from a
+    manager and register the hook in one step.
+    """
+
+    def __init__(self, path: str | Path, header: TraceHeader) -> None:
+        self.path = Path(path)
+        self._stream: IO[str] | None = open(self.path, "w", encoding="utf-8", buffering=1)
+        self._stream.write(json.dumps(header.to_json()) + "\n")
+        self._manager: StalenessManager | None = None
+
+    @classmethod
+    def attach(cls, manager: StalenessManager, path: str | Path) -> JsonlTraceWriter:
+        """Trace ``manager`` from its current state (its snapshot is the header's ``start``)."""
+        header = TraceHeader(manager.eta, manager.batch_size, manager.redundancy, manager.snapshot())
+        writer = cls(path, header)
+        manager.add_event_hook(writer)
+        writer._manager = manager
+        return writer
+
+    def __call__(self, event: ProtocolEvent) -> None:
+        if self._stream is None:
+            raise ValueError(f"trace {self.path} is closed")
+        self._stream.write(json.dumps(event_to_json(event)) + "\n")
+
+    @property
+    def closed(self) -> bool:
+        return self._stream is None
+
+    def close(self) -> None:
+        """Detach from the manager (if attached) and close the file; closing twice is harmless."""
+        if self._manager is not None:
+            self._manager.remove_event_hook(self)
+            self._manager = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def __enter__(self) -> JsonlTraceWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
