@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Iterator, Mapping
+from typing import IO, Any, Mapping
 
 from staleflow.protocol.events import ConsumedBatch, CounterState, GroupId, ProtocolEvent
 from staleflow.protocol.manager import StalenessManager
@@ -184,10 +184,25 @@ def header_from_json(data: Any, where: str = "header") -> TraceHeader:
     )
 
 
-def read_trace(path: str | Path) -> tuple[TraceHeader, list[ProtocolEvent]]:
-    """The header and events of a JSONL trace file; errors name the line."""
+@dataclass(frozen=True)
+class TraceSegment:
+    """One traced run: its header and events. ``first_line`` is the header's line number in the file."""
+
+    header: TraceHeader
+    events: tuple[ProtocolEvent, ...]
+    first_line: int
+
+
+def read_trace(path: str | Path) -> list[TraceSegment]:
+    """The segments of a JSONL trace file, in order; errors name the line.
+
+    A file usually holds one segment; a writer opened with ``mode="a"`` (a resumed run, or several
+    runs in one file) starts a new segment with a new header line.
+    """
+    segments: list[TraceSegment] = []
     header: TraceHeader | None = None
     events: list[ProtocolEvent] = []
+    first_line = 0
     with open(path, encoding="utf-8") as stream:
         for number, line in enumerate(stream, start=1):
             if not line.strip():
@@ -197,20 +212,27 @@ def read_trace(path: str | Path) -> tuple[TraceHeader, list[ProtocolEvent]]:
                 data = json.loads(line)
             except json.JSONDecodeError as error:
                 raise TraceFormatError(f"{where}: not JSON ({error.msg})") from None
-            if header is None:
-                header = header_from_json(data, where)
+            if isinstance(data, dict) and data.get("type") == "header":
+                if header is not None:
+                    segments.append(TraceSegment(header, tuple(events), first_line))
+                header, events, first_line = header_from_json(data, where), [], number
+            elif header is None:
+                raise TraceFormatError(f"{where}: the first line of a trace must be its header")
             else:
                 events.append(event_from_json(data, where))
     if header is None:
         raise TraceFormatError(f"{path}: empty trace (no header line)")
-    return header, events
+    segments.append(TraceSegment(header, tuple(events), first_line))
+    return segments
 
 
-def iter_lines(header: TraceHeader, events: list[ProtocolEvent]) -> Iterator[str]:
-    """The lines of a trace file, without newlines."""
-    yield json.dumps(header.to_json())
-    for event in events:
-        yield json.dumps(event_to_json(event))
+def write_trace(path: str | Path, segments: list[TraceSegment]) -> None:
+    """Write segments as a JSONL trace file (the inverse of :func:`read_trace`)."""
+    with open(path, "w", encoding="utf-8") as stream:
+        for segment in segments:
+            stream.write(json.dumps(segment.header.to_json()) + "\n")
+            for event in segment.events:
+                stream.write(json.dumps(event_to_json(event)) + "\n")
 
 
 # ----------------------------------------------------------------------------- writer
@@ -222,22 +244,27 @@ class JsonlTraceWriter:
     >>> with JsonlTraceWriter.attach(manager, "run/trace.jsonl"):   # doctest: +SKIP
     ...     manager.reserve("p0", 0)
 
-    The header is written when the file is opened. Lines are flushed as written, so a crashed run
+    The header is written when the file is opened (``mode="a"`` appends a new segment). Lines are flushed as written, so a crashed run
     leaves a valid prefix. Use :meth:`attach` to take the parameters and starting snapshot from a
     manager and register the hook in one step.
     """
 
-    def __init__(self, path: str | Path, header: TraceHeader) -> None:
+    def __init__(self, path: str | Path, header: TraceHeader, mode: str = "w") -> None:
+        if mode not in ("w", "a"):
+            raise ValueError(f"mode must be 'w' (new file) or 'a' (append a segment), got {mode!r}")
         self.path = Path(path)
-        self._stream: IO[str] | None = open(self.path, "w", encoding="utf-8", buffering=1)
+        self._stream: IO[str] | None = open(self.path, mode, encoding="utf-8", buffering=1)
         self._stream.write(json.dumps(header.to_json()) + "\n")
         self._manager: StalenessManager | None = None
 
     @classmethod
-    def attach(cls, manager: StalenessManager, path: str | Path) -> JsonlTraceWriter:
-        """Trace ``manager`` from its current state (its snapshot is the header's ``start``)."""
+    def attach(cls, manager: StalenessManager, path: str | Path, mode: str = "w") -> JsonlTraceWriter:
+        """Trace ``manager`` from its current state (its snapshot is the header's ``start``).
+
+        ``mode="a"`` appends a new segment to an existing trace (e.g. after resuming a run).
+        """
         header = TraceHeader(manager.eta, manager.batch_size, manager.redundancy, manager.snapshot())
-        writer = cls(path, header)
+        writer = cls(path, header, mode)
         manager.add_event_hook(writer)
         writer._manager = manager
         return writer
