@@ -1,0 +1,395 @@
+"""Model-based conformance: the implementation and the spec mirror driven side by side.
+
+A Hypothesis ``RuleBasedStateMachine`` applies every operation (valid and invalid) to a
+:class:`~staleflow.protocol.StalenessManager` and to ``spec/mirror.py`` at once. Preconditions come
+from the mirror, never from the implementation, so an implementation whose own guard is wrong
+cannot hide the rules that would expose it. After every step it checks:
+
+- the same groups, versions, statuses and counters (the refinement mapping is the identity on
+  groups; ``counts()`` is derived from the mirror's groups);
+- exact admission: ``reserve`` accepts iff the mirror's Reserve is enabled, and ``reserve_slack``,
+  ``can_reserve`` and ``oldest_admissible_version`` agree with repeated mirror Reserves;
+- eager consume: ``can_consume()`` equals the mirror's enabledness of Consume; a consumed batch and
+  its drops are one of the mirror's Consume successors; every consumed group satisfies S1;
+- errors: each invalid call raises its documented error and changes nothing;
+- events: one event per operation, with the right contents and ``before``/``after`` counters;
+- snapshot/restore mid-run rebuilds an equal manager.
+
+:func:`conformance_machine` builds the machine for any manager class, which is how
+``impl_mutants`` runs mutated implementations through the same checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, event, settings, target
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from staleflow.protocol import (
+    ConsumeNotReadyError,
+    CounterState,
+    DuplicateGroupError,
+    InvalidTransitionError,
+    InvalidVersionError,
+    ProtocolEvent,
+    StalenessManager,
+    UnknownGroupError,
+)
+from staleflow.spec import mirror
+from staleflow.spec.mirror import DONE, RUNNING, ConsumeStep, MirrorState, SpecParams
+from staleflow.verification.checks import CheckResult
+
+#: Parameter ranges the machine draws from; small enough for the mirror's brute force.
+MAX_ETA = 3
+MAX_BATCH_SIZE = 3
+MAX_REDUNDANCY = 2
+INVALID_CALLS = (
+    "reserve-duplicate", "occupy-done", "occupy-inactive", "abort-inactive", "consume-not-ready"
+)
+
+_COMMON: dict[str, Any] = dict(
+    deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "ci", max_examples=200, stateful_step_count=50, derandomize=True, database=None, **_COMMON
+)
+settings.register_profile("nightly", max_examples=3000, stateful_step_count=100, **_COMMON)
+#: For mutants: deterministic, no shrinking (a mutant only needs to be caught, not explained).
+settings.register_profile(
+    "mutant",
+    max_examples=200,
+    stateful_step_count=50,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    **_COMMON,
+)
+
+
+def load_profile() -> str:
+    """Load the profile named by ``HYPOTHESIS_PROFILE`` (default ``ci``) and return its name."""
+    name = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    settings.load_profile(name)
+    return name
+
+
+@lru_cache(maxsize=8192)
+def consume_steps(params: SpecParams, state: MirrorState) -> tuple[ConsumeStep, ...]:
+    """Every Consume successor of a mirror state (memoised: the mirror enumerates all choices)."""
+    return tuple(mirror.consume(params, state))
+
+
+def mirror_slack(params: SpecParams, state: MirrorState, version: int) -> int:
+    """How many fresh groups at ``version`` the mirror admits one after another."""
+    slack = 0
+    while (state := mirror.reserve(params, state, ("slack-probe", slack), version)) is not None:
+        slack += 1
+    return slack
+
+
+def mirror_counts(params: SpecParams, state: MirrorState) -> CounterState:
+    running = [0] * (params.eta + 1)
+    done = [0] * (params.eta + 1)
+    for _, version, status in state.groups:
+        (running if status == RUNNING else done)[version + params.eta - state.version] += 1
+    return CounterState(state.version, tuple(running), tuple(done))
+
+
+@dataclass
+class Stats:
+    """What a run explored, summed over its examples."""
+
+    examples: int = 0
+    steps: int = 0
+    max_version: int = 0
+    consumes: int = 0
+    drops: int = 0
+    refusals: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"{self.examples} examples, {self.steps} steps, {self.consumes} consumes, "
+            f"{self.drops} drops, {self.refusals} refusals, max version {self.max_version}"
+        )
+
+
+def conformance_machine(
+    manager_cls: type[StalenessManager] = StalenessManager, stats: Stats | None = None
+) -> type[RuleBasedStateMachine]:
+    """The conformance state machine for ``manager_cls`` (the real manager or a mutant)."""
+
+    class ProtocolConformance(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.events: list[ProtocolEvent] = []
+            self.retired: list[Any] = []  # ids consumed, dropped or aborted
+            self.next_id = 0
+            self.steps = 0
+            self.consumes = 0
+            self.drops = 0
+            self.refusals = 0
+
+        # ------------------------------------------------------------ helpers
+        def fresh_id(self) -> Any:
+            self.next_id += 1
+            return self.next_id if self.next_id % 2 else f"g{self.next_id}"
+
+        def ids(self, status: str | None = None) -> list[Any]:
+            return sorted(
+                (g for g, _, s in self.spec.groups if status is None or s == status), key=repr
+            )
+
+        def expect_event(self, op: str, group_id: Any, before: CounterState) -> ProtocolEvent:
+            assert len(self.events) == self.seen + 1, f"{op} emitted {len(self.events) - self.seen} events"
+            self.seen += 1
+            last = self.events[-1]
+            assert last.op == op and last.group_id == group_id, last
+            assert last.before == before and last.after == self.impl.counts(), last
+            return last
+
+        def expect_error(self, error: type[Exception], operation: Any, *args: Any) -> None:
+            before = self.impl.counts()
+            try:
+                operation(*args)
+            except error:
+                pass
+            else:
+                raise AssertionError(f"{operation.__name__}{args} did not raise {error.__name__}")
+            assert len(self.events) == self.seen, "a rejected call emitted an event"
+            assert self.impl.counts() == before
+
+        # ------------------------------------------------------------ rules
+        @initialize(
+            eta=st.integers(0, MAX_ETA),
+            batch_size=st.integers(1, MAX_BATCH_SIZE),
+            redundancy=st.integers(0, MAX_REDUNDANCY),
+        )
+        def setup(self, eta: int, batch_size: int, redundancy: int) -> None:
+            self.params = SpecParams(eta, batch_size, redundancy)
+            self.impl = manager_cls(eta, batch_size, redundancy, on_event=self.events.append)
+            self.spec = mirror.init()
+            self.seen = 0
+            event(f"eta={eta} B={batch_size} X={redundancy}")
+
+        def reserve_one(self, version: int) -> Any:
+            """Reserve a fresh group at ``version`` in both; the id if admitted, else None."""
+            group_id = self.fresh_id()
+            before = self.impl.counts()
+            if not 0 <= version <= self.spec.version:
+                self.expect_error(InvalidVersionError, self.impl.reserve, group_id, version)
+                return None
+            successor = mirror.reserve(self.params, self.spec, group_id, version)
+            accepted = self.impl.reserve(group_id, version)
+            assert accepted == (successor is not None), (
+                f"reserve({group_id!r}, {version}) returned {accepted}, spec enabled: {successor is not None}"
+            )
+            last = self.expect_event("reserve", group_id, before)
+            assert last.accepted == accepted and last.version == version
+            if successor is None:
+                self.refusals += 1
+                assert last.before == last.after
+                return None
+            self.spec = successor
+            return group_id
+
+        def occupy_one(self, group_id: Any) -> None:
+            before = self.impl.counts()
+            self.impl.occupy(group_id)
+            self.expect_event("occupy", group_id, before)
+            successor = mirror.occupy(self.params, self.spec, group_id)
+            assert successor is not None
+            self.spec = successor
+
+        def draw_lag(self, data: st.DataObject) -> int:
+            """Mostly a valid version; else one ahead of the trainer, negative, or past every deadline."""
+            eta = self.params.eta
+            return data.draw(st.one_of(st.integers(0, eta), st.integers(-1, eta + 2)), label="lag")
+
+        @precondition(lambda self: any(s == RUNNING for _, _, s in self.spec.groups))
+        @rule(data=st.data())
+        def occupy(self, data: st.DataObject) -> None:
+            self.occupy_one(data.draw(st.sampled_from(self.ids(RUNNING)), label="group"))
+
+        @rule(data=st.data())
+        def reserve(self, data: st.DataObject) -> None:
+            """1 to B + X + 1 reserves at one version, each admitted group occupied at once or left
+            running. Every call is checked as a single call; bursts only make runs reach full
+            buffers, Consume, drops and mixed versions more often."""
+            version = self.spec.version - self.draw_lag(data)
+            p = self.params
+            for _ in range(data.draw(st.integers(1, p.batch_size + p.redundancy + 1), label="count")):
+                group_id = self.reserve_one(version)
+                if group_id is None:
+                    break
+                self.same_state()
+                if data.draw(st.booleans(), label="finish"):
+                    self.occupy_one(group_id)
+                    self.same_state()
+
+        @precondition(lambda self: bool(self.spec.groups))
+        @rule(data=st.data())
+        def abort(self, data: st.DataObject) -> None:
+            group_id = data.draw(st.sampled_from(self.ids()), label="group")
+            before = self.impl.counts()
+            self.impl.abort(group_id)
+            self.expect_event("abort", group_id, before)
+            successor = mirror.abort(self.params, self.spec, group_id)
+            assert successor is not None
+            self.spec = successor
+            self.retired.append(group_id)
+
+        @rule(data=st.data(), kind=st.sampled_from(INVALID_CALLS))
+        def invalid_call(self, data: st.DataObject, kind: str) -> None:
+            """A call the spec does not allow: it must raise its documented error and change nothing."""
+            if kind == "reserve-duplicate" and self.spec.groups:
+                group_id = data.draw(st.sampled_from(self.ids()), label="group")
+                self.expect_error(DuplicateGroupError, self.impl.reserve, group_id, self.spec.version)
+            elif kind == "occupy-done" and self.ids(DONE):
+                group_id = data.draw(st.sampled_from(self.ids(DONE)), label="group")
+                self.expect_error(InvalidTransitionError, self.impl.occupy, group_id)
+            elif kind in ("occupy-inactive", "abort-inactive"):
+                group_id = data.draw(st.sampled_from([*self.retired, "never-reserved"]), label="group")
+                operation = self.impl.occupy if kind == "occupy-inactive" else self.impl.abort
+                self.expect_error(UnknownGroupError, operation, group_id)
+            elif kind == "consume-not-ready" and not consume_steps(self.params, self.spec):
+                self.expect_error(ConsumeNotReadyError, self.impl.consume)
+
+        @precondition(lambda self: bool(consume_steps(self.params, self.spec)))
+        @rule()
+        def consume(self) -> None:
+            before = self.impl.counts()
+            batch = self.impl.consume()
+            last = self.expect_event("consume", None, before)
+            assert last.batch == batch
+            p, c = self.params, self.spec.version
+            assert batch.version == c, f"batch tagged {batch.version}, head buffer is {c}"
+            assert len(batch.group_ids) == p.batch_size == len(set(batch.group_ids)), batch
+            for group_id, version in zip(batch.group_ids, batch.group_versions, strict=True):
+                assert (group_id, version, DONE) in self.spec.groups, (group_id, version)
+                assert version <= batch.version <= version + p.eta, f"S1 broken by {group_id!r}"
+            assert len(batch.dropped) <= p.redundancy, batch
+            matches = [
+                step
+                for step in consume_steps(p, self.spec)
+                if step.batch == frozenset(batch.group_ids) and step.dropped == frozenset(batch.dropped)
+            ]
+            assert matches, f"batch {batch} is not a Consume successor of the spec"
+            self.spec = matches[0].state
+            self.retired += [*batch.group_ids, *batch.dropped]
+            self.consumes += 1
+            self.drops += len(batch.dropped)
+            event(f"reached version {self.spec.version}")
+            if batch.dropped:
+                event("consume with drops")
+
+        @rule()
+        def snapshot_restore(self) -> None:
+            data = json.loads(json.dumps(self.impl.snapshot()))
+            restored = manager_cls.restore(data, on_event=self.events.append)
+            assert restored.snapshot() == data
+            assert restored.counts() == self.impl.counts()
+            assert list(restored.groups()) == list(self.impl.groups())
+            self.impl = restored
+
+        # ------------------------------------------------------------ invariants
+        @invariant()
+        def same_state(self) -> None:
+            self.steps += 1
+            assert mirror.invariant(self.params, self.spec)
+            impl_groups = {(g.group_id, g.version, g.status.value) for g in self.impl.groups()}
+            assert impl_groups == set(self.spec.groups), (impl_groups, self.spec.groups)
+            assert len(self.impl) == len(self.spec.groups)
+            assert self.impl.version == self.spec.version
+            assert self.impl.counts() == mirror_counts(self.params, self.spec)
+
+        @invariant()
+        def same_consume_enabledness(self) -> None:
+            enabled = bool(consume_steps(self.params, self.spec))
+            assert self.impl.can_consume() == enabled, f"can_consume() != spec enabledness {enabled}"
+
+        @invariant()
+        def same_admission(self) -> None:
+            c, eta = self.spec.version, self.params.eta
+            admissible = []
+            for version in range(max(0, c - eta - 1), c + 1):
+                slack = mirror_slack(self.params, self.spec, version)
+                assert self.impl.reserve_slack(version) == slack, (version, slack)
+                assert self.impl.can_reserve(version) == (slack > 0), version
+                if slack:
+                    admissible.append(version)
+            assert self.impl.oldest_admissible_version() == min(admissible, default=None)
+
+        def teardown(self) -> None:
+            if not hasattr(self, "params"):
+                return
+            event(f"consumes: {min(self.consumes, 5)}{'+' if self.consumes >= 5 else ''}")
+            target(float(self.spec.version), label="version reached")
+            if stats is not None:
+                stats.examples += 1
+                stats.steps += self.steps
+                stats.max_version = max(stats.max_version, self.spec.version)
+                stats.consumes += self.consumes
+                stats.drops += self.drops
+                stats.refusals += self.refusals
+
+    return ProtocolConformance
+
+
+def run_conformance(
+    manager_cls: type[StalenessManager] = StalenessManager, profile: str = "ci"
+) -> Stats:
+    """Run the machine under a profile; raises the first failure (output captured, not printed)."""
+    stats = Stats()
+    with contextlib.redirect_stdout(io.StringIO()):
+        run_state_machine_as_test(
+            conformance_machine(manager_cls, stats), settings=settings.get_profile(profile)
+        )
+    return stats
+
+
+def checks(quick: bool, nightly: bool = False) -> list[CheckResult]:
+    """The conformance row of ``staleflow verify`` (``ci`` profile, or ``nightly``)."""
+    profile = "nightly" if nightly else "ci"
+    chosen = settings.get_profile(profile)
+    started = time.perf_counter()
+    try:
+        stats = run_conformance(profile=profile)
+        result, explored, detail = "pass", stats.describe(), ""
+    except Exception as error:  # any failure of the machine is a failed check, reported as such
+        result, explored, detail = "fail", "stopped at the first counterexample", _first_line(error)
+    return [
+        CheckResult(
+            name="conformance",
+            property="impl = spec mirror: state, exact admission, eager consume, S1, errors, events",
+            method=f"Hypothesis RuleBasedStateMachine, profile {profile}",
+            bounds=(
+                f"eta 0..{MAX_ETA}, B 1..{MAX_BATCH_SIZE}, X 0..{MAX_REDUNDANCY}, "
+                f"{chosen.max_examples} examples x <= {chosen.stateful_step_count} steps"
+            ),
+            explored=explored,
+            result=result,
+            seconds=round(time.perf_counter() - started, 3),
+            detail=detail,
+        )
+    ]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]

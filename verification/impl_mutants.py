@@ -1,0 +1,264 @@
+"""Implementation mutants: small bugs planted in ``protocol/manager.py`` that the checks must catch.
+
+Each mutant is a one-place source edit of the real ``manager.py`` (read from disk, never written),
+compiled into a fresh module; its ``StalenessManager`` is then run through every dynamic layer:
+the Hypothesis conformance machine against the spec mirror and, when the trace tools are present,
+trace validation of a trace the mutant wrote. A mutant that no layer catches is a failure: the
+layers would miss that bug. If ``manager.py`` changes so that a mutant's original text no longer
+occurs exactly once, that mutant fails too, naming the text to update.
+"""
+
+from __future__ import annotations
+
+import importlib
+import tempfile
+import time
+import types
+from unittest import mock
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from staleflow.protocol import StalenessManager
+from staleflow.protocol import manager as manager_module
+from staleflow.verification.checks import CheckResult
+from staleflow.verification.conformance import run_conformance
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    operation: str
+    bug: str
+    original: str
+    replacement: str
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "reserve-checks-own-offset-only",
+        "reserve",
+        "admission checks only the prefix at the group's own deadline, not the later ones",
+        "if k >= offset and capacity - prefix < slack:",
+        "if k == offset and capacity - prefix < slack:",
+    ),
+    Mutant(
+        "reserve-admits-at-zero-slack",
+        "reserve",
+        "admits a group when the slack is 0",
+        "accepted = self._slack_at(version + self._eta - self._version) > 0",
+        "accepted = self._slack_at(version + self._eta - self._version) >= 0",
+    ),
+    Mutant(
+        "reserve-past-deadline",
+        "reserve",
+        "a group whose deadline was the previous buffer is not refused",
+        "if offset < 0:\n            return 0",
+        "if offset < -1:\n            return 0",
+    ),
+    Mutant(
+        "reserve-slack-off-by-one",
+        "reserve_slack",
+        "reserve_slack/can_reserve look at the next deadline offset",
+        "return self._slack_at(version + self._eta - self._version)\n",
+        "return self._slack_at(version + self._eta - self._version + 1)\n",
+    ),
+    Mutant(
+        "oldest-admissible-skips-oldest",
+        "oldest_admissible_version",
+        "never answers the oldest still-valid version",
+        "range(max(0, self._version - self._eta), self._version + 1)",
+        "range(max(0, self._version - self._eta + 1), self._version + 1)",
+    ),
+    Mutant(
+        "reserve-refusal-not-emitted",
+        "reserve (events)",
+        "a refused reserve emits no event",
+        'if before is not None:\n            self._emit("reserve"',
+        'if before is not None and accepted:\n            self._emit("reserve"',
+    ),
+    Mutant(
+        "occupy-skips-status-check",
+        "occupy",
+        "occupy of a done group is not refused with InvalidTransitionError",
+        "if group_id not in bucket.running:\n            raise InvalidTransitionError",
+        "if False:\n            raise InvalidTransitionError",
+    ),
+    Mutant(
+        "occupy-keeps-running-copy",
+        "occupy",
+        "the group is marked done but stays in the running set",
+        "del bucket.running[group_id]\n        bucket.done[group_id] = None",
+        "bucket.done[group_id] = None",
+    ),
+    Mutant(
+        "abort-leaves-done-group",
+        "abort",
+        "aborting a done group leaves it in its bucket",
+        "if bucket.running.pop(group_id, bucket) is bucket:\n            del bucket.done[group_id]",
+        "bucket.running.pop(group_id, None)",
+    ),
+    Mutant(
+        "abort-keeps-index",
+        "abort",
+        "an aborted group stays known to the manager",
+        'del self._versions[group_id]\n        if before is not None:\n            self._emit("abort"',
+        'if before is not None:\n            self._emit("abort"',
+    ),
+    Mutant(
+        "consume-waits-for-all-running",
+        "can_consume",
+        "consume is not eager: it waits until no group is running",
+        "if need:\n            return None",
+        "if need or any(b.running for b in self._buckets):\n            return None",
+    ),
+    Mutant(
+        "consume-drops-one-too-many",
+        "consume",
+        "consume may drop redundancy + 1 head groups",
+        "if len(self._buckets[0]) - plan[0] > self._redundancy:",
+        "if len(self._buckets[0]) - plan[0] > self._redundancy + 1:",
+    ),
+    Mutant(
+        "consume-prefix-capacity-off-by-one",
+        "consume",
+        "consume checks the remaining groups against cap(k) instead of cap(k - 1)",
+        "if prefix > self.capacity(k - 1):",
+        "if prefix > self.capacity(k):",
+    ),
+    Mutant(
+        "consume-takes-from-wrong-buckets",
+        "consume",
+        "the batch is taken from the latest deadlines instead of the planned ones",
+        "for bucket, count in zip(self._buckets, plan):",
+        "for bucket, count in zip(reversed(self._buckets), plan):",
+    ),
+    Mutant(
+        "consume-forgets-running-drops",
+        "consume",
+        "running head groups are discarded without being reported as dropped",
+        "dropped = (*head.running, *head.done)",
+        "dropped = tuple(head.done)",
+    ),
+    Mutant(
+        "snapshot-loses-status",
+        "snapshot",
+        "a snapshot records every group as running",
+        "[g.group_id, g.version, g.status.value]",
+        '[g.group_id, g.version, "running"]',
+    ),
+)
+
+
+class MutationError(Exception):
+    """A mutant's original text does not occur exactly once in manager.py."""
+
+
+def mutant_class(mutant: Mutant | None) -> type[StalenessManager]:
+    """Compile manager.py with the mutant's edit (None: unmodified) into a fresh module; return
+    its manager class."""
+    source = Path(manager_module.__file__).read_text(encoding="utf-8")
+    name = "baseline" if mutant is None else mutant.name
+    if mutant is not None:
+        count = source.count(mutant.original)
+        if count != 1:
+            raise MutationError(
+                f"mutant {name}: {mutant.original!r} occurs {count} times in protocol/manager.py"
+            )
+        source = source.replace(mutant.original, mutant.replacement)
+    module = types.ModuleType(f"staleflow.protocol._mutant_{name.replace('-', '_')}")
+    module.__file__ = f"<mutant {name} of {manager_module.__file__}>"
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    cls: type[StalenessManager] = module.StalenessManager
+    return cls
+
+
+# --------------------------------------------------------------------------- layers
+#: A layer runs a manager class through one kind of check; it returns why it caught the class
+#: (a failure message) or None if the class passed.
+Layer = Callable[[type[StalenessManager]], "str | None"]
+
+
+def conformance_layer(manager_cls: type[StalenessManager]) -> str | None:
+    try:
+        run_conformance(manager_cls, profile="mutant")
+    except Exception as error:
+        return _first_line(error)
+    return None
+
+
+def trace_layer(manager_cls: type[StalenessManager]) -> str | None:
+    """Record the trace-validation workloads on ``manager_cls`` and replay them on the mirror."""
+    validation = importlib.import_module("staleflow.verification.trace_validation")
+    for eta, batch_size, redundancy, ops, seed, resume_at in validation.WORKLOADS_FULL:
+        with tempfile.TemporaryDirectory(prefix="staleflow-mutant-") as folder:
+            path = Path(folder) / "trace.jsonl"
+            # record_workload_trace drives the real manager class; point it at the mutant.
+            with mock.patch.object(validation, "StalenessManager", manager_cls):
+                try:
+                    validation.record_workload_trace(path, eta, batch_size, redundancy, ops, seed, resume_at)
+                except Exception as error:
+                    return f"the workload failed while recording: {_first_line(error)}"
+            verdict = validation.validate_trace(path, use_tlc=False)
+        if not verdict.ok:
+            return f"eta={eta} B={batch_size} X={redundancy}: {verdict.detail}"
+    return None
+
+
+#: Every dynamic layer a mutant is run through.
+LAYERS: dict[str, Layer] = {"conformance": conformance_layer, "trace validation": trace_layer}
+
+
+# --------------------------------------------------------------------------- the check
+def check_mutant(mutant: Mutant, layers: dict[str, Layer] = LAYERS) -> CheckResult:
+    started = time.perf_counter()
+    try:
+        cls = mutant_class(mutant)
+        caught = {name: layer(cls) for name, layer in layers.items()}
+        caught_by = {name: why for name, why in caught.items() if why is not None}
+        result = "pass" if caught_by else "fail"
+        explored = "caught by " + ", ".join(caught_by) if caught_by else "survived every layer"
+        detail = "; ".join(f"{name}: {why}" for name, why in caught_by.items())
+    except MutationError as error:
+        result, explored, detail = "fail", "mutation does not apply", str(error)
+    return CheckResult(
+        name=f"mutant {mutant.name}",
+        property=f"{mutant.operation}: {mutant.bug} is caught",
+        method="source mutation of protocol/manager.py, run through " + " + ".join(layers),
+        bounds=BOUNDS,
+        explored=explored,
+        result=result,
+        seconds=round(time.perf_counter() - started, 3),
+        detail=detail[:500],
+    )
+
+
+BOUNDS = "conformance profile 'mutant' (200 examples x 50 steps, no shrinking); 3 traced workloads"
+
+
+def check_baseline() -> CheckResult:
+    """The unmutated source, compiled the same way, must pass the trace layer (else a "caught"
+    mutant would prove nothing). Its conformance run is the ``conformance`` row: the ``ci`` profile
+    generates the same examples as ``mutant``."""
+    started = time.perf_counter()
+    why = trace_layer(mutant_class(None))
+    return CheckResult(
+        name="mutant baseline",
+        property="the unmutated manager.py, compiled as the mutants are, passes trace validation",
+        method="trace validation of the mutant workloads",
+        bounds=BOUNDS,
+        explored="accepted" if why is None else "rejected",
+        result="pass" if why is None else "fail",
+        seconds=round(time.perf_counter() - started, 3),
+        detail=why or "",
+    )
+
+
+def checks(quick: bool) -> list[CheckResult]:
+    """The baseline row, then one row per mutant (quick and full run the same set)."""
+    return [check_baseline(), *(check_mutant(mutant) for mutant in MUTANTS)]
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
