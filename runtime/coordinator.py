@@ -74,6 +74,8 @@ class Coordinator:
         )
         #: admitted groups not yet removed without training (the inflight cap's accepted + running)
         self.live_groups = 0
+        self._fleet = FleetArrays.of(self.views)
+        self._dirty: set[int] = set()
         self.stats: Counter[str] = Counter()
         self.decision_seconds = 0.0
 
@@ -83,15 +85,19 @@ class Coordinator:
 
     def observe(self, snapshot: InstanceSnapshot) -> bool:
         """Take an instance snapshot unless it contradicts the speculative state."""
-        accepted = self.view(snapshot.instance_id).observe(snapshot)
+        index = self._index[snapshot.instance_id]
+        accepted = self.views[index].observe(snapshot)
+        if accepted:
+            self._dirty.add(index)
         self.stats["snapshots_accepted" if accepted else "snapshots_rejected"] += 1
         return accepted
 
     def forget(self, instance_id: str, request_ids: Iterable[str]) -> None:
         """These requests left the instance (finished and collected, or cancelled)."""
-        view = self.view(instance_id)
+        index = self._index[instance_id]
         for rid in request_ids:
-            view.remove(rid)
+            self.views[index].remove(rid)
+        self._dirty.add(index)
 
     def groups_removed(self, count: int) -> None:
         """Admitted groups that ended without being trained (aborted, failed, dropped)."""
@@ -114,9 +120,13 @@ class Coordinator:
                 commands.append(Interrupt(self.views[i].instance_id, tuple(rids)))
                 self.stats["migrated_requests"] += len(rids)
         routes: dict[int, list[str]] = {}
-        fleet = FleetArrays.of(self.views)
-        if self._route_queue(fleet, routes):
-            self._admit(fleet, ps_version, routes)
+        fleet = self._fleet
+        for i in self._dirty:
+            fleet.update(i, self.views[i])
+        self._dirty.clear()
+        if self.ts.queued_count() or self._admissible_versions(ps_version):
+            if self._route_queue(fleet, routes):
+                self._admit(fleet, ps_version, routes)
         for i, rids in routes.items():
             commands.append(Route(self.views[i].instance_id, tuple(rids)))
         self.stats["pulls"] += len(pulls)
@@ -125,65 +135,73 @@ class Coordinator:
 
     def pull(self, instance_id: str, version: int) -> Pull:
         """A Pull command; the view takes the new version at once (older snapshots are stale)."""
-        view = self.view(instance_id)
-        view.version = version
-        view.loading = True
+        index = self._index[instance_id]
+        self.views[index].version = version
+        self.views[index].loading = True
+        self._dirty.add(index)
         return Pull(instance_id, version)
 
     def _route_queue(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
         """Place queued requests in order; False if one could not be placed."""
         if self.ts.queued_count() == 0:
             return True
+        batch: list[RolloutRequest] = []
         for request in self.ts.queued():
-            if not self._place(request, fleet, routes):
-                return False
-        return True
+            if batch and (request.group_version, _tokens(request)) != (batch[0].group_version, _tokens(batch[0])):
+                if not self._place(batch, fleet, routes):
+                    return False
+                batch = []
+            batch.append(request)
+        return self._place(batch, fleet, routes)
 
-    def _place(self, request: RolloutRequest, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        tokens = len(request.prompt_ids) + len(request.output_ids)
-        choice = self.router.choose(fleet, tokens, fleet.version >= request.group_version)
-        if choice is None:
-            return False
-        self._assign(choice, request.request_id, tokens, request.group_version, fleet, routes)
-        return True
+    def _place(self, requests: list[RolloutRequest], fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
+        """Route requests that share a group version and a size; False if some stay queued."""
+        if not requests:
+            return True
+        first = requests[0]
+        chosen = self.router.choose(fleet, _tokens(first), fleet.version >= first.group_version, len(requests))
+        for i, request in zip(chosen, requests):
+            self._assign(i, request.request_id, _tokens(request), request.group_version, routes)
+        return len(chosen) == len(requests)
 
-    def _assign(
-        self, i: int, rid: str, tokens: int, group_version: int, fleet: FleetArrays, routes: dict[int, list[str]]
-    ) -> None:
+    def _assign(self, i: int, rid: str, tokens: int, group_version: int, routes: dict[int, list[str]]) -> None:
         self.views[i].add(rid, tokens, group_version)
-        fleet.add(i, tokens)
         routes.setdefault(i, []).append(rid)
+
+    def _admissible_versions(self, ps_version: int | None) -> list[int]:
+        """Instance versions at which a pending group could be admitted now (none: admit nothing)."""
+        if self.ts.pending_count() == 0:
+            return []
+        if self.policy.admission == "inflight_cap":
+            cap = (self.manager.eta + (ps_version or 0) + 1) * self.manager.batch_size
+            if self.live_groups >= cap:
+                return []
+        versions = [v for v in set(self._fleet.version.tolist()) if self.manager.can_reserve(v)]
+        if not versions:
+            self.stats["protocol_refusals"] += 1
+        return versions
 
     def _admit(self, fleet: FleetArrays, ps_version: int | None, routes: dict[int, list[str]]) -> None:
         """Admit pending groups while the router, the protocol (and the policy's cap) allow."""
         while True:
+            admissible = self._admissible_versions(ps_version)
             group = self.ts.next_pending()
-            if group is None:
-                return
-            if self.policy.admission == "inflight_cap":
-                cap = (self.manager.eta + (ps_version or 0) + 1) * self.manager.batch_size
-                if self.live_groups >= cap:
-                    return
-            admissible = [
-                v for v in np.unique(fleet.version).tolist() if v <= self.manager.version and self.manager.can_reserve(v)
-            ]
-            if not admissible:
-                self.stats["protocol_refusals"] += 1
+            if not admissible or group is None:
                 return
             tokens = len(group.prompt_ids)
-            choice = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible))
-            if choice is None:
+            chosen = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible))
+            if not chosen:
                 return
+            choice = chosen[0]
             version = int(fleet.version[choice])
             if not self.manager.reserve(group.group_id, version):
                 raise RuntimeError(f"protocol refused group {group.group_id!r} at version {version} after can_reserve")
             self.live_groups += 1
             self.stats["groups_admitted"] += 1
             requests = self.ts.admit(group.group_id, version)
-            self._assign(choice, requests[0].request_id, tokens, version, fleet, routes)
-            for request in requests[1:]:
-                if not self._place(request, fleet, routes):
-                    return
+            self._assign(choice, requests[0].request_id, tokens, version, routes)
+            if not self._place(requests[1:], fleet, routes):
+                return
 
     # ----------------------------------------------------------------- aborts
     def cancel(self, pairs: Iterable[tuple[str, str]]) -> list[Command]:
@@ -212,3 +230,8 @@ class Coordinator:
         self.groups_removed(len(stale))
         self.stats["gc_aborted_groups"] += len(stale)
         return self.cancel(pairs)
+
+
+def _tokens(request: RolloutRequest) -> int:
+    """Tokens a request puts in the KV cache when it (re)starts: prompt and output so far."""
+    return len(request.prompt_ids) + len(request.output_ids)

@@ -45,8 +45,8 @@ class InstanceView:
 
     def observe(self, snapshot: InstanceSnapshot) -> bool:
         """Take a snapshot unless it contradicts the speculative state; returns whether it was taken."""
-        contradicts = snapshot.version != self.version or any(
-            rid not in self.requests for rid in (*snapshot.running, *snapshot.waiting)
+        contradicts = snapshot.version != self.version or not (
+            self.requests.keys() >= {*snapshot.running, *snapshot.waiting}
         )
         if contradicts:
             self.rejected += 1
@@ -97,3 +97,12 @@ class FleetArrays:
     def add(self, index: int, tokens: int) -> None:
         self.n[index] += 1
         self.kv[index] += tokens
+
+    def update(self, index: int, view: InstanceView) -> None:
+        """Copy one view's state into the arrays."""
+        self.n[index] = len(view.requests)
+        self.kv[index] = view.kv_tokens
+        self.cap[index] = view.kv_capacity
+        self.version[index] = view.version
+        self.waiting[index] = len(view.waiting)
+        self.loading[index] = view.loading

@@ -31,20 +31,31 @@ class ThroughputRouter:
         self.cost_model = cost_model
         self.mu = mu
 
-    def choose(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> int | None:
-        mask = eligible & ~fleet.loading & (fleet.waiting == 0) & (fleet.kv + tokens <= fleet.cap)
-        if not mask.any():
-            return None
-        gain = fleet_throughput(self.cost_model, fleet.n + 1, fleet.kv + tokens) - fleet_throughput(
-            self.cost_model, fleet.n, fleet.kv
-        )
-        threshold = self.mu / self.cost_model.step_latency(1, tokens)
-        for version in np.unique(fleet.version[mask])[::-1]:
-            tier_gain = np.where(mask & (fleet.version == version), gain, -np.inf)
-            best = int(np.argmax(tier_gain))
-            if tier_gain[best] >= threshold:
-                return best
-        return None
+    def choose(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1) -> list[int]:
+        """Instances for up to ``count`` requests of ``tokens`` tokens each, one decision per request
+        (the fleet is updated after each); stops at the first request that stays queued."""
+        candidates = np.flatnonzero(eligible & ~fleet.loading & (fleet.waiting == 0))
+        if candidates.size == 0:
+            return []
+        model = self.cost_model
+        n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
+        gain = fleet_throughput(model, n + 1, kv + tokens) - fleet_throughput(model, n, kv)
+        threshold = self.mu / model.step_latency(1, tokens)
+        versions = fleet.version[candidates]
+        tiers = [versions == v for v in sorted(set(versions.tolist()), reverse=True)]
+        chosen: list[int] = []
+        for _ in range(count):
+            usable = (gain >= threshold) & (kv + tokens <= cap)
+            pick = next((int(np.argmax(np.where(tier & usable, gain, -np.inf))) for tier in tiers if (tier & usable).any()), None)
+            if pick is None:
+                break
+            index = int(candidates[pick])
+            fleet.add(index, tokens)
+            chosen.append(index)
+            n[pick] += 1
+            kv[pick] += tokens
+            gain[pick] = model.throughput(int(n[pick]) + 1, int(kv[pick]) + tokens) - model.throughput(int(n[pick]), int(kv[pick]))
+        return chosen
 
 
 class LeastLoadedRouter:
@@ -53,8 +64,19 @@ class LeastLoadedRouter:
     def __init__(self, max_running: int) -> None:
         self.max_running = max_running
 
-    def choose(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> int | None:
-        mask = eligible & ~fleet.loading & (fleet.n < self.max_running)
-        if not mask.any():
-            return None
-        return int(np.argmin(np.where(mask, fleet.n, np.inf)))
+    def choose(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1) -> list[int]:
+        """Instances for up to ``count`` requests, the least loaded first (the fleet is updated)."""
+        candidates = np.flatnonzero(eligible & ~fleet.loading)
+        chosen: list[int] = []
+        if candidates.size == 0:
+            return chosen
+        n = fleet.n[candidates]
+        for _ in range(count):
+            pick = int(np.argmin(n))
+            if n[pick] >= self.max_running:
+                break
+            index = int(candidates[pick])
+            fleet.add(index, tokens)
+            chosen.append(index)
+            n[pick] += 1
+        return chosen

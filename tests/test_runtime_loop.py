@@ -1,0 +1,191 @@
+"""The whole run loop with small fake engines and trainer: bound kept, nothing lost, trainer advances."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from staleflow.runtime.clock import RealClock, VirtualClock
+from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.loop import RunLoop, RunStalledError
+from staleflow.runtime.policies import POLICIES, make_policy
+from staleflow.runtime.types import PromptGroup
+
+from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
+
+MODEL = CostModel(thr=0.0064, o_b=0.0027, o_k=1.231e-4, a_b=0.0028, a_k=3.35e-8)
+
+
+def build(policy="staleflow", eta=2, batch=4, instances=4, n_samples=4, n_extra=0, step_s=1.0, prompts=None,
+          clock=None, engines=None, trainer=None, tick_s=0.5, **kwargs):
+    clock = clock or VirtualClock()
+    engines = engines or [FakeEngine(f"i{k}", clock, max_running=6) for k in range(instances)]
+    trainer = trainer or FakeTrainer(clock, step_s)
+    events = []
+    loop = RunLoop(
+        engines=engines, trainer=trainer, prompts=prompts or prompt_groups(n_samples, n_extra),
+        policy=policy if not isinstance(policy, str) else make_policy(policy), eta=eta, batch_size=batch,
+        cost_model=MODEL, clock=clock, tick_s=tick_s, event_hooks=[events.append], **kwargs,
+    )
+    return loop, trainer, engines, events
+
+
+def check_bound(trainer: FakeTrainer, eta: int) -> None:
+    """Every token of every trained trajectory comes from a version in [group version, b], b <= v + eta."""
+    for batch in trainer.batches:
+        for group in batch.groups.values():
+            first = min(v for t in group for v in t.versions)
+            assert batch.version - eta <= first <= batch.version
+            assert all(max(t.versions) <= batch.version for t in group)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_keeps_the_bound_and_loses_nothing(name):
+    loop, trainer, engines, events = build(name, eta=2)
+    metrics = loop.run(8)
+    assert trainer.version == 8 and metrics.steps == 8
+    assert [b.version for b in trainer.batches] == list(range(8))
+    assert all(len(b.groups) == 4 for b in trainer.batches)
+    assert metrics.max_staleness <= loop.manager.eta <= 2
+    assert sum(metrics.staleness_histogram.values()) == 32
+    check_bound(trainer, loop.manager.eta)
+    assert metrics.audit_ok and metrics.lost == 0 and metrics.duplicated == 0
+    assert metrics.tokens_trained > 0 and metrics.tokens_per_s > 0 and 0 < metrics.utilisation <= 1
+    consumes = [e for e in events if e.op == "consume"]
+    assert [e.batch.version for e in consumes] == list(range(8))
+    json.dumps(metrics.to_dict())
+
+
+def test_sync_is_on_policy_and_one_step_off_at_most_one():
+    loop, _, _, _ = build("sync", eta=3)
+    assert set(loop.run(4).staleness_histogram) == {0}
+    loop, _, _, _ = build("one-step-off", eta=3)
+    metrics = loop.run(6)
+    assert set(metrics.staleness_histogram) <= {0, 1} and metrics.staleness_histogram.get(1)
+
+
+def test_staleflow_uses_the_slack_and_beats_sync_on_a_skewed_workload():
+    skew = (10, 10, 10, 400)
+    fast, _, _, _ = build("staleflow", eta=2, step_s=0.5, prompts=prompt_groups(4, lengths=skew))
+    slow, _, _, _ = build("sync", eta=2, step_s=0.5, prompts=prompt_groups(4, lengths=skew))
+    a, b = fast.run(8), slow.run(8)
+    assert a.max_staleness >= 1
+    assert a.elapsed_s < b.elapsed_s
+
+
+def test_runs_are_deterministic_with_a_virtual_clock():
+    first = build("staleflow")[0].run(5).to_dict()
+    second = build("staleflow")[0].run(5).to_dict()
+    for key in ("decision_seconds",):
+        first["coordinator"].pop(key)
+        second["coordinator"].pop(key)
+    assert first == second
+
+
+def test_group_redundancy_cancels_extra_responses():
+    loop, trainer, _, _ = build(make_policy("staleflow", group_redundancy=2), n_samples=2, n_extra=2)
+    metrics = loop.run(4)
+    assert metrics.cancelled_requests > 0 and metrics.audit_ok
+    assert all(len(trajs) == 2 for b in trainer.batches for trajs in b.groups.values())
+
+
+def test_loop_sets_n_extra_and_checks_lengths():
+    loop, _, _, _ = build(make_policy("staleflow", group_redundancy=1), n_samples=2)  # lengths only for 2
+    with pytest.raises(ValueError, match="response_lengths' has 2 entries, need n_samples \\+ n_extra = 3"):
+        loop.run(1)
+
+
+def test_batch_redundancy_drops_are_reported_and_bounded():
+    lengths = (10, 15, 20, 600)
+    loop, trainer, _, events = build(make_policy("staleflow", batch_redundancy=2), eta=1, prompts=prompt_groups(1, lengths=lengths))
+    metrics = loop.run(6)
+    drops = [len(e.batch.dropped) for e in events if e.op == "consume"]
+    assert sum(drops) == metrics.dropped and max(drops) <= 2
+    assert metrics.audit_ok
+    check_bound(trainer, 1)
+
+
+def test_start_version_gc_aborts_stragglers():
+    lengths = (10, 10, 10, 10, 10, 10, 10, 900)
+    loop, trainer, _, _ = build("start-version-gc", eta=1, n_samples=1, prompts=prompt_groups(1, lengths=lengths))
+    metrics = loop.run(6)
+    assert metrics.gc_aborted > 0 and metrics.audit_ok
+    check_bound(trainer, 1)
+
+
+def test_failing_and_hanging_rewards_mark_groups_and_the_run_goes_on():
+    hang = threading.Event()
+    calls = {"n": 0}
+
+    def reward(trajectory, metadata):
+        calls["n"] += 1
+        if trajectory.group_id == "g1":
+            raise RuntimeError("bad answer format")
+        if trajectory.group_id == "g2":
+            hang.wait(5)  # hangs past the timeout
+        return float(len(trajectory.output_ids))
+
+    loop, trainer, _, _ = build("staleflow", reward_fn=reward, reward_timeout_s=0.2)
+    metrics = loop.run(4)
+    hang.set()
+    assert metrics.reward_failures == 2
+    trained = [t for b in trainer.batches for ts in b.groups.values() for t in ts]
+    assert trained and all(t.reward == float(len(t.output_ids)) for t in trained)
+    assert {"g1", "g2"}.isdisjoint(t.group_id for t in trained)
+    assert metrics.audit_ok
+    loop.close()
+
+
+def test_checkpoint_resume_keeps_the_bound_and_every_partial():
+    loop, trainer, engines, _ = build("staleflow", eta=2, prompts=prompt_groups(4, lengths=(30, 80, 200, 15)))
+    loop.run(3)
+    state = json.loads(json.dumps(loop.state_dict()))
+    active = {g[0]: g[1] for g in state["protocol"]["groups"]}
+    assert active, "some groups are in flight at the checkpoint"
+    assert not any(e.held() for e in engines)  # partials moved into the trajectory server
+    clock = VirtualClock()
+    resumed_trainer = FakeTrainer(clock)
+    resumed_trainer.version = trainer.version
+    resumed, _, new_engines, _ = build(
+        "staleflow", eta=2, clock=clock, trainer=resumed_trainer,
+        prompts=_skip(prompt_groups(4, lengths=(30, 80, 200, 15)), state["prompts_drawn"]),
+    )
+    resumed.load_state_dict(state)
+    metrics = resumed.run(4)
+    assert metrics.steps == 7 and resumed_trainer.version == 7
+    assert [b.version for b in resumed_trainer.batches] == [3, 4, 5, 6]
+    versions = {g: v for b in resumed_trainer.batches for g, ts in b.groups.items() for v in [min(t.versions[0] for t in ts)]}
+    carried = set(active) & set(versions)
+    assert carried, "groups admitted before the checkpoint were trained after it"
+    for b in resumed_trainer.batches:
+        for g in b.groups:
+            if g in active:
+                assert active[g] <= b.version <= active[g] + 2
+    check_bound(resumed_trainer, 2)
+    assert metrics.audit_ok and sum(metrics.staleness_histogram.values()) == 28
+    assert all(e.loads and e.loads[0] == 3 for e in new_engines)  # engines pulled the resumed version
+
+
+def _skip(groups, n):
+    for _ in range(n):
+        next(groups)
+    return groups
+
+
+def test_run_stalls_with_a_clear_error_when_prompts_run_out():
+    loop, _, _, _ = build("staleflow", prompts=[PromptGroup("only", [1], 1, 0, {"max_new_tokens": 5})])
+    with pytest.raises(RunStalledError, match="run stalled .* step 0"):
+        loop.run(1)
+
+
+def test_real_clock_run_with_polling_engines():
+    clock = RealClock()
+    engines = [FakeEngine(f"i{k}", clock, tokens_per_s=4000, load_s=0.002, announce_events=False) for k in range(2)]
+    loop, trainer, _, _ = build("staleflow", eta=1, batch=2, n_samples=2, clock=clock, engines=engines,
+                                trainer=FakeTrainer(clock, 0.01), prompts=prompt_groups(2, lengths=(8, 12, 20)), tick_s=0.002)
+    metrics = loop.run(3)
+    loop.close()
+    assert trainer.version == 3 and metrics.audit_ok and metrics.max_staleness <= 1
+    assert loop.ps.latest_version() == 3

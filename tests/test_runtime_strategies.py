@@ -1,0 +1,230 @@
+"""Routing, synchronization, migration, speculative snapshots, admission and policies, each on its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from staleflow.protocol import StalenessManager
+from staleflow.runtime.commands import Interrupt, Pull, Route
+from staleflow.runtime.coordinator import Coordinator
+from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.fleet import FleetArrays, InstanceView
+from staleflow.runtime.migration import plan_migration
+from staleflow.runtime.policies import POLICIES, make_policy
+from staleflow.runtime.routing import LeastLoadedRouter, ThroughputRouter, fleet_throughput
+from staleflow.runtime.sync import plan_pulls
+from staleflow.runtime.trajectory_server import TrajectoryServer
+from staleflow.runtime.types import InstanceSnapshot, PromptGroup
+
+#: The authors' Qwen-7B TP1 coefficients.
+MODEL = CostModel(thr=0.0064, o_b=0.0027, o_k=1.231e-4, a_b=0.0028, a_k=3.35e-8)
+
+
+def snap(iid: str, version: int = 0, running=(), waiting=(), kv: int = 0, cap: int = 100_000, loading=False):
+    return InstanceSnapshot(iid, version, tuple(running), tuple(waiting), kv, cap, 0.0, 0.0, loading)
+
+
+def view(iid: str, version: int = 0, n: int = 0, tokens: int = 100, cap: int = 100_000, group_version: int = 0):
+    v = InstanceView(snap(iid, version, cap=cap))
+    for k in range(n):
+        v.add(f"{iid}-r{k}", tokens, group_version)
+    return v
+
+
+# ----------------------------------------------------------------------------- routing
+def test_vectorised_throughput_matches_the_cost_model():
+    n, kv = np.array([0.0, 1, 50, 300]), np.array([0.0, 100, 5e4, 3e5])
+    expected = [MODEL.throughput(int(a), int(b)) for a, b in zip(n, kv)]
+    assert fleet_throughput(MODEL, n, kv) == pytest.approx(expected)
+
+
+def test_throughput_router_picks_the_largest_marginal_gain():
+    # in the flat regime (n small) every added request gains ~1/L; past the knee the gain shrinks
+    views = [view("busy", n=200), view("light", n=2), view("mid", n=60)]
+    fleet = FleetArrays.of(views)
+    assert ThroughputRouter(MODEL, 0.3).choose(fleet, 100, np.ones(3, bool)) == [1]
+    assert fleet.n.tolist() == [200, 3, 60]  # the fleet is updated by the decision
+
+
+def test_throughput_router_waterfall_prefers_newer_version_tier():
+    views = [view("old-empty", version=0), view("new-loaded", version=1, n=30)]
+    fleet = FleetArrays.of(views)
+    # the old instance gains more, but the newer tier still passes mu, so it goes first
+    assert ThroughputRouter(MODEL, 0.3).choose(fleet, 100, np.ones(2, bool)) == [1]
+    # with a mu the loaded newer instance cannot meet, the request falls to the older tier
+    views = [view("old-empty", version=0), view("new-loaded", version=1, n=400)]
+    assert ThroughputRouter(MODEL, 0.3).choose(FleetArrays.of(views), 100, np.ones(2, bool)) == [0]
+
+
+def test_throughput_router_keeps_request_queued_below_mu_or_without_kv_room():
+    assert ThroughputRouter(MODEL, 0.3).choose(FleetArrays.of([view("a", n=2000)]), 100, np.ones(1, bool)) == []
+    small = [view("a", n=1, tokens=900, cap=1000)]
+    assert ThroughputRouter(MODEL, 0.3).choose(FleetArrays.of(small), 200, np.ones(1, bool)) == []
+    assert ThroughputRouter(MODEL, 0.3).choose(FleetArrays.of(small), 100, np.ones(1, bool)) == [0]
+
+
+def test_throughput_router_places_many_and_stops_when_gain_runs_out():
+    fleet = FleetArrays.of([view("a"), view("b")])
+    chosen = ThroughputRouter(MODEL, 0.3).choose(fleet, 10, np.ones(2, bool), count=10_000)
+    assert 0 < len(chosen) < 10_000
+    assert abs(chosen.count(0) - chosen.count(1)) <= 1  # balanced between equal instances
+    gain = fleet_throughput(MODEL, fleet.n + 1, fleet.kv + 10) - fleet_throughput(MODEL, fleet.n, fleet.kv)
+    assert (gain < 0.3 / MODEL.step_latency(1, 10)).all()
+
+
+def test_routers_respect_eligibility_and_loading():
+    views = [view("a", version=0), view("b", version=2)]
+    views[1].loading = True
+    fleet = FleetArrays.of(views)
+    assert ThroughputRouter(MODEL, 0.3).choose(fleet, 10, fleet.version >= 1) == []
+    assert LeastLoadedRouter(10).choose(fleet, 10, fleet.version >= 1) == []
+    views[1].loading = False
+    fleet = FleetArrays.of(views)
+    assert LeastLoadedRouter(10).choose(fleet, 10, fleet.version >= 1) == [1]
+
+
+def test_least_loaded_router_balances_up_to_max_running():
+    fleet = FleetArrays.of([view("a", n=3), view("b", n=0)])
+    assert LeastLoadedRouter(4).choose(fleet, 10, np.ones(2, bool), count=10) == [1, 1, 1, 0, 1]
+    assert fleet.n.tolist() == [4, 4]
+
+
+# ----------------------------------------------------------------------------- synchronization
+def _manager_with_head_full(eta: int = 1, batch: int = 2) -> StalenessManager:
+    m = StalenessManager(eta, batch)
+    for g in range(batch * (eta + 1)):
+        assert m.reserve(f"g{g}", 0)
+    return m
+
+
+def test_per_instance_sync_pulls_drained_or_refused_instances_only():
+    m = StalenessManager(eta=1, batch_size=2)
+    views = [view("drained", n=0), view("busy", n=10, tokens=5_000)]
+    assert plan_pulls("per_instance", views, None, m, 0.1) == []
+    assert plan_pulls("per_instance", views, 0, m, 0.1) == []  # nobody behind
+    m.reserve("a", 0)
+    m.reserve("b", 0)
+    m.occupy("a")
+    m.occupy("b")
+    m.consume()  # version 1 exists now
+    # slack at version 0 remains, so only the drained instance pulls
+    assert plan_pulls("per_instance", views, 1, m, 0.1) == [0]
+    for g in range(2):
+        assert m.reserve(f"c{g}", 0)
+    assert m.reserve_slack(0) == 0 and m.reserve_slack(1) > 0
+    assert plan_pulls("per_instance", views, 1, m, 0.1) == [0, 1]  # refused at 0: must sync
+
+
+def test_global_sync_modes():
+    m = StalenessManager(eta=1, batch_size=2)
+    views = [view("a", n=0), view("b", n=3)]
+    assert plan_pulls("global_immediate", views, 1, m, 0.1) == [0, 1]
+    assert plan_pulls("global_drained", views, 1, m, 0.1) == []
+    views[1] = view("b", n=0)
+    assert plan_pulls("global_drained", views, 1, m, 0.1) == [0, 1]
+    views[0].loading = True
+    assert plan_pulls("global_immediate", views, 1, m, 0.1) == [1]
+
+
+# ----------------------------------------------------------------------------- migration
+def test_migration_moves_waiting_beyond_phi_wait():
+    v = view("a", n=8)
+    v.waiting = tuple(f"a-r{k}" for k in range(3, 8))  # 5 waiting
+    plan = plan_migration([v, view("b", n=8)], MODEL, phi_wait=3, phi_throughput=5)
+    assert plan == {0: ["a-r6", "a-r7"]}
+
+
+def test_migration_rebalances_only_requests_the_target_may_run():
+    busy = view("busy", version=1, n=0)
+    for k in range(10):
+        busy.add(f"old{k}", 100, 0)
+    for k in range(10):
+        busy.add(f"new{k}", 100, 1)
+    idle = view("idle", version=0)
+    plan = plan_migration([busy, idle], MODEL, phi_wait=3, phi_throughput=5)
+    assert list(plan) == [0] and len(plan[0]) == 10
+    assert all(r.startswith("old") for r in plan[0])  # group version 1 cannot go to a version-0 instance
+    balanced = [view("a", n=10), view("b", n=9)]
+    assert plan_migration(balanced, MODEL, phi_wait=3, phi_throughput=5) == {}
+
+
+# ----------------------------------------------------------------------------- coordinator
+def _coordinator(policy="staleflow", eta=1, batch=2, instances=2, **knobs):
+    ts = TrajectoryServer()
+    ts.add_groups(PromptGroup(f"g{i}", [1] * 8, 2, 0, {"max_new_tokens": 50}) for i in range(20))
+    m = StalenessManager(eta, batch)
+    c = Coordinator(m, ts, make_policy(policy, **knobs), MODEL, [snap(f"i{k}") for k in range(instances)])
+    return c, m, ts
+
+
+def test_coordinator_admits_up_to_the_protocol_and_routes_groups():
+    c, m, ts = _coordinator(eta=1, batch=2)
+    commands = c.plan(ps_version=0, full=True)
+    routes = [cmd for cmd in commands if isinstance(cmd, Route)]
+    routed = sorted(r for cmd in routes for r in cmd.request_ids)
+    assert len(m) == 4  # (eta + 1) * B groups reserved at version 0
+    assert all(g.version == 0 for g in m.groups())
+    assert len(routed) == 8 and ts.queued_count() == 8  # routed ids are still queued until the loop executes
+    assert {cmd.instance_id for cmd in routes} == {"i0", "i1"}
+    assert c.stats["protocol_refusals"] >= 1
+
+
+def test_coordinator_rejects_contradicting_snapshots():
+    c, m, ts = _coordinator()
+    commands = c.plan(ps_version=0, full=True)
+    route = next(cmd for cmd in commands if isinstance(cmd, Route) and cmd.instance_id == "i0")
+    ts.mark_routed(route.request_ids, "i0")
+    stale = snap("i0")  # taken before the route arrived: holds fewer requests, agrees
+    assert c.observe(stale)
+    rogue = snap("i0", running=("zz/0",))
+    assert not c.observe(rogue)  # a request the coordinator never sent there
+    pull = c.pull("i0", 3)
+    assert pull == Pull("i0", 3)
+    assert not c.observe(snap("i0", version=0, running=route.request_ids))  # older than the pull
+    assert c.observe(snap("i0", version=3, running=route.request_ids))
+    assert c.stats["snapshots_rejected"] == 2
+
+
+def test_inflight_cap_bounds_admission():
+    c, m, ts = _coordinator("inflight-cap", eta=1, batch=2)
+    c.plan(ps_version=0, full=True)
+    assert c.live_groups == 4 == (1 + 0 + 1) * 2
+
+
+def test_stale_group_gc_aborts_groups_due_in_the_head_buffer():
+    c, m, ts = _coordinator("start-version-gc", eta=0, batch=2)
+    for cmd in c.plan(ps_version=0, full=True):
+        ts.mark_routed(cmd.request_ids, cmd.instance_id)
+    assert len(m) == 2
+    aborts = c.abort_stale_groups()
+    assert len(m) == 0 and c.stats["gc_aborted_groups"] == 2
+    assert sorted(r for a in aborts for r in a.request_ids) == ["g0/0", "g0/1", "g1/0", "g1/1"]
+    assert all(not v.requests for v in c.views)
+
+
+def test_coordinator_migrates_on_full_ticks_only():
+    c, m, ts = _coordinator("staleflow", eta=3, batch=8, instances=2)
+    for cmd in c.plan(ps_version=0, full=True):
+        if isinstance(cmd, Route):
+            ts.mark_routed(cmd.request_ids, cmd.instance_id)
+    c.forget("i1", list(c.views[1].requests))  # instance 1 drained
+    assert not [cmd for cmd in c.plan(ps_version=0, full=False) if isinstance(cmd, Interrupt)]
+    interrupts = [cmd for cmd in c.plan(ps_version=0, full=True) if isinstance(cmd, Interrupt)]
+    assert interrupts and interrupts[0].instance_id == "i0"
+
+
+# ----------------------------------------------------------------------------- policies
+def test_policies_and_their_errors():
+    assert set(POLICIES) >= {"staleflow", "sync", "one-step-off", "inflight-cap", "start-version-gc"}
+    assert make_policy("sync").protocol_eta(3) == 0
+    assert make_policy("one-step-off").protocol_eta(3) == 1
+    assert make_policy("one-step-off").protocol_eta(0) == 0
+    assert make_policy("staleflow").protocol_eta(3) == 3
+    assert make_policy("staleflow", mu=0.2).mu == 0.2
+    with pytest.raises(ValueError, match="unknown system 'verl'"):
+        make_policy("verl")
+    with pytest.raises(ValueError, match="unknown policy knob\\(s\\) colour"):
+        make_policy("staleflow", colour=1)
+    with pytest.raises(ValueError, match="routing must be one of"):
+        make_policy("staleflow", routing="random")
