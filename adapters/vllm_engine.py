@@ -39,8 +39,10 @@ from staleflow.runtime.interfaces import Clock
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
 
 #: CPU defaults: in-process engine core, one OpenMP thread without pinning (spin-waiting against
-#: another busy process slows vLLM 10-20x), 1 GiB of KV cache, no warm-up, no hub access.
+#: another busy process slows vLLM 10-20x), 1 GiB of KV cache, no warm-up, no hub access, and logs
+#: on stderr (stdout is for results: ``staleflow profile --json``).
 VLLM_ENV_DEFAULTS = {
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
