@@ -23,19 +23,26 @@ Model of execution:
 
 Between two events (a finish, a KV overflow, a command) the running set is fixed, so ``s`` steps
 take ``s*(a_b + a_k*K + M(n)) + a_k*n*s*(s-1)/2`` seconds: the engine jumps over them in closed
-form. Work is O(events * log n), independent of the number of tokens (until a trajectory is built:
-its token lists are made by repetition, at C speed). Token ids are ``0`` and behaviour log-probs
-a constant ``FAKE_LOGPROB``: the simulator models time, not text.
+form. Work is O(events * log n), independent of the number of tokens: token lists are
+:class:`~staleflow.adapters.sim_tokens.RunLengthList` runs. Token ids are ``0`` and behaviour
+log-probs a constant ``FAKE_LOGPROB``: the simulator models time, not text.
+
+``event_quantum_s`` > 0 makes :meth:`SimEngine.next_event_time` round up to a multiple of it: the
+run loop then collects finished requests at that granularity (like a loop that polls its engines
+every ``event_quantum_s``), so that events of many instances share one loop iteration. The state
+itself stays exact; each trajectory's ``metadata["finish_time"]`` is its true finish time.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from staleflow.adapters.sim_tokens import RunLengthList
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.interfaces import Clock
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
@@ -69,6 +76,7 @@ class SimEngine:
         prefill_s_per_token: stall per context token when a request is admitted.
         weight_load_s: how long ``load_weights`` blocks the instance.
         version: the model version it starts with.
+        event_quantum_s: granularity of the event times it announces (0: exact).
     """
 
     def __init__(
@@ -82,11 +90,15 @@ class SimEngine:
         prefill_s_per_token: float = 0.0,
         weight_load_s: float = 0.0,
         version: int = 0,
+        event_quantum_s: float = 0.0,
     ) -> None:
         if kv_capacity < 2:
             raise ValueError(f"kv_capacity must be >= 2 tokens, got {kv_capacity}")
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if event_quantum_s < 0:
+            raise ValueError(f"event_quantum_s must be >= 0, got {event_quantum_s}")
+        self._quantum = event_quantum_s
         self.instance_id = instance_id
         self._clock = clock
         self._cost = cost_model
@@ -110,10 +122,15 @@ class SimEngine:
         self._busy_s = 0.0  # seconds spent decoding, prefilling or loading (for utilisation)
         self._last_snapshot = (self._t, 0)
         self._last_rate = 0.0
+        self._changes = 0  # bumped whenever the running or waiting set changes
+        self._seg: tuple[int, float] | None = None  # cached :meth:`_segment`
+        self._ids: tuple[int, tuple[str, ...], tuple[str, ...]] = (0, (), ())
         self._closed = False
 
     @classmethod
-    def from_workload(cls, workload: Workload, instance_id: str, clock: Clock, version: int = 0) -> "SimEngine":
+    def from_workload(
+        cls, workload: Workload, instance_id: str, clock: Clock, version: int = 0, event_quantum_s: float = 0.0
+    ) -> "SimEngine":
         spec = workload.instance
         return cls(
             instance_id,
@@ -124,6 +141,7 @@ class SimEngine:
             prefill_s_per_token=spec.prefill_s_per_token,
             weight_load_s=spec.weight_load_s,
             version=version,
+            event_quantum_s=event_quantum_s,
         )
 
     # ------------------------------------------------------------------ the RolloutEngine seam
@@ -142,6 +160,7 @@ class SimEngine:
                 self._finished.append(self._trajectory(live))
             else:
                 self._waiting[request.request_id] = live
+                self._changes += 1
         self._advance(self._clock.now())
 
     def interrupt(self, request_ids: Sequence[str]) -> list[RolloutRequest]:
@@ -177,16 +196,24 @@ class SimEngine:
     def snapshot(self) -> InstanceSnapshot:
         now = self._clock.now()
         self._advance(now)
+        kv, tokens = self._kv, self._tokens
+        if self._running and self._busy_until <= self._t < now:  # mid-segment: count the steps done
+            n = len(self._running)
+            done = self._steps_within(now - self._t, n, kv, self._segment()[0])
+            kv += n * done
+            tokens += n * done
         last_time, last_tokens = self._last_snapshot
         if now > last_time:
-            self._last_rate = (self._tokens - last_tokens) / (now - last_time)
-            self._last_snapshot = (now, self._tokens)
+            self._last_rate = (tokens - last_tokens) / (now - last_time)
+            self._last_snapshot = (now, tokens)
+        if self._ids[0] != self._changes:  # the same tuples while the sets are unchanged
+            self._ids = (self._changes, tuple(self._running), tuple(self._waiting))
         return InstanceSnapshot(
             instance_id=self.instance_id,
             version=self._version,
-            running=tuple(self._running),
-            waiting=tuple(self._waiting),
-            kv_tokens=self._kv,
+            running=self._ids[1],
+            waiting=self._ids[2],
+            kv_tokens=kv,
             kv_capacity=self._capacity,
             tokens_per_s=self._last_rate,
             time=now,
@@ -201,12 +228,14 @@ class SimEngine:
     def next_event_time(self) -> float | None:
         self._advance(self._clock.now())
         if self._busy_until > self._t:
-            return self._busy_until
-        if self._running:
-            n = len(self._running)
-            steps = min(self._steps_to_finish(), self._steps_to_overflow(n))
-            return self._t + self._time_for(steps, n, self._kv)
-        return None
+            event = self._busy_until
+        elif self._running:
+            event = self._segment()[1]
+        else:
+            return None
+        if self._quantum:
+            event = math.ceil(event / self._quantum) * self._quantum
+        return event
 
     def close(self) -> None:
         self._running.clear()
@@ -252,7 +281,8 @@ class SimEngine:
         return steps * base + self._cost.a_k * n * steps * (steps - 1) / 2
 
     def _steps_within(self, budget: float, n: int, kv: int, limit: int) -> int:
-        """The most steps (<= limit) that end within ``budget`` seconds."""
+        """The most steps (<= limit) that end within ``budget`` seconds (the root of the quadratic
+        time, corrected by a step either way for rounding)."""
         base = self._cost.step_latency(n, kv)
         half = self._cost.a_k * n / 2
         if half == 0:
@@ -261,9 +291,13 @@ class SimEngine:
             b = base - half
             steps = int((-b + math.sqrt(b * b + 4 * half * budget)) / (2 * half))
         steps = max(0, min(steps, limit))
-        while steps < limit and self._time_for(steps + 1, n, kv) <= budget:
+
+        def elapsed(s: int) -> float:
+            return s * base + half * s * (s - 1)
+
+        while steps < limit and elapsed(steps + 1) <= budget:
             steps += 1
-        while steps > 0 and self._time_for(steps, n, kv) > budget:
+        while steps > 0 and elapsed(steps) > budget:
             steps -= 1
         return steps
 
@@ -280,7 +314,17 @@ class SimEngine:
     def _steps_to_overflow(self, n: int) -> int:
         return (self._capacity - self._kv) // n
 
+    def _segment(self) -> tuple[int, float]:
+        """Steps of the running set until its next event (a finish or a KV overflow), and the time
+        they end; cached until the state changes."""
+        if self._seg is None:
+            n = len(self._running)
+            steps = min(self._steps_to_finish(), self._steps_to_overflow(n))
+            self._seg = (steps, self._t + self._time_for(steps, n, self._kv))
+        return self._seg
+
     def _do_steps(self, steps: int) -> None:
+        self._seg = None
         n = len(self._running)
         elapsed = self._time_for(steps, n, self._kv)
         self._t += elapsed
@@ -290,12 +334,15 @@ class SimEngine:
         self._tokens += n * steps
 
     def _advance(self, now: float) -> None:
-        """Bring the state to the last step boundary at or before ``now``."""
+        """Bring the state to the last event at or before ``now``. Inside a segment (fixed running
+        set) the state stays at the segment's start; :meth:`snapshot` and :meth:`_settle` count the
+        steps done since in closed form."""
         while True:
             if self._busy_until > self._t:
                 if self._busy_until > now:
                     return
                 self._t = self._busy_until
+                self._seg = None
             self._finish_due()
             self._admit()
             if self._busy_until > self._t:
@@ -303,15 +350,10 @@ class SimEngine:
             if not self._running:
                 self._t = max(self._t, now)
                 return
-            n = len(self._running)
-            while self._steps_to_overflow(n) == 0:
+            while self._steps_to_overflow(len(self._running)) == 0:
                 self._preempt_last()
-                n = len(self._running)
-            steps = min(self._steps_to_finish(), self._steps_to_overflow(n))
-            if self._t + self._time_for(steps, n, self._kv) > now:
-                within = self._steps_within(now - self._t, n, self._kv, steps)
-                if within:
-                    self._do_steps(within)
+            steps, end = self._segment()
+            if end > now:
                 return
             self._do_steps(steps)
 
@@ -323,7 +365,9 @@ class SimEngine:
         now = self._clock.now()
         self._advance(now)
         if self._running and self._busy_until <= self._t < now:
-            self._do_steps(1)
+            steps = self._segment()[0]
+            done = self._steps_within(now - self._t, len(self._running), self._kv, steps)
+            self._do_steps(done + 1)  # <= steps: the segment ends after now
             self._finish_due()
 
     def _finish_due(self) -> None:
@@ -345,6 +389,8 @@ class SimEngine:
             del self._waiting[request_id]
             live.base_step = self._steps
             self._running[request_id] = live
+            self._changes += 1
+            self._seg = None
             self._kv += live.context
             self._seq += 1
             heapq.heappush(self._finish_heap, (self._steps + live.target - live.produced, self._seq, request_id))
@@ -357,6 +403,8 @@ class SimEngine:
     def _stop(self, request_id: str) -> _Live:
         """Take a running request out of the batch, folding the tokens it generated into its record."""
         live = self._running.pop(request_id)
+        self._changes += 1
+        self._seg = None
         new = self._steps - live.base_step
         if new:
             self._record_runs(live, live.base_step, self._steps)
@@ -367,8 +415,11 @@ class SimEngine:
         return live
 
     def _record_runs(self, live: _Live, start: int, end: int) -> None:
+        """Append the versions of the tokens made in steps ``start..end-1`` to ``live.runs``."""
         marks = self._version_marks
-        for i, (mark_step, version) in enumerate(marks):
+        first = max(0, bisect.bisect_right(marks, (start, math.inf)) - 1)
+        for i in range(first, len(marks)):
+            mark_step, version = marks[i]
             next_step = marks[i + 1][0] if i + 1 < len(marks) else end
             lo, hi = max(start, mark_step), min(end, next_step)
             if hi > lo:
@@ -386,19 +437,19 @@ class SimEngine:
     def _remove(self, request_id: str) -> _Live | None:
         if request_id in self._running:
             return self._stop(request_id)
-        return self._waiting.pop(request_id, None)
+        live = self._waiting.pop(request_id, None)
+        self._changes += 1
+        return live
 
     # ------------------------------------------------------------------ records
-    def _outputs(self, live: _Live) -> tuple[list[int], list[float], list[int]]:
+    def _outputs(self, live: _Live) -> tuple[Any, Any, Any]:
+        """Token ids, log-probs and versions so far, as run-length lists (read-only, O(1) ``len``)."""
         request = live.request
         added = live.produced - len(request.output_ids)
-        versions = list(request.versions)
-        for version, count in live.runs:
-            versions += [version] * count
         return (
-            request.output_ids + [FAKE_TOKEN] * added,
-            request.logprobs + [FAKE_LOGPROB] * added,
-            versions,
+            RunLengthList.extended(request.output_ids, [(FAKE_TOKEN, added)]),
+            RunLengthList.extended(request.logprobs, [(FAKE_LOGPROB, added)]),
+            RunLengthList.extended(request.versions, [(v, c) for v, c in live.runs]),
         )
 
     def _partial(self, live: _Live) -> RolloutRequest:

@@ -81,18 +81,26 @@ class LognormalLengths(_Strict):
 
     @cached_property
     def mu(self) -> float:
-        """Log-scale location whose clipped mean ``E[min(max(X, min), max)]`` equals ``mean``."""
-        from scipy.optimize import brentq
-        from scipy.stats import norm
-
+        """Log-scale location whose clipped mean ``E[min(max(X, min), max)]`` equals ``mean``
+        (the clipped mean grows with ``mu``: found by bisection)."""
         s, lo, hi = self.sigma, math.log(self.min), math.log(self.max)
+
+        def cdf(x: float) -> float:
+            return 0.5 * math.erfc(-x / math.sqrt(2))
 
         def clipped_mean(mu: float) -> float:
             # E[clip(X, a, b)] for X = exp(N(mu, s^2)).
-            body = math.exp(mu + s * s / 2) * (norm.cdf((hi - mu - s * s) / s) - norm.cdf((lo - mu - s * s) / s))
-            return self.min * norm.cdf((lo - mu) / s) + body + self.max * norm.sf((hi - mu) / s)
+            body = math.exp(mu + s * s / 2) * (cdf((hi - mu - s * s) / s) - cdf((lo - mu - s * s) / s))
+            return self.min * cdf((lo - mu) / s) + body + self.max * cdf((mu - hi) / s)
 
-        return float(brentq(lambda mu: clipped_mean(mu) - self.mean, lo - 10 * s, hi + 10 * s, xtol=1e-10))
+        low, high = lo - 10 * s, hi + 10 * s
+        for _ in range(200):
+            mid = (low + high) / 2
+            if clipped_mean(mid) < self.mean:
+                low = mid
+            else:
+                high = mid
+        return (low + high) / 2
 
     def sample(self, rng: Any, size: int) -> Any:
         import numpy as np
@@ -148,6 +156,13 @@ class TrainingSpec(_Strict):
         return self.base_s + self.per_token_s * batch_tokens
 
 
+class SimulationSpec(_Strict):
+    """Granularity of the simulation (not of the job): coordinator tick and event collection."""
+
+    tick_s: float = Field(default=1.0, gt=0, description="period of full coordinator ticks (snapshots, migration)")
+    event_quantum_s: float = Field(default=0.0, ge=0, description="engines announce events on this grid (0: exact)")
+
+
 class Workload(_Strict):
     """A simulated RL post-training job: see ``docs/simulation.md`` for every key."""
 
@@ -161,6 +176,7 @@ class Workload(_Strict):
     response_tokens: LengthSpec
     batch: BatchSpec
     training: TrainingSpec
+    simulation: SimulationSpec = SimulationSpec()
 
     @model_validator(mode="after")
     def _fits_kv(self) -> "Workload":
