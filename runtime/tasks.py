@@ -204,13 +204,15 @@ def make_group(
     *,
     encode: Callable[[str], Sequence[int]],
     n_samples: int,
+    max_new_tokens: int,
     n_extra: int = 0,
 ) -> PromptGroup:
-    """A GRPO group for ``prompt``; its metadata carries the prompt text and the reference answer."""
+    """A GRPO group for ``prompt``; its metadata carries the prompt text, the reference answer and
+    the response token budget (``max_new_tokens``, read by the trajectory server)."""
     return PromptGroup(
         group_id=group_id,
         prompt_ids=list(encode(prompt.text)),
         n_samples=n_samples,
         n_extra=n_extra,
-        metadata={"prompt": prompt.text, "answer": prompt.answer, **prompt.metadata},
+        metadata={**prompt.metadata, "prompt": prompt.text, "answer": prompt.answer, "max_new_tokens": max_new_tokens},
     )

@@ -73,9 +73,9 @@ def test_load_prompts_from_jsonl(tmp_path: Path) -> None:
     file = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2=", "answer": "4", "source": "x"}, "", {"prompt": "a*3=", "answer": "aaa"}])
     prompts = load_prompts(file, encode=encode, max_prompt_tokens=16)
     assert [(p.text, p.answer, p.metadata) for p in prompts] == [("2+2=", "4", {"source": "x"}), ("a*3=", "aaa", {})]
-    group = make_group(prompts[0], "g7", encode=encode, n_samples=8, n_extra=2)
+    group = make_group(prompts[0], "g7", encode=encode, n_samples=8, n_extra=2, max_new_tokens=16)
     assert group.prompt_ids == encode("2+2=") and group.n_samples == 8 and group.n_extra == 2
-    assert group.metadata == {"prompt": "2+2=", "answer": "4", "source": "x"}
+    assert group.metadata == {"prompt": "2+2=", "answer": "4", "source": "x", "max_new_tokens": 16}
 
 
 @pytest.mark.parametrize(
