@@ -23,10 +23,12 @@ import time
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from staleflow.protocol import StalenessManager
 from staleflow.protocol.events import EventHook
+from staleflow.protocol.trace import JsonlTraceWriter
 from staleflow.runtime.clock import VirtualClock
 from staleflow.runtime.commands import Abort, Command, Interrupt, Pull, Route
 from staleflow.runtime.coordinator import Coordinator
@@ -108,7 +110,9 @@ class RunLoop:
         reward_timeout_s: per-group reward timeout (wall clock).
         tick_s: period of full coordinator ticks (snapshots of every instance, migration); with a
             real clock also the polling period.
-        event_hooks: protocol event hooks (a trace writer, metrics).
+        event_hooks: protocol event hooks (metrics, tests).
+        trace_path: write the protocol trace here (JSONL, checkable by ``staleflow verify``); a
+            resumed run appends a new segment that starts from the restored protocol state.
         pending_groups: how many drawn prompt groups to keep waiting for admission (default
             ``2 * batch_size * (eta + 1)``).
     """
@@ -131,6 +135,7 @@ class RunLoop:
         tick_s: float = 1.0,
         event_hooks: Sequence[EventHook] = (),
         pending_groups: int | None = None,
+        trace_path: str | Path | None = None,
     ) -> None:
         if tick_s <= 0:
             raise ValueError(f"tick_s must be > 0, got {tick_s}")
@@ -143,6 +148,9 @@ class RunLoop:
         self.ts = trajectory_server if trajectory_server is not None else TrajectoryServer()
         self.ps = parameter_server if parameter_server is not None else ParameterServer()
         self._event_hooks = list(event_hooks)
+        self._trace_path = trace_path
+        self._trace: JsonlTraceWriter | None = None
+        self._resumed = False
         self.manager = StalenessManager(policy.protocol_eta(eta), batch_size, policy.batch_redundancy)
         for hook in self._event_hooks:
             self.manager.add_event_hook(hook)
@@ -206,6 +214,8 @@ class RunLoop:
 
     def _start(self) -> None:
         self._started = True
+        if self._trace_path is not None:
+            self._trace = JsonlTraceWriter.attach(self.manager, self._trace_path, "a" if self._resumed else "w")
         self._run_start = self.clock.now()
         self._next_tick = self._run_start
         self._last_step_end = self._run_start
@@ -311,8 +321,8 @@ class RunLoop:
         self._touched.clear()
 
     # ----------------------------------------------------------------- rewards, protocol, trainer
-    def _apply_rewards(self) -> bool:
-        outcomes = self.rewards.poll(block=self._virtual)
+    def _apply_rewards(self, block: bool = False) -> bool:
+        outcomes = self.rewards.poll(block=block or self._virtual)
         for outcome in outcomes:
             if self.ts.group_state(outcome.group_id) is not GroupState.REWARDING:
                 continue  # dropped while its reward ran
@@ -455,7 +465,7 @@ class RunLoop:
         for iid in self.engines:
             self._collect_from(iid)
         while self.rewards.pending():
-            self._apply_rewards()
+            self._apply_rewards(block=True)
         return {
             "format": STATE_FORMAT,
             "protocol": self.manager.snapshot(),
@@ -483,6 +493,7 @@ class RunLoop:
         for hook in self._event_hooks:
             self.manager.add_event_hook(hook)
         self.coordinator.manager = self.manager
+        self._resumed = True
         self.ts.load_state_dict(state["trajectory_server"])
         saved = state["parameter_server"]["latest_version"]
         latest = self.ps.latest_version()
@@ -496,6 +507,8 @@ class RunLoop:
         self._staleness = {int(b): Counter({int(s): n for s, n in c.items()}) for b, c in state["staleness"].items()}
 
     def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
         if self._push_future is not None:
             self._push_future.result()
         if self._pusher is not None:

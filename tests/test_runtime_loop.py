@@ -168,6 +168,33 @@ def test_checkpoint_resume_keeps_the_bound_and_every_partial():
     assert all(e.loads and e.loads[0] == 3 for e in new_engines)  # engines pulled the resumed version
 
 
+def test_trace_file_replays_against_the_spec_mirror_across_a_resume(tmp_path):
+    from staleflow.protocol.trace import read_trace
+    from staleflow.verification.trace_validation import replay_mirror
+
+    path = tmp_path / "trace.jsonl"
+    loop, trainer, _, _ = build("staleflow", eta=1, trace_path=path)
+    loop.run(3)
+    state = loop.state_dict()
+    loop.close()
+    clock = VirtualClock()
+    resumed_trainer = FakeTrainer(clock)
+    resumed_trainer.version = trainer.version
+    resumed, _, _, _ = build("staleflow", eta=1, clock=clock, trainer=resumed_trainer, trace_path=path,
+                             prompts=_skip(prompt_groups(4), state["prompts_drawn"]))
+    resumed.load_state_dict(state)
+    resumed.run(2)
+    resumed.close()
+    segments = read_trace(path)
+    assert len(segments) == 2
+    assert segments[1].header.start == state["protocol"]
+    consumes = [e.batch.version for seg in segments for e in seg.events if e.op == "consume"]
+    assert consumes == [0, 1, 2, 3, 4]
+    for segment in segments:
+        verdict = replay_mirror(segment)
+        assert verdict.accepted, verdict.reason
+
+
 def _skip(groups, n):
     for _ in range(n):
         next(groups)

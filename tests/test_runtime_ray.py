@@ -1,0 +1,51 @@
+"""The run loop with the trajectory server, parameter server, engines and trainer as Ray actors."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import runtime_fakes
+from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
+from staleflow.runtime.clock import RealClock
+from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.loop import RunLoop
+from staleflow.runtime.parameter_server import ParameterServer
+from staleflow.runtime.placement import ActorProxy, InProcessPlacement, RayPlacement
+from staleflow.runtime.policies import make_policy
+from staleflow.runtime.trajectory_server import TrajectoryServer
+
+
+def test_in_process_placement_builds_the_part_itself():
+    ts = InProcessPlacement().place(TrajectoryServer)
+    assert isinstance(ts, TrajectoryServer)
+
+
+@pytest.mark.ray
+def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing():
+    ray.cloudpickle.register_pickle_by_value(runtime_fakes)  # workers cannot import the tests folder
+    placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        clock = RealClock()  # monotonic time: the same origin in every local actor
+        # one engine: each actor is a worker process, and starting one takes seconds on a loaded CPU
+        engines = [placement.place(FakeEngine, "i0", clock, tokens_per_s=3000, load_s=0.005, announce_events=False)]
+        trainer = placement.place(FakeTrainer, clock, 0.02)
+        ts = placement.place(TrajectoryServer)
+        ps = placement.place(ParameterServer)
+        assert isinstance(engines[0], ActorProxy) and engines[0].instance_id == "i0"
+        loop = RunLoop(
+            engines=engines, trainer=trainer, prompts=prompt_groups(2, lengths=(10, 20, 30)),
+            policy=make_policy("staleflow"), eta=1, batch_size=2,
+            cost_model=CostModel(0.0064, 0.0027, 1.231e-4, 0.0028, 3.35e-8), clock=clock,
+            trajectory_server=ts, parameter_server=ps, tick_s=0.005,
+        )
+        metrics = loop.run(3)
+        assert metrics.steps == 3 and trainer.weights() == {"version": 3}
+        assert ps.latest_version() == 3
+        assert metrics.max_staleness <= 1 and sum(metrics.staleness_histogram.values()) == 6
+        assert metrics.audit_ok and metrics.lost == 0 and metrics.duplicated == 0
+        loop.close()
+    finally:
+        placement.close()
+    assert not ray.is_initialized()
