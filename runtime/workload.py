@@ -195,21 +195,23 @@ class Workload(_Strict):
     def build_cost_model(self) -> CostModel:
         return self.cost_model.build()
 
-    def prompt_groups(self, seed: int, start: int = 0) -> Iterator[PromptGroup]:
+    def prompt_groups(self, seed: int, start: int = 0, n_extra: int = 0) -> Iterator[PromptGroup]:
         """An endless stream of prompt groups ``g{start}, g{start+1}, ...`` with drawn response lengths
-        in ``metadata[GROUP_LENGTHS_KEY]`` (one per sample) and ``metadata["max_new_tokens"]`` the
-        maximum response length. Deterministic for a given seed."""
+        in ``metadata[GROUP_LENGTHS_KEY]`` (one per sample, ``group_size + n_extra`` of them: extras
+        for group-level redundancy) and ``metadata["max_new_tokens"]`` the maximum response length.
+        Deterministic for a given seed: every system of a comparison gets the same lengths."""
         import numpy as np
 
         rng = np.random.default_rng(seed)
         prompt = [1] * self.prompt_tokens
         index = start
         while True:
-            lengths = self.response_tokens.sample(rng, self.batch.group_size)
+            lengths = self.response_tokens.sample(rng, self.batch.group_size + n_extra)
             yield PromptGroup(
                 group_id=f"g{index}",
                 prompt_ids=list(prompt),
                 n_samples=self.batch.group_size,
+                n_extra=n_extra,
                 metadata={GROUP_LENGTHS_KEY: [int(x) for x in lengths], "max_new_tokens": self.response_tokens.max},
             )
             index += 1

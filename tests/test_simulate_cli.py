@@ -1,0 +1,75 @@
+"""``staleflow simulate`` on the small workload: JSON schema, the bound kept, plots, bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from staleflow.adapters import simulate_command
+from staleflow.adapters.upper_bound import upper_bound
+from staleflow.runtime.workload import load_workload
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    simulate_command.add_arguments(parser)
+    return simulate_command.run(parser.parse_args(argv))
+
+
+def test_json_output_has_every_system_within_the_bound(capsys, tmp_path) -> None:
+    code = run_cli(
+        ["--workload", "small-ci", "--systems", "staleflow", "sync", "inflight-cap", "--eta", "2",
+         "--steps", "5", "--json", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    report = json.loads(out)  # stdout holds the JSON and nothing else
+    assert set(report["systems"]) == {"staleflow", "sync", "inflight-cap"}
+    assert report["upper_bound_tokens_per_s"] == pytest.approx(upper_bound(load_workload("small-ci")).tokens_per_s)
+    for name, figures in report["systems"].items():
+        assert {"tokens_per_s", "step_time_s", "utilisation", "max_staleness", "staleness_histogram", "dropped"} <= set(figures)
+        assert 0 < figures["tokens_per_s"] < report["upper_bound_tokens_per_s"]
+        assert figures["steps"] == 5 and figures["lost"] == 0 and figures["duplicated"] == 0
+        assert figures["dropped"] == 0
+        assert 0 < figures["utilisation"] <= 1
+        # every consumed group is within the bound; 5 batches of 16 groups
+        assert figures["max_staleness"] <= figures["eta"]
+        assert sum(figures["staleness_histogram"].values()) == 5 * 16
+    assert report["systems"]["sync"]["max_staleness"] == 0
+    assert report["staleflow_ratio"]["sync"] == pytest.approx(
+        report["systems"]["staleflow"]["tokens_per_s"] / report["systems"]["sync"]["tokens_per_s"]
+    )
+    assert json.loads((tmp_path / "results.json").read_text())["by_eta"]["2"]["systems"].keys() == report["systems"].keys()
+    for name in ("throughput.png", "staleness_eta2.png", "step_times_eta2.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_same_seed_gives_the_same_figures(capsys) -> None:
+    figures = []
+    for _ in range(2):
+        assert run_cli(["--workload", "small-ci", "--systems", "staleflow", "--steps", "3", "--json"]) == 0
+        figures.append(json.loads(capsys.readouterr().out)["systems"]["staleflow"]["tokens_per_s"])
+    assert figures[0] == figures[1]
+
+
+def test_table_names_systems_and_the_bound(capsys) -> None:
+    assert run_cli(["--workload", "small-ci", "--systems", "staleflow", "sync", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "staleflow" in out and "sync" in out and "upper-bound" in out and "StaleFlow / other: sync" in out
+
+
+def test_bad_workload_exits_2_with_the_key_named(capsys, tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: y\n")
+    assert run_cli(["--workload", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "cost_model: Field required" in err and "cluster: Field required" in err
+
+
+def test_unknown_system_and_bad_steps_exit_2(capsys) -> None:
+    assert run_cli(["--workload", "small-ci", "--systems", "verl"]) == 2
+    assert "unknown system 'verl'" in capsys.readouterr().err
+    assert run_cli(["--workload", "small-ci", "--steps", "0"]) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
