@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -45,11 +45,19 @@ class ProfileResult:
     model: CostModel
     report: FitReport
     seconds: float
+    reload_ms: float | None = None
+
+    @property
+    def peak_tokens_per_s(self) -> float:
+        """The best measured decode throughput ``n / L`` over the points."""
+        return max(p.n / p.latency for p in self.points)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "coefficients": self.model.to_dict(),
             "fit": self.report.to_dict(),
+            "peak_tokens_per_s": self.peak_tokens_per_s,
+            "reload_ms": self.reload_ms,
             "decode_steps": self.steps,
             "points": [{"n": p.n, "kv_tokens": p.kv_tokens, "latency": p.latency} for p in self.points],
             "seconds": self.seconds,
@@ -102,6 +110,16 @@ def profile_engine(
                 on_batch(n, prompt_len, batch_points)
     model, report = fit_cost_model(points)
     return ProfileResult(points, steps, model, report, time.perf_counter() - started)
+
+
+def measure_reload_ms(engine: Any, weights: Path, repeats: int = 5) -> float:
+    """Median milliseconds of an in-place reload of ``weights`` (the engine's own version again)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.load_weights(engine.version, weights)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def pool_steps(steps: Sequence[ProfileRecord], groups: int, quantile: float = 0.25) -> list[ProfileRecord]:
@@ -214,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         result = profile_engine(
             engine, args.batch_sizes, args.prompt_lengths, args.decode_tokens, seed=args.seed, on_batch=show
         )
+        result = replace(result, reload_ms=measure_reload_ms(engine, model_dir))
     result.model.save(args.out)
     if args.json:
         print(json.dumps({**result.to_dict(), "out": str(args.out)}, indent=2))
@@ -221,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         coefficients = ", ".join(f"{k}={v:.4g}" for k, v in result.model.to_dict().items())
         print(f"fitted on {len(result.points)} points ({result.steps} decode steps) in {result.seconds:.1f} s")
         print(f"coefficients: {coefficients}")
+        print(f"peak decode throughput {result.peak_tokens_per_s:.0f} tokens/s; in-place reload {result.reload_ms:.1f} ms")
         print(
             f"fit error: mean {result.report.mean_relative_error:.1%}, max {result.report.max_relative_error:.1%} "
             f"(paper: 10.5% mean)"

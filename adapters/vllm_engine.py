@@ -350,14 +350,19 @@ class VLLMEngine:
         while True:
             command, done = item
             try:
-                done.set_result(command())
+                result = command()
             except Exception as error:  # noqa: BLE001 - raised in the caller's thread
+                self._publish()
                 done.set_exception(error)
+            else:
+                # Publish before answering: a snapshot taken right after the call must show its effect
+                # (the coordinator rejects a snapshot listing a request it has just interrupted).
+                self._publish()
+                done.set_result(result)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 break
-        self._publish()
 
     def _fail_pending(self) -> None:
         while True:

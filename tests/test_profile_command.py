@@ -93,4 +93,5 @@ def test_profile_measures_a_real_engine_and_writes_loadable_coefficients(tmp_pat
         ks = [p["kv_tokens"] for p in points[4 * batch : 4 * batch + 4]]
         assert ks == sorted(ks) and ks[0] >= points[4 * batch]["n"] * 16
     assert result["fit"]["records"] == 24
+    assert result["reload_ms"] > 0 and result["peak_tokens_per_s"] > 0
     assert CostModel.load(out).to_dict() == result["coefficients"]
