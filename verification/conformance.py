@@ -28,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 from hypothesis import HealthCheck, Phase, event, settings, target
 from hypothesis import strategies as st
@@ -42,6 +42,8 @@ from hypothesis.stateful import (
 )
 
 from staleflow.protocol import (
+    SNAPSHOT_FORMAT,
+    ConsumedBatch,
     ConsumeNotReadyError,
     CounterState,
     DuplicateGroupError,
@@ -111,12 +113,56 @@ def mirror_counts(params: SpecParams, state: MirrorState) -> CounterState:
     return CounterState(state.version, tuple(running), tuple(done))
 
 
+def assert_same_state(impl: StalenessManager, p: SpecParams, spec: MirrorState) -> None:
+    """The refinement mapping: same groups (id, version, status), head buffer and counters."""
+    impl_groups = {(g.group_id, g.version, g.status.value) for g in impl.groups()}
+    assert impl_groups == set(spec.groups), f"groups differ: impl {impl_groups}, spec {set(spec.groups)}"
+    assert len(impl) == len(spec.groups), f"len(impl) = {len(impl)}, spec has {len(spec.groups)}"
+    assert impl.version == spec.version, f"impl version {impl.version}, spec {spec.version}"
+    assert impl.counts() == mirror_counts(p, spec), f"counts {impl.counts()} != spec {mirror_counts(p, spec)}"
+
+
+def assert_same_queries(impl: StalenessManager, p: SpecParams, spec: MirrorState) -> None:
+    """Eager consume (``can_consume``) and exact admission (``reserve_slack``, ``can_reserve``,
+    ``oldest_admissible_version``) agree with the mirror's enabledness."""
+    enabled = bool(consume_steps(p, spec))
+    assert impl.can_consume() == enabled, f"can_consume() is {not enabled}, spec Consume enabled: {enabled}"
+    admissible = []
+    for version in range(max(0, spec.version - p.eta - 1), spec.version + 1):
+        slack = mirror_slack(p, spec, version)
+        got = impl.reserve_slack(version)
+        assert got == slack, f"reserve_slack({version}) = {got}, spec admits {slack}"
+        assert impl.can_reserve(version) == (slack > 0), f"can_reserve({version}) != {slack > 0}"
+        if slack:
+            admissible.append(version)
+    oldest = impl.oldest_admissible_version()
+    expected = min(admissible, default=None)
+    assert oldest == expected, f"oldest_admissible_version() = {oldest}, spec {expected}"
+
+
+def assert_consume_conforms(batch: ConsumedBatch, p: SpecParams, spec: MirrorState) -> ConsumeStep:
+    """S1 and S2 for one batch, and the batch with its drops is a Consume successor of ``spec``."""
+    assert batch.version == spec.version, f"batch tagged {batch.version}, head buffer is {spec.version}"
+    assert len(batch.group_ids) == p.batch_size == len(set(batch.group_ids)), f"batch size: {batch}"
+    for group_id, version in zip(batch.group_ids, batch.group_versions, strict=True):
+        assert (group_id, version, DONE) in spec.groups, f"{group_id!r} (v{version}) was not done"
+        assert version <= batch.version <= version + p.eta, f"S1 broken by {group_id!r}"
+    assert len(batch.dropped) <= p.redundancy, f"{len(batch.dropped)} drops > X: {batch}"
+    matches = [
+        step
+        for step in consume_steps(p, spec)
+        if step.batch == frozenset(batch.group_ids) and step.dropped == frozenset(batch.dropped)
+    ]
+    assert matches, f"batch {batch} is not a Consume successor of the spec"
+    return matches[0]
+
+
 @dataclass
 class Stats:
     """What a run explored, summed over its examples."""
 
     examples: int = 0
-    steps: int = 0
+    states: int = 0
     max_version: int = 0
     consumes: int = 0
     drops: int = 0
@@ -124,7 +170,7 @@ class Stats:
 
     def describe(self) -> str:
         return (
-            f"{self.examples} examples, {self.steps} steps, {self.consumes} consumes, "
+            f"{self.examples} examples, {self.states} states checked, {self.consumes} consumes, "
             f"{self.drops} drops, {self.refusals} refusals, max version {self.max_version}"
         )
 
@@ -140,7 +186,7 @@ def conformance_machine(
             self.events: list[ProtocolEvent] = []
             self.retired: list[Any] = []  # ids consumed, dropped or aborted
             self.next_id = 0
-            self.steps = 0
+            self.states = 0
             self.consumes = 0
             self.drops = 0
             self.refusals = 0
@@ -277,20 +323,7 @@ def conformance_machine(
             batch = self.impl.consume()
             last = self.expect_event("consume", None, before)
             assert last.batch == batch
-            p, c = self.params, self.spec.version
-            assert batch.version == c, f"batch tagged {batch.version}, head buffer is {c}"
-            assert len(batch.group_ids) == p.batch_size == len(set(batch.group_ids)), batch
-            for group_id, version in zip(batch.group_ids, batch.group_versions, strict=True):
-                assert (group_id, version, DONE) in self.spec.groups, (group_id, version)
-                assert version <= batch.version <= version + p.eta, f"S1 broken by {group_id!r}"
-            assert len(batch.dropped) <= p.redundancy, batch
-            matches = [
-                step
-                for step in consume_steps(p, self.spec)
-                if step.batch == frozenset(batch.group_ids) and step.dropped == frozenset(batch.dropped)
-            ]
-            assert matches, f"batch {batch} is not a Consume successor of the spec"
-            self.spec = matches[0].state
+            self.spec = assert_consume_conforms(batch, self.params, self.spec).state
             self.retired += [*batch.group_ids, *batch.dropped]
             self.consumes += 1
             self.drops += len(batch.dropped)
@@ -302,38 +335,21 @@ def conformance_machine(
         def snapshot_restore(self) -> None:
             data = json.loads(json.dumps(self.impl.snapshot()))
             restored = manager_cls.restore(data, on_event=self.events.append)
-            assert restored.snapshot() == data
-            assert restored.counts() == self.impl.counts()
-            assert list(restored.groups()) == list(self.impl.groups())
+            assert restored.snapshot() == data, f"restore(snapshot()).snapshot() differs: {data}"
+            assert restored.counts() == self.impl.counts(), "restored counters differ"
+            assert list(restored.groups()) == list(self.impl.groups()), "restored groups differ"
             self.impl = restored
 
         # ------------------------------------------------------------ invariants
         @invariant()
         def same_state(self) -> None:
-            self.steps += 1
+            self.states += 1
             assert mirror.invariant(self.params, self.spec)
-            impl_groups = {(g.group_id, g.version, g.status.value) for g in self.impl.groups()}
-            assert impl_groups == set(self.spec.groups), (impl_groups, self.spec.groups)
-            assert len(self.impl) == len(self.spec.groups)
-            assert self.impl.version == self.spec.version
-            assert self.impl.counts() == mirror_counts(self.params, self.spec)
+            assert_same_state(self.impl, self.params, self.spec)
 
         @invariant()
-        def same_consume_enabledness(self) -> None:
-            enabled = bool(consume_steps(self.params, self.spec))
-            assert self.impl.can_consume() == enabled, f"can_consume() != spec enabledness {enabled}"
-
-        @invariant()
-        def same_admission(self) -> None:
-            c, eta = self.spec.version, self.params.eta
-            admissible = []
-            for version in range(max(0, c - eta - 1), c + 1):
-                slack = mirror_slack(self.params, self.spec, version)
-                assert self.impl.reserve_slack(version) == slack, (version, slack)
-                assert self.impl.can_reserve(version) == (slack > 0), version
-                if slack:
-                    admissible.append(version)
-            assert self.impl.oldest_admissible_version() == min(admissible, default=None)
+        def same_queries(self) -> None:
+            assert_same_queries(self.impl, self.params, self.spec)
 
         def teardown(self) -> None:
             if not hasattr(self, "params"):
@@ -342,13 +358,92 @@ def conformance_machine(
             target(float(self.spec.version), label="version reached")
             if stats is not None:
                 stats.examples += 1
-                stats.steps += self.steps
+                stats.states += self.states
                 stats.max_version = max(stats.max_version, self.spec.version)
                 stats.consumes += self.consumes
                 stats.drops += self.drops
                 stats.refusals += self.refusals
 
     return ProtocolConformance
+
+
+# --------------------------------------------------------------------------- exhaustive small scope
+#: (eta, B, X) of the exhaustive layer: every Inv state of each is checked (2,196 states).
+EXHAUSTIVE_GRID = tuple((eta, b, x) for eta in range(3) for b in (1, 2) for x in range(2))
+
+
+def inv_counter_states(p: SpecParams) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every (running, done) count vector over offsets ``0..eta`` that satisfies Inv."""
+
+    def extend(i: int, prefix: int, running: tuple[int, ...], done: tuple[int, ...]) -> Iterator[Any]:
+        if i > p.eta:
+            yield running, done
+            return
+        for size in range((i + 1) * p.batch_size + p.redundancy - prefix + 1):
+            for r in range(size + 1):
+                yield from extend(i + 1, prefix + size, (*running, r), (*done, size - r))
+
+    yield from extend(0, 0, (), ())
+
+
+def exhaustive_conformance(
+    manager_cls: type[StalenessManager], grid: Sequence[tuple[int, int, int]]
+) -> int:
+    """Check every Inv state of every ``(eta, B, X)`` in ``grid``: the manager restored into it
+    answers every query as the mirror does, and every action (reserve at each version, occupy and
+    abort at each offset, consume) leads to the mirror's successor. Returns the states checked.
+
+    The head buffer is ``c = eta + 1``, so version 0 is past its deadline (a refused reserve)."""
+    checked = 0
+    for eta, batch_size, redundancy in grid:
+        p = SpecParams(eta, batch_size, redundancy)
+        c = eta + 1
+        for running, done in inv_counter_states(p):
+            groups = [
+                (f"{status[0]}{i}.{n}", c - eta + i, status)
+                for i in range(eta + 1)
+                for status, count in ((RUNNING, running[i]), (DONE, done[i]))
+                for n in range(count)
+            ]
+            snapshot = {
+                "format": SNAPSHOT_FORMAT, "eta": eta, "batch_size": batch_size,
+                "redundancy": redundancy, "version": c, "groups": [list(g) for g in groups],
+            }
+            spec = MirrorState(c, frozenset(groups))
+            where = f"eta={eta} B={batch_size} X={redundancy} running={running} done={done}"
+            try:
+                _check_every_action(manager_cls, snapshot, p, spec)
+            except AssertionError as error:
+                raise AssertionError(f"{where}: {error}") from None
+            checked += 1
+    return checked
+
+
+def _check_every_action(
+    manager_cls: type[StalenessManager], snapshot: dict[str, Any], p: SpecParams, spec: MirrorState
+) -> None:
+    impl = manager_cls.restore(snapshot)
+    assert_same_state(impl, p, spec)
+    assert_same_queries(impl, p, spec)
+    for version in range(spec.version + 1):
+        impl = manager_cls.restore(snapshot)
+        successor = mirror.reserve(p, spec, "new", version)
+        accepted = impl.reserve("new", version)
+        assert accepted == (successor is not None), f"reserve at v{version} returned {accepted}"
+        assert_same_state(impl, p, successor or spec)
+    one_per_class = {(v, s): g for g, v, s in sorted(spec.groups, key=repr)}  # same offset+status
+    for group_id in one_per_class.values():
+        for operation in (mirror.occupy, mirror.abort):
+            successor = operation(p, spec, group_id)
+            if successor is None:
+                continue
+            impl = manager_cls.restore(snapshot)
+            getattr(impl, operation.__name__)(group_id)
+            assert_same_state(impl, p, successor)
+    if consume_steps(p, spec):
+        impl = manager_cls.restore(snapshot)
+        step = assert_consume_conforms(impl.consume(), p, spec)
+        assert_same_state(impl, p, step.state)
 
 
 def run_conformance(
@@ -363,9 +458,32 @@ def run_conformance(
     return stats
 
 
-def checks(quick: bool, nightly: bool = False) -> list[CheckResult]:
-    """The conformance row of ``staleflow verify`` (``ci`` profile, or ``nightly``)."""
-    profile = "nightly" if nightly else "ci"
+def checks(quick: bool) -> list[CheckResult]:
+    """The conformance rows of ``staleflow verify``: the exhaustive small-scope check, and the
+    Hypothesis machine under the profile named by ``HYPOTHESIS_PROFILE`` (``ci`` by default, for
+    the quick and the full run alike; ``verify --nightly`` sets ``nightly``)."""
+    return [_exhaustive_row(), _hypothesis_row(os.environ.get("HYPOTHESIS_PROFILE", "ci"))]
+
+
+def _exhaustive_row() -> CheckResult:
+    started = time.perf_counter()
+    try:
+        explored, result, detail = f"{exhaustive_conformance(StalenessManager, EXHAUSTIVE_GRID):,} states", "pass", ""
+    except Exception as error:  # a counterexample or a crash is a failed check
+        explored, result, detail = "stopped at the first counterexample", "fail", _first_line(error)
+    return CheckResult(
+        name="conformance-exhaustive",
+        property="impl = spec mirror on every Inv state: queries and every action's successor",
+        method="enumeration of all Inv counter states, manager restored into each",
+        bounds="eta 0..2, B 1..2, X 0..1, head buffer eta+1",
+        explored=explored,
+        result=result,
+        seconds=round(time.perf_counter() - started, 3),
+        detail=detail,
+    )
+
+
+def _hypothesis_row(profile: str) -> CheckResult:
     chosen = settings.get_profile(profile)
     started = time.perf_counter()
     try:
@@ -373,21 +491,19 @@ def checks(quick: bool, nightly: bool = False) -> list[CheckResult]:
         result, explored, detail = "pass", stats.describe(), ""
     except Exception as error:  # any failure of the machine is a failed check, reported as such
         result, explored, detail = "fail", "stopped at the first counterexample", _first_line(error)
-    return [
-        CheckResult(
-            name="conformance",
-            property="impl = spec mirror: state, exact admission, eager consume, S1, errors, events",
-            method=f"Hypothesis RuleBasedStateMachine, profile {profile}",
-            bounds=(
-                f"eta 0..{MAX_ETA}, B 1..{MAX_BATCH_SIZE}, X 0..{MAX_REDUNDANCY}, "
-                f"{chosen.max_examples} examples x <= {chosen.stateful_step_count} steps"
-            ),
-            explored=explored,
-            result=result,
-            seconds=round(time.perf_counter() - started, 3),
-            detail=detail,
-        )
-    ]
+    return CheckResult(
+        name="conformance",
+        property="impl = spec mirror: state, exact admission, eager consume, S1, errors, events",
+        method=f"Hypothesis RuleBasedStateMachine, profile {profile}",
+        bounds=(
+            f"eta 0..{MAX_ETA}, B 1..{MAX_BATCH_SIZE}, X 0..{MAX_REDUNDANCY}, "
+            f"{chosen.max_examples} examples x <= {chosen.stateful_step_count} steps"
+        ),
+        explored=explored,
+        result=result,
+        seconds=round(time.perf_counter() - started, 3),
+        detail=detail,
+    )
 
 
 def _first_line(error: BaseException) -> str:

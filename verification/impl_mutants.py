@@ -22,7 +22,11 @@ from typing import Callable
 from staleflow.protocol import StalenessManager
 from staleflow.protocol import manager as manager_module
 from staleflow.verification.checks import CheckResult
-from staleflow.verification.conformance import run_conformance
+from staleflow.verification.conformance import (
+    EXHAUSTIVE_GRID,
+    exhaustive_conformance,
+    run_conformance,
+)
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,14 @@ def mutant_class(mutant: Mutant | None) -> type[StalenessManager]:
 Layer = Callable[[type[StalenessManager]], "str | None"]
 
 
+def exhaustive_layer(manager_cls: type[StalenessManager]) -> str | None:
+    try:
+        exhaustive_conformance(manager_cls, EXHAUSTIVE_GRID)
+    except Exception as error:
+        return _first_line(error)
+    return None
+
+
 def conformance_layer(manager_cls: type[StalenessManager]) -> str | None:
     try:
         run_conformance(manager_cls, profile="mutant")
@@ -205,58 +217,79 @@ def trace_layer(manager_cls: type[StalenessManager]) -> str | None:
     return None
 
 
-#: Every dynamic layer a mutant is run through.
-LAYERS: dict[str, Layer] = {"conformance": conformance_layer, "trace validation": trace_layer}
+#: Every dynamic layer a mutant is run through, cheapest first.
+LAYERS: dict[str, Layer] = {
+    "exhaustive": exhaustive_layer,
+    "conformance": conformance_layer,
+    "trace validation": trace_layer,
+}
 
 
 # --------------------------------------------------------------------------- the check
-def check_mutant(mutant: Mutant, layers: dict[str, Layer] = LAYERS) -> CheckResult:
+def check_mutant(mutant: Mutant, every_layer: bool) -> tuple[CheckResult, list[str]]:
+    """Run a mutant through the layers (all of them, or until one catches it); returns its row
+    and the layers that caught it."""
     started = time.perf_counter()
+    caught_by: dict[str, str] = {}
     try:
         cls = mutant_class(mutant)
-        caught = {name: layer(cls) for name, layer in layers.items()}
-        caught_by = {name: why for name, why in caught.items() if why is not None}
+        for name, layer in LAYERS.items():
+            why = layer(cls)
+            if why is not None:
+                caught_by[name] = why
+                if not every_layer:
+                    break
         result = "pass" if caught_by else "fail"
         explored = "caught by " + ", ".join(caught_by) if caught_by else "survived every layer"
         detail = "; ".join(f"{name}: {why}" for name, why in caught_by.items())
     except MutationError as error:
         result, explored, detail = "fail", "mutation does not apply", str(error)
-    return CheckResult(
+    row = CheckResult(
         name=f"mutant {mutant.name}",
         property=f"{mutant.operation}: {mutant.bug} is caught",
-        method="source mutation of protocol/manager.py, run through " + " + ".join(layers),
+        method="source mutation of protocol/manager.py; layers "
+        + (" + ".join(LAYERS) if every_layer else " then ".join(LAYERS) + " until caught"),
         bounds=BOUNDS,
         explored=explored,
         result=result,
         seconds=round(time.perf_counter() - started, 3),
         detail=detail[:500],
     )
+    return row, list(caught_by)
 
 
-BOUNDS = "conformance profile 'mutant' (200 examples x 50 steps, no shrinking); 3 traced workloads"
+BOUNDS = (
+    "exhaustive grid of conformance-exhaustive; Hypothesis profile 'mutant' (200 x 50, no shrinking); "
+    "3 traced workloads"
+)
 
 
-def check_baseline() -> CheckResult:
-    """The unmutated source, compiled the same way, must pass the trace layer (else a "caught"
-    mutant would prove nothing). Its conformance run is the ``conformance`` row: the ``ci`` profile
-    generates the same examples as ``mutant``."""
+def check_baseline(layers: list[str]) -> CheckResult:
+    """The unmutated source, compiled the same way, must pass each layer that caught a mutant;
+    else that catch would prove nothing."""
     started = time.perf_counter()
-    why = trace_layer(mutant_class(None))
+    cls = mutant_class(None)
+    rejected = {name: why for name in layers if (why := LAYERS[name](cls)) is not None}
     return CheckResult(
         name="mutant baseline",
-        property="the unmutated manager.py, compiled as the mutants are, passes trace validation",
-        method="trace validation of the mutant workloads",
+        property="the unmutated manager.py, compiled as the mutants are, passes the layers",
+        method=" + ".join(layers),
         bounds=BOUNDS,
-        explored="accepted" if why is None else "rejected",
-        result="pass" if why is None else "fail",
+        explored="rejected by " + ", ".join(rejected) if rejected else f"passed {len(layers)} layers",
+        result="fail" if rejected else "pass",
         seconds=round(time.perf_counter() - started, 3),
-        detail=why or "",
+        detail="; ".join(f"{name}: {why}" for name, why in rejected.items()),
     )
 
 
 def checks(quick: bool) -> list[CheckResult]:
-    """The baseline row, then one row per mutant (quick and full run the same set)."""
-    return [check_baseline(), *(check_mutant(mutant) for mutant in MUTANTS)]
+    """One row per mutant, after a baseline row. The quick run stops at the first layer that
+    catches a mutant and checks the baseline on the layers that caught one; the full run reports
+    every layer that catches each mutant and checks the baseline on every layer."""
+    outcomes = [check_mutant(mutant, every_layer=not quick) for mutant in MUTANTS]
+    catching = {name for _, caught_by in outcomes for name in caught_by}
+    used = [name for name in LAYERS if not quick or name in catching]
+    return [check_baseline(used), *(row for row, _ in outcomes)]
 
 
 def _first_line(error: BaseException) -> str:

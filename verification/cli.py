@@ -1,0 +1,156 @@
+"""``staleflow verify``: run every verification layer and print one row per check.
+
+Layers, in order: Z3 proofs on the counter abstraction, TLC model checking of the TLA+ spec, the
+spec mirror against TLC's state graph, Hypothesis conformance of the implementation against the
+mirror, trace validation of implementation traces, spec mutants, implementation mutants. Each
+layer module exposes ``checks(quick) -> list[CheckResult]`` and is imported only when it runs
+(z3, hypothesis and Java stay out of ``staleflow --help``). Any failed check (a solver ``unknown``,
+a timeout or a crash included) makes the exit code 1; bad arguments exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from staleflow.verification.checks import CheckResult
+
+#: (layer title, module); every module has ``checks(quick: bool) -> list[CheckResult]``.
+LAYERS: tuple[tuple[str, str], ...] = (
+    ("z3 proofs", "staleflow.verification.z3_proofs"),
+    ("tlc", "staleflow.verification.tlc"),
+    ("graph equivalence", "staleflow.verification.graph_equivalence"),
+    ("conformance", "staleflow.verification.conformance"),
+    ("trace validation", "staleflow.verification.trace_validation"),
+    ("spec mutants", "staleflow.verification.spec_mutants"),
+    ("impl mutants", "staleflow.verification.impl_mutants"),
+)
+
+COLUMNS = ("name", "property", "method", "bounds", "explored", "result", "seconds")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--quick", action="store_true", help="the CI subset: smaller bounds, same layers (< 1 min)"
+    )
+    mode.add_argument(
+        "--nightly",
+        action="store_true",
+        help="the full run with the Hypothesis 'nightly' profile (thousands of random runs)",
+    )
+    mode.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="only validate this JSONL protocol trace (staleflow.protocol.trace) against the spec",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"ok": bool, "checks": [...]} to stdout instead of a table',
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.trace is not None and not args.trace.is_file():
+        print(f"staleflow verify: error: --trace {args.trace}: no such file", file=sys.stderr)
+        return 2
+    if args.nightly:
+        os.environ["HYPOTHESIS_PROFILE"] = "nightly"  # read by the conformance layer
+    started = time.perf_counter()
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        results = (
+            _validate_trace(args.trace)
+            if args.trace is not None
+            else run_layers(quick=args.quick, progress=_progress)
+        )
+    ok = bool(results) and all(r.ok for r in results)
+    if args.json:
+        checks = [{key: r.to_json()[key] for key in COLUMNS} for r in results]
+        print(json.dumps({"ok": ok, "checks": checks}, indent=2))
+    else:
+        _print_table(results, time.perf_counter() - started)
+    return 0 if ok else 1
+
+
+def run_layers(quick: bool, progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+    """Every layer's rows; a layer that crashes becomes one failed row naming the error."""
+    results: list[CheckResult] = []
+    for title, module_name in LAYERS:
+        if progress is not None:
+            progress(title)
+        started = time.perf_counter()
+        try:
+            rows = importlib.import_module(module_name).checks(quick)
+            if not rows:
+                raise RuntimeError("the layer returned no checks")
+        except Exception as error:  # a crashed layer is a failed check, never a silent skip
+            rows = [
+                CheckResult(
+                    name=title,
+                    property="the layer runs",
+                    method=module_name,
+                    bounds="",
+                    explored="",
+                    result="fail",
+                    seconds=round(time.perf_counter() - started, 3),
+                    detail=f"crashed: {type(error).__name__}: {error}",
+                )
+            ]
+        results.extend(rows)
+    return results
+
+
+def _validate_trace(path: Path) -> list[CheckResult]:
+    from staleflow.verification.trace_validation import validate_trace
+
+    return [validate_trace(path)]
+
+
+def _progress(title: str) -> None:
+    print(f"verify: {title} ...", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout (by Python or a subprocess such as TLC) to stderr, so
+    that ``--json`` leaves stdout holding the JSON document only."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _print_table(results: list[CheckResult], seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title="staleflow verify", show_lines=False)
+    for column in COLUMNS:
+        table.add_column(column, overflow="fold", justify="right" if column == "seconds" else "left")
+    for r in results:
+        colour = "green" if r.ok else "bold red"
+        table.add_row(
+            r.name, r.property, r.method, r.bounds, r.explored, f"[{colour}]{r.result}[/]", f"{r.seconds:.2f}"
+        )
+    console.print(table)
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        console.print(f"[bold red]FAIL[/] {r.name}: {r.detail}", markup=True, highlight=False)
+    summary = f"{len(results)} checks, {len(failed)} failed, {seconds:.1f} s"
+    console.print(f"[{'bold red' if failed else 'green'}]{summary}[/]")
