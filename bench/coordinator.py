@@ -1,0 +1,171 @@
+"""Coordinator decision time per tick at cluster scale (128 instances / 10,000 in-flight requests, and
+1,024 / 100,000).
+
+Setup: simulated instances with the Qwen3-30B-A3B workload's cost model and KV capacity, a
+staleness protocol with ``eta = 3`` and a batch size chosen so that the protocol holds the target
+number of requests (groups of 16); the coordinator admits and routes groups until the protocol
+refuses. Then, on a virtual clock advancing one tick (1 s) at a time, every tick is timed:
+
+* ``observe``: taking one snapshot of every instance (the loop's full-tick refresh);
+* ``plan``: the coordinator's decision on a full tick (pulls, migration, routing, admission), in the
+  steady state where every request is placed;
+* ``plan, 1% re-routed``: the same after 1% of the in-flight requests were interrupted back to the
+  trajectory server (partials to place again: the migration / partial-rollout path).
+
+Responses are long (20,000 tokens), so the in-flight set stays the same during the measurement.
+"In flight" counts the requests of admitted groups; the throughput router leaves some of them
+queued when no instance gains enough from one more request (the ``mu`` test), as it would in a run.
+
+Reproduce: ``staleflow bench coordinator [--scales 128x10000 1024x100000] [--ticks 20] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from typing import Any
+
+DEFAULT_SCALES = ("128x10000", "1024x100000")
+GROUP_SIZE = 16
+ETA = 3
+RESPONSE_TOKENS = 20_000
+TICK_S = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scales", nargs="+", default=list(DEFAULT_SCALES), metavar="INSTANCESxREQUESTS",
+                        help=f"cluster sizes to measure (default: {' '.join(DEFAULT_SCALES)})")
+    parser.add_argument("--ticks", type=int, default=20, help="ticks timed per measurement (default: 20)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
+
+
+def _parse_scale(text: str) -> tuple[int, int]:
+    try:
+        instances, requests = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"scale {text!r}: expected INSTANCESxREQUESTS, e.g. 128x10000") from None
+    if instances < 1 or requests < GROUP_SIZE:
+        raise ValueError(f"scale {text!r}: need >= 1 instance and >= {GROUP_SIZE} requests")
+    return instances, requests
+
+
+def _summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "median_ms": 1e3 * statistics.median(ordered),
+        "p95_ms": 1e3 * ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)],
+        "max_ms": 1e3 * ordered[-1],
+    }
+
+
+def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, Any]:
+    """Fill a fleet of ``instances`` with about ``requests`` in-flight requests and time ``ticks`` ticks."""
+    from staleflow.adapters.sim_engine import SimEngine
+    from staleflow.protocol import StalenessManager
+    from staleflow.runtime.clock import VirtualClock
+    from staleflow.runtime.commands import Route
+    from staleflow.runtime.coordinator import Coordinator
+    from staleflow.runtime.policies import make_policy
+    from staleflow.runtime.trajectory_server import TrajectoryServer
+    from staleflow.runtime.types import PromptGroup
+    from staleflow.runtime.workload import GROUP_LENGTHS_KEY, load_workload
+
+    workload = load_workload("qwen3-30b-a3b-128gpu")
+    cost = workload.build_cost_model()
+    batch_size = math.ceil(requests / (GROUP_SIZE * (ETA + 1)))
+    clock = VirtualClock()
+    engines = [
+        SimEngine(f"i{i}", clock, cost, workload.instance.kv_capacity_tokens, max_running=workload.instance.max_running)
+        for i in range(instances)
+    ]
+    by_id = {e.instance_id: e for e in engines}
+    manager = StalenessManager(ETA, batch_size)
+    ts = TrajectoryServer()
+    prompt = [1] * workload.prompt_tokens
+    ts.add_groups(
+        PromptGroup(f"g{i}", list(prompt), GROUP_SIZE,
+                    metadata={GROUP_LENGTHS_KEY: [RESPONSE_TOKENS] * GROUP_SIZE, "max_new_tokens": RESPONSE_TOKENS})
+        for i in range(batch_size * (ETA + 1))
+    )
+    coordinator = Coordinator(manager, ts, make_policy("staleflow"), cost, [e.snapshot() for e in engines])
+
+    def execute(commands: list[Any]) -> None:
+        for command in commands:
+            if not isinstance(command, Route):
+                raise RuntimeError(f"unexpected command during the benchmark: {command!r}")
+            by_id[command.instance_id].submit(ts.mark_routed(command.request_ids, command.instance_id))
+
+    fill_started = time.perf_counter()
+    while commands := coordinator.plan(0, full=False):
+        execute(commands)
+    fill_s = time.perf_counter() - fill_started
+    on_instances = sum(len(v.requests) for v in coordinator.views)
+    admitted = len(manager) * GROUP_SIZE
+
+    rng = random.Random(seed)
+    observe, steady, rerouted = [], [], []
+    for _ in range(ticks):
+        clock.sleep_until(clock.now() + TICK_S)
+        started = time.perf_counter()
+        for engine in engines:
+            coordinator.observe(engine.snapshot())
+        observe.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        commands = coordinator.plan(0, full=True)
+        steady.append(time.perf_counter() - started)
+        execute(commands)
+
+        on_instance = [(v.instance_id, rid) for v in coordinator.views for rid in v.requests]
+        for instance_id, rid in rng.sample(on_instance, max(1, len(on_instance) // 100)):
+            coordinator.forget(instance_id, [rid])
+            ts.requeue(by_id[instance_id].interrupt([rid]), instance_id)
+        started = time.perf_counter()
+        commands = coordinator.plan(0, full=True)
+        rerouted.append(time.perf_counter() - started)
+        execute(commands)
+
+    return {
+        "instances": instances,
+        "in_flight_requests": admitted,
+        "on_instances": on_instances,
+        "batch_size": batch_size,
+        "eta": ETA,
+        "fill_s": fill_s,
+        "observe": _summary(observe),
+        "plan": _summary(steady),
+        "plan_rerouted_1pct": _summary(rerouted),
+        "queued_after": ts.queued_count(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        scales = [_parse_scale(s) for s in args.scales]
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    if args.ticks < 1:
+        print("error: --ticks must be >= 1")
+        return 2
+    results = [measure(instances, requests, args.ticks, args.seed) for instances, requests in scales]
+    command = "staleflow bench coordinator --scales " + " ".join(args.scales) + f" --ticks {args.ticks}"
+    if args.json:
+        print(json.dumps({"results": results, "reproduce": command}, indent=2))
+        return 0
+    print(f"Coordinator decision time per tick (eta={ETA}, groups of {GROUP_SIZE}, {args.ticks} ticks each):")
+    for r in results:
+        print(
+            f"  {r['instances']:>5} instances, {r['in_flight_requests']:>7,} in flight "
+            f"({r['on_instances']:,} on instances, the rest queued by the router's mu test): "
+            f"plan {r['plan']['median_ms']:.1f} ms (p95 {r['plan']['p95_ms']:.1f}), "
+            f"plan with 1% re-routed {r['plan_rerouted_1pct']['median_ms']:.1f} ms "
+            f"(p95 {r['plan_rerouted_1pct']['p95_ms']:.1f}), "
+            f"snapshot refresh {r['observe']['median_ms']:.1f} ms; fill {r['fill_s']:.1f} s"
+        )
+    print(f"Reproduce: {command}")
+    return 0

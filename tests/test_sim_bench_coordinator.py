@@ -1,0 +1,23 @@
+"""``staleflow bench coordinator`` at a tiny scale: the fleet is filled as the protocol allows."""
+
+from __future__ import annotations
+
+import pytest
+
+from staleflow.bench.coordinator import _parse_scale, measure
+
+
+def test_fills_the_protocol_and_times_every_tick() -> None:
+    result = measure(instances=4, requests=160, ticks=2, seed=0)
+    # batch size ceil(160 / (16 * 4)) = 3: eta + 1 = 4 buffers of 3 groups of 16 requests
+    assert result["batch_size"] == 3
+    assert result["in_flight_requests"] == 4 * 3 * 16
+    assert result["on_instances"] + result["queued_after"] >= result["on_instances"] > 0
+    for key in ("observe", "plan", "plan_rerouted_1pct"):
+        assert 0 <= result[key]["median_ms"] <= result[key]["p95_ms"] <= result[key]["max_ms"]
+
+
+def test_scale_syntax() -> None:
+    assert _parse_scale("128x10000") == (128, 10_000)
+    with pytest.raises(ValueError, match="expected INSTANCESxREQUESTS"):
+        _parse_scale("128")
