@@ -306,10 +306,11 @@ def record_workload_trace(
     rng = random.Random(seed)
     manager = StalenessManager(eta, batch_size, redundancy)
     writer = JsonlTraceWriter.attach(manager, path)
-    written, next_id = 0, 0
+    written, next_id, resumed = 0, 0, False
     try:
         while written < ops:
-            if written == resume_at:
+            if written == resume_at and not resumed:
+                resumed = True
                 writer.close()
                 manager = StalenessManager.restore(manager.snapshot())
                 writer = JsonlTraceWriter.attach(manager, path, mode="a")
