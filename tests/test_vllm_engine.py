@@ -79,20 +79,17 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def ray_engine(model_dir):
-    """A second engine, inside a Ray actor (its own process), at the same weights."""
-    import ray
-
+    """A second engine at the same weights, placed as a Ray actor (its own process) by the runtime."""
     from staleflow.adapters.vllm_engine import SamplingConfig, VLLMEngine
+    from staleflow.runtime.placement import RayPlacement
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        actor = ray.remote(num_cpus=1)(VLLMEngine).remote(
-            "ray", str(model_dir), sampling=SamplingConfig(temperature=0.0)
-        )
-        yield actor
-        ray.get(actor.close.remote())
+        proxy = placement.place(VLLMEngine, "ray", str(model_dir), sampling=SamplingConfig(temperature=0.0))
+        yield proxy
+        proxy.close()
     finally:
-        ray.shutdown()
+        placement.close()
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +126,6 @@ def test_snapshot_reports_running_requests_kv_and_throughput(engine):
 
 
 def test_interrupt_returns_partial_that_resumes_on_another_engine(engine, ray_engine, reference_output):
-    import ray
-
     engine.submit([_request("moving", LONG)])
     _wait_generating(engine, "moving", len(PROMPT) + 5)
     (partial,) = engine.interrupt(["moving", "never-submitted"])
@@ -140,8 +135,10 @@ def test_interrupt_returns_partial_that_resumes_on_another_engine(engine, ray_en
     assert engine.interrupt(["moving"]) == []  # no longer here
     assert "moving" not in engine.snapshot().running
 
-    ray.get(ray_engine.submit.remote([partial]))
-    resumed = _wait_finished(_RayCollector(ray_engine), ["moving"])["moving"]
+    assert ray_engine.instance_id == "ray"
+    ray_engine.submit([partial])
+    resumed = _wait_finished(ray_engine, ["moving"])["moving"]
+    assert resumed.versions == [0] * LONG
     assert resumed.output_ids == reference_output.output_ids
     assert resumed.logprobs[: len(partial.logprobs)] == partial.logprobs
     assert max(abs(a - b) for a, b in zip(resumed.logprobs, reference_output.logprobs)) < 1e-3
@@ -195,14 +192,3 @@ def test_reload_mid_generation_changes_output_and_logprobs_match_torch(engine, m
     with pytest.raises(ValueError, match="cannot load version 0 over version 1"):
         engine.load_weights(0, perturbed)
 
-
-class _RayCollector:
-    """Lets :func:`_wait_finished` poll an actor."""
-
-    def __init__(self, actor):
-        self._actor = actor
-
-    def collect(self):
-        import ray
-
-        return ray.get(self._actor.collect.remote())
