@@ -1,0 +1,464 @@
+"""The :class:`~staleflow.runtime.interfaces.Trainer` seam on Megatron-core (GPU).
+
+The same RL step as :mod:`staleflow.adapters.torch_trainer` (``runtime/algorithms.py``: GRPO
+advantages, off-policy correction, per-token loss), on a Megatron-core ``GPTModel`` wrapped in
+Megatron's ``DistributedDataParallel`` and stepped by Megatron's optimizer
+(``get_megatron_optimizer``, gradient clipping and the optional distributed optimizer included).
+
+The model is built from a Hugging Face Qwen2/Llama-style config and its weights are converted from
+the Hugging Face checkpoint (:func:`hf_to_megatron`); :meth:`MegatronTrainer.weights` converts back
+(:func:`megatron_to_hf`), so the parameter server and vLLM keep using Hugging Face names.
+
+**What runs where.** On CPU, Megatron-core installs, imports and builds the model, and with two
+monkeypatches (``tests/test_megatron_trainer.py`` only: ``torch.cuda.current_device`` and the CUDA
+RNG tracker) its forward pass runs, which the tests use to check the weight conversion against the
+Hugging Face model logit for logit. Megatron's optimizer and DDP need CUDA (253 hard-coded CUDA
+references; ``get_megatron_optimizer`` allocates on ``cuda``), so :class:`MegatronTrainer` itself
+runs **only on a CUDA GPU** and refuses to start without one. Parallelism: data parallel over the
+ranks of ``torch.distributed`` (launch with ``torchrun``; one process is world size 1) with tensor
+and pipeline parallel size 1; larger TP/PP sizes are refused rather than half-supported.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from staleflow.adapters.torch_trainer import TrainerSettings
+from staleflow.runtime.algorithms import Correction, PackedBatch, pack_batch, policy_loss, token_staleness
+from staleflow.runtime.types import TrainingBatch, TrainResult
+
+CHECKPOINT_FILE = "megatron_trainer.pt"
+
+
+def transformer_config_from_hf(hf_config: Any, *, bf16: bool = False, use_cpu_initialization: bool = False) -> Any:
+    """A Megatron ``TransformerConfig`` equal to a Hugging Face Qwen2/Llama config."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"only SwiGLU (hidden_act=silu) models are supported, got {hf_config.hidden_act!r}")
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=hf_config.hidden_size // hf_config.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_has_qkv_bias(hf_config),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=use_cpu_initialization,
+    )
+
+
+def _has_qkv_bias(hf_config: Any) -> bool:
+    if hf_config.model_type == "qwen2":
+        return True
+    return bool(getattr(hf_config, "attention_bias", False))
+
+
+def _rope_theta(hf_config: Any) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
+    return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))
+
+
+def build_gpt_model(hf_config: Any, transformer_config: Any) -> Any:
+    """A Megatron ``GPTModel`` with the architecture of ``hf_config`` (local, Megatron-only layer spec).
+
+    Needs ``parallel_state.initialize_model_parallel`` to have run.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=transformer_config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(_rope_theta(hf_config)),
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        parallel_output=False,
+    )
+
+
+# ------------------------------------------------------------------------------ weight conversion
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """Hugging Face Qwen2/Llama weights -> the local-spec GPTModel's state dict (TP = PP = 1).
+
+    Megatron keeps q, k and v in one ``linear_qkv`` whose rows are grouped by key/value head: for
+    each group, its query heads, then its key head, then its value head. ``linear_fc1`` holds the
+    gate projection then the up projection (SwiGLU applies the activation to the first half).
+    """
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = hf_config.hidden_size // heads
+    per_group = heads // groups
+    out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
+    for i in range(hf_config.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = src + "self_attn."
+        for kind in ("weight", "bias"):
+            if attn + f"q_proj.{kind}" not in hf:
+                continue
+            q = hf[attn + f"q_proj.{kind}"]
+            k = hf[attn + f"k_proj.{kind}"]
+            v = hf[attn + f"v_proj.{kind}"]
+            tail = q.shape[1:]
+            qkv = torch.cat(
+                [
+                    q.reshape(groups, per_group * head_dim, *tail),
+                    k.reshape(groups, head_dim, *tail),
+                    v.reshape(groups, head_dim, *tail),
+                ],
+                dim=1,
+            )
+            out[dst + f"self_attention.linear_qkv.{kind}"] = qkv.reshape(-1, *tail)
+        out[dst + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
+        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
+        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0)
+        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if "lm_head.weight" in hf and not getattr(hf_config, "tie_word_embeddings", False):
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    return out
+
+
+def megatron_to_hf(mg: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`hf_to_megatron` (``_extra_state`` entries are ignored)."""
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = hf_config.hidden_size // heads
+    per_group = heads // groups
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"]}
+    for i in range(hf_config.num_hidden_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = dst + "self_attn."
+        for kind in ("weight", "bias"):
+            key = src + f"self_attention.linear_qkv.{kind}"
+            if key not in mg:
+                continue
+            qkv = mg[key]
+            tail = qkv.shape[1:]
+            grouped = qkv.reshape(groups, (per_group + 2) * head_dim, *tail)
+            q, k, v = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], dim=1)
+            out[attn + f"q_proj.{kind}"] = q.reshape(-1, *tail)
+            out[attn + f"k_proj.{kind}"] = k.reshape(-1, *tail)
+            out[attn + f"v_proj.{kind}"] = v.reshape(-1, *tail)
+        out[attn + "o_proj.weight"] = mg[src + "self_attention.linear_proj.weight"]
+        out[dst + "input_layernorm.weight"] = mg[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = mg[src + "pre_mlp_layernorm.weight"]
+        gate, up = torch.chunk(mg[src + "mlp.linear_fc1.weight"], 2, dim=0)
+        out[dst + "mlp.gate_proj.weight"] = gate
+        out[dst + "mlp.up_proj.weight"] = up
+        out[dst + "mlp.down_proj.weight"] = mg[src + "mlp.linear_fc2.weight"]
+    out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in mg:
+        out["lm_head.weight"] = mg["output_layer.weight"]
+    return out
+
+
+def load_hf_into_megatron(model: Any, hf: Mapping[str, torch.Tensor], hf_config: Any) -> None:
+    """Copy Hugging Face weights into a built GPTModel; every parameter must be covered."""
+    converted = hf_to_megatron(hf, hf_config)
+    missing, unexpected = model.load_state_dict(converted, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"weight conversion mismatch: missing {missing}, unexpected {list(unexpected)}")
+
+
+def causal_mask(length: int, device: torch.device) -> torch.Tensor:
+    """Megatron's attention mask (True = masked out) for causal attention, ``[1, 1, length, length]``.
+
+    Given explicitly: with ``attention_mask=None`` Megatron builds its default mask on ``cuda``.
+    """
+    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def megatron_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Next-token log-probs ``[rows, length - 1]`` of a (right-padded) batch under a GPTModel.
+
+    Causal attention alone is exact for right padding: a real token never attends to the pads
+    after it, and the pads' own outputs are masked out of the loss. (``attention_mask`` is
+    accepted for symmetry with the torch trainer.)
+    """
+    from megatron.core import tensor_parallel
+
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+    logits = model(input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(input_ids.shape[1], input_ids.device))
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, 1:]
+    # vocab_parallel_cross_entropy wants [sequence, batch, vocab]; it handles a vocab split over TP ranks.
+    nll = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), targets.transpose(0, 1).contiguous())
+    return -nll.transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------------- the trainer
+class MegatronTrainer:
+    """GRPO training on Megatron-core, one CUDA GPU per rank (see the module docstring).
+
+    Same constructor and extras (``save_checkpoint``, ``load_checkpoint``, ``generate_greedy``) as
+    :class:`~staleflow.adapters.torch_trainer.TorchTrainer`, so the run loop and ``staleflow
+    train`` (``train.backend=megatron``) use either.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        settings: TrainerSettings = TrainerSettings(),
+        pad_id: int = 0,
+        version: int = 0,
+        seed: int = 0,
+        bf16: bool = True,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "the Megatron trainer needs a CUDA GPU (Megatron-core's optimizer and DDP are CUDA-only); "
+                "use train.backend=torch on CPU"
+            )
+        if tensor_parallel != 1 or pipeline_parallel != 1:
+            raise ValueError("the Megatron trainer supports tensor_parallel=1 and pipeline_parallel=1 (data parallel over ranks)")
+        from megatron.core import parallel_state, tensor_parallel as mcore_tp
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        folder = Path(model_path)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {folder} has no config.json")
+        _init_distributed()
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        mcore_tp.model_parallel_cuda_manual_seed(seed)
+        torch.manual_seed(seed)
+
+        self._settings = settings
+        self._pad_id = pad_id
+        self._hf_config = AutoConfig.from_pretrained(str(folder))
+        self._config = transformer_config_from_hf(self._hf_config, bf16=bf16)
+        model = build_gpt_model(self._hf_config, self._config).cuda()
+        load_hf_into_megatron(model, _load_hf_weights(folder, load_file), self._hf_config)
+        if bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(self._config, model)
+        self._model = DistributedDataParallel(
+            config=self._config,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
+            module=model,
+        )
+        self._optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=settings.lr,
+                weight_decay=settings.weight_decay,
+                adam_beta1=settings.betas[0],
+                adam_beta2=settings.betas[1],
+                clip_grad=settings.grad_clip,
+                bf16=bf16,
+                params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            ),
+            [self._model],
+        )
+        self._steps_taken = 0
+        self._version = version
+        self._lock = threading.Lock()
+        self._published = self._hf_weights()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-trainer")
+        self._running: Future[TrainResult] | None = None
+
+    # ------------------------------------------------------------------------------ Trainer seam
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def start_step(self, batch: TrainingBatch) -> None:
+        if self._running is not None:
+            raise RuntimeError("a training step is already running; poll() it first")
+        if batch.version != self._version:
+            raise ValueError(f"batch is buffer {batch.version} but the trainer holds version {self._version}")
+        self._running = self._executor.submit(self._step, batch)
+
+    def poll(self) -> TrainResult | None:
+        if self._running is None or not self._running.done():
+            return None
+        future, self._running = self._running, None
+        return future.result()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Hugging Face-named CPU weights of version :attr:`version` (for the PS and vLLM)."""
+        return self._published
+
+    def next_event_time(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, folder: str | os.PathLike[str]) -> Path:
+        if self._running is not None:
+            raise RuntimeError("cannot checkpoint while a training step is running")
+        target = Path(folder)
+        target.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            torch.save(
+                {
+                    "version": self._version,
+                    "steps_taken": self._steps_taken,
+                    "model": self._model.module.state_dict(),
+                    "optimizer": self._optimizer.state_dict(),
+                },
+                target / CHECKPOINT_FILE,
+            )
+        return target
+
+    def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
+        source = Path(folder) / CHECKPOINT_FILE
+        if not source.is_file():
+            raise FileNotFoundError(f"checkpoint {folder} has no {CHECKPOINT_FILE}")
+        with self._lock:
+            state = torch.load(source, map_location="cuda", weights_only=False)
+            self._model.module.load_state_dict(state["model"], strict=False)
+            self._optimizer.load_state_dict(state["optimizer"])
+            self._version = int(state["version"])
+            self._steps_taken = int(state["steps_taken"])
+            self._published = self._hf_weights()
+        return self._version
+
+    def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int = 64) -> list[list[int]]:
+        """Greedy decoding by repeated full forward passes (evaluation only; rollout is vLLM's)."""
+        outputs: list[list[int]] = []
+        with self._lock, torch.no_grad():
+            self._model.eval()
+            for prompt in prompts:
+                ids = torch.tensor([list(prompt)], device="cuda")
+                response: list[int] = []
+                for _ in range(max_new_tokens):
+                    positions = torch.arange(ids.shape[1], device="cuda").unsqueeze(0)
+                    mask = causal_mask(ids.shape[1], ids.device)
+                    token = int(self._model(input_ids=ids, position_ids=positions, attention_mask=mask)[0, -1].argmax())
+                    if token == eos_id:
+                        break
+                    response.append(token)
+                    ids = torch.cat([ids, torch.tensor([[token]], device="cuda")], dim=1)
+                outputs.append(response)
+        return outputs
+
+    # ----------------------------------------------------------------------------------- the step
+    def _step(self, batch: TrainingBatch) -> TrainResult:
+        started = time.perf_counter()
+        settings = self._settings
+        packed = pack_batch(batch, pad_id=self._pad_id, scale_advantages=settings.scale_advantages)
+        with self._lock:
+            self._model.train()
+            self._set_lr()
+            proximal = None
+            if settings.minibatches > 1 and settings.loss.correction is not Correction.NONE:
+                with torch.no_grad():
+                    proximal = self._logprobs(packed)
+            rows = packed.input_ids.shape[0]
+            bounds = [round(i * rows / settings.minibatches) for i in range(settings.minibatches + 1)]
+            sums: dict[str, float] = {}
+            grad_norms = []
+            for a, b in zip(bounds, bounds[1:]):
+                part = packed.rows(slice(a, b))
+                logp = self._logprobs(part)
+                prox = proximal[a:b] if proximal is not None else logp.detach()
+                self._model.zero_grad_buffer()
+                self._optimizer.zero_grad()
+                loss, metrics = policy_loss(logp, _on(part, logp.device), settings.loss, prox)
+                loss.backward()
+                self._model.finish_grad_sync()
+                ok, grad_norm, _ = self._optimizer.step()
+                if not ok:
+                    raise RuntimeError("Megatron optimizer step was skipped (non-finite gradients)")
+                grad_norms.append(float(grad_norm or 0.0))
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value
+            self._steps_taken += 1
+            self._published = self._hf_weights()
+            self._version += 1
+        seconds = time.perf_counter() - started
+        n = len(bounds) - 1
+        metrics = {key: value / n for key, value in sums.items() if key != "tokens"}
+        staleness = token_staleness(packed, batch.version).float()
+        metrics.update(
+            {
+                "tokens": float(packed.response_tokens),
+                "grad_norm": max(grad_norms),
+                "reward_mean": float(packed.rewards.mean()),
+                "token_staleness_mean": float(staleness.mean()),
+                "token_staleness_max": float(staleness.max()),
+                "train_s": seconds,
+            }
+        )
+        return TrainResult(version=self._version, metrics=metrics)
+
+    def _set_lr(self) -> None:
+        warmup = self._settings.lr_warmup_steps
+        factor = min(1.0, (self._steps_taken + 1) / warmup) if warmup > 0 else 1.0
+        for group in self._optimizer.param_groups:
+            group["lr"] = self._settings.lr * factor
+
+    def _logprobs(self, part: PackedBatch) -> torch.Tensor:
+        return megatron_logprobs(self._model, part.input_ids.cuda(), part.attention_mask.cuda(), self._settings.temperature)
+
+    def _hf_weights(self) -> dict[str, torch.Tensor]:
+        state = {k: v for k, v in self._model.module.state_dict().items() if not k.endswith("_extra_state")}
+        state = {k.removeprefix("module."): v for k, v in state.items()}  # Float16Module wraps the model
+        return {k: v.detach().float().cpu().clone() for k, v in megatron_to_hf(state, self._hf_config).items()}
+
+
+def _on(part: PackedBatch, device: torch.device) -> PackedBatch:
+    return PackedBatch(
+        input_ids=part.input_ids.to(device),
+        attention_mask=part.attention_mask.to(device),
+        loss_mask=part.loss_mask.to(device),
+        behaviour_logprobs=part.behaviour_logprobs.to(device),
+        versions=part.versions.to(device),
+        advantages=part.advantages.to(device),
+        rewards=part.rewards.to(device),
+    )
+
+
+def _load_hf_weights(folder: Path, load_file: Any) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return weights
+
+
+def _init_distributed() -> None:
+    """Join (or, for a single process, create) the default process group: NCCL on one GPU per rank."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl", rank=rank, world_size=world)
