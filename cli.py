@@ -15,6 +15,9 @@ from typing import Sequence
 #: subcommand -> (module that implements it, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("staleflow.verification.cli", "machine-check the staleness protocol (Z3, TLC, conformance, mutants)"),
+    "train": ("staleflow.adapters.train_command", "run an RL training job (no arguments: the built-in CPU job)"),
+    "simulate": ("staleflow.adapters.simulate_command", "run StaleFlow and the baselines on a simulated cluster"),
+    "profile": ("staleflow.adapters.profile_command", "measure a rollout engine and fit the cost model"),
     "bench": ("staleflow.bench.cli", "run a benchmark and print its figures"),
 }
 
