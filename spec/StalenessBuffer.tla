@@ -146,6 +146,21 @@ S2 ==
 AllFinished == [g \in Groups |-> IF st[g] = Running THEN Done ELSE st[g]]
 L1 == Cardinality(Active) >= B => CanConsumeIn(c, ver, AllFinished)
 
+(* P1 exact admission: Reserve(g, v) is enabled iff the active groups and  *)
+(* g can be placed in buffers c..deadline, at most B + X in the head       *)
+(* buffer and B in each later one (checked by brute force at small bounds). *)
+PlacementExists(cc, vv, A) ==
+    /\ \A g \in A : vv[g] + Eta >= cc      \* every group has a buffer left (a necessary condition)
+    /\ \E f \in [A -> cc..(cc + Eta)] :
+          /\ \A g \in A : f[g] <= vv[g] + Eta
+          /\ \A b \in cc..(cc + Eta) :
+                Cardinality({g \in A : f[g] = b}) <= (IF b = cc THEN B + X ELSE B)
+
+ExactAdmission ==
+    \A g \in Groups, v \in 0..c :
+        st[g] = Idle =>
+            (ENABLED Reserve(g, v) <=> PlacementExists(c, [ver EXCEPT ![g] = v], Active \cup {g}))
+
 (* Fairness for trainer progress: some running group eventually finishes, *)
 (* a producer keeps reserving, the trainer consumes when it can.           *)
 ProducerFairness == WF_vars(\E g \in Groups, v \in 0..c : Reserve(g, v))

@@ -30,6 +30,7 @@ SAFETY_FULL = ("MCStalenessBuffer", "safety.cfg")
 SAFETY_QUICK = ("MCStalenessBuffer", "safety_quick.cfg")
 LIVENESS_FULL = ("MCLag", "liveness.cfg")
 LIVENESS_QUICK = ("MCLag", "liveness_quick.cfg")
+ADMISSION = ("MCStalenessBuffer", "admission.cfg")
 
 
 class TlcUnavailableError(RuntimeError):
@@ -223,7 +224,8 @@ def model_check(name: str, prop: str, module: str, cfg_name: str, expect_livenes
 
 
 def checks(quick: bool) -> list[CheckResult]:
-    """SANY parse of both models, TLC safety (+deadlock) on the absolute model, liveness on the lag model."""
+    """SANY parse of both models; TLC safety (+deadlock) and exact admission on the absolute model;
+    liveness on the lag model."""
     results = []
     for module in ("MCStalenessBuffer", "MCLag"):
         try:
@@ -239,6 +241,9 @@ def checks(quick: bool) -> list[CheckResult]:
     results.append(model_check(
         "tlc-safety", "TypeOK, Inv, S1 bound, S2 accounting, L1 (state form), no deadlock",
         *safety, expect_liveness=False))
+    results.append(model_check(
+        "tlc-exact-admission", "P1: Reserve(g, v) enabled iff a placement in buffers c..deadline exists "
+        "(brute force over all placements)", *ADMISSION, expect_liveness=False))
     results.append(model_check(
         "tlc-liveness", "L1 trainer progress: <>[]no abort => []<>Consume (WF producer, rollout, consume); "
         "Inv, S1, S2, L1 on the relative model", *liveness, expect_liveness=True))
