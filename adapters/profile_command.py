@@ -17,17 +17,24 @@ closer to the engine's own cost than the median or the mean. The cost model of
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-from staleflow.runtime.cost_model import CostModel, FitReport, ProfileRecord, fit_cost_model
+from staleflow.runtime.cost_model import (
+    CostModel,
+    FitReport,
+    ProfileRecord,
+    fit_cost_model,
+)
 from staleflow.runtime.types import InstanceSnapshot
 
 DEFAULT_BATCH_SIZES = (1, 4, 16, 48, 96, 160)
@@ -130,7 +137,7 @@ def pool_steps(steps: Sequence[ProfileRecord], groups: int, quantile: float = 0.
     points = []
     count = min(groups, len(steps))
     bounds = [round(i * len(steps) / count) for i in range(count + 1)]
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         chunk = steps[start:end]
         points.append(
             ProfileRecord(
@@ -196,11 +203,11 @@ class OnlineRefit:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"local model folder (default: the built-in tiny model in {DEFAULT_TINY_MODEL_DIR})")
-    parser.add_argument("--out", default="cost_model.json", help="coefficients file to write (.json or .yaml)")
+    parser.add_argument("--out", default="cost_model.json", help="coefficients file to write, .json or .yaml (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the full result (points, fit) as JSON")
-    parser.add_argument("--batch-sizes", type=_int_list, default=DEFAULT_BATCH_SIZES, help="running requests n, comma-separated")
-    parser.add_argument("--prompt-lengths", type=_int_list, default=DEFAULT_PROMPT_LENGTHS, help="prompt tokens, comma-separated")
-    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens each request generates")
+    parser.add_argument("--batch-sizes", type=_int_list, default=DEFAULT_BATCH_SIZES, help="running requests n, comma-separated (default %(default)s)")
+    parser.add_argument("--prompt-lengths", type=_int_list, default=DEFAULT_PROMPT_LENGTHS, help="prompt tokens, comma-separated (default %(default)s)")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens each request generates (default %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -245,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
             f"fit error: mean {result.report.mean_relative_error:.1%}, max {result.report.max_relative_error:.1%} "
             f"(paper: 10.5% mean)"
         )
-        print(f"wrote {args.out}")
+        print(f"wrote {args.out}; as overrides for staleflow train:")
+        print(" ".join(f"coordinator.cost_model.{k}={v:.4g}" for k, v in result.model.to_dict().items()))
     return 0
 
 

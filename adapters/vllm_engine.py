@@ -28,10 +28,11 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Self, TypeVar
 
 from staleflow.runtime.clock import RealClock
 from staleflow.runtime.cost_model import ProfileRecord
@@ -126,22 +127,22 @@ class VLLMEngine:
         self._max_model_len = max_model_len
         self._clock: Clock = clock if clock is not None else RealClock()
         self._weights_dir = Path(weights_dir) if weights_dir is not None else _default_weights_dir()
-        self._engine_args = dict(
-            model=str(model_path),
-            dtype="float32",
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            enforce_eager=True,
-            seed=seed,
-            worker_extension_cls=WORKER_EXTENSION,
+        self._engine_args: dict[str, Any] = {
+            "model": str(model_path),
+            "dtype": "float32",
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "enforce_eager": True,
+            "seed": seed,
+            "worker_extension_cls": WORKER_EXTENSION,
             # A reload must not let new requests reuse prompt KV computed with older weights.
-            enable_prefix_caching=False,
+            "enable_prefix_caching": False,
             # Behaviour log-probs of the distribution actually sampled from (after temperature).
-            logprobs_mode="processed_logprobs",
+            "logprobs_mode": "processed_logprobs",
             # Outputs of step t must come back before step t+1 runs (versions are tagged per step).
-            async_scheduling=False,
-            disable_log_stats=True,
-        )
+            "async_scheduling": False,
+            "disable_log_stats": True,
+        }
         self._engine_args.update(engine_kwargs or {})
 
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
@@ -259,7 +260,7 @@ class VLLMEngine:
             self._decode_steps.clear()
         return steps
 
-    def __enter__(self) -> VLLMEngine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

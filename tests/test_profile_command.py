@@ -7,8 +7,12 @@ import importlib.util
 import json
 
 import pytest
-
-from staleflow.adapters.profile_command import OnlineRefit, add_arguments, pool_steps, run
+from staleflow.adapters.profile_command import (
+    OnlineRefit,
+    add_arguments,
+    pool_steps,
+    run,
+)
 from staleflow.runtime.cost_model import CostModel, ProfileRecord
 from staleflow.runtime.types import InstanceSnapshot
 

@@ -6,7 +6,6 @@ import hashlib
 import json
 
 import pytest
-
 from staleflow.adapters.tiny_model import EOS_ID, TinyModelSpec, ensure_tiny_model
 
 
