@@ -209,7 +209,7 @@ class Workload(_Strict):
             lengths = self.response_tokens.sample(rng, self.batch.group_size + n_extra)
             yield PromptGroup(
                 group_id=f"g{index}",
-                prompt_ids=list(prompt),
+                prompt_ids=prompt,  # one shared (read-only) list: prompts are all alike here
                 n_samples=self.batch.group_size,
                 n_extra=n_extra,
                 metadata={GROUP_LENGTHS_KEY: [int(x) for x in lengths], "max_new_tokens": self.response_tokens.max},
