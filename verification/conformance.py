@@ -61,6 +61,10 @@ from staleflow.verification.checks import CheckResult
 MAX_ETA = 3
 MAX_BATCH_SIZE = 3
 MAX_REDUNDANCY = 2
+#: Most reserves one burst may make (B + X + 1 at the largest parameters).
+MAX_BURST = MAX_BATCH_SIZE + MAX_REDUNDANCY + 1
+#: Picks an element of a state-dependent list by index modulo its length (cheaper than st.data()).
+PICK = st.integers(0, 1 << 16)
 INVALID_CALLS = (
     "reserve-duplicate", "occupy-done", "occupy-inactive", "abort-inactive", "consume-not-ready"
 )
@@ -95,6 +99,10 @@ def load_profile() -> str:
 def consume_steps(params: SpecParams, state: MirrorState) -> tuple[ConsumeStep, ...]:
     """Every Consume successor of a mirror state (memoised: the mirror enumerates all choices)."""
     return tuple(mirror.consume(params, state))
+
+
+def pick_one(items: Sequence[Any], index: int) -> Any:
+    return items[index % len(items)]
 
 
 def mirror_slack(params: SpecParams, state: MirrorState, version: int) -> int:
@@ -262,36 +270,35 @@ def conformance_machine(
             assert successor is not None
             self.spec = successor
 
-        def draw_lag(self, data: st.DataObject) -> int:
-            """Mostly a valid version; else one ahead of the trainer, negative, or past every deadline."""
-            eta = self.params.eta
-            return data.draw(st.one_of(st.integers(0, eta), st.integers(-1, eta + 2)), label="lag")
-
         @precondition(lambda self: any(s == RUNNING for _, _, s in self.spec.groups))
-        @rule(data=st.data())
-        def occupy(self, data: st.DataObject) -> None:
-            self.occupy_one(data.draw(st.sampled_from(self.ids(RUNNING)), label="group"))
+        @rule(pick=PICK)
+        def occupy(self, pick: int) -> None:
+            self.occupy_one(pick_one(self.ids(RUNNING), pick))
 
-        @rule(data=st.data())
-        def reserve(self, data: st.DataObject) -> None:
-            """1 to B + X + 1 reserves at one version, each admitted group occupied at once or left
-            running. Every call is checked as a single call; bursts only make runs reach full
-            buffers, Consume, drops and mixed versions more often."""
-            version = self.spec.version - self.draw_lag(data)
+        @rule(lag=st.integers(-1, MAX_ETA + 2), count=st.integers(1, MAX_BURST), finish=st.integers(0, 2**MAX_BURST - 1))
+        def reserve(self, lag: int, count: int, finish: int) -> None:
+            """1 to B + X + 1 reserves at one version; admitted group ``n`` is occupied at once if bit
+            ``n`` of ``finish`` is set. The version is ``lag`` behind the trainer: one ahead (invalid),
+            up to two past every deadline (refused) or, folded into ``0..eta``, a valid one. Every call
+            is checked as a single call; bursts make runs reach full buffers, Consume, drops and mixed
+            versions more often."""
             p = self.params
-            for _ in range(data.draw(st.integers(1, p.batch_size + p.redundancy + 1), label="count")):
+            if lag > p.eta + 2:
+                lag %= p.eta + 1
+            version = self.spec.version - lag
+            for n in range(min(count, p.batch_size + p.redundancy + 1)):
                 group_id = self.reserve_one(version)
                 if group_id is None:
                     break
                 self.same_state()
-                if data.draw(st.booleans(), label="finish"):
+                if finish >> n & 1:
                     self.occupy_one(group_id)
                     self.same_state()
 
         @precondition(lambda self: bool(self.spec.groups))
-        @rule(data=st.data())
-        def abort(self, data: st.DataObject) -> None:
-            group_id = data.draw(st.sampled_from(self.ids()), label="group")
+        @rule(pick=PICK)
+        def abort(self, pick: int) -> None:
+            group_id = pick_one(self.ids(), pick)
             before = self.impl.counts()
             self.impl.abort(group_id)
             self.expect_event("abort", group_id, before)
@@ -300,17 +307,16 @@ def conformance_machine(
             self.spec = successor
             self.retired.append(group_id)
 
-        @rule(data=st.data(), kind=st.sampled_from(INVALID_CALLS))
-        def invalid_call(self, data: st.DataObject, kind: str) -> None:
+        @rule(kind=st.sampled_from(INVALID_CALLS), pick=PICK)
+        def invalid_call(self, kind: str, pick: int) -> None:
             """A call the spec does not allow: it must raise its documented error and change nothing."""
             if kind == "reserve-duplicate" and self.spec.groups:
-                group_id = data.draw(st.sampled_from(self.ids()), label="group")
+                group_id = pick_one(self.ids(), pick)
                 self.expect_error(DuplicateGroupError, self.impl.reserve, group_id, self.spec.version)
             elif kind == "occupy-done" and self.ids(DONE):
-                group_id = data.draw(st.sampled_from(self.ids(DONE)), label="group")
-                self.expect_error(InvalidTransitionError, self.impl.occupy, group_id)
+                self.expect_error(InvalidTransitionError, self.impl.occupy, pick_one(self.ids(DONE), pick))
             elif kind in ("occupy-inactive", "abort-inactive"):
-                group_id = data.draw(st.sampled_from([*self.retired, "never-reserved"]), label="group")
+                group_id = pick_one([*self.retired, "never-reserved"], pick)
                 operation = self.impl.occupy if kind == "occupy-inactive" else self.impl.abort
                 self.expect_error(UnknownGroupError, operation, group_id)
             elif kind == "consume-not-ready" and not consume_steps(self.params, self.spec):
@@ -447,11 +453,12 @@ def _check_every_action(
 
 
 def run_conformance(
-    manager_cls: type[StalenessManager] = StalenessManager, profile: str = "ci"
+    manager_cls: type[StalenessManager] = StalenessManager, profile: str = "ci", quiet: bool = True
 ) -> Stats:
-    """Run the machine under a profile; raises the first failure (output captured, not printed)."""
+    """Run the machine under a profile and return what it explored; raises the first failure.
+    Hypothesis prints the failing steps (and a ``@reproduce_failure`` blob) unless ``quiet``."""
     stats = Stats()
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         run_state_machine_as_test(
             conformance_machine(manager_cls, stats), settings=settings.get_profile(profile)
         )
