@@ -81,7 +81,7 @@ class _Published:
     waiting: tuple[str, ...] = ()
     kv_tokens: int = 0
     generated_tokens: int = 0
-    loading: bool = False
+    loads_pending: int = 0
 
 
 @dataclass
@@ -185,10 +185,8 @@ class VLLMEngine:
         ``weights``: a safetensors file, a folder holding ``model.safetensors``, or a state dict
         (name -> tensor, checkpoint names), which is written to a temporary safetensors file first.
         """
-        if version < self._version:
-            raise ValueError(f"{self.instance_id}: cannot load version {version} over version {self._version}")
         with self._lock:
-            self._published.loading = True
+            self._published.loads_pending += 1
         try:
             path, temporary = self._weights_file(weights)
             try:
@@ -198,7 +196,7 @@ class VLLMEngine:
                     path.unlink(missing_ok=True)
         finally:
             with self._lock:
-                self._published.loading = False
+                self._published.loads_pending -= 1
 
     def snapshot(self) -> InstanceSnapshot:
         self._raise_if_failed()
@@ -217,7 +215,7 @@ class VLLMEngine:
             kv_capacity=self.kv_capacity,
             tokens_per_s=new_tokens / elapsed if elapsed > 0 else 0.0,
             time=self._clock.now(),
-            loading=published.loading,
+            loading=published.loads_pending > 0,
         )
 
     def collect(self) -> list[Trajectory]:
@@ -473,6 +471,8 @@ class VLLMEngine:
         return stopped
 
     def _do_load(self, version: int, path: Path) -> None:
+        if version < self._version:
+            raise ValueError(f"{self.instance_id}: cannot load version {version} over version {self._version}")
         self._llm.collective_rpc("staleflow_reload_safetensors", args=(str(path),))
         self._version = version
         self._llm.set_weight_version(str(version))
