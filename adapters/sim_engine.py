@@ -119,7 +119,6 @@ class SimEngine:
         self._seq = 0
         self._finished: list[Trajectory] = []
         self._tokens = 0  # tokens generated so far
-        self._busy_s = 0.0  # seconds spent decoding, prefilling or loading (for utilisation)
         self._last_snapshot = (self._t, 0)
         self._last_rate = 0.0
         self._changes = 0  # bumped whenever the running or waiting set changes
@@ -189,7 +188,6 @@ class SimEngine:
         self._version = version
         self._version_marks.append((self._steps, version))
         start = max(self._t, self._busy_until)
-        self._busy_s += self._load_s
         self._busy_until = self._load_until = start + self._load_s
         self._advance(self._clock.now())
 
@@ -253,11 +251,6 @@ class SimEngine:
         """Decode tokens produced so far (including tokens of requests later interrupted or aborted)."""
         return self._tokens
 
-    @property
-    def busy_seconds(self) -> float:
-        """Seconds spent decoding, prefilling or loading weights, up to the last state update."""
-        return self._busy_s
-
     # ------------------------------------------------------------------ execution
     def _live(self, request: RolloutRequest) -> _Live:
         wanted = int(request.metadata.get(REQUEST_LENGTH_KEY, request.max_new_tokens))
@@ -291,13 +284,9 @@ class SimEngine:
             b = base - half
             steps = int((-b + math.sqrt(b * b + 4 * half * budget)) / (2 * half))
         steps = max(0, min(steps, limit))
-
-        def elapsed(s: int) -> float:
-            return s * base + half * s * (s - 1)
-
-        while steps < limit and elapsed(steps + 1) <= budget:
+        while steps < limit and (steps + 1) * base + half * (steps + 1) * steps <= budget:
             steps += 1
-        while steps > 0 and elapsed(steps) > budget:
+        while steps > 0 and steps * base + half * steps * (steps - 1) > budget:
             steps -= 1
         return steps
 
@@ -328,7 +317,6 @@ class SimEngine:
         n = len(self._running)
         elapsed = self._time_for(steps, n, self._kv)
         self._t += elapsed
-        self._busy_s += elapsed
         self._steps += steps
         self._kv += n * steps
         self._tokens += n * steps
@@ -398,7 +386,6 @@ class SimEngine:
         if stall_tokens and self._prefill > 0:
             stall = stall_tokens * self._prefill
             self._busy_until = self._t + stall
-            self._busy_s += stall
 
     def _stop(self, request_id: str) -> _Live:
         """Take a running request out of the batch, folding the tokens it generated into its record."""
@@ -420,6 +407,8 @@ class SimEngine:
         first = max(0, bisect.bisect_right(marks, (start, math.inf)) - 1)
         for i in range(first, len(marks)):
             mark_step, version = marks[i]
+            if mark_step >= end:
+                break
             next_step = marks[i + 1][0] if i + 1 < len(marks) else end
             lo, hi = max(start, mark_step), min(end, next_step)
             if hi > lo:

@@ -45,7 +45,6 @@ class SimTrainer:
         self._training = training
         self._version = version
         self._step: _Step | None = None
-        self._busy_s = 0.0
 
     @classmethod
     def from_workload(cls, workload: Workload, clock: Clock, version: int = 0) -> "SimTrainer":
@@ -54,11 +53,6 @@ class SimTrainer:
     @property
     def version(self) -> int:
         return self._version
-
-    @property
-    def busy_seconds(self) -> float:
-        """Seconds spent training in finished steps."""
-        return self._busy_s
 
     def start_step(self, batch: TrainingBatch) -> None:
         if self._step is not None:
@@ -88,7 +82,6 @@ class SimTrainer:
             return None
         self._step = None
         self._version = step.version + 1
-        self._busy_s += step.end - step.start
         return TrainResult(
             version=self._version,
             metrics={
