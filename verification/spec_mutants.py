@@ -76,9 +76,17 @@ QUICK_MUTANTS = ("reserve-no-guard", "abort-leaves-group", "consume-running", "n
 #: Small models the mutants are checked on (Eta = 2: with Eta = 1 Consume's Inv guard is implied).
 MUTANT_PARAMS = SpecParams(eta=2, batch_size=1, redundancy=0)
 MUTANT_GROUPS = ("g1", "g2", "g3")
-MUTANT_MAX_VERSION = 3
+MUTANT_MAX_VERSION = 2
 GRAPH_PARAMS, GRAPH_GROUPS, GRAPH_MAX_VERSION = SpecParams(eta=1, batch_size=1, redundancy=1), 3, 2
-LIVENESS_CONSTANTS = {"Eta": 1, "B": 1, "X": 1, "Groups": ("g1", "g2", "g3")}
+LIVENESS_CONSTANTS: dict[str, int | tuple[str, ...]] = {"Eta": 1, "B": 1, "X": 1, "Groups": ("g1", "g2", "g3")}
+MUTANT_BOUNDS = "; ".join((
+    f"safety Eta={MUTANT_PARAMS.eta} B={MUTANT_PARAMS.batch_size} X={MUTANT_PARAMS.redundancy} "
+    f"|Groups|={len(MUTANT_GROUPS)} MaxVersion={MUTANT_MAX_VERSION}",
+    f"graph Eta={GRAPH_PARAMS.eta} B={GRAPH_PARAMS.batch_size} X={GRAPH_PARAMS.redundancy} "
+    f"|Groups|={GRAPH_GROUPS} MaxVersion={GRAPH_MAX_VERSION}",
+    "liveness " + " ".join(f"{k}={v}" if isinstance(v, int) else f"|{k}|={len(v)}"
+                           for k, v in LIVENESS_CONSTANTS.items()),
+))
 
 
 def tlc_safety_layer(files: dict[str, str]) -> str | None:
@@ -136,8 +144,7 @@ def check_mutant(mutant: SpecMutant) -> CheckResult:
         name=f"spec-mutant-{mutant.name}",
         property=f"mutant of {mutant.action} is caught: {mutant.description}",
         method=" -> ".join(name for name, _, _ in LAYERS),
-        bounds=f"Eta={MUTANT_PARAMS.eta} B={MUTANT_PARAMS.batch_size} X={MUTANT_PARAMS.redundancy} "
-               f"|Groups|={len(MUTANT_GROUPS)} MaxVersion={MUTANT_MAX_VERSION} (safety)",
+        bounds=MUTANT_BOUNDS,
         explored=f"{len(tried)} layer(s) run",
         result=result,
         seconds=round(time.perf_counter() - started, 2),
