@@ -117,6 +117,8 @@ def simulate_system(
         "staleness_histogram": {str(k): v for k, v in metrics.staleness_histogram.items()},
         "dropped": metrics.dropped,
         "eta": policy.protocol_eta(eta),
+        "generated_tokens_per_s": metrics.tokens_generated / metrics.elapsed_s,
+        "trainer_busy": sum(m["step_time_s"] for m in metrics.train_metrics) / metrics.elapsed_s,
         "steps": metrics.steps,
         "step_times_s": metrics.step_times_s,
         "staleness_per_buffer": {
@@ -162,16 +164,17 @@ def _print_tables(report: dict[str, Any], console: Any) -> None:
     bound = report["upper_bound_tokens_per_s"]
     for eta_key, run in report["by_eta"].items():
         table = Table(title=f"{report['workload']} ({report['gpus']} GPUs), eta={eta_key}, {report['steps']} steps, seed {report['seed']}")
-        for column in ("system", "tokens/s", "of bound", "step time (s)", "utilisation", "max staleness",
-                       "staleness (groups)", "dropped", "lost/dup", "wall (s)"):
+        for column in ("system", "tokens/s", "of bound", "step time (s)", "utilisation", "trainer busy",
+                       "max staleness", "staleness (groups)", "dropped", "lost/dup", "wall (s)"):
             table.add_column(column, justify="left" if column in ("system", "staleness (groups)") else "right")
         for name, f in run["systems"].items():
             table.add_row(
                 name, f"{f['tokens_per_s']:,.0f}", f"{f['tokens_per_s'] / bound:.0%}", f"{f['step_time_s']:.1f}",
-                f"{f['utilisation']:.0%}", str(f["max_staleness"]), _histogram_text(f["staleness_histogram"]),
+                f"{f['utilisation']:.0%}", f"{f['trainer_busy']:.0%}", str(f["max_staleness"]),
+                _histogram_text(f["staleness_histogram"]),
                 str(f["dropped"]), f"{f['lost']}/{f['duplicated']}", f"{f['wall_s']:.1f}",
             )
-        table.add_row(UPPER_BOUND, f"{bound:,.0f}", "100%", "", "", "", "", "", "", "")
+        table.add_row(UPPER_BOUND, f"{bound:,.0f}", "100%", "", "", "", "", "", "", "", "")
         console.print(table)
         if run["staleflow_ratio"]:
             ratios = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in run["staleflow_ratio"].items())
