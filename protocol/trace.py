@@ -15,12 +15,18 @@ Consume events carry ``batch = {"version", "group_ids", "group_versions", "dropp
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Mapping
+from typing import IO, Any, Self
 
-from staleflow.protocol.events import ConsumedBatch, CounterState, GroupId, ProtocolEvent
+from staleflow.protocol.events import (
+    ConsumedBatch,
+    CounterState,
+    GroupId,
+    ProtocolEvent,
+)
 from staleflow.protocol.manager import StalenessManager
 
 TRACE_FORMAT = "staleflow.trace/1"
@@ -231,8 +237,7 @@ def write_trace(path: str | Path, segments: list[TraceSegment]) -> None:
     with open(path, "w", encoding="utf-8") as stream:
         for segment in segments:
             stream.write(json.dumps(segment.header.to_json()) + "\n")
-            for event in segment.events:
-                stream.write(json.dumps(event_to_json(event)) + "\n")
+            stream.writelines(json.dumps(event_to_json(event)) + "\n" for event in segment.events)
 
 
 # ----------------------------------------------------------------------------- writer
@@ -253,7 +258,8 @@ class JsonlTraceWriter:
         if mode not in ("w", "a"):
             raise ValueError(f"mode must be 'w' (new file) or 'a' (append a segment), got {mode!r}")
         self.path = Path(path)
-        self._stream: IO[str] | None = open(self.path, mode, encoding="utf-8", buffering=1)
+        # the writer owns the stream until close(); line-buffered so a crash leaves whole lines
+        self._stream: IO[str] | None = open(self.path, mode, encoding="utf-8", buffering=1)  # noqa: SIM115
         self._stream.write(json.dumps(header.to_json()) + "\n")
         self._manager: StalenessManager | None = None
 
@@ -287,7 +293,7 @@ class JsonlTraceWriter:
             self._stream.close()
             self._stream = None
 
-    def __enter__(self) -> JsonlTraceWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from staleflow.spec import mirror
 from staleflow.spec.mirror import SpecParams
 from staleflow.verification import tlc

@@ -7,9 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-
 from staleflow.protocol import ProtocolEvent, StalenessManager
-from staleflow.protocol.trace import JsonlTraceWriter, TraceFormatError, read_trace, write_trace
+from staleflow.protocol.trace import (
+    JsonlTraceWriter,
+    TraceFormatError,
+    read_trace,
+    write_trace,
+)
 from staleflow.verification import trace_validation as tv
 
 

@@ -18,9 +18,10 @@ import re
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from staleflow.spec import mirror
 from staleflow.spec.mirror import MirrorState, SpecParams
@@ -120,8 +121,8 @@ def parse_state(label: str) -> dict[str, Any]:
     return state
 
 
-_NODE = re.compile(r'^(-?\d+) \[label="((?:[^"\\]|\\.)*)"', re.M)
-_EDGE = re.compile(r"^(-?\d+) -> (-?\d+)", re.M)
+_NODE = re.compile(r'^(-?\d+) \[label="((?:[^"\\]|\\.)*)"', re.MULTILINE)
+_EDGE = re.compile(r"^(-?\d+) -> (-?\d+)", re.MULTILINE)
 
 
 def parse_dot(text: str) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
@@ -223,7 +224,7 @@ def compare_graphs(
     else:
         module, spec, view = "MCStalenessBuffer", "Spec", (lambda s: s)
         cfg = cfg_text({**constants, "MaxVersion": max_version, "Groups": groups}, spec, constraint="VersionBound")
-        keep = lambda s: s.version <= max_version  # noqa: E731 - the CONSTRAINT of the TLC model
+        keep = lambda s: s.version <= max_version
     result = GraphComparison()
     with tempfile.TemporaryDirectory(prefix="staleflow-graph-") as tmp:
         dot = Path(tmp) / "graph.dot"

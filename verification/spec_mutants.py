@@ -14,14 +14,13 @@ A mutant that no layer catches, or whose text no longer occurs in the spec, is a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from staleflow.spec.mirror import SpecParams
 from staleflow.verification.checks import CheckResult
 from staleflow.verification.graph_equivalence import compare_graphs
 from staleflow.verification.tlc import SPEC_DIR, TlcUnavailableError, cfg_text, run_tlc
-
 
 SB = "StalenessBuffer.tla"
 Edit = tuple[str, str, str]  # (file, old text, new text)
@@ -80,10 +79,10 @@ MUTANT_MAX_VERSION = 2
 GRAPH_PARAMS, GRAPH_GROUPS, GRAPH_MAX_VERSION = SpecParams(eta=1, batch_size=1, redundancy=1), 3, 2
 LIVENESS_CONSTANTS: dict[str, int | tuple[str, ...]] = {"Eta": 1, "B": 1, "X": 1, "Groups": ("g1", "g2", "g3")}
 MUTANT_BOUNDS = "; ".join((
-    f"safety Eta={MUTANT_PARAMS.eta} B={MUTANT_PARAMS.batch_size} X={MUTANT_PARAMS.redundancy} "
-    f"|Groups|={len(MUTANT_GROUPS)} MaxVersion={MUTANT_MAX_VERSION}",
-    f"graph Eta={GRAPH_PARAMS.eta} B={GRAPH_PARAMS.batch_size} X={GRAPH_PARAMS.redundancy} "
-    f"|Groups|={GRAPH_GROUPS} MaxVersion={GRAPH_MAX_VERSION}",
+    (f"safety Eta={MUTANT_PARAMS.eta} B={MUTANT_PARAMS.batch_size} X={MUTANT_PARAMS.redundancy} "
+     f"|Groups|={len(MUTANT_GROUPS)} MaxVersion={MUTANT_MAX_VERSION}"),
+    (f"graph Eta={GRAPH_PARAMS.eta} B={GRAPH_PARAMS.batch_size} X={GRAPH_PARAMS.redundancy} "
+     f"|Groups|={GRAPH_GROUPS} MaxVersion={GRAPH_MAX_VERSION}"),
     "liveness " + " ".join(f"{k}={v}" if isinstance(v, int) else f"|{k}|={len(v)}"
                            for k, v in LIVENESS_CONSTANTS.items()),
 ))

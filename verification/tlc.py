@@ -14,9 +14,9 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from staleflow.verification.checks import CheckResult
 
@@ -99,7 +99,7 @@ def cfg_text(
 def config_bounds(cfg: str) -> str:
     """The CONSTANTS of a config as one line, e.g. ``Eta=2 B=2 X=1 MaxVersion=4 |Groups|=5``."""
     parts = []
-    for name, value in re.findall(r"^\s*(\w+)\s*=\s*(.+?)\s*$", cfg, re.M):
+    for name, value in re.findall(r"^\s*(\w+)\s*=\s*(.+?)\s*$", cfg, re.MULTILINE):
         if value.startswith("{"):
             members = [m for m in value.strip("{}").split(",") if m.strip()]
             parts.append(f"|{name}|={len(members)}")
@@ -156,7 +156,7 @@ def run_tlc(
         command.append(module)
         started = time.perf_counter()
         try:
-            proc = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as expired:
             out = expired.stdout if isinstance(expired.stdout, str) else ""
             return TlcRun(-1, "timeout", 0, 0, 0, time.perf_counter() - started, "", out)
@@ -188,7 +188,7 @@ def sany_parse(module: str, overrides: Mapping[str, str] | None = None) -> TlcRu
             (work / name).write_text(text)
         started = time.perf_counter()
         proc = subprocess.run([java, "-cp", str(jar), "tla2sany.SANY", f"{module}.tla"],
-                              cwd=work, capture_output=True, text=True, timeout=120)
+                              cwd=work, capture_output=True, text=True, timeout=120, check=False)
         text = proc.stdout + proc.stderr
     # This SANY exits 0 even on some semantic errors: look at its report too.
     failed = proc.returncode != 0 or "*** Errors" in text or "Could not find" in text

@@ -22,13 +22,19 @@ import random
 import re
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from staleflow.protocol import ProtocolError, StalenessManager
 from staleflow.protocol.events import CounterState, GroupId, ProtocolEvent
-from staleflow.protocol.trace import JsonlTraceWriter, TraceFormatError, TraceSegment, read_trace
+from staleflow.protocol.trace import (
+    JsonlTraceWriter,
+    TraceFormatError,
+    TraceSegment,
+    read_trace,
+)
 from staleflow.spec import mirror
 from staleflow.spec.mirror import MirrorState, SpecParams
 from staleflow.verification.checks import CheckResult
