@@ -3,7 +3,8 @@
 It keeps a speculative view of every instance (:mod:`staleflow.runtime.fleet`), takes snapshots
 that agree with it, and decides commands with the policy's strategies:
 
-1. **Pull** (:mod:`~staleflow.runtime.sync`): instances that should load the newest version now.
+1. **Pull** (:mod:`~staleflow.runtime.sync`): instances that should load the newest version now
+   (their requests are interrupted first unless the policy keeps them in place).
 2. **Interrupt** (:mod:`~staleflow.runtime.migration`, on full ticks when nothing was pulled):
    waiting or excess requests go back to the trajectory server and are routed again.
 3. **Route**: queued requests (partials and group members not placed yet) in priority order, each
@@ -111,19 +112,23 @@ class Coordinator:
         pulls = plan_pulls(self.policy.sync, self.views, ps_version, self.manager, self.policy.sync_kv_fraction)
         for i in pulls:
             assert ps_version is not None
-            commands.append(self.pull(self.views[i].instance_id, ps_version))
+            view = self.views[i]
+            if view.requests and not self.policy.pull_keeps_requests:
+                rids = tuple(view.requests)
+                self.forget(view.instance_id, rids)
+                commands.append(Interrupt(view.instance_id, rids))
+                self.stats["interrupted_for_pull"] += len(rids)
+            commands.append(self.pull(view.instance_id, ps_version))
+        fleet = self._synced_fleet()
         if full and self.policy.migration and not pulls:
             for i, rids in plan_migration(
-                self.views, self.cost_model, self.policy.phi_wait, self.policy.phi_throughput
+                self.views, fleet, self.cost_model, self.policy.phi_wait, self.policy.phi_throughput
             ).items():
                 self.forget(self.views[i].instance_id, rids)
                 commands.append(Interrupt(self.views[i].instance_id, tuple(rids)))
                 self.stats["migrated_requests"] += len(rids)
+            fleet = self._synced_fleet()
         routes: dict[int, list[str]] = {}
-        fleet = self._fleet
-        for i in self._dirty:
-            fleet.update(i, self.views[i])
-        self._dirty.clear()
         if self.ts.queued_count() or self._admissible_versions(ps_version):
             if self._route_queue(fleet, routes):
                 self._admit(fleet, ps_version, routes)
@@ -132,6 +137,13 @@ class Coordinator:
         self.stats["pulls"] += len(pulls)
         self.decision_seconds += time.perf_counter() - started
         return commands
+
+    def _synced_fleet(self) -> FleetArrays:
+        """The fleet arrays, with every view changed since the last decision copied in."""
+        for i in self._dirty:
+            self._fleet.update(i, self.views[i])
+        self._dirty.clear()
+        return self._fleet
 
     def pull(self, instance_id: str, version: int) -> Pull:
         """A Pull command; the view takes the new version at once (older snapshots are stale)."""
@@ -178,7 +190,7 @@ class Coordinator:
                 return []
         versions = [v for v in set(self._fleet.version.tolist()) if self.manager.can_reserve(v)]
         if not versions:
-            self.stats["protocol_refusals"] += 1
+            self.stats["admission_blocked_by_protocol"] += 1
         return versions
 
     def _admit(self, fleet: FleetArrays, ps_version: int | None, routes: dict[int, list[str]]) -> None:

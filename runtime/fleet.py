@@ -45,8 +45,11 @@ class InstanceView:
 
     def observe(self, snapshot: InstanceSnapshot) -> bool:
         """Take a snapshot unless it contradicts the speculative state; returns whether it was taken."""
-        contradicts = snapshot.version != self.version or not (
-            self.requests.keys() >= {*snapshot.running, *snapshot.waiting}
+        held = self.requests.__contains__
+        contradicts = (
+            snapshot.version != self.version
+            or not all(map(held, snapshot.running))
+            or not all(map(held, snapshot.waiting))
         )
         if contradicts:
             self.rejected += 1

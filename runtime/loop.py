@@ -19,7 +19,7 @@ Every protocol operation goes to the manager's event hooks (e.g. a JSONL trace w
 
 from __future__ import annotations
 
-import time
+import math
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -175,6 +175,7 @@ class RunLoop:
         self._busy_since: dict[str, float] = {}
         self._busy_total: dict[str, float] = defaultdict(float)
         self._touched: set[str] = set()
+        self._observed_at: dict[str, float] = {}
         self._run_start = 0.0
         self._tokens_generated = 0
         self._tokens_trained = 0
@@ -199,10 +200,10 @@ class RunLoop:
             progress |= self._train(now, target)
             full = now >= self._next_tick
             if full:
-                self._refresh_snapshots()
+                self._refresh_snapshots(now)
                 self._next_tick = now + self._tick_s
             self._refill()
-            commands = self.coordinator.plan(self._ps_version(), full)
+            commands = self.coordinator.plan(self.ps.latest_version(), full)
             if self.policy.gc_stale and self._training is None and not self.manager.can_consume():
                 commands += self.coordinator.abort_stale_groups()
             self._execute(commands)
@@ -221,12 +222,9 @@ class RunLoop:
         self._last_step_end = self._run_start
         if self.ps.latest_version() is None:
             self.ps.push(self.manager.version, self.trainer.weights())
-        latest = self._ps_version()
+        latest = self.ps.latest_version()
         assert latest is not None
         self._execute([self.coordinator.pull(v.instance_id, latest) for v in self.coordinator.views if v.version != latest])
-
-    def _ps_version(self) -> int | None:
-        return self.ps.latest_version()
 
     def _advance(self, now: float, idle_iterations: int) -> None:
         times = [self._next_tick]
@@ -280,16 +278,20 @@ class RunLoop:
             cancel.extend(outcome.cancel)
             self._counters["cancelled_requests"] += len(outcome.cancel)
         self.coordinator.observe(engine.snapshot())
+        self._observed_at[iid] = self.clock.now()
         self._next_event[iid] = engine.next_event_time()
         self._touched.add(iid)
         if cancel:
             self._execute(self.coordinator.cancel(cancel))
         return bool(trajectories)
 
-    def _refresh_snapshots(self) -> None:
+    def _refresh_snapshots(self, now: float) -> None:
+        """Snapshot every instance not observed within the last tick."""
         for iid, engine in self.engines.items():
-            self.coordinator.observe(engine.snapshot())
-            self._touched.add(iid)
+            if now - self._observed_at.get(iid, -math.inf) >= self._tick_s:
+                self.coordinator.observe(engine.snapshot())
+                self._observed_at[iid] = now
+                self._touched.add(iid)
 
     def _execute(self, commands: Sequence[Command]) -> None:
         for command in commands:

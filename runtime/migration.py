@@ -25,18 +25,18 @@ from staleflow.runtime.routing import fleet_throughput
 
 def plan_migration(
     views: Sequence[InstanceView],
+    fleet: FleetArrays,
     cost_model: CostModel,
     phi_wait: int,
     phi_throughput: float,
 ) -> dict[int, list[str]]:
-    """Instance index -> request ids to interrupt."""
+    """Instance index -> request ids to interrupt. ``fleet`` holds the views as arrays."""
     plan: dict[int, list[str]] = {}
     for i, view in enumerate(views):
         if len(view.waiting) > phi_wait and not view.loading:
             excess = [rid for rid in view.waiting[phi_wait:] if rid in view.requests]
             if excess:
                 plan[i] = excess
-    fleet = FleetArrays.of(views)
     active = ~fleet.loading
     if active.sum() < 2:
         return plan
@@ -45,7 +45,7 @@ def plan_migration(
     high = int(np.argmax(np.where(active, throughput, -np.inf)))
     if high == low or high in plan:
         return plan
-    if throughput[high] <= phi_throughput * throughput[low] or (throughput[low] == 0 and throughput[high] == 0):
+    if throughput[high] <= phi_throughput * throughput[low]:
         return plan
     count = int(fleet.n[high] - fleet.n[low]) // 2
     target_version = views[low].version

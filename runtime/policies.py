@@ -12,9 +12,9 @@ kept by all of them. How each baseline maps onto the runtime (design section 3.3
     weight update once every instance is drained. Least-loaded routing.
 ``inflight-cap`` (VeRL-Async, AReaL, SkyRL)
     Admission ``accepted + running <= (eta + version + 1) * B`` (``version``: the newest trained
-    model), partial rollout, a global in-place weight update as soon as a version is pushed,
-    least-loaded routing. The group must also be admitted by the protocol; where the cap lets a
-    group through that the bound cannot place, it waits (counted as ``protocol_refusals``), and a
+    model), partial rollout, a global weight update as soon as a version is pushed (in-flight
+    requests are interrupted and resubmitted with their tokens so far), least-loaded routing. The group must also be admitted by the protocol; where the cap lets a
+    group through that the bound cannot place, it waits (counted as ``admission_blocked_by_protocol``), and a
     straggler past its deadline holds the trainer back instead of being trained stale.
 ``start-version-gc`` (ROLL Flash)
     As ``inflight-cap``, plus: when the trainer waits for buffer ``c``, running groups whose
@@ -59,6 +59,11 @@ class SystemPolicy:
         phi_throughput: migrate when one instance's throughput is this many times another's.
         sync_kv_fraction: per-instance sync pulls an instance whose KV cache is at most this full.
         max_running: least-loaded routing's per-instance cap on requests.
+        pull_keeps_requests: an instance that pulls keeps its running requests, which go on with
+            the new weights (in-place reload, vLLM ``pause_generation(mode="keep")``); by default
+            they are interrupted first and re-routed as partials (abort-and-resubmit, as the
+            reference coordinator's SYNC command and the peer systems do), which costs a prefill
+            of their tokens so far.
     """
 
     name: str
@@ -75,6 +80,7 @@ class SystemPolicy:
     phi_throughput: float = 5.0
     sync_kv_fraction: float = 0.1
     max_running: int = 1_000_000
+    pull_keeps_requests: bool = False
 
     def __post_init__(self) -> None:
         _choice("routing", self.routing, ("throughput", "least_loaded"))

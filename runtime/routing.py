@@ -21,7 +21,8 @@ from staleflow.runtime.fleet import FleetArrays
 def fleet_throughput(model: CostModel, n: np.ndarray, kv: np.ndarray) -> np.ndarray:
     """``T(n, K) = n / L(n, K)`` for arrays (the cost model's formula, vectorised)."""
     latency = model.a_b + model.a_k * kv + np.maximum(model.thr, model.o_b + model.o_k * n)
-    return n / latency
+    throughput: np.ndarray = n / latency
+    return throughput
 
 
 class ThroughputRouter:
@@ -41,12 +42,14 @@ class ThroughputRouter:
         n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
         gain = fleet_throughput(model, n + 1, kv + tokens) - fleet_throughput(model, n, kv)
         threshold = self.mu / model.step_latency(1, tokens)
+        # score: the gain where the instance qualifies (mu, KV room), else -inf
+        score = np.where((gain >= threshold) & (kv + tokens <= cap), gain, -np.inf)
         versions = fleet.version[candidates]
-        tiers = [versions == v for v in sorted(set(versions.tolist()), reverse=True)]
+        newest_first = sorted(set(versions.tolist()), reverse=True)
+        tiers = [np.flatnonzero(versions == v) for v in newest_first] if len(newest_first) > 1 else None
         chosen: list[int] = []
         for _ in range(count):
-            usable = (gain >= threshold) & (kv + tokens <= cap)
-            pick = next((int(np.argmax(np.where(tier & usable, gain, -np.inf))) for tier in tiers if (tier & usable).any()), None)
+            pick = self._best(score, tiers)
             if pick is None:
                 break
             index = int(candidates[pick])
@@ -54,8 +57,23 @@ class ThroughputRouter:
             chosen.append(index)
             n[pick] += 1
             kv[pick] += tokens
-            gain[pick] = model.throughput(int(n[pick]) + 1, int(kv[pick]) + tokens) - model.throughput(int(n[pick]), int(kv[pick]))
+            running, resident = int(n[pick]), int(kv[pick])
+            new_gain = model.throughput(running + 1, resident + tokens) - model.throughput(running, resident)
+            fits = new_gain >= threshold and resident + tokens <= cap[pick]
+            score[pick] = new_gain if fits else -np.inf
         return chosen
+
+    @staticmethod
+    def _best(score: np.ndarray, tiers: list[np.ndarray] | None) -> int | None:
+        """The best qualifying instance of the newest tier that has one (the waterfall)."""
+        if tiers is None:
+            best = int(np.argmax(score))
+            return best if score[best] > -np.inf else None
+        for members in tiers:
+            best = int(members[np.argmax(score[members])])
+            if score[best] > -np.inf:
+                return best
+        return None
 
 
 class LeastLoadedRouter:

@@ -1,15 +1,19 @@
 """Synchronization strategies: which instances pull a newer model version now (design 3.2).
 
 ``per_instance`` (StaleFlow): an instance behind the newest pushed version pulls when that costs
-least (its KV cache is at most ``kv_fraction`` full: idle or nearly drained), or when the protocol
-would no longer admit a group at its version but would at the newest one (it could not take new
-work otherwise; this is what keeps the head buffer fillable). Instances pull one by one as each
-qualifies, not all at once; running requests stay and go on with the new weights.
+least: its KV cache is at most ``kv_fraction`` full (idle or nearly drained, so little work is
+interrupted). An instance whose version the protocol no longer admits gets no new groups and drains
+on its own; but if *no* instance can admit a group at its version while the newest version could,
+the least loaded instance behind pulls at once, so that the head buffer never stays unfillable.
+Instances pull one by one as each qualifies, not all at once.
 
 ``global_immediate``: every instance pulls as soon as a newer version is pushed (the vanilla
-counterpart; AReaL / VeRL-Async style global in-place update with partial rollout).
+counterpart; AReaL / VeRL-Async style global update with partial rollout).
 
 ``global_drained``: every instance pulls together once none has a request left (VeRL, one-step-off).
+
+What happens to the requests of an instance that pulls (interrupted and re-routed, or kept in place)
+is the policy's ``pull_keeps_requests``, decided by the coordinator.
 """
 
 from __future__ import annotations
@@ -38,15 +42,11 @@ def plan_pulls(
     if mode != "per_instance":
         raise ValueError(f"unknown sync mode {mode!r}")
     assert latest is not None
-    newest_admits = manager.reserve_slack(latest) > 0
-    slack: dict[int, int] = {}
-    pulls = []
-    for i in behind:
-        view = views[i]
-        if view.version not in slack:
-            slack[view.version] = manager.reserve_slack(view.version)
-        drained = view.kv_tokens <= kv_fraction * view.kv_capacity
-        refused = slack[view.version] == 0 and newest_admits
-        if drained or refused:
-            pulls.append(i)
-    return pulls
+    pulls = [i for i in behind if views[i].kv_tokens <= kv_fraction * views[i].kv_capacity]
+    if pulls:
+        return pulls
+    if manager.reserve_slack(latest) > 0 and not any(
+        manager.reserve_slack(version) > 0 for version in {v.version for v in views}
+    ):
+        return [min(behind, key=lambda i: views[i].kv_tokens)]
+    return []

@@ -165,7 +165,7 @@ class TrajectoryServer:
             request = RolloutRequest(
                 request_id=request_id(group_id, index),
                 group_id=group_id,
-                prompt_ids=list(group.prompt_ids),
+                prompt_ids=group.prompt_ids,  # shared by the group's requests; nobody mutates a prompt
                 max_new_tokens=_max_tokens(group, index),
                 group_version=version,
                 metadata=_request_metadata(group, index),

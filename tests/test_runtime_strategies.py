@@ -98,22 +98,33 @@ def _manager_with_head_full(eta: int = 1, batch: int = 2) -> StalenessManager:
     return m
 
 
-def test_per_instance_sync_pulls_drained_or_refused_instances_only():
+def test_per_instance_sync_pulls_drained_instances_first():
     m = StalenessManager(eta=1, batch_size=2)
     views = [view("drained", n=0), view("busy", n=10, tokens=5_000)]
     assert plan_pulls("per_instance", views, None, m, 0.1) == []
     assert plan_pulls("per_instance", views, 0, m, 0.1) == []  # nobody behind
-    m.reserve("a", 0)
-    m.reserve("b", 0)
-    m.occupy("a")
-    m.occupy("b")
+    for g in ("a", "b"):
+        m.reserve(g, 0)
+        m.occupy(g)
     m.consume()  # version 1 exists now
-    # slack at version 0 remains, so only the drained instance pulls
-    assert plan_pulls("per_instance", views, 1, m, 0.1) == [0]
+    assert plan_pulls("per_instance", views, 1, m, 0.1) == [0]  # only the drained one: cheap
+
+
+def test_per_instance_sync_never_leaves_the_head_buffer_unfillable():
+    m = StalenessManager(eta=1, batch_size=2)
+    for g in ("a", "b"):
+        m.reserve(g, 0)
+        m.occupy(g)
+    m.consume()
     for g in range(2):
         assert m.reserve(f"c{g}", 0)
     assert m.reserve_slack(0) == 0 and m.reserve_slack(1) > 0
-    assert plan_pulls("per_instance", views, 1, m, 0.1) == [0, 1]  # refused at 0: must sync
+    busy = [view("busier", n=12, tokens=5_000), view("busy", n=10, tokens=5_000)]
+    # nobody can admit at its version: the least loaded instance must pull now
+    assert plan_pulls("per_instance", busy, 1, m, 0.1) == [1]
+    # an instance at the newest version can still admit: the others drain first
+    mixed = [busy[0], view("fresh", version=1, n=10, tokens=5_000)]
+    assert plan_pulls("per_instance", mixed, 1, m, 0.1) == []
 
 
 def test_global_sync_modes():
@@ -131,7 +142,7 @@ def test_global_sync_modes():
 def test_migration_moves_waiting_beyond_phi_wait():
     v = view("a", n=8)
     v.waiting = tuple(f"a-r{k}" for k in range(3, 8))  # 5 waiting
-    plan = plan_migration([v, view("b", n=8)], MODEL, phi_wait=3, phi_throughput=5)
+    plan = plan_migration([v, view("b", n=8)], FleetArrays.of([v, view("b", n=8)]), MODEL, phi_wait=3, phi_throughput=5)
     assert plan == {0: ["a-r6", "a-r7"]}
 
 
@@ -142,11 +153,11 @@ def test_migration_rebalances_only_requests_the_target_may_run():
     for k in range(10):
         busy.add(f"new{k}", 100, 1)
     idle = view("idle", version=0)
-    plan = plan_migration([busy, idle], MODEL, phi_wait=3, phi_throughput=5)
+    plan = plan_migration([busy, idle], FleetArrays.of([busy, idle]), MODEL, phi_wait=3, phi_throughput=5)
     assert list(plan) == [0] and len(plan[0]) == 10
     assert all(r.startswith("old") for r in plan[0])  # group version 1 cannot go to a version-0 instance
     balanced = [view("a", n=10), view("b", n=9)]
-    assert plan_migration(balanced, MODEL, phi_wait=3, phi_throughput=5) == {}
+    assert plan_migration(balanced, FleetArrays.of(balanced), MODEL, phi_wait=3, phi_throughput=5) == {}
 
 
 # ----------------------------------------------------------------------------- coordinator
@@ -167,7 +178,7 @@ def test_coordinator_admits_up_to_the_protocol_and_routes_groups():
     assert all(g.version == 0 for g in m.groups())
     assert len(routed) == 8 and ts.queued_count() == 8  # routed ids are still queued until the loop executes
     assert {cmd.instance_id for cmd in routes} == {"i0", "i1"}
-    assert c.stats["protocol_refusals"] >= 1
+    assert c.stats["admission_blocked_by_protocol"] >= 1
 
 
 def test_coordinator_rejects_contradicting_snapshots():
@@ -201,6 +212,27 @@ def test_stale_group_gc_aborts_groups_due_in_the_head_buffer():
     assert len(m) == 0 and c.stats["gc_aborted_groups"] == 2
     assert sorted(r for a in aborts for r in a.request_ids) == ["g0/0", "g0/1", "g1/0", "g1/1"]
     assert all(not v.requests for v in c.views)
+
+
+def test_pull_interrupts_requests_unless_the_policy_keeps_them():
+    for keeps in (False, True):
+        c, m, ts = _coordinator("staleflow-no-sync", eta=1, batch=2, pull_keeps_requests=keeps)
+        for cmd in c.plan(ps_version=0, full=True):
+            ts.mark_routed(cmd.request_ids, cmd.instance_id)
+        held = {v.instance_id: set(v.requests) for v in c.views}
+        for g in list(m.groups())[:2]:
+            m.occupy(g.group_id)
+        m.consume()  # the trainer made version 1
+        commands = c.plan(ps_version=1, full=False)
+        pulls = [cmd for cmd in commands if isinstance(cmd, Pull)]
+        interrupts = {cmd.instance_id: set(cmd.request_ids) for cmd in commands if isinstance(cmd, Interrupt)}
+        assert {p.instance_id for p in pulls} == {"i0", "i1"}
+        if keeps:
+            assert interrupts == {} and all(held[v.instance_id] <= set(v.requests) for v in c.views)
+        else:
+            assert interrupts == held and all(held[v.instance_id].isdisjoint(v.requests) for v in c.views)
+            order = [type(cmd).__name__ for cmd in commands if cmd.instance_id == "i0"]
+            assert order[:2] == ["Interrupt", "Pull"]
 
 
 def test_coordinator_migrates_on_full_ticks_only():
