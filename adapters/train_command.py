@@ -7,7 +7,7 @@ arguments override the config (``staleflow train protocol.eta=4 train.steps=300`
 
 A run directory (default ``runs/<UTC timestamp>``) receives ``config.yaml``, ``model-v0/`` (the
 warmed-up starting model), ``metrics.jsonl``, ``instances.jsonl``, ``trace.jsonl`` (the protocol
-trace for ``staleflow verify --trace``; a resumed run writes ``trace-resume-<step>.jsonl``),
+trace for ``staleflow verify --trace``; a resumed run appends a segment to it),
 ``tensorboard/``, ``checkpoints/step-<n>/`` and, at the end, ``summary.json`` and ``report.md``
 with its plots. ``--resume DIR`` continues a run from its newest checkpoint: trainer weights and
 optimiser, the protocol state (every active group keeps its version, so the bound holds across the
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------ preparing
 def _prepare(args: argparse.Namespace) -> tuple[Any, Path, Path | None]:
-    from staleflow.runtime.config import dump_config, load_config
+    from staleflow.runtime.config import load_config
 
     overrides = list(args.overrides)
     if args.system:
@@ -79,8 +79,6 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, Path, Path | None]:
         run_dir = Path(chosen) if chosen else Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         if run_dir.exists() and any(run_dir.iterdir()):
             raise ValueError(f"run directory {run_dir} is not empty; choose another or --resume it")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
     return config, run_dir, checkpoint
 
 
@@ -154,6 +152,10 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
     from staleflow.runtime.policies import make_policy
     from staleflow.runtime.tasks import make_group, reward_fn
 
+    from staleflow.runtime.config import dump_config
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
     torch.manual_seed(config.seed)
     started = time.perf_counter()
     resuming = checkpoint is not None
@@ -238,8 +240,8 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
     if saved_state is not None:
         first_step = _restore(loop, trainer, checkpoint, saved_state)  # type: ignore[arg-type]
         log.event("resumed", step=first_step, checkpoint=str(checkpoint))
-    trace_name = "trace.jsonl" if not resuming else f"trace-resume-{first_step}.jsonl"
-    trace = JsonlTraceWriter.attach(loop.manager, run_dir / trace_name)
+    # A resumed run appends a segment (header = the restored protocol state) to the same trace.
+    trace = JsonlTraceWriter.attach(loop.manager, run_dir / "trace.jsonl", mode="a" if resuming else "w")
 
     evaluator = _Evaluator(config, tokens, prompt_seed=config.seed + 2)
     if not resuming and evaluator.enabled:
@@ -260,12 +262,21 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
             if deadline is not None and time.perf_counter() > deadline:
                 log.event("time_limit", step=step, max_time_s=config.train.max_time_s)
                 break
-        final_eval = evaluator.run(trainer) if evaluator.enabled else {}
-        if final_eval:
-            log.eval(metrics.steps if metrics is not None else first_step, final_eval)
         if metrics is None:
             metrics = loop.metrics()
-        summary = _summary(config, loop.manager.eta, metrics, ledger, trace.path, time.perf_counter() - started, warmup_seconds, engine_seconds, reward_seconds[0], run_dir)
+        final_step = metrics.steps
+        final_eval = evaluator.run(trainer) if evaluator.enabled else {}
+        if final_eval:
+            log.eval(final_step, final_eval)
+        # Interrupt every running request (its partial goes to the trajectory server) so that the
+        # final audit is exact, and keep that state as the last checkpoint (--resume extends a run).
+        if config.checkpoint.every:
+            folder = _save_checkpoint(loop, trainer, run_dir, final_step, config.checkpoint.keep)
+            log.event("checkpoint", step=final_step, path=str(folder))
+        else:
+            loop.state_dict()
+        audit = loop.audit()
+        summary = _summary(config, loop.manager.eta, metrics, audit, ledger, trace.path, time.perf_counter() - started, warmup_seconds, engine_seconds, reward_seconds[0], run_dir)
     finally:
         trace.close()
         log.close()
@@ -358,7 +369,7 @@ def _step_record(metrics: Any, ledger: Any, reward_seconds: float) -> dict[str, 
     return record
 
 
-def _summary(config: Any, eta: int, metrics: Any, ledger: Any, trace_path: Path, wall: float, warmup_s: float, engine_s: float, reward_s: float, run_dir: Path) -> dict[str, Any]:
+def _summary(config: Any, eta: int, metrics: Any, audit: Any, ledger: Any, trace_path: Path, wall: float, warmup_s: float, engine_s: float, reward_s: float, run_dir: Path) -> dict[str, Any]:
     from staleflow.adapters.metrics import read_metrics
 
     records = read_metrics(run_dir)
@@ -395,6 +406,13 @@ def _summary(config: Any, eta: int, metrics: Any, ledger: Any, trace_path: Path,
         "instances": ledger.summary(),
         "trace": str(trace_path),
         **{k: v for k, v in data.items() if k not in ("system", "steps")},
+        # the audit after the final quiesce (the loop's own is taken while instances still run)
+        "audit_ok": audit.ok,
+        "lost": len(audit.lost),
+        "duplicated": len(audit.duplicated),
+        "orphaned": len(audit.orphaned),
+        "audit_problems": list(audit.problems[:10]),
+        "trajectory_server": {"groups": audit.groups, "requests": audit.requests},
     }
 
 
