@@ -77,6 +77,7 @@ class Coordinator:
         self.live_groups = 0
         self._fleet = FleetArrays.of(self.views)
         self._dirty: set[int] = set()
+        self._starved = False  # the last decision left admissible groups for want of an instance
         self.stats: Counter[str] = Counter()
         self.decision_seconds = 0.0
 
@@ -109,7 +110,9 @@ class Coordinator:
         """Commands for now. ``full``: a periodic tick (migration is considered only then)."""
         started = time.perf_counter()
         commands: list[Command] = []
-        pulls = plan_pulls(self.policy.sync, self.views, ps_version, self.manager, self.policy.sync_kv_fraction)
+        pulls = plan_pulls(
+            self.policy.sync, self.views, ps_version, self.manager, self.policy.sync_kv_fraction, self._starved
+        )
         for i in pulls:
             assert ps_version is not None
             view = self.views[i]
@@ -122,21 +125,35 @@ class Coordinator:
         fleet = self._synced_fleet()
         if full and self.policy.migration and not pulls:
             for i, rids in plan_migration(
-                self.views, fleet, self.cost_model, self.policy.phi_wait, self.policy.phi_throughput
+                self.views, fleet, self.cost_model, self.policy.phi_wait, self.policy.phi_throughput,
+                self._starved_instances(fleet),
             ).items():
                 self.forget(self.views[i].instance_id, rids)
                 commands.append(Interrupt(self.views[i].instance_id, tuple(rids)))
                 self.stats["migrated_requests"] += len(rids)
             fleet = self._synced_fleet()
         routes: dict[int, list[str]] = {}
+        self._starved = False
         if self.ts.queued_count() or self._admissible_versions(ps_version):
             if self._route_queue(fleet, routes):
-                self._admit(fleet, ps_version, routes)
+                self._starved = not self._admit(fleet, ps_version, routes)
+        elif self.ts.pending_count():
+            self._starved = True  # no instance version is admissible (or the cap is reached)
         for i, rids in routes.items():
             commands.append(Route(self.views[i].instance_id, tuple(rids)))
         self.stats["pulls"] += len(pulls)
         self.decision_seconds += time.perf_counter() - started
         return commands
+
+    def _starved_instances(self, fleet: FleetArrays) -> np.ndarray:
+        """Instances that can get no other work: nothing queued, and no pending group admissible at
+        their version."""
+        if self.ts.queued_count():
+            return np.zeros(len(self.views), dtype=bool)
+        if not self.ts.pending_count():
+            return np.ones(len(self.views), dtype=bool)
+        admissible = [v for v in set(fleet.version.tolist()) if self.manager.can_reserve(v)]
+        return ~np.isin(fleet.version, admissible)
 
     def _synced_fleet(self) -> FleetArrays:
         """The fleet arrays, with every view changed since the last decision copied in."""
@@ -193,17 +210,23 @@ class Coordinator:
             self.stats["admission_blocked_by_protocol"] += 1
         return versions
 
-    def _admit(self, fleet: FleetArrays, ps_version: int | None, routes: dict[int, list[str]]) -> None:
-        """Admit pending groups while the router, the protocol (and the policy's cap) allow."""
+    def _admit(self, fleet: FleetArrays, ps_version: int | None, routes: dict[int, list[str]]) -> bool:
+        """Admit pending groups while the router, the protocol (and the policy's cap) allow.
+
+        Returns False if a group the protocol would admit found no instance (the router had no room
+        at an admissible version); True if admission stopped for another reason.
+        """
         while True:
-            admissible = self._admissible_versions(ps_version)
             group = self.ts.next_pending()
-            if not admissible or group is None:
-                return
+            if group is None:
+                return True
+            admissible = self._admissible_versions(ps_version)
+            if not admissible:
+                return True
             tokens = len(group.prompt_ids)
             chosen = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible))
             if not chosen:
-                return
+                return False
             choice = chosen[0]
             version = int(fleet.version[choice])
             if not self.manager.reserve(group.group_id, version):
@@ -213,7 +236,7 @@ class Coordinator:
             requests = self.ts.admit(group.group_id, version)
             self._assign(choice, requests[0].request_id, tokens, version, routes)
             if not self._place(requests[1:], fleet, routes):
-                return
+                return True
 
     # ----------------------------------------------------------------- aborts
     def cancel(self, pairs: Iterable[tuple[str, str]]) -> list[Command]:

@@ -5,8 +5,10 @@ Two triggers, as in the paper's Algorithm 5 (thresholds ``phi_wait`` and ``phi_t
 * **waiting**: an instance whose engine queue holds more than ``phi_wait`` requests (its KV cache is
   full) gives up the waiting ones beyond ``phi_wait``;
 * **imbalance**: if the busiest instance's estimated throughput is more than ``phi_throughput``
-  times that of the least busy one, the busiest gives up half the difference in requests, among
-  those the least busy one may run (its version is at least their group version).
+  times that of the least busy *starved* one (an instance that can get no other work: no queued
+  request and no group the protocol would admit at its version), the busiest gives up half the
+  difference in requests, among those the starved one may run (its version is at least their
+  group version).
 
 Interrupted requests keep their tokens and group version; the router places them again. At most
 one imbalance migration per decision, like the reference coordinator.
@@ -29,8 +31,10 @@ def plan_migration(
     cost_model: CostModel,
     phi_wait: int,
     phi_throughput: float,
+    starved: np.ndarray,
 ) -> dict[int, list[str]]:
-    """Instance index -> request ids to interrupt. ``fleet`` holds the views as arrays."""
+    """Instance index -> request ids to interrupt. ``fleet`` holds the views as arrays; ``starved``
+    marks the instances that can get no other work (the only targets of imbalance migration)."""
     plan: dict[int, list[str]] = {}
     for i, view in enumerate(views):
         if len(view.waiting) > phi_wait and not view.loading:
@@ -41,7 +45,9 @@ def plan_migration(
     if active.sum() < 2:
         return plan
     throughput = fleet_throughput(cost_model, fleet.n, fleet.kv)
-    low = int(np.argmin(np.where(active, throughput, np.inf)))
+    if not (active & starved).any():
+        return plan
+    low = int(np.argmin(np.where(active & starved, throughput, np.inf)))
     high = int(np.argmax(np.where(active, throughput, -np.inf)))
     if high == low or high in plan:
         return plan

@@ -2,10 +2,11 @@
 
 ``per_instance`` (StaleFlow): an instance behind the newest pushed version pulls when that costs
 least: its KV cache is at most ``kv_fraction`` full (idle or nearly drained, so little work is
-interrupted). An instance whose version the protocol no longer admits gets no new groups and drains
-on its own; but if *no* instance can admit a group at its version while the newest version could,
-the least loaded instance behind pulls at once, so that the head buffer never stays unfillable.
-Instances pull one by one as each qualifies, not all at once.
+interrupted). Besides, when groups wait for admission that the protocol would admit at the newest
+version but no instance can take (``starved``: the router found no room on instances at an
+admissible version, or no instance's version is admissible), the least loaded instance behind pulls
+at once: demand decides how many instances move, one per decision, cheapest first, and the head
+buffer never stays unfillable. Instances pull one by one, not all at once.
 
 ``global_immediate``: every instance pulls as soon as a newer version is pushed (the vanilla
 counterpart; AReaL / VeRL-Async style global update with partial rollout).
@@ -30,8 +31,12 @@ def plan_pulls(
     latest: int | None,
     manager: StalenessManager,
     kv_fraction: float,
+    starved: bool = False,
 ) -> list[int]:
-    """Indices of the instances that should pull ``latest`` now."""
+    """Indices of the instances that should pull ``latest`` now.
+
+    ``starved``: the last decision left admissible groups unplaced for want of an instance.
+    """
     behind = [i for i, v in enumerate(views) if latest is not None and v.version < latest and not v.loading]
     if not behind:
         return []
@@ -43,10 +48,6 @@ def plan_pulls(
         raise ValueError(f"unknown sync mode {mode!r}")
     assert latest is not None
     pulls = [i for i in behind if views[i].kv_tokens <= kv_fraction * views[i].kv_capacity]
-    if pulls:
-        return pulls
-    if manager.reserve_slack(latest) > 0 and not any(
-        manager.reserve_slack(version) > 0 for version in {v.version for v in views}
-    ):
-        return [min(behind, key=lambda i: views[i].kv_tokens)]
-    return []
+    if not pulls and starved and manager.reserve_slack(latest) > 0:
+        pulls = [min(behind, key=lambda i: views[i].kv_tokens)]
+    return pulls

@@ -110,7 +110,7 @@ def test_per_instance_sync_pulls_drained_instances_first():
     assert plan_pulls("per_instance", views, 1, m, 0.1) == [0]  # only the drained one: cheap
 
 
-def test_per_instance_sync_never_leaves_the_head_buffer_unfillable():
+def test_per_instance_sync_pulls_the_cheapest_instance_on_demand():
     m = StalenessManager(eta=1, batch_size=2)
     for g in ("a", "b"):
         m.reserve(g, 0)
@@ -120,11 +120,26 @@ def test_per_instance_sync_never_leaves_the_head_buffer_unfillable():
         assert m.reserve(f"c{g}", 0)
     assert m.reserve_slack(0) == 0 and m.reserve_slack(1) > 0
     busy = [view("busier", n=12, tokens=5_000), view("busy", n=10, tokens=5_000)]
-    # nobody can admit at its version: the least loaded instance must pull now
-    assert plan_pulls("per_instance", busy, 1, m, 0.1) == [1]
-    # an instance at the newest version can still admit: the others drain first
-    mixed = [busy[0], view("fresh", version=1, n=10, tokens=5_000)]
-    assert plan_pulls("per_instance", mixed, 1, m, 0.1) == []
+    assert plan_pulls("per_instance", busy, 1, m, 0.1) == []  # nobody drained, nothing waiting
+    # groups wait that only version 1 admits: the least loaded instance moves now
+    assert plan_pulls("per_instance", busy, 1, m, 0.1, starved=True) == [1]
+    for g in range(2):
+        assert m.reserve(f"d{g}", 1)
+    assert m.reserve_slack(1) == 0
+    assert plan_pulls("per_instance", busy, 1, m, 0.1, starved=True) == []  # pulling would not help
+
+
+def test_coordinator_reports_starvation_and_pulls_on_the_next_decision():
+    c, m, ts = _coordinator("staleflow", eta=0, batch=2, instances=2, sync_kv_fraction=0.0)
+    for cmd in c.plan(ps_version=0, full=True):
+        ts.mark_routed(cmd.request_ids, cmd.instance_id)
+    for g in list(m.groups()):
+        m.occupy(g.group_id)
+    m.consume()  # version 1 trained; both instances still hold version-0 work
+    commands = c.plan(ps_version=1, full=False)
+    assert commands == []  # nothing admissible at version 0: starved, nothing pulled yet
+    pulls = [cmd for cmd in c.plan(ps_version=1, full=False) if isinstance(cmd, Pull)]
+    assert len(pulls) == 1 and pulls[0].version == 1
 
 
 def test_global_sync_modes():
@@ -142,7 +157,7 @@ def test_global_sync_modes():
 def test_migration_moves_waiting_beyond_phi_wait():
     v = view("a", n=8)
     v.waiting = tuple(f"a-r{k}" for k in range(3, 8))  # 5 waiting
-    plan = plan_migration([v, view("b", n=8)], FleetArrays.of([v, view("b", n=8)]), MODEL, phi_wait=3, phi_throughput=5)
+    plan = plan_migration([v, view("b", n=8)], FleetArrays.of([v, view("b", n=8)]), MODEL, 3, 5, np.ones(2, bool))
     assert plan == {0: ["a-r6", "a-r7"]}
 
 
@@ -153,11 +168,14 @@ def test_migration_rebalances_only_requests_the_target_may_run():
     for k in range(10):
         busy.add(f"new{k}", 100, 1)
     idle = view("idle", version=0)
-    plan = plan_migration([busy, idle], FleetArrays.of([busy, idle]), MODEL, phi_wait=3, phi_throughput=5)
+    fleet = FleetArrays.of([busy, idle])
+    plan = plan_migration([busy, idle], fleet, MODEL, 3, 5, np.array([False, True]))
     assert list(plan) == [0] and len(plan[0]) == 10
     assert all(r.startswith("old") for r in plan[0])  # group version 1 cannot go to a version-0 instance
+    # an idle instance that can still get new groups is not starved: nothing moves to it
+    assert plan_migration([busy, idle], fleet, MODEL, 3, 5, np.array([False, False])) == {}
     balanced = [view("a", n=10), view("b", n=9)]
-    assert plan_migration(balanced, FleetArrays.of(balanced), MODEL, phi_wait=3, phi_throughput=5) == {}
+    assert plan_migration(balanced, FleetArrays.of(balanced), MODEL, 3, 5, np.ones(2, bool)) == {}
 
 
 # ----------------------------------------------------------------------------- coordinator
