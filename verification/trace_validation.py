@@ -257,7 +257,7 @@ def replay_tlc(segment: TraceSegment) -> Verdict:
 def _describe(segment: TraceSegment, offset: int, index: int) -> str:
     e = segment.events[index]
     what = f"{e.op}({e.group_id!r}, v={e.version})" if e.op != "consume" else f"consume(buffer {e.version})"
-    return f"event #{offset + index} (seq {e.seq}, {what})"
+    return f"event #{offset + index} (line {segment.first_line + 1 + index}, seq {e.seq}, {what})"
 
 
 def _tlc_prefix(segment: TraceSegment) -> Verdict:
