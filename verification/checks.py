@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ class CheckResult:
     seconds: float
     detail: str = ""
 
-    @property
+    @builtins.property  # the field named ``property`` shadows the builtin inside the class body
     def ok(self) -> bool:
         return self.result == "pass"
 
