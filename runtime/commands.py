@@ -7,7 +7,6 @@ out against the engines, the trajectory server and the parameter server.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -42,4 +41,4 @@ class Abort:
     request_ids: tuple[str, ...]
 
 
-Command = Union[Route, Interrupt, Pull, Abort]
+Command = Route | Interrupt | Pull | Abort

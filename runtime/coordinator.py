@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
-
 from staleflow.protocol import StalenessManager
 from staleflow.runtime.commands import Abort, Command, Interrupt, Pull, Route
 from staleflow.runtime.cost_model import CostModel

@@ -10,11 +10,10 @@ arrays so a routing decision over many instances is a few vector operations.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
-
 from staleflow.runtime.types import InstanceSnapshot
 
 
@@ -22,8 +21,16 @@ class InstanceView:
     """Speculative state of one instance."""
 
     __slots__ = (
-        "instance_id", "version", "loading", "kv_tokens", "kv_capacity", "tokens_per_s",
-        "requests", "waiting", "accepted", "rejected",
+        "accepted",
+        "instance_id",
+        "kv_capacity",
+        "kv_tokens",
+        "loading",
+        "rejected",
+        "requests",
+        "tokens_per_s",
+        "version",
+        "waiting",
     )
 
     def __init__(self, snapshot: InstanceSnapshot) -> None:
@@ -87,7 +94,7 @@ class FleetArrays:
     loading: np.ndarray
 
     @classmethod
-    def of(cls, views: Sequence[InstanceView]) -> "FleetArrays":
+    def of(cls, views: Sequence[InstanceView]) -> FleetArrays:
         return cls(
             n=np.array([len(v.requests) for v in views], dtype=np.float64),
             kv=np.array([v.kv_tokens for v in views], dtype=np.float64),

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from staleflow.protocol import StalenessManager
 from staleflow.protocol.events import EventHook
@@ -37,7 +38,11 @@ from staleflow.runtime.interfaces import Clock, RolloutEngine, Trainer
 from staleflow.runtime.parameter_server import ParameterServer
 from staleflow.runtime.policies import SystemPolicy
 from staleflow.runtime.rewarding import RewardFn, RewardRunner
-from staleflow.runtime.trajectory_server import AuditReport, GroupState, TrajectoryServer
+from staleflow.runtime.trajectory_server import (
+    AuditReport,
+    GroupState,
+    TrajectoryServer,
+)
 from staleflow.runtime.types import PromptGroup
 
 STATE_FORMAT = "staleflow.run_loop/1"

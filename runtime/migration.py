@@ -3,7 +3,7 @@
 Two triggers, as in the paper's Algorithm 5 (thresholds ``phi_wait`` and ``phi_throughput``):
 
 * **waiting**: an instance whose engine queue holds more than ``phi_wait`` requests (its KV cache is
-  full) gives up the waiting ones beyond ``phi_wait``;
+  full) gives up the waiting ones beyond ``phi_wait``, if some starved instance could take them;
 * **imbalance**: if the busiest instance's estimated throughput is more than ``phi_throughput``
   times that of the least busy *starved* one (an instance that can get no other work: no queued
   request and no group the protocol would admit at its version), the busiest gives up half the
@@ -16,10 +16,9 @@ one imbalance migration per decision, like the reference coordinator.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
-
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.fleet import FleetArrays, InstanceView
 from staleflow.runtime.routing import fleet_throughput
@@ -36,18 +35,18 @@ def plan_migration(
     """Instance index -> request ids to interrupt. ``fleet`` holds the views as arrays; ``starved``
     marks the instances that can get no other work (the only targets of imbalance migration)."""
     plan: dict[int, list[str]] = {}
+    active = ~fleet.loading
+    if not (active & starved & (fleet.waiting == 0)).any():
+        return plan
     for i, view in enumerate(views):
         if len(view.waiting) > phi_wait and not view.loading:
             excess = [rid for rid in view.waiting[phi_wait:] if rid in view.requests]
             if excess:
                 plan[i] = excess
-    active = ~fleet.loading
     if active.sum() < 2:
         return plan
     throughput = fleet_throughput(cost_model, fleet.n, fleet.kv)
-    if not (active & starved).any():
-        return plan
-    low = int(np.argmin(np.where(active & starved, throughput, np.inf)))
+    low = int(np.argmin(np.where(active & starved & (fleet.waiting == 0), throughput, np.inf)))
     high = int(np.argmax(np.where(active, throughput, -np.inf)))
     if high == low or high in plan:
         return plan

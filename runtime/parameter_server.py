@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 class ReadWriteLock:

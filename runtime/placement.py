@@ -8,7 +8,8 @@ call to it and waits for the result. Arguments and results travel by pickling.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class InProcessPlacement:
@@ -84,7 +85,7 @@ class RayPlacement:
         values = {}
         for name in self._attributes:
             try:
-                values[name] = ray.get(handle.attribute.remote(name))
+                values[name] = ray.get(handle.attribute.remote(name))  # type: ignore[attr-defined]
             except AttributeError:
                 continue
             except ray.exceptions.RayTaskError as error:

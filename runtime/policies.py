@@ -22,7 +22,11 @@ kept by all of them. How each baseline maps onto the runtime (design section 3.3
     than the bound.
 ``staleflow``
     Protocol admission at each instance's version, cost-model routing with the waterfall and
-    ``mu``, per-instance synchronization, migration with ``phi_wait`` and ``phi_throughput``.
+    ``mu``, per-instance synchronization, migration with ``phi_wait`` and ``phi_throughput``;
+    an instance that pulls keeps its running requests (in-place reload, as the engine seam
+    provides). The baselines interrupt and resubmit in-flight requests around a weight update, as
+    the peer systems do; ``pull_keeps_requests=True`` gives them in-place reloads too, to separate
+    that mechanism from the strategies.
     ``staleflow-no-routing`` / ``-no-sync`` / ``-no-migration`` switch one strategy to its vanilla
     counterpart (least-loaded routing, global immediate update, no migration) for the ablation.
 """
@@ -106,18 +110,22 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
-_BASELINE = dict(routing="least_loaded", migration=False)
+_BASELINE: dict[str, Any] = {"routing": "least_loaded", "migration": False}
+
+#: StaleFlow's engines reload weights in place (the RolloutEngine seam); the peers abort and
+#: resubmit in-flight requests around a weight update, and so do their policies here.
+_STALEFLOW: dict[str, Any] = {"pull_keeps_requests": True}
 
 POLICIES: dict[str, SystemPolicy] = {
-    "staleflow": SystemPolicy("staleflow"),
-    "staleflow-no-routing": SystemPolicy("staleflow-no-routing", routing="least_loaded"),
-    "staleflow-no-sync": SystemPolicy("staleflow-no-sync", sync="global_immediate"),
-    "staleflow-no-migration": SystemPolicy("staleflow-no-migration", migration=False),
-    "sync": SystemPolicy("sync", sync="global_drained", fixed_eta=0, **_BASELINE),  # type: ignore[arg-type]
-    "one-step-off": SystemPolicy("one-step-off", sync="global_drained", fixed_eta=1, **_BASELINE),  # type: ignore[arg-type]
-    "inflight-cap": SystemPolicy("inflight-cap", sync="global_immediate", admission="inflight_cap", **_BASELINE),  # type: ignore[arg-type]
+    "staleflow": SystemPolicy("staleflow", **_STALEFLOW),
+    "staleflow-no-routing": SystemPolicy("staleflow-no-routing", routing="least_loaded", **_STALEFLOW),
+    "staleflow-no-sync": SystemPolicy("staleflow-no-sync", sync="global_immediate", **_STALEFLOW),
+    "staleflow-no-migration": SystemPolicy("staleflow-no-migration", migration=False, **_STALEFLOW),
+    "sync": SystemPolicy("sync", sync="global_drained", fixed_eta=0, **_BASELINE),
+    "one-step-off": SystemPolicy("one-step-off", sync="global_drained", fixed_eta=1, **_BASELINE),
+    "inflight-cap": SystemPolicy("inflight-cap", sync="global_immediate", admission="inflight_cap", **_BASELINE),
     "start-version-gc": SystemPolicy(
-        "start-version-gc", sync="global_immediate", admission="inflight_cap", gc_stale=True, **_BASELINE  # type: ignore[arg-type]
+        "start-version-gc", sync="global_immediate", admission="inflight_cap", gc_stale=True, **_BASELINE
     ),
 }
 

@@ -9,9 +9,10 @@ abandoned, and ``max_workers`` bounds how many can pile up.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from staleflow.runtime.types import Trajectory
 

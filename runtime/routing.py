@@ -13,7 +13,6 @@ the fewest requests, up to ``max_running``; the engine queues what it cannot run
 from __future__ import annotations
 
 import numpy as np
-
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.fleet import FleetArrays
 

@@ -19,7 +19,7 @@ is the policy's ``pull_keeps_requests``, decided by the coordinator.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from staleflow.protocol import StalenessManager
 from staleflow.runtime.fleet import InstanceView

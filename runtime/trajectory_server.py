@@ -18,10 +18,16 @@ instance) -> ``finished`` (kept: one of the group's first ``n_samples``) or ``ca
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from staleflow.runtime.types import PromptGroup, RolloutRequest, TrainingBatch, Trajectory
+from staleflow.runtime.types import (
+    PromptGroup,
+    RolloutRequest,
+    TrainingBatch,
+    Trajectory,
+)
 
 STATE_FORMAT = "staleflow.trajectory_server/1"
 
@@ -44,8 +50,6 @@ class RequestState(str, enum.Enum):
     CANCELLED = "cancelled"
 
 
-#: Group states in which the group's requests may still be queued or running.
-_LIVE = (GroupState.GENERATING,)
 #: Group states a group can be aborted from (the protocol still holds it).
 _ABORTABLE = (GroupState.GENERATING, GroupState.REWARDING, GroupState.DONE)
 

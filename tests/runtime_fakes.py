@@ -8,11 +8,19 @@ loads weights; each token records the version it was generated with. :class:`Fak
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from staleflow.runtime.interfaces import Clock
-from staleflow.runtime.types import InstanceSnapshot, PromptGroup, RolloutRequest, TrainingBatch, TrainResult, Trajectory
+from staleflow.runtime.types import (
+    InstanceSnapshot,
+    PromptGroup,
+    RolloutRequest,
+    TrainingBatch,
+    TrainResult,
+    Trajectory,
+)
 
 _EPS = 1e-9
 

@@ -6,14 +6,12 @@ import json
 import threading
 
 import pytest
-
+from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
 from staleflow.runtime.clock import RealClock, VirtualClock
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.loop import RunLoop, RunStalledError
 from staleflow.runtime.policies import POLICIES, make_policy
 from staleflow.runtime.types import PromptGroup
-
-from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
 
 MODEL = CostModel(thr=0.0064, o_b=0.0027, o_k=1.231e-4, a_b=0.0028, a_k=3.35e-8)
 
@@ -43,7 +41,7 @@ def check_bound(trainer: FakeTrainer, eta: int) -> None:
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_keeps_the_bound_and_loses_nothing(name):
-    loop, trainer, engines, events = build(name, eta=2)
+    loop, trainer, _, events = build(name, eta=2)
     metrics = loop.run(8)
     assert trainer.version == 8 and metrics.steps == 8
     assert [b.version for b in trainer.batches] == list(range(8))

@@ -5,8 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from staleflow.runtime.parameter_server import ParameterServer, ReadWriteLock, VersionNotAvailableError
+from staleflow.runtime.parameter_server import (
+    ParameterServer,
+    ReadWriteLock,
+    VersionNotAvailableError,
+)
 
 
 def test_push_pull_latest_and_keep():

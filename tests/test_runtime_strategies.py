@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from staleflow.protocol import StalenessManager
 from staleflow.runtime.commands import Interrupt, Pull, Route
 from staleflow.runtime.coordinator import Coordinator
@@ -12,7 +11,11 @@ from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.fleet import FleetArrays, InstanceView
 from staleflow.runtime.migration import plan_migration
 from staleflow.runtime.policies import POLICIES, make_policy
-from staleflow.runtime.routing import LeastLoadedRouter, ThroughputRouter, fleet_throughput
+from staleflow.runtime.routing import (
+    LeastLoadedRouter,
+    ThroughputRouter,
+    fleet_throughput,
+)
 from staleflow.runtime.sync import plan_pulls
 from staleflow.runtime.trajectory_server import TrajectoryServer
 from staleflow.runtime.types import InstanceSnapshot, PromptGroup
@@ -159,6 +162,8 @@ def test_migration_moves_waiting_beyond_phi_wait():
     v.waiting = tuple(f"a-r{k}" for k in range(3, 8))  # 5 waiting
     plan = plan_migration([v, view("b", n=8)], FleetArrays.of([v, view("b", n=8)]), MODEL, 3, 5, np.ones(2, bool))
     assert plan == {0: ["a-r6", "a-r7"]}
+    # no instance could take them (none starved): re-routing would only send them back
+    assert plan_migration([v, view("b", n=8)], FleetArrays.of([v, view("b", n=8)]), MODEL, 3, 5, np.zeros(2, bool)) == {}
 
 
 def test_migration_rebalances_only_requests_the_target_may_run():
@@ -200,7 +205,7 @@ def test_coordinator_admits_up_to_the_protocol_and_routes_groups():
 
 
 def test_coordinator_rejects_contradicting_snapshots():
-    c, m, ts = _coordinator()
+    c, _, ts = _coordinator()
     commands = c.plan(ps_version=0, full=True)
     route = next(cmd for cmd in commands if isinstance(cmd, Route) and cmd.instance_id == "i0")
     ts.mark_routed(route.request_ids, "i0")
@@ -216,7 +221,7 @@ def test_coordinator_rejects_contradicting_snapshots():
 
 
 def test_inflight_cap_bounds_admission():
-    c, m, ts = _coordinator("inflight-cap", eta=1, batch=2)
+    c, _, _ = _coordinator("inflight-cap", eta=1, batch=2)
     c.plan(ps_version=0, full=True)
     assert c.live_groups == 4 == (1 + 0 + 1) * 2
 
@@ -254,7 +259,7 @@ def test_pull_interrupts_requests_unless_the_policy_keeps_them():
 
 
 def test_coordinator_migrates_on_full_ticks_only():
-    c, m, ts = _coordinator("staleflow", eta=3, batch=8, instances=2)
+    c, _, ts = _coordinator("staleflow", eta=3, batch=8, instances=2)
     for cmd in c.plan(ps_version=0, full=True):
         if isinstance(cmd, Route):
             ts.mark_routed(cmd.request_ids, cmd.instance_id)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from staleflow.runtime.trajectory_server import GroupState, RequestState, TrajectoryServer, TrajectoryServerError
+from staleflow.runtime.trajectory_server import (
+    GroupState,
+    TrajectoryServer,
+    TrajectoryServerError,
+)
 from staleflow.runtime.types import PromptGroup, Trajectory
 
 
@@ -34,7 +37,7 @@ def test_admit_creates_queued_requests_with_group_version_and_lengths():
 def test_group_redundancy_keeps_first_finishers_and_cancels_the_rest():
     ts = TrajectoryServer()
     ts.add_groups([_group(n=2, extra=2)])
-    r0, r1, r2, r3 = ts.admit("g0", 0)
+    r0, r1, r2, _r3 = ts.admit("g0", 0)
     ts.mark_routed([r0.request_id, r1.request_id], "a")
     ts.mark_routed([r2.request_id], "b")  # r3 stays queued
     assert ts.finish("b", _done(r2)).group_complete is False
@@ -104,7 +107,7 @@ def test_take_batch_consumes_done_groups_and_drops_with_cancellation():
     ts = TrajectoryServer()
     ts.add_groups([_group("g0", n=1), _group("g1", n=2)])
     (a,) = ts.admit("g0", 0)
-    b0, b1 = ts.admit("g1", 0)
+    b0, _b1 = ts.admit("g1", 0)
     ts.mark_routed([a.request_id, b0.request_id], "x")
     assert ts.finish("x", _done(a, 4)).group_complete
     ts.set_rewards("g0", [1.0])
