@@ -95,3 +95,13 @@ def test_bad_files_and_overrides(tmp_path: Path) -> None:
         load_config(overrides=["protocol.eta.x=1"])
     (tmp_path / "empty.yaml").write_text("")
     assert load_config(tmp_path / "empty.yaml") == JobConfig()
+
+
+def test_every_system_is_a_runtime_policy() -> None:
+    from staleflow.runtime.policies import make_policy
+
+    for system in System:
+        policy = make_policy(system.value)
+        eta = load_config(overrides=[f"system={system.value}"]).protocol.eta
+        # the default bound is the one the policy itself runs with
+        assert policy.protocol_eta(eta) == eta, system
