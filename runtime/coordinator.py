@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from staleflow.protocol import StalenessManager
@@ -236,6 +237,17 @@ class Coordinator:
             self._assign(choice, requests[0].request_id, tokens, version, routes)
             if not self._place(requests[1:], fleet, routes):
                 return True
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What outlives a restart: the admitted-group count (the inflight cap) and the counters.
+        The speculative views are rebuilt from the instances' snapshots."""
+        return {"live_groups": self.live_groups, "stats": dict(self.stats), "decision_seconds": self.decision_seconds}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.live_groups = int(state["live_groups"])
+        self.stats = Counter(state["stats"])
+        self.decision_seconds = float(state["decision_seconds"])
 
     # ----------------------------------------------------------------- aborts
     def cancel(self, pairs: Iterable[tuple[str, str]]) -> list[Command]:

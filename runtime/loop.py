@@ -480,7 +480,7 @@ class RunLoop:
             "parameter_server": self.ps.state_dict(),
             "steps_done": self._steps_done,
             "prompts_drawn": self._prompts_drawn,
-            "live_groups": self.coordinator.live_groups,
+            "coordinator": self.coordinator.state_dict(),
             "counters": dict(self._counters),
             "tokens": [self._tokens_generated, self._tokens_trained],
             "staleness": {str(b): {str(s): n for s, n in c.items()} for b, c in self._staleness.items()},
@@ -508,7 +508,7 @@ class RunLoop:
             self.ps.push(saved, self.trainer.weights())
         self._steps_done = int(state["steps_done"])
         self._prompts_drawn = int(state["prompts_drawn"])
-        self.coordinator.live_groups = int(state["live_groups"])
+        self.coordinator.load_state_dict(state["coordinator"])
         self._counters = Counter(state["counters"])
         self._tokens_generated, self._tokens_trained = state["tokens"]
         self._staleness = {int(b): Counter({int(s): n for s, n in c.items()}) for b, c in state["staleness"].items()}

@@ -151,6 +151,8 @@ def test_checkpoint_resume_keeps_the_bound_and_every_partial():
         prompts=_skip(prompt_groups(4, lengths=(30, 80, 200, 15)), state["prompts_drawn"]),
     )
     resumed.load_state_dict(state)
+    assert resumed.coordinator.live_groups == loop.coordinator.live_groups > 0  # the inflight-cap count
+    assert len(resumed.manager) == len(loop.manager)
     metrics = resumed.run(4)
     assert metrics.steps == 7 and resumed_trainer.version == 7
     assert [b.version for b in resumed_trainer.batches] == [3, 4, 5, 6]
