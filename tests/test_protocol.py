@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import staleflow.protocol as protocol
+from staleflow import protocol
 from staleflow.protocol import (
     SNAPSHOT_FORMAT,
     ConsumedBatch,

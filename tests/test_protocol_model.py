@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import pytest
-
 from staleflow.protocol import StalenessManager
 from staleflow.verification import impl_mutants
 from staleflow.verification.conformance import (

@@ -11,7 +11,6 @@ import types
 from pathlib import Path
 
 import pytest
-
 from staleflow import cli as staleflow_cli
 from staleflow.verification import cli
 from staleflow.verification.checks import CheckResult
@@ -36,7 +35,7 @@ def fake_layers(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[CheckResult]]
     (a module may also print to stdout, as TLC's runner could)."""
     rows: dict[str, list[CheckResult]] = {"one": [row("a", "pass")], "two": [row("b", "pass")]}
     names = []
-    for title in rows:
+    for title in list(rows):
         module = types.ModuleType(f"fake_layer_{title}")
 
         def checks(quick: bool, title: str = title) -> list[CheckResult]:

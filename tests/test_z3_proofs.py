@@ -8,7 +8,6 @@ small grid (reserve_slack, the consume plan and its result, occupy/abort, the ED
 from __future__ import annotations
 
 import pytest
-
 from staleflow.protocol import SNAPSHOT_FORMAT, StalenessManager
 from staleflow.spec.mirror import SpecParams
 from staleflow.verification import z3_proofs as zp

@@ -17,8 +17,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from staleflow.verification.checks import CheckResult
 
@@ -92,7 +92,7 @@ def run_layers(quick: bool, progress: Callable[[str], None] | None = None) -> li
             rows = importlib.import_module(module_name).checks(quick)
             if not rows:
                 raise RuntimeError("the layer returned no checks")
-        except Exception as error:  # a crashed layer is a failed check, never a silent skip
+        except Exception as error:  # noqa: BLE001 - a crashed layer is a failed check, never a silent skip
             rows = [
                 CheckResult(
                     name=title,

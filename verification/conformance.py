@@ -26,9 +26,10 @@ import io
 import json
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, event, settings, target
 from hypothesis import strategies as st
@@ -40,7 +41,6 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-
 from staleflow.protocol import (
     SNAPSHOT_FORMAT,
     ConsumedBatch,
@@ -69,9 +69,9 @@ INVALID_CALLS = (
     "reserve-duplicate", "occupy-done", "occupy-inactive", "abort-inactive", "consume-not-ready"
 )
 
-_COMMON: dict[str, Any] = dict(
-    deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
-)
+_COMMON: dict[str, Any] = {
+    "deadline": None, "print_blob": True, "suppress_health_check": [HealthCheck.too_slow]
+}
 settings.register_profile(
     "ci", max_examples=200, stateful_step_count=50, derandomize=True, database=None, **_COMMON
 )
@@ -108,8 +108,8 @@ def pick_one(items: Sequence[Any], index: int) -> Any:
 def mirror_slack(params: SpecParams, state: MirrorState, version: int) -> int:
     """How many fresh groups at ``version`` the mirror admits one after another."""
     slack = 0
-    while (state := mirror.reserve(params, state, ("slack-probe", slack), version)) is not None:
-        slack += 1
+    while (grown := mirror.reserve(params, state, f"slack-probe-{slack}", version)) is not None:
+        state, slack = grown, slack + 1
     return slack
 
 
@@ -476,7 +476,7 @@ def _exhaustive_row() -> CheckResult:
     started = time.perf_counter()
     try:
         explored, result, detail = f"{exhaustive_conformance(StalenessManager, EXHAUSTIVE_GRID):,} states", "pass", ""
-    except Exception as error:  # a counterexample or a crash is a failed check
+    except Exception as error:  # noqa: BLE001 - a counterexample or a crash is a failed check
         explored, result, detail = "stopped at the first counterexample", "fail", _first_line(error)
     return CheckResult(
         name="conformance-exhaustive",
@@ -496,7 +496,7 @@ def _hypothesis_row(profile: str) -> CheckResult:
     try:
         stats = run_conformance(profile=profile)
         result, explored, detail = "pass", stats.describe(), ""
-    except Exception as error:  # any failure of the machine is a failed check, reported as such
+    except Exception as error:  # noqa: BLE001 - any failure of the machine is a failed check, reported as such
         result, explored, detail = "fail", "stopped at the first counterexample", _first_line(error)
     return CheckResult(
         name="conformance",

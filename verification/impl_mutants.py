@@ -14,10 +14,10 @@ import importlib
 import tempfile
 import time
 import types
-from unittest import mock
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from unittest import mock
 
 from staleflow.protocol import StalenessManager
 from staleflow.protocol import manager as manager_module
@@ -172,7 +172,7 @@ def mutant_class(mutant: Mutant | None) -> type[StalenessManager]:
         source = source.replace(mutant.original, mutant.replacement)
     module = types.ModuleType(f"staleflow.protocol._mutant_{name.replace('-', '_')}")
     module.__file__ = f"<mutant {name} of {manager_module.__file__}>"
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own file
     cls: type[StalenessManager] = module.StalenessManager
     return cls
 
@@ -186,7 +186,7 @@ Layer = Callable[[type[StalenessManager]], "str | None"]
 def exhaustive_layer(manager_cls: type[StalenessManager]) -> str | None:
     try:
         exhaustive_conformance(manager_cls, EXHAUSTIVE_GRID)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - any failure of the checked code is a caught failure
         return _first_line(error)
     return None
 
@@ -194,7 +194,7 @@ def exhaustive_layer(manager_cls: type[StalenessManager]) -> str | None:
 def conformance_layer(manager_cls: type[StalenessManager]) -> str | None:
     try:
         run_conformance(manager_cls, profile="mutant")
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - any failure of the checked code is a caught failure
         return _first_line(error)
     return None
 
@@ -209,7 +209,7 @@ def trace_layer(manager_cls: type[StalenessManager]) -> str | None:
             with mock.patch.object(validation, "StalenessManager", manager_cls):
                 try:
                     validation.record_workload_trace(path, eta, batch_size, redundancy, ops, seed, resume_at)
-                except Exception as error:
+                except Exception as error:  # noqa: BLE001 - any failure of the checked code is a caught failure
                     return f"the workload failed while recording: {_first_line(error)}"
             verdict = validation.validate_trace(path, use_tlc=False)
         if not verdict.ok:
