@@ -15,8 +15,12 @@ cannot hide the rules that would expose it. After every step it checks:
 - events: one event per operation, with the right contents and ``before``/``after`` counters;
 - snapshot/restore mid-run rebuilds an equal manager.
 
-:func:`conformance_machine` builds the machine for any manager class, which is how
-``impl_mutants`` runs mutated implementations through the same checks.
+A second, deterministic check, :func:`exhaustive_conformance`, restores the manager into every
+Inv state of small parameters and compares every query and every action's successor with the
+mirror (the same comparison functions).
+
+Both take the manager class as a parameter, which is how ``impl_mutants`` runs mutated
+implementations through the same checks.
 """
 
 from __future__ import annotations
