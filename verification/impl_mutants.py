@@ -1,9 +1,10 @@
 """Implementation mutants: small bugs planted in ``protocol/manager.py`` that the checks must catch.
 
 Each mutant is a one-place source edit of the real ``manager.py`` (read from disk, never written),
-compiled into a fresh module; its ``StalenessManager`` is then run through every dynamic layer:
-the Hypothesis conformance machine against the spec mirror and, when the trace tools are present,
-trace validation of a trace the mutant wrote. A mutant that no layer catches is a failure: the
+compiled into a fresh module; its ``StalenessManager`` is then run through the dynamic layers,
+cheapest first: the exhaustive small-scope conformance check, the Hypothesis conformance machine
+(both against the spec mirror), and trace validation of traces the mutant wrote. A mutant that no
+layer catches is a failure: the
 layers would miss that bug. If ``manager.py`` changes so that a mutant's original text no longer
 occurs exactly once, that mutant fails too, naming the text to update.
 """
