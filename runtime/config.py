@@ -80,7 +80,7 @@ class TaskConfig(_Section):
 class WarmupConfig(_Section):
     """Supervised warm-up on reference answers so rewards have variance from the first RL step."""
 
-    steps: int = Field(50, ge=0, le=100000)
+    steps: int = Field(100, ge=0, le=100000)
     batch_size: int = Field(64, ge=1, le=65536)
     lr: float = Field(3e-3, gt=0, le=1)
 
