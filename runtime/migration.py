@@ -3,7 +3,8 @@
 Two triggers, as in the paper's Algorithm 5 (thresholds ``phi_wait`` and ``phi_throughput``):
 
 * **waiting**: an instance whose engine queue holds more than ``phi_wait`` requests (its KV cache is
-  full) gives up the waiting ones beyond ``phi_wait``, if some starved instance could take them;
+  full) gives up the waiting ones beyond ``phi_wait``, as many as the starved instances (below) can
+  start, ``phi_wait`` each;
 * **imbalance**: if the busiest instance's estimated throughput is more than ``phi_throughput``
   times that of the least busy *starved* one (an instance that can get no other work: no queued
   request and no group the protocol would admit at its version), the busiest gives up half the
@@ -36,13 +37,16 @@ def plan_migration(
     marks the instances that can get no other work (the only targets of imbalance migration)."""
     plan: dict[int, list[str]] = {}
     active = ~fleet.loading
-    if not (active & starved & (fleet.waiting == 0)).any():
+    targets = int((active & starved & (fleet.waiting == 0)).sum())
+    if not targets:
         return plan
+    budget = targets * max(phi_wait, 1)  # no more than the starved instances can start at once
     for i, view in enumerate(views):
-        if len(view.waiting) > phi_wait and not view.loading:
-            excess = [rid for rid in view.waiting[phi_wait:] if rid in view.requests]
+        if len(view.waiting) > phi_wait and not view.loading and budget > 0:
+            excess = [rid for rid in view.waiting[phi_wait:] if rid in view.requests][:budget]
             if excess:
                 plan[i] = excess
+                budget -= len(excess)
     if active.sum() < 2:
         return plan
     throughput = fleet_throughput(cost_model, fleet.n, fleet.kv)

@@ -7,7 +7,8 @@ in the first tier where one qualifies, the instance with the largest marginal th
 empty instance running the request alone. Otherwise the request stays queued.
 
 :class:`LeastLoadedRouter` (the vanilla counterpart and the baselines): the eligible instance with
-the fewest requests, up to ``max_running``; the engine queues what it cannot run yet.
+the fewest requests, up to ``max_running``, preferring instances with no waiting queue; the engine
+queues what it cannot run yet.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class ThroughputRouter:
 
 
 class LeastLoadedRouter:
-    """The eligible instance with the fewest requests (below ``max_running``)."""
+    """The eligible instance with the fewest requests (below ``max_running``), instances without a
+    waiting queue first (a waiting queue means the engine is already full)."""
 
     def __init__(self, max_running: int) -> None:
         self.max_running = max_running
@@ -88,12 +90,14 @@ class LeastLoadedRouter:
         if candidates.size == 0:
             return chosen
         n = fleet.n[candidates]
+        load = n + np.where(fleet.waiting[candidates] > 0, self.max_running, 0)
         for _ in range(count):
-            pick = int(np.argmin(n))
+            pick = int(np.argmin(load))
             if n[pick] >= self.max_running:
                 break
             index = int(candidates[pick])
             fleet.add(index, tokens)
             chosen.append(index)
             n[pick] += 1
+            load[pick] += 1
         return chosen

@@ -91,6 +91,10 @@ def test_least_loaded_router_balances_up_to_max_running():
     fleet = FleetArrays.of([view("a", n=3), view("b", n=0)])
     assert LeastLoadedRouter(4).choose(fleet, 10, np.ones(2, bool), count=10) == [1, 1, 1, 0, 1]
     assert fleet.n.tolist() == [4, 4]
+    full = view("full", n=1)
+    full.waiting = ("full-r0",)
+    fleet = FleetArrays.of([full, view("b", n=3)])
+    assert LeastLoadedRouter(8).choose(fleet, 10, np.ones(2, bool)) == [1]  # a waiting queue counts as full
 
 
 # ----------------------------------------------------------------------------- synchronization
