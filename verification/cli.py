@@ -140,6 +140,8 @@ def _print_table(results: list[CheckResult], seconds: float) -> None:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:  # piped or redirected: do not squeeze the table into 80 columns
+        console = Console(width=200)
     table = Table(title="staleflow verify", show_lines=False)
     for column in COLUMNS:
         table.add_column(column, overflow="fold", justify="right" if column == "seconds" else "left")
