@@ -21,17 +21,24 @@ and pipeline parallel size 1; larger TP/PP sizes are refused rather than half-su
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
-
 from staleflow.adapters.torch_trainer import TrainerSettings
-from staleflow.runtime.algorithms import Correction, PackedBatch, pack_batch, policy_loss, token_staleness
+from staleflow.runtime.algorithms import (
+    Correction,
+    PackedBatch,
+    pack_batch,
+    policy_loss,
+    token_staleness,
+)
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FILE = "megatron_trainer.pt"
@@ -220,7 +227,7 @@ class MegatronTrainer:
         self,
         model_path: str | os.PathLike[str],
         *,
-        settings: TrainerSettings = TrainerSettings(),
+        settings: TrainerSettings | None = None,
         pad_id: int = 0,
         version: int = 0,
         seed: int = 0,
@@ -235,8 +242,12 @@ class MegatronTrainer:
             )
         if tensor_parallel != 1 or pipeline_parallel != 1:
             raise ValueError("the Megatron trainer supports tensor_parallel=1 and pipeline_parallel=1 (data parallel over ranks)")
-        from megatron.core import parallel_state, tensor_parallel as mcore_tp
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core import parallel_state
+        from megatron.core import tensor_parallel as mcore_tp
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from safetensors.torch import load_file
         from transformers import AutoConfig
@@ -250,7 +261,7 @@ class MegatronTrainer:
         mcore_tp.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
 
-        self._settings = settings
+        self._settings = settings = settings if settings is not None else TrainerSettings()
         self._pad_id = pad_id
         self._hf_config = AutoConfig.from_pretrained(str(folder))
         self._config = transformer_config_from_hf(self._hf_config, bf16=bf16)
@@ -379,7 +390,7 @@ class MegatronTrainer:
             bounds = [round(i * rows / settings.minibatches) for i in range(settings.minibatches + 1)]
             sums: dict[str, float] = {}
             grad_norms = []
-            for a, b in zip(bounds, bounds[1:]):
+            for a, b in itertools.pairwise(bounds):
                 part = packed.rows(slice(a, b))
                 logp = self._logprobs(part)
                 prox = proximal[a:b] if proximal is not None else logp.detach()

@@ -21,10 +21,11 @@ import math
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from staleflow.runtime.interfaces import Clock, RolloutEngine
+from staleflow.runtime.interfaces import RolloutEngine
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
 
 METRICS_FILE = "metrics.jsonl"
@@ -45,7 +46,7 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: Path, *, total_steps: int, tensorboard: bool, progress: bool, append: bool = False) -> None:
-        self._file = open(run_dir / METRICS_FILE, "a" if append else "w", encoding="utf-8", buffering=1)
+        self._file = open(run_dir / METRICS_FILE, "a" if append else "w", encoding="utf-8", buffering=1)  # noqa: SIM115 - open for the run
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -54,7 +55,13 @@ class MetricsLog:
         self._progress = None
         self._task = None
         if progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self._progress = Progress(
                 TextColumn("[bold]train"),
@@ -138,7 +145,7 @@ class TrackedEngine:
     that does not carry its own (a Ray proxy created without waiting for the actor).
     """
 
-    def __init__(self, engine: RolloutEngine, ledger: "EngineLedger", instance_id: str | None = None) -> None:
+    def __init__(self, engine: RolloutEngine, ledger: EngineLedger, instance_id: str | None = None) -> None:
         self._engine = engine
         self._ledger = ledger
         self.instance_id = instance_id if instance_id is not None else engine.instance_id
@@ -186,7 +193,7 @@ class EngineLedger:
 
     def __init__(self, timeline_path: Path | None = None, interval_s: float = 0.1, append: bool = False) -> None:
         self._lock = threading.Lock()
-        self._timeline = None if timeline_path is None else open(timeline_path, "a" if append else "w", encoding="utf-8", buffering=1)
+        self._timeline = None if timeline_path is None else open(timeline_path, "a" if append else "w", encoding="utf-8", buffering=1)  # noqa: SIM115 - open for the run
         self._interval = interval_s
         self._last_written: dict[str, float] = {}
         self._versions: dict[str, int] = {}

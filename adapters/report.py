@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from staleflow.adapters.metrics import INSTANCES_FILE, read_metrics
 

@@ -16,18 +16,19 @@ step *are* the proximal policy's: no extra forward pass is needed unless ``minib
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-
 from staleflow.runtime.algorithms import (
     Correction,
     LossSettings,
@@ -58,7 +59,7 @@ class TrainerSettings:
     temperature: float = 1.0
 
     @classmethod
-    def from_config(cls, job: Any) -> "TrainerSettings":
+    def from_config(cls, job: Any) -> TrainerSettings:
         """Settings of a :class:`~staleflow.runtime.config.JobConfig`."""
         t = job.train
         return cls(
@@ -299,7 +300,7 @@ def _minibatch_rows(group_sizes: Sequence[int], minibatches: int) -> list[slice]
     bounds = [0]
     for sizes in _split(list(group_sizes), minibatches):
         bounds.append(bounds[-1] + sum(sizes))
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:

@@ -23,9 +23,10 @@ import os
 import shutil
 import sys
 import time
-from datetime import datetime, timezone
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 CHECKPOINTS = "checkpoints"
 LOOP_STATE = "loop_state.json"
@@ -76,7 +77,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, Path, Path | None]:
     else:
         config = load_config(args.config, overrides)
         chosen = args.run_dir or config.run_dir
-        run_dir = Path(chosen) if chosen else Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(chosen) if chosen else Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         if run_dir.exists() and any(run_dir.iterdir()):
             raise ValueError(f"run directory {run_dir} is not empty; choose another or --resume it")
     return config, run_dir, checkpoint
@@ -119,7 +120,11 @@ def _base_model(config: Any) -> Path:
 
 
 def _prompt_source(config: Any, tokens: _Tokens, seed: int) -> Iterator[Any]:
-    from staleflow.runtime.tasks import cycle_prompts, load_prompts, repeat_letter_prompts
+    from staleflow.runtime.tasks import (
+        cycle_prompts,
+        load_prompts,
+        repeat_letter_prompts,
+    )
 
     if config.task.prompt_file is None:
         return repeat_letter_prompts(seed, config.task.max_count)
@@ -141,18 +146,16 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
     set_vllm_env_defaults()  # before vLLM (or torch) reads its environment
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
-
     from staleflow.adapters.metrics import EngineLedger, MetricsLog, TrackedEngine
     from staleflow.adapters.vllm_engine import SamplingConfig, VLLMEngine
     from staleflow.protocol.trace import JsonlTraceWriter
     from staleflow.runtime.clock import RealClock
-    from staleflow.runtime.placement import RayPlacement
+    from staleflow.runtime.config import dump_config
     from staleflow.runtime.cost_model import CostModel
     from staleflow.runtime.loop import RunLoop
+    from staleflow.runtime.placement import RayPlacement
     from staleflow.runtime.policies import make_policy
     from staleflow.runtime.tasks import make_group, reward_fn
-
-    from staleflow.runtime.config import dump_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
@@ -422,17 +425,27 @@ def _summary_text(summary: dict[str, Any], run_dir: Path) -> str:
 
     inst = summary["instances"]
     lines = [
-        f"system {summary['system']} (eta {summary['eta']}): {summary['steps']} steps in {summary['wall_s']:.0f} s "
-        f"(run loop {summary['elapsed_s']:.0f} s)",
-        f"  train reward, first {summary['reward_window']} -> last {summary['reward_window']} steps: "
-        f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}",
-        f"  greedy eval reward: {fmt(summary['eval_first'])} -> {fmt(summary['eval_last'])} "
-        f"(exact {fmt(summary['eval_exact_first'])} -> {fmt(summary['eval_exact_last'])})",
-        f"  trained tokens/s: {summary['tokens_per_s']:.0f}; staleness histogram {summary['staleness_histogram']} "
-        f"(max {summary['max_staleness']} <= eta {summary['eta']}: {summary['bound_ok']})",
-        f"  instances: max version spread {inst['max_version_spread']:.0f}, interrupted {inst['interrupted_requests']:.0f}, "
-        f"resumed elsewhere {inst['resumed_elsewhere']:.0f}, weight syncs {inst['weight_syncs']:.0f}",
-        f"  audit: lost {summary['lost']}, duplicated {summary['duplicated']}, ok {summary['audit_ok']}",
+        (
+            f"system {summary['system']} (eta {summary['eta']}): {summary['steps']} steps in {summary['wall_s']:.0f} s "
+            f"(run loop {summary['elapsed_s']:.0f} s)"
+        ),
+        (
+            f"  train reward, first {summary['reward_window']} -> last {summary['reward_window']} steps: "
+            f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}"
+        ),
+        (
+            f"  greedy eval reward: {fmt(summary['eval_first'])} -> {fmt(summary['eval_last'])} "
+            f"(exact {fmt(summary['eval_exact_first'])} -> {fmt(summary['eval_exact_last'])})"
+        ),
+        (
+            f"  trained tokens/s: {summary['tokens_per_s']:.0f}; staleness histogram {summary['staleness_histogram']} "
+            f"(max {summary['max_staleness']} <= eta {summary['eta']}: {summary['bound_ok']})"
+        ),
+        (
+            f"  instances: max version spread {inst['max_version_spread']:.0f}, interrupted {inst['interrupted_requests']:.0f}, "
+            f"resumed elsewhere {inst['resumed_elsewhere']:.0f}, weight syncs {inst['weight_syncs']:.0f}"
+        ),
+        f"  audit: lost {summary['lost']}, duplicated {summary['duplicated']}, orphaned {summary['orphaned']}, ok {summary['audit_ok']}",
         f"  files: {run_dir}/ (report.md, metrics.jsonl, {Path(summary['trace']).name}, checkpoints/)",
     ]
     return "\n".join(lines)

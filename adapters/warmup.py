@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import torch
-
 from staleflow.adapters.torch_trainer import load_causal_lm
 from staleflow.runtime.algorithms import token_logprobs
 from staleflow.runtime.tasks import Prompt

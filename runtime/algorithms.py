@@ -26,11 +26,10 @@ Math only: torch and the runtime's records, no model and no adapter.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
-
 from staleflow.runtime.types import TrainingBatch, Trajectory
 
 
@@ -103,7 +102,7 @@ class PackedBatch:
     def response_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
-    def rows(self, index: slice) -> "PackedBatch":
+    def rows(self, index: slice) -> PackedBatch:
         """A slice of the rows (a minibatch)."""
         return PackedBatch(
             input_ids=self.input_ids[index],

@@ -15,8 +15,9 @@ from __future__ import annotations
 import enum
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -156,7 +157,7 @@ class TrainConfig(_Section):
     threads: int = Field(1, ge=1, le=1024)
 
     @model_validator(mode="after")
-    def _betas_in_range(self) -> "TrainConfig":
+    def _betas_in_range(self) -> TrainConfig:
         for i, beta in enumerate(self.betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"train.betas[{i}] = {beta} is out of range; allowed: 0 <= beta < 1")
@@ -210,7 +211,7 @@ class JobConfig(_Section):
         return raw
 
     @model_validator(mode="after")
-    def _consistent(self) -> "JobConfig":
+    def _consistent(self) -> JobConfig:
         problems: list[str] = []
         eta, system = self.protocol.eta, self.system
         if system is System.SYNC and eta != 0:

@@ -19,9 +19,10 @@ import json
 import math
 import random
 import string
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from staleflow.runtime.types import PromptGroup
 
@@ -148,9 +149,11 @@ def _parquet_rows(file: Path) -> Iterator[tuple[str, Any]]:
         import pyarrow.parquet as pq
     except ImportError:
         raise PromptFileError(f"{file}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    import pyarrow as pa
+
     try:
         table = pq.read_table(file)
-    except Exception as err:  # pyarrow raises several types for a corrupt file
+    except (OSError, pa.ArrowException) as err:
         raise PromptFileError(f"{file}: not a readable Parquet file ({err})") from None
     for number, row in enumerate(table.to_pylist(), start=1):
         yield f"row {number}", row

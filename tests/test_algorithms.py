@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from staleflow.runtime.algorithms import (
     Correction,
     LossSettings,

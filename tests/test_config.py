@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from staleflow.runtime.config import ConfigError, JobConfig, System, dump_config, load_config
+from staleflow.runtime.config import (
+    ConfigError,
+    JobConfig,
+    System,
+    dump_config,
+    load_config,
+)
 
 
 def test_default_yaml_is_the_built_in_job() -> None:

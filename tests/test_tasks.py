@@ -8,7 +8,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from staleflow.runtime.tasks import (
     PromptFileError,
     cycle_prompts,
