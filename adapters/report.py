@@ -7,12 +7,15 @@ instance's model version and running requests over time).
 
 ``write_report(run_dir)`` reads ``summary.json``, ``metrics.jsonl`` and ``instances.jsonl``.
 ``compare_runs`` writes one Markdown table and reward/throughput plots for several runs (e.g.
-``staleflow`` against ``sync``).
+``staleflow`` against ``sync``). As a command (``staleflow report``): one run directory rewrites
+its report; several write ``compare.md`` and ``compare.png`` into ``--out``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -230,3 +233,21 @@ def compare_runs(run_dirs: Sequence[Path], out_dir: Path) -> Path:
     path = out_dir / "compare.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories of staleflow train")
+    parser.add_argument("--out", type=Path, default=Path("runs/compare"), help="where a comparison goes (default runs/compare)")
+
+
+def run(args: argparse.Namespace) -> int:
+    for run_dir in args.runs:
+        if not (run_dir / "summary.json").is_file():
+            print(f"staleflow report: {run_dir} has no summary.json (not a finished training run)", file=sys.stderr)
+            return 2
+    if len(args.runs) == 1:
+        print(write_report(args.runs[0]))
+    else:
+        path = compare_runs(args.runs, args.out)
+        print(path.read_text(encoding="utf-8"))
+    return 0

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config, run_dir, checkpoint = _prepare(args)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+        _check_installed(config)
+    except (ConfigError, FileNotFoundError, ValueError, ImportError) as err:
         print(f"staleflow train: {err}", file=sys.stderr)
         return 2
     summary = train(config, run_dir, checkpoint)
@@ -81,6 +82,16 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, Path, Path | None]:
         if run_dir.exists() and any(run_dir.iterdir()):
             raise ValueError(f"run directory {run_dir} is not empty; choose another or --resume it")
     return config, run_dir, checkpoint
+
+
+def _check_installed(config: Any) -> None:
+    """Fail early, with the fix, when a part the job needs is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("the rollout instances need vLLM: pip install -e '.[cpu-infer]' (CPU) or '.[gpu]' (CUDA)")
+    if config.train.backend == "megatron" and importlib.util.find_spec("megatron") is None:
+        raise ImportError("train.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
