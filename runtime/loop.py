@@ -114,7 +114,7 @@ class RunLoop:
         reward_fn: ``reward_fn(trajectory, group_metadata) -> float``; None: no rewards (simulation).
         reward_timeout_s: per-group reward timeout (wall clock).
         tick_s: period of full coordinator ticks (snapshots of every instance, migration); with a
-            real clock also the polling period.
+            real clock also the polling period. Default: 1 s virtual, 5 ms real.
         event_hooks: protocol event hooks (metrics, tests).
         trace_path: write the protocol trace here (JSONL, checkable by ``staleflow verify``); a
             resumed run appends a new segment that starts from the restored protocol state.
@@ -137,11 +137,13 @@ class RunLoop:
         parameter_server: ParameterServer | None = None,
         reward_fn: RewardFn | None = None,
         reward_timeout_s: float = 30.0,
-        tick_s: float = 1.0,
+        tick_s: float | None = None,
         event_hooks: Sequence[EventHook] = (),
         pending_groups: int | None = None,
         trace_path: str | Path | None = None,
     ) -> None:
+        self._virtual = isinstance(clock, VirtualClock)
+        tick_s = tick_s if tick_s is not None else (1.0 if self._virtual else 0.005)
         if tick_s <= 0:
             raise ValueError(f"tick_s must be > 0, got {tick_s}")
         self.policy = policy
@@ -167,7 +169,6 @@ class RunLoop:
         self._prompts_drawn = 0
         self._pending_target = pending_groups or 2 * batch_size * (self.manager.eta + 1)
         self._tick_s = tick_s
-        self._virtual = isinstance(clock, VirtualClock)
         self._pusher = None if self._virtual else ThreadPoolExecutor(1, thread_name_prefix="push")
         self._push_future: Future[None] | None = None
         self._training: int | None = None  # buffer index of the running step
