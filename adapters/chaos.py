@@ -1,0 +1,412 @@
+"""Deterministic simulation testing (TigerBeetle's VOPR, for StaleFlow): seeded faults, checked often.
+
+One seed picks a whole scenario, "swarm" style: the cluster (instances, batch and group sizes, the
+bound ``eta``, redundancy, the system policy) and the fault rates of every kind in
+:mod:`staleflow.adapters.faults`. The unchanged runtime (protocol, trajectory and parameter
+servers, coordinator, run loop, reward runner) then drives simulated instances and a simulated
+trainer on a virtual clock, through the fault injectors:
+
+1. **safety phase**: faults on for ``steps_faulty`` training steps; the coordinator may restart
+   from its checkpoint between steps;
+2. **liveness phase**: faults off (the cluster heals) for ``steps_healed`` more steps.
+
+Checked after **every protocol event**: a consumed batch only holds groups within ``eta`` of it and
+drops at most the redundancy; the trajectory server's own audit (every group and request in
+exactly one state, nothing finished twice). After **every training step**: the trajectory server
+agrees with every instance on which requests run where (nothing lost, orphaned or duplicated,
+in-flight results included), the protocol and the trajectory server hold the same live groups,
+every trajectory trained on carries token versions within ``eta`` of its batch, and the step
+finished within the liveness budget of virtual time. **At the end**: the JSONL protocol trace of
+the whole run (restarts append segments) is accepted by the spec (mirror replay; TLC on request).
+
+A failing seed prints the one command that replays it: ``staleflow bench chaos --seed N``.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from staleflow.adapters.faults import (
+    FaultKind,
+    FaultPlan,
+    FaultRates,
+    FaultyEngine,
+    FaultyParameterServer,
+    FaultyTrainer,
+    HungRewards,
+    faulty_reward,
+    restart_loop,
+)
+from staleflow.protocol.events import ProtocolEvent
+from staleflow.runtime.clock import VirtualClock
+from staleflow.runtime.types import PromptGroup
+
+#: Wall-clock seconds the reward runner waits for a group; injected hangs are released only after
+#: the runtime gave up on the group, so this bounds the wall time a hang costs.
+REWARD_TIMEOUT_S = 0.2
+#: Trajectory-server group states in which the protocol still holds the group.
+_LIVE_GROUP_STATES = ("generating", "rewarding", "done")
+#: Virtual seconds a training step may take before the run counts as not live. A healthy step of
+#: the chaos workloads takes a few seconds; every injected delay lasts at most ``delay_s_max``.
+STEP_BUDGET_S = 120.0
+
+
+class LivenessViolation(RuntimeError):
+    """The trainer did not advance within the virtual-time budget."""
+
+
+class SafetyViolation(AssertionError):
+    """A checked property failed (lost or duplicated data, staleness above eta, a rejected trace)."""
+
+
+class BudgetClock(VirtualClock):
+    """A virtual clock that refuses to pass a deadline: the liveness budget of the current step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deadline = float("inf")
+
+    def sleep_until(self, deadline: float) -> None:
+        if deadline > self.deadline:
+            raise LivenessViolation(
+                f"no training step finished by t={self.deadline:.2f} (virtual s): the trainer stopped advancing"
+            )
+        super().sleep_until(deadline)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything a seed decides; ``command`` replays it."""
+
+    seed: int
+    system: str
+    instances: int
+    group_size: int
+    batch_size: int
+    eta: int
+    batch_redundancy: int
+    group_redundancy: int
+    steps_faulty: int
+    steps_healed: int
+    rates: FaultRates
+    kinds: tuple[str, ...] | None = None
+
+    @property
+    def command(self) -> str:
+        kinds = "" if self.kinds is None else " --faults " + " ".join(self.kinds)
+        return f"staleflow bench chaos --seed {self.seed}{kinds}"
+
+
+def draw_scenario(
+    seed: int, steps_faulty: int = 8, steps_healed: int = 4, kinds: Sequence[str] | None = None
+) -> Scenario:
+    """The scenario of ``seed``: cluster shape, policy and fault rates (some kinds off, "swarm").
+
+    ``kinds`` keeps only those fault kinds (:class:`~staleflow.adapters.faults.FaultKind` values);
+    the rest of the scenario is the same as without it.
+    """
+    rng = random.Random(f"staleflow-chaos/{seed}/scenario")
+    system = rng.choice(["staleflow"] * 5 + ["staleflow-no-sync", "inflight-cap", "start-version-gc", "one-step-off", "sync"])
+
+    def maybe(probability: float) -> float:
+        return probability * rng.choice([0.0, 0.5, 1.0, 2.0])
+
+    rates = FaultRates(
+        crash_per_s=maybe(0.01),
+        stall_per_s=maybe(0.05),
+        pull_fail=maybe(0.1),
+        pull_slow=maybe(0.1),
+        push_fail=maybe(0.1),
+        push_slow=maybe(0.15),
+        reward_raise=maybe(0.005),
+        reward_hang=maybe(0.003),
+        finish_delay=maybe(0.05),
+        snapshot_stale=maybe(0.1),
+        train_slow=maybe(0.15),
+        restart=maybe(0.15),
+        delay_s_max=rng.choice([0.5, 2.0, 5.0]),
+        restart_s=rng.choice([0.5, 2.0]),
+    )
+    if kinds is not None:
+        rates = rates.only(frozenset(FaultKind(kind) for kind in kinds))
+    return Scenario(
+        seed=seed,
+        system=system,
+        instances=rng.randint(2, 4),
+        group_size=rng.randint(2, 4),
+        batch_size=rng.randint(2, 6),
+        eta=rng.randint(0, 3),
+        batch_redundancy=rng.choice([0, 0, 1, 2]),
+        group_redundancy=rng.choice([0, 0, 1]),
+        steps_faulty=steps_faulty,
+        steps_healed=steps_healed,
+        rates=rates,
+        kinds=None if kinds is None else tuple(kinds),
+    )
+
+
+def workload_for(scenario: Scenario) -> Any:
+    """A small simulated job (short long-tailed responses) shaped by the scenario."""
+    from staleflow.runtime.workload import parse_workload
+
+    return parse_workload(
+        {
+            "name": f"chaos-{scenario.seed}",
+            "model": "tiny",
+            "cost_model": {"thr": 6.4e-3, "o_b": 2.7e-3, "o_k": 1.231e-4, "a_b": 2.8e-3, "a_k": 3.35e-8},
+            "cluster": {"rollout_instances": scenario.instances, "gpus_per_instance": 1, "trainer_gpus": 1},
+            "instance": {"kv_capacity_tokens": 3000, "max_running": 8, "prefill_s_per_token": 2.0e-5,
+                         "weight_load_s": 0.2},
+            "prompt_tokens": 16,
+            "response_tokens": {"distribution": "lognormal", "mean": 60, "sigma": 0.9, "min": 2, "max": 400},
+            "batch": {"groups_per_step": scenario.batch_size, "group_size": scenario.group_size},
+            "training": {"base_s": 0.2, "per_token_s": 2.0e-5},
+            "simulation": {"tick_s": 0.05, "event_quantum_s": 0.0},
+        },
+        source=f"chaos scenario {scenario.seed}",
+    )
+
+
+@dataclass
+class ChaosResult:
+    """What one seed did and found."""
+
+    seed: int
+    scenario: dict[str, Any]
+    steps: int
+    faults: dict[str, int]
+    events_checked: int
+    audits: int
+    trace_events: int
+    violation: str | None
+    wall_s: float
+    command: str
+    fault_log: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+
+class ChaosRun:
+    """One seed: build the scenario's cluster, run both phases, check everything (see the module)."""
+
+    def __init__(self, scenario: Scenario, trace_path: Path, use_tlc: bool = False) -> None:
+        from staleflow.adapters.sim_engine import SimEngine
+        from staleflow.adapters.sim_trainer import SimTrainer
+        from staleflow.runtime.parameter_server import ParameterServer
+        from staleflow.runtime.policies import make_policy
+
+        self.scenario = scenario
+        self.trace_path = trace_path
+        self.use_tlc = use_tlc
+        self.workload = workload = workload_for(scenario)
+        self.policy = make_policy(
+            scenario.system,
+            batch_redundancy=scenario.batch_redundancy if scenario.system != "sync" else 0,
+            group_redundancy=scenario.group_redundancy,
+        )
+        self.clock = BudgetClock()
+        self.plan = FaultPlan(scenario.seed, scenario.rates, self.clock)
+        self.engines = [
+            FaultyEngine(
+                f"i{i}", self.clock,
+                lambda iid, clock, version: SimEngine.from_workload(workload, iid, clock, version=version),
+                self.plan,
+            )
+            for i in range(scenario.instances)
+        ]
+        self.trainer = FaultyTrainer(SimTrainer.from_workload(workload, self.clock), self.clock, self.plan)
+        self.ps = FaultyParameterServer(ParameterServer(keep=scenario.eta + 2), self.clock, self.plan)
+        self.hung = HungRewards()
+        self.reward = faulty_reward(self.plan, self.hung)
+        self.prompts: Iterator[PromptGroup] = workload.prompt_groups(scenario.seed, n_extra=self.policy.group_redundancy)
+        self.events_checked = 0
+        self.audits = 0
+        self.steps = 0
+        self.loop: Any = None
+
+    # ------------------------------------------------------------------ building
+    def make_loop(self) -> Any:
+        from staleflow.runtime.loop import RunLoop
+
+        active, self.plan.active = self.plan.active, False  # the first snapshots are the truth
+        try:
+            return RunLoop(
+                engines=self.engines,
+                trainer=self.trainer,
+                prompts=self.prompts,
+                policy=self.policy,
+                eta=self.scenario.eta,
+                batch_size=self.scenario.batch_size,
+                cost_model=self.workload.build_cost_model(),
+                clock=self.clock,
+                parameter_server=self.ps,  # type: ignore[arg-type]
+                reward_fn=self.reward,
+                reward_timeout_s=REWARD_TIMEOUT_S,
+                tick_s=self.workload.simulation.tick_s,
+                event_hooks=[self.check_event],
+                trace_path=self.trace_path,
+            )
+        finally:
+            self.plan.active = active
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> ChaosResult:
+        started = time.perf_counter()
+        violation: str | None = None
+        try:
+            self.loop = self.make_loop()
+            for phase_steps, faults_on in ((self.scenario.steps_faulty, True), (self.scenario.steps_healed, False)):
+                self.plan.active = faults_on
+                for _ in range(phase_steps):
+                    self.step()
+            self.plan.active = False
+            self.loop.close()
+            self.loop = None
+            self.check_trace()
+        except (SafetyViolation, LivenessViolation) as error:
+            violation = f"{type(error).__name__}: {error}"
+        except Exception as error:  # noqa: BLE001 - any crash of the runtime under a fault is a finding
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            violation = (
+                f"run crashed: {type(error).__name__}: {error} "
+                f"(at {Path(frame.filename).name}:{frame.lineno} in {frame.name})"
+            )
+        finally:
+            self.hung.release()
+            self._close()
+        return ChaosResult(
+            seed=self.scenario.seed,
+            scenario={k: v for k, v in asdict(self.scenario).items() if k != "rates"} | {"rates": asdict(self.scenario.rates)},
+            steps=self.steps,
+            faults=self.plan.counts(),
+            events_checked=self.events_checked,
+            audits=self.audits,
+            trace_events=_count_events(self.trace_path),
+            violation=violation,
+            wall_s=time.perf_counter() - started,
+            command=self.scenario.command,
+            fault_log=[f"t={r.time:.3f} {r.kind.value} {r.target} {r.detail}" for r in self.plan.log],
+        )
+
+    def step(self) -> None:
+        """One training step under the liveness budget, then the step-boundary checks."""
+        self.clock.deadline = self.clock.now() + STEP_BUDGET_S
+        trained = len(self.trainer.batches)
+        self.loop.run(1)
+        self.clock.deadline = float("inf")
+        self.hung.release()
+        self.steps += 1
+        self.check_batches(self.trainer.batches[trained:])
+        self.check_audit()
+        if self.plan.happens(self.plan.rng("restart"), self.scenario.rates.restart):
+            old = self.loop
+            self.loop = restart_loop(old, self.make_loop, self.plan)
+            old.rewards.close()
+
+    # ------------------------------------------------------------------ checks
+    def check_event(self, event: ProtocolEvent) -> None:
+        """After every protocol operation: the bound, the drops, and the TS's own bookkeeping."""
+        self.events_checked += 1
+        loop = self.loop
+        if loop is None:
+            return
+        eta = loop.manager.eta
+        if event.op == "consume":
+            batch = event.batch
+            assert batch is not None
+            for group_id, version in zip(batch.group_ids, batch.group_versions):
+                if not version <= batch.version <= version + eta:
+                    raise SafetyViolation(f"group {group_id!r} of version {version} consumed in buffer {batch.version}, eta={eta}")
+            if len(batch.dropped) > loop.manager.redundancy:
+                raise SafetyViolation(f"buffer {batch.version} dropped {len(batch.dropped)} groups, redundancy {loop.manager.redundancy}")
+        if event.op in ("abort", "consume"):
+            for group_id in (event.group_id,) if event.batch is None else event.batch.dropped:
+                self.hung.release(str(group_id))
+        report = loop.ts.audit()
+        if report.duplicated or report.problems:
+            raise SafetyViolation(f"after event {event.seq} ({event.op}): trajectory server audit: "
+                                  f"duplicated {list(report.duplicated)[:5]}, problems {list(report.problems)[:5]}")
+
+    def check_batches(self, batches: list[Any]) -> None:
+        """Every trajectory trained on: token versions within ``[buffer - eta, buffer]``."""
+        eta = self.loop.manager.eta
+        for batch in batches:
+            for group_id, trajectories in batch.groups.items():
+                for trajectory in trajectories:
+                    versions = list(dict.fromkeys(trajectory.versions))
+                    if not versions or min(versions) < batch.version - eta or max(versions) > batch.version:
+                        raise SafetyViolation(
+                            f"buffer {batch.version} trains {trajectory.request_id} with token versions "
+                            f"{versions} (eta={eta})"
+                        )
+                if len(trajectories) != self.scenario.group_size:
+                    raise SafetyViolation(f"buffer {batch.version}: group {group_id} has {len(trajectories)} trajectories")
+
+    def check_audit(self) -> None:
+        """Between steps: the TS agrees with every instance, and with the protocol's live groups."""
+        self.audits += 1
+        active, self.plan.active = self.plan.active, False
+        try:
+            report = self.loop.audit()
+        finally:
+            self.plan.active = active
+        if not report.ok:
+            raise SafetyViolation(
+                f"audit after step {self.steps}: lost {list(report.lost)[:5]}, orphaned {list(report.orphaned)[:5]}, "
+                f"duplicated {list(report.duplicated)[:5]}, problems {list(report.problems)[:5]}"
+            )
+        # Same count, and every protocol group live in the TS: the same set of live groups.
+        in_protocol = [str(g.group_id) for g in self.loop.manager.groups()]
+        not_live = [g for g in in_protocol if self.loop.ts.group_state(g).value not in _LIVE_GROUP_STATES]
+        live_in_ts = sum(report.groups[state] for state in _LIVE_GROUP_STATES)
+        if not_live or live_in_ts != len(in_protocol):
+            raise SafetyViolation(
+                f"protocol and trajectory server disagree on live groups: the protocol holds {len(in_protocol)} "
+                f"(not live in the TS: {not_live[:5]}), the TS {live_in_ts}"
+            )
+
+    def check_trace(self) -> None:
+        from staleflow.verification.trace_validation import validate_trace
+
+        result = validate_trace(self.trace_path, use_tlc=self.use_tlc)
+        if not result.ok:
+            raise SafetyViolation(f"trace rejected by the spec: {result.detail}")
+
+    # ------------------------------------------------------------------ teardown
+    def _close(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+            self.loop = None
+
+
+def _count_events(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path, encoding="utf-8") as stream:
+        return sum(1 for line in stream if line.startswith('{"type": "event"'))
+
+
+def run_seed(
+    seed: int,
+    trace_dir: Path | None = None,
+    use_tlc: bool = False,
+    steps_faulty: int = 8,
+    steps_healed: int = 4,
+    kinds: Sequence[str] | None = None,
+) -> ChaosResult:
+    """Run one seed; its trace goes to ``trace_dir/chaos-<seed>.jsonl`` (a temporary folder by default)."""
+    scenario = draw_scenario(seed, steps_faulty, steps_healed, kinds)
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        return ChaosRun(scenario, trace_dir / f"chaos-{seed}.jsonl", use_tlc).run()
+    with tempfile.TemporaryDirectory(prefix="staleflow-chaos-") as tmp:
+        return ChaosRun(scenario, Path(tmp) / f"chaos-{seed}.jsonl", use_tlc).run()
