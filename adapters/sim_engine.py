@@ -19,7 +19,11 @@ Model of execution:
 * A request finishes after generating ``metadata[REQUEST_LENGTH_KEY]`` tokens, capped by
   ``max_new_tokens`` (finish reason ``"length"`` then; without the key it runs to the cap).
 * ``load_weights`` switches the version at once and blocks this instance for ``weight_load_s``;
-  running requests keep their KV and continue on the new weights (their per-token versions show it).
+  running requests keep their tokens and continue on the new weights (their per-token versions show
+  it). With ``reload_recomputes_kv`` their KV cache is rebuilt with the new weights first (a prefill
+  of every resident token), as when a sync interrupts and resumes the instance's requests (the
+  reference implementation) or an engine discards stale KV (AReaL); without it the stale KV is kept
+  (vLLM's in-place reload). A Pull then costs more the fuller the instance is.
 
 Between two events (a finish, a KV overflow, a command) the running set is fixed, so ``s`` steps
 take ``s*(a_b + a_k*K + M(n)) + a_k*n*s*(s-1)/2`` seconds: the engine jumps over them in closed
@@ -77,6 +81,7 @@ class SimEngine:
         weight_load_s: how long ``load_weights`` blocks the instance.
         version: the model version it starts with.
         event_quantum_s: granularity of the event times it announces (0: exact).
+        reload_recomputes_kv: a weight load also re-prefills the resident KV cache.
     """
 
     def __init__(
@@ -91,6 +96,7 @@ class SimEngine:
         weight_load_s: float = 0.0,
         version: int = 0,
         event_quantum_s: float = 0.0,
+        reload_recomputes_kv: bool = False,
     ) -> None:
         if kv_capacity < 2:
             raise ValueError(f"kv_capacity must be >= 2 tokens, got {kv_capacity}")
@@ -106,6 +112,7 @@ class SimEngine:
         self._max_running = max_running
         self._prefill = prefill_s_per_token
         self._load_s = weight_load_s
+        self._reload_recomputes_kv = reload_recomputes_kv
         self._version = version
         self._version_marks: list[tuple[int, int]] = [(0, version)]  # (step, version from that step)
         self._t = clock.now()  # the state below is exact at this time (a step boundary)
@@ -141,6 +148,7 @@ class SimEngine:
             weight_load_s=spec.weight_load_s,
             version=version,
             event_quantum_s=event_quantum_s,
+            reload_recomputes_kv=spec.reload_recomputes_kv,
         )
 
     # ------------------------------------------------------------------ the RolloutEngine seam
@@ -188,7 +196,8 @@ class SimEngine:
         self._version = version
         self._version_marks.append((self._steps, version))
         start = max(self._t, self._busy_until)
-        self._busy_until = self._load_until = start + self._load_s
+        stall = self._load_s + (self._prefill * self._kv if self._reload_recomputes_kv else 0.0)
+        self._busy_until = self._load_until = start + stall
         self._advance(self._clock.now())
 
     def snapshot(self) -> InstanceSnapshot:

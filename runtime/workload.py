@@ -62,6 +62,9 @@ class InstanceSpec(_Strict):
     max_running: int = Field(default=256, ge=1, description="most requests decoding at once (vLLM max_num_seqs)")
     prefill_s_per_token: float = Field(default=0.0, ge=0, description="seconds per token to (re)build the KV cache of an admitted request")
     weight_load_s: float = Field(default=0.0, ge=0, description="seconds a Pull blocks the instance")
+    reload_recomputes_kv: bool = Field(
+        default=True, description="a Pull also rebuilds the KV cache of the requests that stay (prefill of their tokens)"
+    )
 
 
 class LognormalLengths(_Strict):

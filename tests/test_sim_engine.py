@@ -182,6 +182,17 @@ def test_load_weights_blocks_only_this_instance_and_switches_versions() -> None:
         engine.load_weights(0, None)
 
 
+def test_reload_that_recomputes_kv_costs_a_prefill_of_the_resident_tokens() -> None:
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000, weight_load_s=1.0, prefill_s_per_token=0.01, reload_recomputes_kv=True)
+    engine.submit([request("a", 20, prompt=10), request("b", 20, prompt=10)])  # 0.2 s prefill
+    t5 = 0.2 + expected_time(5, 2, 20)
+    clock.sleep_until(t5 - 1e-9)  # during step 5: it completes, then the load starts
+    engine.load_weights(1, None)  # resident: 2 x (10 + 5) = 30 tokens -> 0.3 s more than the load
+    done = run_to_idle(engine, clock)
+    assert done["a"][0] == pytest.approx(t5 + 1.0 + 0.3 + expected_time(15, 2, 30))
+
+
 def test_prefill_stall_delays_decode() -> None:
     clock = VirtualClock()
     engine = SimEngine("i0", clock, COST, 100_000, prefill_s_per_token=0.01)
