@@ -128,7 +128,7 @@ def plot_instances(timeline: dict[str, list[dict[str, Any]]], path: Path) -> Non
     top.grid(alpha=0.3)
     top.legend(loc="upper left")
     bottom.set_ylabel("requests on instance")
-    bottom.set_xlabel("run time (s)")
+    bottom.set_xlabel("time since the command started (s)")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
