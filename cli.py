@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("staleflow.adapters.train_command", "run an RL training job (no arguments: the built-in CPU job)"),
     "simulate": ("staleflow.adapters.simulate_command", "run StaleFlow and the baselines on a simulated cluster"),
     "profile": ("staleflow.adapters.profile_command", "measure a rollout engine and fit the cost model"),
+    "report": ("staleflow.adapters.report", "rewrite a training run's report, or compare runs"),
     "bench": ("staleflow.bench.cli", "run a benchmark and print its figures"),
 }
 

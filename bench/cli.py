@@ -9,6 +9,8 @@ import importlib
 BENCHMARKS: dict[str, str] = {
     "protocol": "staleflow.bench.protocol",
     "coordinator": "staleflow.bench.coordinator",
+    "chaos": "staleflow.bench.chaos",
+    "load": "staleflow.bench.load",
 }
 
 
