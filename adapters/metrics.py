@@ -187,7 +187,8 @@ class EngineLedger:
 
     The timeline records the snapshots the run loop takes anyway (no extra snapshot calls, which
     would disturb the engines' throughput windows), at most one per instance per ``interval_s``
-    of the snapshots' own clock, into ``timeline_path`` (``instances.jsonl``). It also tracks
+    of the snapshots' own clock plus every version change, into ``timeline_path``
+    (``instances.jsonl``). It also tracks
     how far apart the instances' versions were (``max_version_spread``).
     """
 
@@ -228,12 +229,14 @@ class EngineLedger:
 
     def observed(self, snap: InstanceSnapshot) -> None:
         with self._lock:
+            changed = self._versions.get(snap.instance_id) != snap.version
             self._versions[snap.instance_id] = snap.version
             spread = max(self._versions.values()) - min(self._versions.values())
             self.max_version_spread = max(self.max_version_spread, spread)
             self.mixed_version_observations += spread > 0
             last = self._last_written.get(snap.instance_id)
-            if self._timeline is None or (last is not None and snap.time - last < self._interval):
+            throttled = last is not None and snap.time - last < self._interval
+            if self._timeline is None or (throttled and not changed):
                 return
             self._last_written[snap.instance_id] = snap.time
             self._timeline.write(

@@ -2,8 +2,8 @@
 
 Plots: ``reward.png`` (train reward per step with a moving mean, greedy eval points),
 ``throughput.png`` (trained tokens/s, cumulative and per step), ``staleness.png`` (per buffer, how
-many groups were 0, 1, ... versions stale: stacked bars), ``instances.png`` (each rollout
-instance's model version and running requests over time).
+many groups were 0, 1, ... versions stale: stacked bars), ``instances.png`` (how many versions each rollout
+instance is behind the newest, and its requests, over time).
 
 ``write_report(run_dir)`` reads ``summary.json``, ``metrics.jsonl`` and ``instances.jsonl``.
 ``compare_runs`` writes one Markdown table and reward/throughput plots for several runs (e.g.
@@ -118,13 +118,21 @@ def read_timeline(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def plot_instances(timeline: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Top: how many versions each instance is behind the newest instance version seen so far
+    (0 = newest; several instances at different versions show as different lines). Bottom: the
+    requests on each instance."""
     plt = _pyplot()
+    rows = sorted((r for rs in timeline.values() for r in rs), key=lambda r: r["t"])
+    newest, lag = 0, {}
+    for r in rows:
+        newest = max(newest, r["version"])
+        lag[id(r)] = newest - r["version"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-    for i, (iid, rows) in enumerate(sorted(timeline.items())):
-        t = [r["t"] for r in rows]
-        top.step(t, [r["version"] for r in rows], where="post", label=iid, color=f"C{i}")
-        bottom.plot(t, [r["running"] + r["waiting"] for r in rows], color=f"C{i}", alpha=0.8, label=iid)
-    top.set_ylabel("model version")
+    for i, (iid, rs) in enumerate(sorted(timeline.items())):
+        t = [r["t"] for r in rs]
+        top.step(t, [lag[id(r)] for r in rs], where="post", label=iid, color=f"C{i}", alpha=0.8)
+        bottom.plot(t, [r["running"] + r["waiting"] for r in rs], color=f"C{i}", alpha=0.8, label=iid)
+    top.set_ylabel("versions behind newest")
     top.grid(alpha=0.3)
     top.legend(loc="upper left")
     bottom.set_ylabel("requests on instance")
