@@ -43,8 +43,9 @@ import bisect
 import heapq
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 from staleflow.adapters.sim_tokens import RunLengthList
 from staleflow.runtime.cost_model import CostModel
@@ -136,7 +137,7 @@ class SimEngine:
     @classmethod
     def from_workload(
         cls, workload: Workload, instance_id: str, clock: Clock, version: int = 0, event_quantum_s: float = 0.0
-    ) -> "SimEngine":
+    ) -> SimEngine:
         spec = workload.instance
         return cls(
             instance_id,
@@ -302,7 +303,7 @@ class SimEngine:
     def _steps_to_finish(self) -> int:
         heap = self._finish_heap
         while heap:
-            step, seq, request_id = heap[0]
+            step, _, request_id = heap[0]
             live = self._running.get(request_id)
             if live is not None and live.base_step + live.target - live.produced == step:
                 return step - self._steps

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Any, Iterable, Iterator, Sequence, overload
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, overload
 
 
 class RunLengthList(Sequence[Any]):
     """An immutable sequence stored as runs of equal values."""
 
-    __slots__ = ("_values", "_ends")
+    __slots__ = ("_ends", "_values")
 
     def __init__(self, runs: Iterable[tuple[Any, int]] = ()) -> None:
         values: list[Any] = []
@@ -38,14 +39,14 @@ class RunLengthList(Sequence[Any]):
         self._ends = ends
 
     @classmethod
-    def of(cls, items: Sequence[Any]) -> "RunLengthList":
+    def of(cls, items: Sequence[Any]) -> RunLengthList:
         """The runs of an ordinary sequence (a no-op for a :class:`RunLengthList`)."""
         if type(items) is RunLengthList:
             return items
         return cls((value, len(list(group))) for value, group in itertools.groupby(items))
 
     @classmethod
-    def extended(cls, prefix: Sequence[Any], runs: Iterable[tuple[Any, int]]) -> "RunLengthList":
+    def extended(cls, prefix: Sequence[Any], runs: Iterable[tuple[Any, int]]) -> RunLengthList:
         """``prefix`` followed by ``runs`` (cheap when ``prefix`` is empty or run-length already)."""
         if type(prefix) is RunLengthList:
             return cls([*prefix.runs(), *runs])
@@ -87,10 +88,10 @@ class RunLengthList(Sequence[Any]):
             return len(other) == len(self) and all(a == b for a, b in zip(self, other))
         return NotImplemented
 
-    def __add__(self, other: Sequence[Any]) -> "RunLengthList":
+    def __add__(self, other: Sequence[Any]) -> RunLengthList:
         return RunLengthList([*self.runs(), *RunLengthList.of(other).runs()])
 
-    def __radd__(self, other: Sequence[Any]) -> "RunLengthList":
+    def __radd__(self, other: Sequence[Any]) -> RunLengthList:
         return RunLengthList([*RunLengthList.of(other).runs(), *self.runs()])
 
     def __repr__(self) -> str:

@@ -47,7 +47,7 @@ class SimTrainer:
         self._step: _Step | None = None
 
     @classmethod
-    def from_workload(cls, workload: Workload, clock: Clock, version: int = 0) -> "SimTrainer":
+    def from_workload(cls, workload: Workload, clock: Clock, version: int = 0) -> SimTrainer:
         return cls(clock, workload.training, version)
 
     @property

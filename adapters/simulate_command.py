@@ -65,7 +65,7 @@ def _systems(requested: list[str]) -> list[str]:
 
 
 def simulate_system(
-    workload: "Workload",
+    workload: Workload,
     system: str,
     eta: int,
     steps: int,
@@ -253,7 +253,6 @@ def _plot(report: dict[str, Any], out: Path) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
-
     from staleflow.adapters.upper_bound import upper_bound
     from staleflow.runtime.loop import RunStalledError
     from staleflow.runtime.workload import WorkloadError, load_workload

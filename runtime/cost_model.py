@@ -17,9 +17,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 COEFFICIENTS = ("thr", "o_b", "o_k", "a_b", "a_k")
 
@@ -66,7 +67,7 @@ class CostModel:
         return {name: float(value) for name, value in asdict(self).items()}
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], source: str = "cost model") -> "CostModel":
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "cost model") -> CostModel:
         """Build from ``{thr, o_b, o_k, a_b, a_k}``; a missing or unknown key is an error naming it."""
         if not isinstance(data, Mapping):
             raise ValueError(f"{source}: expected a mapping of {', '.join(COEFFICIENTS)}, got {type(data).__name__}")
@@ -92,7 +93,7 @@ class CostModel:
             path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
+    def load(cls, path: str | Path) -> CostModel:
         """Read coefficients written by :meth:`save` (YAML or JSON, chosen by the suffix)."""
         path = Path(path)
         text = path.read_text()

@@ -12,12 +12,12 @@ solved so that the *clipped* mean equals ``mean``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.types import PromptGroup
 
@@ -77,7 +77,7 @@ class LognormalLengths(_Strict):
     min: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
-    def _check(self) -> "LognormalLengths":
+    def _check(self) -> LognormalLengths:
         if not self.min < self.mean < self.max:
             raise ValueError(f"need min < mean < max, got min={self.min}, mean={self.mean}, max={self.max}")
         return self
@@ -118,7 +118,7 @@ class UniformLengths(_Strict):
     max: int = Field(ge=1)
 
     @model_validator(mode="after")
-    def _check(self) -> "UniformLengths":
+    def _check(self) -> UniformLengths:
         if self.min > self.max:
             raise ValueError(f"need min <= max, got min={self.min}, max={self.max}")
         return self
@@ -141,7 +141,7 @@ class FixedLengths(_Strict):
         return np.full(size, self.tokens, dtype=np.int64)
 
 
-LengthSpec = Annotated[Union[LognormalLengths, UniformLengths, FixedLengths], Field(discriminator="distribution")]
+LengthSpec = Annotated[LognormalLengths | UniformLengths | FixedLengths, Field(discriminator="distribution")]
 
 
 class BatchSpec(_Strict):
@@ -182,7 +182,7 @@ class Workload(_Strict):
     simulation: SimulationSpec = SimulationSpec()
 
     @model_validator(mode="after")
-    def _fits_kv(self) -> "Workload":
+    def _fits_kv(self) -> Workload:
         longest = self.prompt_tokens + self.response_tokens.max
         if longest + 1 > self.instance.kv_capacity_tokens:
             raise ValueError(

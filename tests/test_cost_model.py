@@ -6,8 +6,12 @@ import json
 
 import numpy as np
 import pytest
-
-from staleflow.runtime.cost_model import CostModel, fit_cost_model, fit_cost_model_file, load_profile_records
+from staleflow.runtime.cost_model import (
+    CostModel,
+    fit_cost_model,
+    fit_cost_model_file,
+    load_profile_records,
+)
 
 QWEN7B = CostModel(thr=0.0064, o_b=0.0027, o_k=1.231e-4, a_b=0.0028, a_k=3.35e-8)
 
@@ -86,8 +90,8 @@ def test_fit_from_jsonl_and_csv_files(tmp_path) -> None:
     csv_path = tmp_path / "profile.csv"
     csv_path.write_text("n,kv_tokens,latency\n" + "".join(f"{n},{k},{l}\n" for n, k, l in records))
     assert len(load_profile_records(jsonl)) == 60
-    model_a, report_a = fit_cost_model_file(jsonl)
-    model_b, report_b = fit_cost_model_file(csv_path)
+    _, report_a = fit_cost_model_file(jsonl)
+    _, report_b = fit_cost_model_file(csv_path)
     assert report_a.mean_relative_error == pytest.approx(report_b.mean_relative_error, rel=1e-6)
     assert report_a.mean_relative_error < 0.06
     bad = tmp_path / "bad.csv"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from staleflow.bench.coordinator import _parse_scale, measure
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from staleflow.adapters.sim_tokens import RunLengthList
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from staleflow.adapters.sim_trainer import SimTrainer, SimWeights
 from staleflow.runtime.clock import VirtualClock
 from staleflow.runtime.interfaces import Trainer

@@ -6,7 +6,6 @@ import argparse
 import json
 
 import pytest
-
 from staleflow.adapters import simulate_command
 from staleflow.adapters.upper_bound import upper_bound
 from staleflow.runtime.workload import load_workload
