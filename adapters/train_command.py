@@ -201,8 +201,15 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
     if not resuming:
         model_v0, warmup_seconds = _warm_start(config, base, model_v0, tokens)
     trainer = _make_trainer(config, model_v0, tokens)
-    for engine in remote_engines:
-        engine.load_weights(0, str(model_v0 / "model.safetensors"))
+    saved_state = None
+    if checkpoint is not None:  # the trainer first, so the instances start at its version
+        saved_state = json.loads((checkpoint / LOOP_STATE).read_text(encoding="utf-8"))
+        _restore_trainer(trainer, checkpoint, saved_state)
+        for engine in remote_engines:
+            engine.load_weights(trainer.version, trainer.weights())
+    else:
+        for engine in remote_engines:
+            engine.load_weights(0, str(model_v0 / "model.safetensors"))
     engine_seconds = time.perf_counter() - engine_start
 
     log = MetricsLog(run_dir, total_steps=config.train.steps, tensorboard=config.metrics.tensorboard, progress=config.metrics.progress, append=resuming)
@@ -219,7 +226,6 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
         finally:
             reward_seconds[0] += time.perf_counter() - begin
 
-    saved_state = json.loads((checkpoint / LOOP_STATE).read_text(encoding="utf-8")) if checkpoint is not None else None
     prompt_stream = _prompt_source(config, tokens, config.seed + 1)
     groups: Iterator[Any] = (
         make_group(prompt, f"g{n}", encode=tokens.encode, n_samples=config.rollout.group_size, n_extra=config.rollout.group_extra, max_new_tokens=config.rollout.max_new_tokens)
@@ -251,8 +257,11 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
         tick_s=coordinator.tick_s,
     )
     first_step = 0
+    trained_before = 0  # tokens trained before a resume, so throughput covers this run only
     if saved_state is not None:
-        first_step = _restore(loop, trainer, checkpoint, saved_state)  # type: ignore[arg-type]
+        loop.load_state_dict(saved_state)
+        first_step = int(saved_state["steps_done"])
+        trained_before = int(saved_state["tokens"][1])
         log.event("resumed", step=first_step, checkpoint=str(checkpoint))
     # A resumed run appends a segment (header = the restored protocol state) to the same trace.
     trace = JsonlTraceWriter.attach(loop.manager, run_dir / "trace.jsonl", mode="a" if resuming else "w")
@@ -266,7 +275,7 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
     try:
         for step in range(first_step + 1, config.train.steps + 1):
             metrics = loop.run(1)
-            record = _step_record(metrics, ledger, reward_seconds[0])
+            record = _step_record(metrics, ledger, reward_seconds[0], trained_before)
             log.step(step, record, versions=[e.snapshot().version for e in engines])
             if evaluator.enabled and config.task.eval_every and step % config.task.eval_every == 0 and step < config.train.steps:
                 log.eval(step, evaluator.run(trainer))
@@ -290,7 +299,7 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
         else:
             loop.state_dict()
         audit = loop.audit()
-        summary = _summary(config, loop.manager.eta, metrics, audit, ledger, trace.path, time.perf_counter() - started, warmup_seconds, engine_seconds, reward_seconds[0], run_dir)
+        summary = _summary(config, loop.manager.eta, metrics, audit, trained_before, ledger, trace.path, time.perf_counter() - started, warmup_seconds, engine_seconds, reward_seconds[0], run_dir)
     finally:
         trace.close()
         log.close()
@@ -362,14 +371,14 @@ class _Evaluator:
         }
 
 
-def _step_record(metrics: Any, ledger: Any, reward_seconds: float) -> dict[str, Any]:
+def _step_record(metrics: Any, ledger: Any, reward_seconds: float, trained_before: int) -> dict[str, Any]:
     train = dict(metrics.train_metrics[-1]) if metrics.train_metrics else {}
     buffer = max(metrics.staleness_per_buffer) if metrics.staleness_per_buffer else None
     record = {
         **train,
         "elapsed_s": metrics.elapsed_s,
         "step_time_s": metrics.step_times_s[-1] if metrics.step_times_s else 0.0,
-        "tokens_per_s": metrics.tokens_per_s,
+        "tokens_per_s": (metrics.tokens_trained - trained_before) / metrics.elapsed_s,
         "tokens_trained": metrics.tokens_trained,
         "tokens_generated": metrics.tokens_generated,
         "buffer": buffer,
@@ -383,7 +392,7 @@ def _step_record(metrics: Any, ledger: Any, reward_seconds: float) -> dict[str, 
     return record
 
 
-def _summary(config: Any, eta: int, metrics: Any, audit: Any, ledger: Any, trace_path: Path, wall: float, warmup_s: float, engine_s: float, reward_s: float, run_dir: Path) -> dict[str, Any]:
+def _summary(config: Any, eta: int, metrics: Any, audit: Any, trained_before: int, ledger: Any, trace_path: Path, wall: float, warmup_s: float, engine_s: float, reward_s: float, run_dir: Path) -> dict[str, Any]:
     from staleflow.adapters.metrics import read_metrics
 
     records = read_metrics(run_dir)
@@ -421,6 +430,7 @@ def _summary(config: Any, eta: int, metrics: Any, audit: Any, ledger: Any, trace
         "trace": str(trace_path),
         **{k: v for k, v in data.items() if k not in ("system", "steps")},
         # the audit after the final quiesce (the loop's own is taken while instances still run)
+        "tokens_per_s": (metrics.tokens_trained - trained_before) / metrics.elapsed_s,  # this run (after a resume)
         "audit_ok": audit.ok,
         "lost": len(audit.lost),
         "duplicated": len(audit.duplicated),
@@ -474,12 +484,10 @@ def _save_checkpoint(loop: Any, trainer: Any, run_dir: Path, step: int, keep: in
     return folder
 
 
-def _restore(loop: Any, trainer: Any, checkpoint: Path, state: dict[str, Any]) -> int:
+def _restore_trainer(trainer: Any, checkpoint: Path, state: dict[str, Any]) -> None:
     version = trainer.load_checkpoint(checkpoint / TRAINER_DIR)
     if state["parameter_server"]["latest_version"] != version:
         raise ValueError(
             f"checkpoint {checkpoint}: trainer is at version {version} but the loop state at "
             f"{state['parameter_server']['latest_version']}"
         )
-    loop.load_state_dict(state)
-    return int(state["steps_done"])

@@ -94,6 +94,9 @@ def test_resume_continues_from_the_checkpoint_within_the_bound(first_run: tuple[
     config = load_config(run_dir / "config.yaml", ["train.steps=5"])
     summary = train(config, run_dir, checkpoint)
     assert (summary["steps"], summary["audit_ok"], summary["lost"]) == (5, True, 0), summary
+    # The instances started at the checkpoint's version, and throughput counts this run's tokens only.
+    assert summary["instances"]["max_version_spread"] <= 1
+    assert summary["tokens_per_s"] * summary["elapsed_s"] == pytest.approx(summary["tokens_trained"] - state["tokens"][1])
     consumed = _consumed(run_dir / "trace.jsonl", 1)  # the resumed run's segment
     assert [b for b, _ in consumed] == [2, 3, 4]
     assert all(v <= b <= v + 2 for b, versions in consumed for v in versions)
