@@ -127,7 +127,10 @@ def _base_model(config: Any) -> Path:
         return path
     from staleflow.adapters.tiny_model import TinyModelSpec, ensure_tiny_model
 
-    return ensure_tiny_model(Path(config.model.tiny_model_dir).expanduser(), TinyModelSpec(seed=config.model.seed))
+    folder = Path(config.model.tiny_model_dir).expanduser()
+    if config.model.seed != 0:  # one folder per initialisation
+        folder = folder.with_name(f"{folder.name}-seed{config.model.seed}")
+    return ensure_tiny_model(folder, TinyModelSpec(seed=config.model.seed))
 
 
 def _prompt_source(config: Any, tokens: _Tokens, seed: int) -> Iterator[Any]:
@@ -345,7 +348,7 @@ def _make_trainer(config: Any, model_dir: Path, tokens: _Tokens) -> Any:
         from staleflow.adapters.megatron_trainer import MegatronTrainer
 
         return MegatronTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed)
-    return TorchTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed)
+    return TorchTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads)
 
 
 class _Evaluator:

@@ -56,7 +56,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """The policy model. ``path`` null: the built-in tiny model, built locally (no hub)."""
+    """The policy model. ``path`` null: the built-in tiny model, built locally (no hub) in
+    ``tiny_model_dir`` (``<tiny_model_dir>-seed<seed>`` for a seed other than 0)."""
 
     path: str | None = None
     tiny_model_dir: str = Field("~/.cache/staleflow/tiny-model", min_length=1)
@@ -158,7 +159,7 @@ class TrainConfig(_Section):
     clip_eps: float = Field(0.2, gt=0, lt=1)
     weight_cap: float = Field(5.0, ge=1, le=1e6)
     scale_advantages: bool = True
-    threads: int = Field(1, ge=1, le=1024)
+    threads: int = Field(1, ge=1, le=1024)  # torch intra-op threads of the trainer
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:
