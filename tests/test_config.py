@@ -110,3 +110,24 @@ def test_every_system_is_a_runtime_policy() -> None:
         eta = load_config(overrides=[f"system={system.value}"]).protocol.eta
         # the default bound is the one the policy itself runs with
         assert policy.protocol_eta(eta) == eta, system
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("seed=true", "seed: Input should be a valid integer (got True)"),
+        ("seed='3'", "seed: Input should be a valid integer (got '3')"),
+        ("train.lr=true", "train.lr: Input should be a valid number (got True)"),
+        ("metrics.tensorboard='no'", "metrics.tensorboard: Input should be a valid boolean (got 'no')"),
+    ],
+)
+def test_types_are_strict(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    assert expected in str(err.value)
+
+
+def test_exponent_floats_read_as_numbers(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text("train:\n  lr: 3e-4\n")
+    assert load_config(tmp_path / "job.yaml").train.lr == pytest.approx(3e-4)
+    assert load_config(overrides=["warmup.lr=1E-3"]).warmup.lr == pytest.approx(1e-3)
