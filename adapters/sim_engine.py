@@ -130,6 +130,7 @@ class SimEngine:
         self._last_snapshot = (self._t, 0)
         self._last_rate = 0.0
         self._changes = 0  # bumped whenever the running or waiting set changes
+        self._quiet = -1  # ``_changes`` when :meth:`_advance` last stopped inside a cached segment
         self._seg: tuple[int, float] | None = None  # cached :meth:`_segment`
         self._ids: tuple[int, tuple[str, ...], tuple[str, ...]] = (0, (), ())
         self._closed = False
@@ -335,6 +336,9 @@ class SimEngine:
         """Bring the state to the last event at or before ``now``. Inside a segment (fixed running
         set) the state stays at the segment's start; :meth:`snapshot` and :meth:`_settle` count the
         steps done since in closed form."""
+        seg = self._seg
+        if seg is not None and seg[1] > now and self._quiet == self._changes and self._busy_until <= self._t:
+            return  # still inside the segment it stopped in, nothing changed since: nothing to do
         while True:
             if self._busy_until > self._t:
                 if self._busy_until > now:
@@ -352,6 +356,7 @@ class SimEngine:
                 self._preempt_last()
             steps, end = self._segment()
             if end > now:
+                self._quiet = self._changes
                 return
             self._do_steps(steps)
 

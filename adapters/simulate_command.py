@@ -101,11 +101,7 @@ def simulate_system(
     )
     started = time.perf_counter()
     try:
-        for _ in range(steps):
-            loop.run(1)
-            if on_step is not None:
-                on_step()
-        metrics = loop.metrics()
+        metrics = loop.run(steps, on_step=on_step)
     finally:
         loop.close()
     wall = time.perf_counter() - started

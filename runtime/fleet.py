@@ -21,6 +21,8 @@ class InstanceView:
     """Speculative state of one instance."""
 
     __slots__ = (
+        "_checked",
+        "_removals",
         "accepted",
         "instance_id",
         "kv_capacity",
@@ -45,6 +47,10 @@ class InstanceView:
         self.waiting: tuple[str, ...] = snapshot.waiting
         self.accepted = 0
         self.rejected = 0
+        self._removals = 0  # requests removed so far
+        #: (running, waiting, removals) of the last snapshot found consistent: the same id tuples
+        #: are consistent again while no request was removed (adding requests cannot contradict)
+        self._checked: tuple[tuple[str, ...], tuple[str, ...], int] | None = None
         if snapshot.running or snapshot.waiting:
             raise ValueError(
                 f"instance {snapshot.instance_id!r} already holds requests the coordinator did not route"
@@ -52,12 +58,21 @@ class InstanceView:
 
     def observe(self, snapshot: InstanceSnapshot) -> bool:
         """Take a snapshot unless it contradicts the speculative state; returns whether it was taken."""
-        held = self.requests.__contains__
-        contradicts = (
-            snapshot.version != self.version
-            or not all(map(held, snapshot.running))
-            or not all(map(held, snapshot.waiting))
-        )
+        checked = self._checked
+        if snapshot.version != self.version:
+            contradicts = True
+        elif (
+            checked is not None
+            and checked[0] is snapshot.running
+            and checked[1] is snapshot.waiting
+            and checked[2] == self._removals
+        ):
+            contradicts = False
+        else:
+            held = self.requests.__contains__
+            contradicts = not all(map(held, snapshot.running)) or not all(map(held, snapshot.waiting))
+            if not contradicts:
+                self._checked = (snapshot.running, snapshot.waiting, self._removals)
         if contradicts:
             self.rejected += 1
             return False
@@ -77,6 +92,7 @@ class InstanceView:
         """The request left (finished, interrupted or aborted); unknown ids are ignored."""
         entry = self.requests.pop(request_id, None)
         if entry is not None:
+            self._removals += 1
             self.kv_tokens = max(0, self.kv_tokens - entry[0])
             if request_id in self.waiting:
                 self.waiting = tuple(r for r in self.waiting if r != request_id)

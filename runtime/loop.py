@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -191,8 +191,12 @@ class RunLoop:
         self._counters: Counter[str] = Counter()
 
     # ----------------------------------------------------------------- the loop
-    def run(self, steps: int) -> RunMetrics:
-        """Run until ``steps`` more training steps have finished; returns the metrics of the run so far."""
+    def run(self, steps: int, on_step: Callable[[], None] | None = None) -> RunMetrics:
+        """Run until ``steps`` more training steps have finished; returns the metrics of the run so far.
+
+        ``on_step`` is called after each finished step (progress reports); the metrics, whose audit
+        walks every request of the run, are computed once at the end.
+        """
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         if not self._started:
@@ -203,7 +207,10 @@ class RunLoop:
             now = self.clock.now()
             progress = self._collect(now)
             progress |= self._apply_rewards()
+            done = self._steps_done
             progress |= self._train(now, target)
+            if on_step is not None and self._steps_done > done:
+                on_step()
             full = now >= self._next_tick
             if full:
                 self._refresh_snapshots(now)
