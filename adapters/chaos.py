@@ -48,14 +48,22 @@ from staleflow.protocol.events import ProtocolEvent
 from staleflow.runtime.clock import VirtualClock
 from staleflow.runtime.types import PromptGroup
 
-#: Wall-clock seconds the reward runner waits for a group; injected hangs are released only after
-#: the runtime gave up on the group, so this bounds the wall time a hang costs.
-REWARD_TIMEOUT_S = 0.2
+#: Wall-clock seconds the reward runner waits for a group. Injected hangs are released as soon as
+#: the runtime gives up on their group, so each costs this much wall time; a healthy reward returns
+#: in microseconds, far inside it even on a loaded machine (the outcome must not depend on speed).
+REWARD_TIMEOUT_S = 1.0
+#: The trajectory server's audit after a protocol event reads every group it ever held; it runs
+#: after every event until twice this many groups were admitted, then after every k-th event
+#: (k = admitted // this), so a long run's checks stay linear in its events.
+AUDIT_GROUPS_PER_EVENT = 100
 #: Trajectory-server group states in which the protocol still holds the group.
 _LIVE_GROUP_STATES = ("generating", "rewarding", "done")
 #: Virtual seconds a training step may take before the run counts as not live. A healthy step of
 #: the chaos workloads takes a few seconds; every injected delay lasts at most ``delay_s_max``.
 STEP_BUDGET_S = 120.0
+#: Protocol events a training step may take before the run counts as not live (a livelock: groups
+#: admitted and aborted over and over without a batch).
+STEP_BUDGET_EVENTS = 5000
 
 
 class LivenessViolation(RuntimeError):
@@ -142,7 +150,9 @@ def draw_scenario(
         instances=rng.randint(2, 4),
         group_size=rng.randint(2, 4),
         batch_size=rng.randint(2, 6),
-        eta=rng.randint(0, 3),
+        # start-version-gc at eta 0 never trains: its GC aborts every running group whenever the
+        # trainer waits (a livelock of that baseline, reported; found by seed 148).
+        eta=rng.randint(1 if system == "start-version-gc" else 0, 3),
         batch_redundancy=rng.choice([0, 0, 1, 2]),
         group_redundancy=rng.choice([0, 0, 1]),
         steps_faulty=steps_faulty,
@@ -183,6 +193,7 @@ class ChaosResult:
     steps: int
     faults: dict[str, int]
     events_checked: int
+    ts_audits: int
     audits: int
     trace_events: int
     violation: str | None
@@ -226,10 +237,14 @@ class ChaosRun:
         self.trainer = FaultyTrainer(SimTrainer.from_workload(workload, self.clock), self.clock, self.plan)
         self.ps = FaultyParameterServer(ParameterServer(keep=scenario.eta + 2), self.clock, self.plan)
         self.hung = HungRewards()
+        self._restart_rng = self.plan.rng("restart")
         self.reward = faulty_reward(self.plan, self.hung)
         self.prompts: Iterator[PromptGroup] = workload.prompt_groups(scenario.seed, n_extra=self.policy.group_redundancy)
         self.events_checked = 0
         self.audits = 0
+        self.ts_audits = 0
+        self._admitted = 0
+        self._event_deadline = STEP_BUDGET_EVENTS
         self.steps = 0
         self.loop: Any = None
 
@@ -289,6 +304,7 @@ class ChaosRun:
             steps=self.steps,
             faults=self.plan.counts(),
             events_checked=self.events_checked,
+            ts_audits=self.ts_audits,
             audits=self.audits,
             trace_events=_count_events(self.trace_path),
             violation=violation,
@@ -300,22 +316,28 @@ class ChaosRun:
     def step(self) -> None:
         """One training step under the liveness budget, then the step-boundary checks."""
         self.clock.deadline = self.clock.now() + STEP_BUDGET_S
+        self._event_deadline = self.events_checked + STEP_BUDGET_EVENTS
         trained = len(self.trainer.batches)
         self.loop.run(1)
         self.clock.deadline = float("inf")
+        self._event_deadline = float("inf")
         self.hung.release()
         self.steps += 1
         self.check_batches(self.trainer.batches[trained:])
         self.check_audit()
-        if self.plan.happens(self.plan.rng("restart"), self.scenario.rates.restart):
+        if self.plan.happens(self._restart_rng, self.scenario.rates.restart):
             old = self.loop
             self.loop = restart_loop(old, self.make_loop, self.plan)
             old.rewards.close()
 
     # ------------------------------------------------------------------ checks
     def check_event(self, event: ProtocolEvent) -> None:
-        """After every protocol operation: the bound, the drops, and the TS's own bookkeeping."""
+        """After every protocol operation: the bound and the drops; and the trajectory server's own
+        bookkeeping (its audit reads every group: after every event while it holds few groups,
+        then after every k-th event, k growing with the groups, so the checks cost linear time)."""
         self.events_checked += 1
+        if self.events_checked > self._event_deadline:
+            raise LivenessViolation(f"no training step finished within {STEP_BUDGET_EVENTS} protocol events (livelock)")
         loop = self.loop
         if loop is None:
             return
@@ -331,6 +353,10 @@ class ChaosRun:
         if event.op in ("abort", "consume"):
             for group_id in (event.group_id,) if event.batch is None else event.batch.dropped:
                 self.hung.release(str(group_id))
+        self._admitted += bool(event.op == "reserve" and event.accepted)
+        if self.events_checked % max(1, self._admitted // AUDIT_GROUPS_PER_EVENT):
+            return
+        self.ts_audits += 1
         report = loop.ts.audit()
         if report.duplicated or report.problems:
             raise SafetyViolation(f"after event {event.seq} ({event.op}): trajectory server audit: "

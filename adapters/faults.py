@@ -512,15 +512,15 @@ class HungRewards:
         event.wait(limit_s)
 
     def release(self, group_id: str | None = None) -> None:
+        """Let hung calls of ``group_id`` (all groups: None) return; a call that starts later for
+        a released group returns at once."""
         with self._lock:
             keys = list(self._events) if group_id is None else [group_id]
             for key in keys:
-                event = self._events.pop(key, None)
-                if event is not None:
-                    event.set()
+                self._events.setdefault(key, threading.Event()).set()
 
 
-def faulty_reward(plan: FaultPlan, hung: HungRewards, hang_limit_s: float = 30.0) -> RewardFn:
+def faulty_reward(plan: FaultPlan, hung: HungRewards, hang_limit_s: float = 10.0) -> RewardFn:
     """A reward (1.0 for an even response length, else 0.0) that raises or hangs for some requests.
 
     The decision is a function of the seed and the request id only (reward calls run on threads).

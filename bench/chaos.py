@@ -61,6 +61,7 @@ def summarise(results: list[Any]) -> dict[str, Any]:
         "faults_injected": sum(faults.values()),
         "faults_by_kind": dict(sorted(faults.items())),
         "events_checked": sum(r.events_checked for r in results),
+        "event_ts_audits": sum(r.ts_audits for r in results),
         "audits": sum(r.audits for r in results),
         "trace_events_validated": sum(r.trace_events for r in results if r.ok),
         "violations": [{"seed": r.seed, "violation": r.violation, "reproduce": r.command} for r in results if not r.ok],
@@ -96,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     kinds = ", ".join(f"{kind} {count}" for kind, count in summary["faults_by_kind"].items() if count)
     print(
         f"{summary['seeds_run']} seeds, {summary['steps']} training steps, {summary['faults_injected']} faults "
-        f"({kinds or 'none'}), {summary['events_checked']:,} protocol events checked, {summary['audits']} audits, "
+        f"({kinds or 'none'}), {summary['events_checked']:,} protocol events checked "
+        f"({summary['event_ts_audits']:,} with a full trajectory-server audit), {summary['audits']} step audits, "
         f"{summary['trace_events_validated']:,} trace events validated, {len(summary['violations'])} violations "
         f"({time.perf_counter() - started:.1f} s)"
     )
