@@ -63,7 +63,7 @@ _LIVE_GROUP_STATES = ("generating", "rewarding", "done")
 STEP_BUDGET_S = 120.0
 #: Protocol events a training step may take before the run counts as not live (a livelock: groups
 #: admitted and aborted over and over without a batch).
-STEP_BUDGET_EVENTS = 5000
+STEP_BUDGET_EVENTS = 50_000
 
 
 class LivenessViolation(RuntimeError):
