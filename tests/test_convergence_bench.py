@@ -1,0 +1,98 @@
+"""``staleflow bench convergence``: aggregation of fabricated runs (no training)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from staleflow.bench import convergence
+from staleflow.bench.convergence import aggregate, load_run
+
+
+def _write_run(folder: Path, rewards: list[float], elapsed: list[float], evals: tuple[float, float], tokens_per_s: float, staleness: dict[str, int]) -> None:
+    folder.mkdir(parents=True)
+    records: list[dict[str, object]] = [{"kind": "eval", "step": 0, "eval_reward": evals[0], "eval_exact": 0.0}]
+    for step, (reward, t) in enumerate(zip(rewards, elapsed), start=1):
+        records.append({"kind": "step", "step": step, "reward_mean": reward, "elapsed_s": t, "tokens_per_s": tokens_per_s * step / len(rewards), "group_staleness": staleness if step == 2 else {"0": 16}})
+    records.append({"kind": "checkpoint", "step": len(rewards), "path": "x"})
+    records.append({"kind": "eval", "step": len(rewards), "eval_reward": evals[1], "eval_exact": 0.0})
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
+    (folder / "summary.json").write_text(json.dumps({"steps": len(rewards)}), encoding="utf-8")
+
+
+@pytest.fixture
+def study(tmp_path: Path) -> Path:
+    _write_run(tmp_path / "eta2-seed0", [0.1, 0.3, 0.5, 0.7], [1.0, 2.0, 3.0, 4.0], (0.2, 0.6), 100.0, {"0": 1, "2": 15})
+    _write_run(tmp_path / "eta2-seed1", [0.3, 0.3, 0.3, 0.9], [2.0, 4.0, 6.0, 8.0], (0.4, 0.8), 300.0, {"1": 16})
+    return tmp_path
+
+
+def test_load_run_reads_the_figures(study: Path) -> None:
+    run = load_run(study / "eta2-seed0", eta=2, seed=0)
+    assert run.steps == [1, 2, 3, 4]
+    assert run.rewards == [0.1, 0.3, 0.5, 0.7]
+    assert (run.eval_start, run.eval_end) == (0.2, 0.6)
+    assert run.tokens_per_s == 100.0  # the last step's cumulative figure
+    assert run.max_staleness == 2
+
+
+def test_aggregate_mean_spread_and_curves(study: Path) -> None:
+    runs = [load_run(study / "eta2-seed0", 2, 0), load_run(study / "eta2-seed1", 2, 1)]
+    f = aggregate(runs, smooth=2)[2]
+    assert f["seeds"] == [0, 1]
+    assert f["eval_start"] == pytest.approx(0.3)
+    assert f["eval_start_std"] == pytest.approx(0.02**0.5)  # sample stdev of 0.2, 0.4
+    assert f["eval_end"] == pytest.approx(0.7)
+    assert f["reward_last"] == pytest.approx(0.6)  # (0.5 + 0.7) / 2 and (0.3 + 0.9) / 2
+    assert f["reward_last_std"] == pytest.approx(0.0)
+    assert f["tokens_per_s"] == pytest.approx(200.0)
+    assert f["tokens_per_s_std"] == pytest.approx(141.4213562)
+    assert f["run_loop_s"] == pytest.approx(6.0)
+    assert f["common_s"] == 4.0
+    assert f["reward_at_common_s"] == pytest.approx(0.45)
+    assert f["reward_at_common_s_std"] == pytest.approx(0.045**0.5)  # sample stdev of 0.6, 0.3
+    assert f["max_staleness"] == {0: 2, 1: 1}
+    assert f["bound_ok"] is True
+    # trailing means of 2: seed 0 [0.1, 0.2, 0.4, 0.6], seed 1 [0.3, 0.3, 0.3, 0.6]
+    assert f["curve_step"]["mean"] == pytest.approx([0.2, 0.25, 0.35, 0.6])
+    assert f["curve_step"]["min"] == pytest.approx([0.1, 0.2, 0.3, 0.6])
+    assert f["curve_step"]["max"] == pytest.approx([0.3, 0.3, 0.4, 0.6])
+    # time curves run from the later first step (2 s) to the shorter run's end (4 s)
+    assert (f["curve_time"]["t"][0], f["curve_time"]["mean"][0]) == pytest.approx((2.0, 0.25))
+    # at 4 s seed 0 is at 0.6, seed 1 at 0.3
+    assert f["curve_time"]["t"][-1] == pytest.approx(4.0)
+    assert f["curve_time"]["mean"][-1] == pytest.approx(0.45)
+    assert (f["curve_time"]["min"][-1], f["curve_time"]["max"][-1]) == pytest.approx((0.3, 0.6))
+
+
+def test_a_run_beyond_its_bound_is_flagged(study: Path) -> None:
+    f = aggregate([load_run(study / "eta2-seed0", eta=1, seed=0)], smooth=2)[1]
+    assert f["bound_ok"] is False
+    assert f["eval_end_std"] == 0.0  # a single seed has no spread
+
+
+def test_seeds_with_different_steps_are_refused(study: Path, tmp_path: Path) -> None:
+    _write_run(tmp_path / "short", [0.1, 0.2], [1.0, 2.0], (0.1, 0.2), 50.0, {"0": 16})
+    runs = [load_run(study / "eta2-seed0", 2, 0), load_run(tmp_path / "short", 2, 1)]
+    with pytest.raises(ValueError, match="eta 2: the seeds' runs have different steps"):
+        aggregate(runs, smooth=2)
+
+
+def test_command_aggregates_finished_runs_without_training(study: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    convergence.add_arguments(parser)
+    args = parser.parse_args(["--etas", "2", "--seeds", "0", "1", "--steps", "4", "--smooth", "2", "--out", str(study), "--no-train"])
+    assert convergence.run(args) == 0
+    figures = json.loads((study / "convergence.json").read_text(encoding="utf-8"))
+    assert figures["etas"]["2"]["tokens_per_s"] == pytest.approx(200.0)
+    assert (study / "convergence.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "| 2 | 0 1 | 0.300 ± 0.141 -> 0.700 ± 0.141 | 0.600 ± 0.000 | 0.450 ± 0.212 | 200 ± 141 | 6 s | 2, 1 (ok) |" in out
+    assert "staleflow bench convergence --etas 2 --seeds 0 1 --steps 4" in out
+
+
+def test_a_finished_run_of_other_steps_is_not_mixed_in(study: Path) -> None:
+    with pytest.raises(ValueError, match="finished run of 4 steps, not 5"):
+        convergence.train_one(2, 0, steps=5, out=study, quiet=True)
