@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, str] = {
     "coordinator": "staleflow.bench.coordinator",
     "chaos": "staleflow.bench.chaos",
     "load": "staleflow.bench.load",
+    "convergence": "staleflow.bench.convergence",
 }
 
 
