@@ -216,3 +216,12 @@ def test_real_clock_run_with_polling_engines():
     loop.close()
     assert trainer.version == 3 and metrics.audit_ok and metrics.max_staleness <= 1
     assert loop.ps.latest_version() == 3
+
+
+def test_on_step_reports_each_finished_step_once():
+    loop, trainer, _, _ = build("staleflow", eta=2)
+    seen = []
+    loop.run(5, on_step=lambda: seen.append(trainer.version))
+    assert seen == [1, 2, 3, 4, 5]
+    loop.run(2, on_step=lambda: seen.append(trainer.version))
+    assert seen == [1, 2, 3, 4, 5, 6, 7]
