@@ -101,6 +101,22 @@ class Coordinator:
             self.views[index].remove(rid)
         self._dirty.add(index)
 
+    def instance_down(self, instance_id: str) -> None:
+        """The instance failed a call: it holds nothing the coordinator counts on, and gets no work
+        (a loading view is skipped by routing, sync and migration) until :meth:`instance_up`."""
+        index = self._index[instance_id]
+        view = self.views[index]
+        for rid in list(view.requests):
+            view.remove(rid)
+        view.loading = True
+        self._dirty.add(index)
+
+    def instance_up(self, snapshot: InstanceSnapshot) -> None:
+        """A failed instance answers again, empty: its view starts afresh from ``snapshot``."""
+        index = self._index[snapshot.instance_id]
+        self.views[index] = InstanceView(snapshot)
+        self._dirty.add(index)
+
     def groups_removed(self, count: int) -> None:
         """Admitted groups that ended without being trained (aborted, failed, dropped)."""
         self.live_groups -= count

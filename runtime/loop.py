@@ -15,6 +15,12 @@ Each iteration, at the clock's ``now``:
    the next tick, the trainer's next event and the engines' next events.
 
 Every protocol operation goes to the manager's event hooks (e.g. a JSONL trace writer).
+
+Faults: an engine call or weight transfer that raises :data:`INSTANCE_FAILURES` marks the instance
+failed: the requests the trajectory server places on it go back to the queue from their last
+partial, it gets no work until a probe (every tick) finds it answering and empty, and whatever it
+still held is discarded. A failed push is retried in order; a pushed version not yet visible counts
+as pending work. ``docs/reliability.md`` lists the faults these were found with.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from staleflow.runtime.commands import Abort, Command, Interrupt, Pull, Route
 from staleflow.runtime.coordinator import Coordinator
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.interfaces import Clock, RolloutEngine, Trainer
-from staleflow.runtime.parameter_server import ParameterServer
+from staleflow.runtime.parameter_server import ParameterServer, VersionNotAvailableError
 from staleflow.runtime.policies import SystemPolicy
 from staleflow.runtime.rewarding import RewardFn, RewardRunner
 from staleflow.runtime.trajectory_server import (
@@ -43,9 +49,14 @@ from staleflow.runtime.trajectory_server import (
     GroupState,
     TrajectoryServer,
 )
-from staleflow.runtime.types import PromptGroup
+from staleflow.runtime.types import InstanceSnapshot, PromptGroup
 
 STATE_FORMAT = "staleflow.run_loop/1"
+#: What a failed engine call or weight transfer raises (a dead actor, a lost connection): the
+#: instance's state is then unknown, and the loop recovers its requests from the trajectory server.
+INSTANCE_FAILURES = (ConnectionError, TimeoutError, VersionNotAvailableError)
+#: Attempts at a push the loop cannot go on without (the first one; any left before a checkpoint).
+PUSH_ATTEMPTS = 10
 
 
 class RunStalledError(RuntimeError):
@@ -161,8 +172,9 @@ class RunLoop:
         self.manager = StalenessManager(policy.protocol_eta(eta), batch_size, policy.batch_redundancy)
         for hook in self._event_hooks:
             self.manager.add_event_hook(hook)
+        self._down: set[str] = set()
         self.coordinator = Coordinator(
-            self.manager, self.ts, policy, cost_model, [e.snapshot() for e in self.engines.values()]
+            self.manager, self.ts, policy, cost_model, [self._first_snapshot(e) for e in self.engines.values()]
         )
         self.rewards = RewardRunner(reward_fn, reward_timeout_s)
         self._prompts: Iterator[PromptGroup] = iter(prompts)
@@ -171,6 +183,7 @@ class RunLoop:
         self._tick_s = tick_s
         self._pusher = None if self._virtual else ThreadPoolExecutor(1, thread_name_prefix="push")
         self._push_future: Future[None] | None = None
+        self._unpushed: list[tuple[int, Any]] = []  # failed pushes, retried in order
         self._training: int | None = None  # buffer index of the running step
         self._steps_done = 0
         self._last_step_end = 0.0
@@ -209,6 +222,7 @@ class RunLoop:
             progress |= self._apply_rewards()
             done = self._steps_done
             progress |= self._train(now, target)
+            progress |= self._retry_pushes()
             if on_step is not None and self._steps_done > done:
                 on_step()
             full = now >= self._next_tick
@@ -216,9 +230,10 @@ class RunLoop:
                 self._refresh_snapshots(now)
                 self._next_tick = now + self._tick_s
             self._refill()
-            commands = self.coordinator.plan(self.ps.latest_version(), full)
+            commands: list[Command] = []
             if self.policy.gc_stale and self._training is None and not self.manager.can_consume():
-                commands += self.coordinator.abort_stale_groups()
+                commands += self.coordinator.abort_stale_groups()  # first: no route to a cancelled request
+            commands += self.coordinator.plan(self.ps.latest_version(), full)
             self._execute(commands)
             self._mark_busy(now)
             progress |= bool(commands)
@@ -234,7 +249,8 @@ class RunLoop:
         self._next_tick = self._run_start
         self._last_step_end = self._run_start
         if self.ps.latest_version() is None:
-            self.ps.push(self.manager.version, self.trainer.weights())
+            self._unpushed.append((self.manager.version, self.trainer.weights()))
+            self._flush_pushes("the initial weights")
         latest = self.ps.latest_version()
         assert latest is not None
         self._execute([self.coordinator.pull(v.instance_id, latest) for v in self.coordinator.views if v.version != latest])
@@ -258,6 +274,9 @@ class RunLoop:
             or self.rewards.pending() > 0
             or any(v.requests for v in self.coordinator.views)
             or any(v.loading for v in self.coordinator.views)
+            or bool(self._unpushed)
+            or bool(self._down)
+            or self.ps.latest_version() != self.manager.version  # a push not visible yet
         )
 
     def _stall_reason(self, now: float) -> str:
@@ -278,6 +297,15 @@ class RunLoop:
         return progress
 
     def _collect_from(self, iid: str) -> bool:
+        if iid in self._down:
+            return False
+        try:
+            return self._collect_from_engine(iid)
+        except INSTANCE_FAILURES:
+            self._instance_failed(iid)
+            return True
+
+    def _collect_from_engine(self, iid: str) -> bool:
         engine = self.engines[iid]
         trajectories = engine.collect()
         cancel: list[tuple[str, str]] = []
@@ -301,28 +329,89 @@ class RunLoop:
     def _refresh_snapshots(self, now: float) -> None:
         """Snapshot every instance not observed within the last tick."""
         for iid, engine in self.engines.items():
-            if now - self._observed_at.get(iid, -math.inf) >= self._tick_s:
-                self.coordinator.observe(engine.snapshot())
+            if iid in self._down:
+                self._probe(iid)
+            elif now - self._observed_at.get(iid, -math.inf) >= self._tick_s:
+                try:
+                    self.coordinator.observe(engine.snapshot())
+                except INSTANCE_FAILURES:
+                    self._instance_failed(iid)
+                    continue
                 self._observed_at[iid] = now
                 self._touched.add(iid)
 
+    # ----------------------------------------------------------------- failed instances
+    def _first_snapshot(self, engine: RolloutEngine) -> InstanceSnapshot:
+        """The engine's snapshot; if it is down, or holds requests this loop did not route (left
+        from before a restart), an empty loading one: the instance is then probed every tick."""
+        try:
+            snapshot = engine.snapshot()
+            if not (snapshot.running or snapshot.waiting):
+                return snapshot
+        except INSTANCE_FAILURES:
+            pass
+        self._down.add(engine.instance_id)
+        return InstanceSnapshot(engine.instance_id, 0, (), (), 0, 0, 0.0, self.clock.now(), loading=True)
+
+    def _instance_failed(self, iid: str) -> None:
+        """An engine call failed: whatever the instance held is presumed lost. Its requests go back
+        to the queue from the last partial the trajectory server has, and it gets no work until a
+        probe finds it answering (then anything it still holds is discarded, so nothing runs twice)."""
+        placed = sorted(self.ts.running_on().get(iid, ()))
+        self.coordinator.instance_down(iid)
+        self.ts.requeue([self.ts.request(rid) for rid in placed], iid)
+        self._down.add(iid)
+        self._next_event[iid] = None
+        self._touched.add(iid)
+        self._counters["instance_failures"] += 1
+        self._counters["requests_recovered"] += len(placed)
+
+    def _probe(self, iid: str) -> None:
+        """Bring a failed instance back once it answers and holds nothing (late results dropped)."""
+        engine = self.engines[iid]
+        try:
+            late = engine.collect()
+            held = engine.snapshot()
+            if held.running or held.waiting:
+                engine.abort([*held.running, *held.waiting])
+                return  # taken back on a later probe, once a snapshot shows it empty
+            snapshot = engine.snapshot()
+            next_event = engine.next_event_time()
+        except INSTANCE_FAILURES:
+            return
+        if snapshot.running or snapshot.waiting:
+            return
+        self._counters["late_results_discarded"] += len(late)
+        self._down.discard(iid)
+        self.coordinator.instance_up(snapshot)
+        self._next_event[iid] = next_event
+        self._touched.add(iid)
+
     def _execute(self, commands: Sequence[Command]) -> None:
         for command in commands:
-            engine = self.engines[command.instance_id]
-            if isinstance(command, Route):
-                engine.submit(self.ts.mark_routed(command.request_ids, command.instance_id))
-            elif isinstance(command, Interrupt):
-                self.ts.requeue(engine.interrupt(command.request_ids), command.instance_id)
-            elif isinstance(command, Pull):
-                version, weights = self.ps.pull(command.version)
-                engine.load_weights(version, weights)
-            elif isinstance(command, Abort):
-                engine.abort(command.request_ids)
-            else:
-                raise TypeError(f"unknown command {command!r}")
-            self._counters[f"command_{type(command).__name__.lower()}"] += 1
-            self._next_event[command.instance_id] = engine.next_event_time()
-            self._touched.add(command.instance_id)
+            if command.instance_id in self._down:
+                continue  # its requests were re-queued; requests routed to it are still queued
+            try:
+                self._execute_one(command)
+            except INSTANCE_FAILURES:
+                self._instance_failed(command.instance_id)
+
+    def _execute_one(self, command: Command) -> None:
+        engine = self.engines[command.instance_id]
+        if isinstance(command, Route):
+            engine.submit(self.ts.mark_routed(command.request_ids, command.instance_id))
+        elif isinstance(command, Interrupt):
+            self.ts.requeue(engine.interrupt(command.request_ids), command.instance_id)
+        elif isinstance(command, Pull):
+            version, weights = self.ps.pull(command.version)
+            engine.load_weights(version, weights)
+        elif isinstance(command, Abort):
+            engine.abort(command.request_ids)
+        else:
+            raise TypeError(f"unknown command {command!r}")
+        self._counters[f"command_{type(command).__name__.lower()}"] += 1
+        self._next_event[command.instance_id] = engine.next_event_time()
+        self._touched.add(command.instance_id)
 
     def _mark_busy(self, now: float) -> None:
         for iid in self._touched:
@@ -375,11 +464,34 @@ class RunLoop:
 
     def _push(self, version: int, weights: Any) -> None:
         if self._pusher is None:
-            self.ps.push(version, weights)
+            self._unpushed.append((version, weights))
+            self._retry_pushes()
             return
         if self._push_future is not None:
             self._push_future.result()  # one writer: the previous push finishes first
         self._push_future = self._pusher.submit(self.ps.push, version, weights)
+
+    def _retry_pushes(self) -> bool:
+        """Push what failed to push before, oldest first; True if something was pushed."""
+        pushed = False
+        while self._unpushed:
+            try:
+                self.ps.push(*self._unpushed[0])
+            except INSTANCE_FAILURES:
+                self._counters["push_failures"] += 1
+                return pushed
+            self._unpushed.pop(0)
+            pushed = True
+        return pushed
+
+    def _flush_pushes(self, needed_by: str) -> None:
+        """Retry the failed pushes until none is left; raise after :data:`PUSH_ATTEMPTS` rounds."""
+        for _ in range(PUSH_ATTEMPTS):
+            if not self._unpushed:
+                return
+            self._retry_pushes()
+        if self._unpushed:
+            raise RuntimeError(f"version {self._unpushed[0][0]} could not be pushed in {PUSH_ATTEMPTS} attempts ({needed_by} needs it)")
 
     def _start_step(self, now: float) -> None:
         batch = self.manager.consume()
@@ -410,9 +522,15 @@ class RunLoop:
         """Collect from every engine, then check that the TS and the engines agree on every request."""
         for iid in self.engines:
             self._collect_from(iid)
-        held = {}
+        held: dict[str, set[str]] = {}
         for iid, engine in self.engines.items():
-            snapshot = engine.snapshot()
+            if iid in self._down:
+                continue
+            try:
+                snapshot = engine.snapshot()
+            except INSTANCE_FAILURES:
+                self._instance_failed(iid)
+                continue
             held[iid] = set(snapshot.running) | set(snapshot.waiting)
         for iid in self.engines:
             self._collect_from(iid)
@@ -470,6 +588,7 @@ class RunLoop:
             raise RuntimeError("cannot checkpoint while a training step runs; checkpoint after run() returns")
         if self._push_future is not None:
             self._push_future.result()
+        self._flush_pushes("a checkpoint")  # it records the trainer's version as pushed
         commands: list[Command] = []
         for view in self.coordinator.views:
             if view.requests:
@@ -504,6 +623,7 @@ class RunLoop:
             raise ValueError(f"not a run-loop checkpoint (expected format {STATE_FORMAT!r})")
         if self._started:
             raise RuntimeError("load a checkpoint before the first run()")
+        self._check_checkpoint(state)
         self.manager = StalenessManager.restore(state["protocol"])
         for hook in self._event_hooks:
             self.manager.add_event_hook(hook)
@@ -520,6 +640,26 @@ class RunLoop:
         self._counters = Counter(state["counters"])
         self._tokens_generated, self._tokens_trained = state["tokens"]
         self._staleness = {int(b): Counter({int(s): n for s, n in c.items()}) for b, c in state["staleness"].items()}
+
+    def _check_checkpoint(self, state: Mapping[str, Any]) -> None:
+        """Refuse, naming the problem and before changing anything, a checkpoint this loop cannot continue."""
+        sections = ("protocol", "trajectory_server", "parameter_server", "steps_done", "prompts_drawn",
+                    "coordinator", "counters", "tokens", "staleness")
+        missing = [name for name in sections if name not in state]
+        if missing:
+            raise ValueError(f"run-loop checkpoint lacks {', '.join(missing)}")
+        protocol = state["protocol"]
+        for name in ("eta", "batch_size", "redundancy"):
+            if protocol.get(name) != getattr(self.manager, name):
+                raise ValueError(
+                    f"checkpoint has protocol {name}={protocol.get(name)!r}, this run {name}={getattr(self.manager, name)}"
+                )
+        pushed = state["parameter_server"].get("latest_version")
+        if pushed is not None and pushed > protocol.get("version", -1):
+            raise ValueError(
+                f"checkpoint is inconsistent: parameter-server version {pushed} is ahead of protocol version "
+                f"{protocol.get('version')}"
+            )
 
     def close(self) -> None:
         if self._trace is not None:

@@ -51,7 +51,10 @@ class ActorProxy:
         handle = self.__dict__["_handle"]
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return ray.get(handle.call.remote(name, args, kwargs))
+            try:
+                return ray.get(handle.call.remote(name, args, kwargs))
+            except ray.exceptions.RayActorError as error:  # the actor is gone: the run loop recovers its work
+                raise ConnectionError(f"{name}(): the actor is gone ({type(error).__name__})") from error
 
         call.__name__ = name
         return call

@@ -396,11 +396,11 @@ class TrajectoryServer:
                     "group": asdict(e.group),
                     "state": e.state.value,
                     "version": e.version,
-                    "kept": [asdict(t) for t in e.kept],
+                    "kept": [_plain(asdict(t)) for t in e.kept],
                 }
                 for e in self._groups.values()
             ],
-            "requests": [{"request": asdict(e.request), "state": e.state.value} for e in self._requests.values()],
+            "requests": [{"request": _plain(asdict(e.request)), "state": e.state.value} for e in self._requests.values()],
             "pending": list(self._pending),
             "queue": list(self._queue),
             "duplicates": list(self._duplicates),
@@ -462,6 +462,13 @@ class TrajectoryServer:
             entry.state = RequestState.CANCELLED
             entry.instance_id = None
         return tuple(cancel)
+
+
+def _plain(record: dict[str, Any]) -> dict[str, Any]:
+    """A request or trajectory as JSON data: token sequences (run-length lists in simulation) as lists."""
+    for key in ("prompt_ids", "output_ids", "logprobs", "versions"):
+        record[key] = list(record[key])
+    return record
 
 
 def _max_tokens(group: PromptGroup, index: int) -> int:
