@@ -244,7 +244,6 @@ class FaultyEngine:
         self._next_stall = self._next_time(plan.rates.stall_per_s)
         self._in_transit: list[tuple[float, Trajectory]] = []
         self._snapshots: list[InstanceSnapshot] = []
-        self.crashes = 0
 
     # ------------------------------------------------------------------ the RolloutEngine seam
     def submit(self, requests: Sequence[RolloutRequest]) -> None:
@@ -309,18 +308,6 @@ class FaultyEngine:
         if self._inner is not None:
             self._inner.close()
 
-    # ------------------------------------------------------------------ for the tester
-    def held(self) -> set[str]:
-        """Request ids this instance holds now (running, waiting, or finished but in transit)."""
-        if self._inner is None:
-            return set()
-        snapshot = self._true_snapshot()
-        return {*snapshot.running, *snapshot.waiting}
-
-    @property
-    def down(self) -> bool:
-        return self._inner is None
-
     # ------------------------------------------------------------------ internals
     def _receive(self, engine: RolloutEngine) -> None:
         """Put the engine's newly finished trajectories in transit, some of them delayed."""
@@ -368,7 +355,6 @@ class FaultyEngine:
         self._in_transit = []
         self._snapshots = []
         self._down_until = now + self._plan.rates.restart_s
-        self.crashes += 1
         self._plan.record(FaultKind.INSTANCE_CRASH, self.instance_id, f"{lost} requests lost")
 
     def _true_snapshot(self) -> InstanceSnapshot:
@@ -429,8 +415,7 @@ class FaultyTrainer:
     def next_event_time(self) -> float | None:
         if self._held is not None:
             return self._release
-        inner = self._inner.next_event_time()
-        return None if inner is None else inner
+        return self._inner.next_event_time()
 
     def close(self) -> None:
         self._inner.close()
@@ -486,9 +471,6 @@ class FaultyParameterServer:
 
     def state_dict(self) -> dict[str, Any]:
         return {"latest_version": self.latest_version()}
-
-    def next_event_time(self) -> float | None:
-        return None if self._hidden is None else self._hidden[1]
 
     def _reveal(self) -> None:
         if self._hidden is not None and self._clock.now() >= self._hidden[1]:
