@@ -180,7 +180,6 @@ def test_a_dead_ray_actor_is_a_lost_connection() -> None:
     import collections
 
     import ray
-
     from staleflow.runtime.placement import RayPlacement
 
     placement = RayPlacement(num_cpus=1, include_dashboard=False, log_to_driver=False)
