@@ -12,8 +12,9 @@ reads each run's ``metrics.jsonl`` and writes into DIR:
 * ``convergence.png``: train reward (trailing mean of ``--smooth`` steps) against training step
   and against run-loop time, per eta: the mean over seeds with the min-max band;
 * ``convergence.md`` / ``convergence.json``: per eta, the greedy eval reward at the start and the
-  end, the train reward over the last ``--smooth`` steps, the (smoothed) train reward at the run-loop
-  time the shortest run of the study reached, and the trained tokens/s, each as mean +- sample
+  end and its gain (end - start of each seed, which removes the seeds' different warm-ups), the
+  train reward over the last ``--smooth`` steps, the (smoothed) train reward at the run-loop time
+  the shortest run of the study reached, and the trained tokens/s, each as mean +- sample
   standard deviation over seeds; per run, the largest group staleness (must be <= eta).
 
 Reproduce: ``staleflow bench convergence [--etas 0 1 2 4 8] [--seeds 0 1 2] [--steps 70] [--out runs/convergence] [--json]``.
@@ -175,6 +176,7 @@ def aggregate(runs: Sequence[RunResult], smooth: int) -> dict[int, dict[str, Any
         on_grid = np.array([np.interp(grid, r.elapsed_s, s) for r, s in zip(group, smoothed)])
         eval_start, eval_start_std = mean_std([r.eval_start for r in group])
         eval_end, eval_end_std = mean_std([r.eval_end for r in group])
+        gain, gain_std = mean_std([r.eval_end - r.eval_start for r in group])
         last, last_std = mean_std([statistics.fmean(r.rewards[-smooth:]) for r in group])
         tps, tps_std = mean_std([r.tokens_per_s for r in group])
         at_common, at_common_std = mean_std([float(np.interp(common_s, r.elapsed_s, s)) for r, s in zip(group, smoothed)])
@@ -184,6 +186,8 @@ def aggregate(runs: Sequence[RunResult], smooth: int) -> dict[int, dict[str, Any
             "eval_start_std": eval_start_std,
             "eval_end": eval_end,
             "eval_end_std": eval_end_std,
+            "eval_gain": gain,
+            "eval_gain_std": gain_std,
             "reward_last": last,
             "reward_last_std": last_std,
             "common_s": common_s,
@@ -225,14 +229,14 @@ def plot(figures: dict[int, dict[str, Any]], path: Path, smooth: int, steps: int
 def table(figures: dict[int, dict[str, Any]], smooth: int) -> str:
     common_s = next(iter(figures.values()))["common_s"]
     lines = [
-        f"| eta | seeds | greedy eval start -> end | train reward, last {smooth} steps | train reward at {common_s:.0f} s of run loop | trained tokens/s | run loop (mean) | max staleness per seed (<= eta) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| eta | seeds | greedy eval start -> end | eval gain (end - start, per seed) | train reward, last {smooth} steps | train reward at {common_s:.0f} s of run loop | trained tokens/s | run loop (mean) | max staleness per seed (<= eta) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for eta, f in sorted(figures.items()):
         staleness = ", ".join(str(f["max_staleness"][s]) for s in f["seeds"])
         lines.append(
             f"| {eta} | {' '.join(map(str, f['seeds']))} | {f['eval_start']:.3f} ± {f['eval_start_std']:.3f} -> "
-            f"{f['eval_end']:.3f} ± {f['eval_end_std']:.3f} | {f['reward_last']:.3f} ± {f['reward_last_std']:.3f} | "
+            f"{f['eval_end']:.3f} ± {f['eval_end_std']:.3f} | {f['eval_gain']:+.3f} ± {f['eval_gain_std']:.3f} | {f['reward_last']:.3f} ± {f['reward_last_std']:.3f} | "
             f"{f['reward_at_common_s']:.3f} ± {f['reward_at_common_s_std']:.3f} | "
             f"{f['tokens_per_s']:.0f} ± {f['tokens_per_s_std']:.0f} | {f['run_loop_s']:.0f} s | "
             f"{staleness} ({'ok' if f['bound_ok'] else 'VIOLATED'}) |"

@@ -45,6 +45,7 @@ def test_aggregate_mean_spread_and_curves(study: Path) -> None:
     assert f["eval_start"] == pytest.approx(0.3)
     assert f["eval_start_std"] == pytest.approx(0.02**0.5)  # sample stdev of 0.2, 0.4
     assert f["eval_end"] == pytest.approx(0.7)
+    assert (f["eval_gain"], f["eval_gain_std"]) == pytest.approx((0.4, 0.0))
     assert f["reward_last"] == pytest.approx(0.6)  # (0.5 + 0.7) / 2 and (0.3 + 0.9) / 2
     assert f["reward_last_std"] == pytest.approx(0.0)
     assert f["tokens_per_s"] == pytest.approx(200.0)
@@ -89,7 +90,7 @@ def test_command_aggregates_finished_runs_without_training(study: Path, capsys: 
     assert figures["etas"]["2"]["tokens_per_s"] == pytest.approx(200.0)
     assert (study / "convergence.png").stat().st_size > 0
     out = capsys.readouterr().out
-    assert "| 2 | 0 1 | 0.300 ± 0.141 -> 0.700 ± 0.141 | 0.600 ± 0.000 | 0.450 ± 0.212 | 200 ± 141 | 6 s | 2, 1 (ok) |" in out
+    assert "| 2 | 0 1 | 0.300 ± 0.141 -> 0.700 ± 0.141 | +0.400 ± 0.000 | 0.600 ± 0.000 | 0.450 ± 0.212 | 200 ± 141 | 6 s | 2, 1 (ok) |" in out
     assert "staleflow bench convergence --etas 2 --seeds 0 1 --steps 4" in out
 
 
