@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantum", type=float, default=None, help="engine event grid in seconds (default: the workload's)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout (nothing else)")
     parser.add_argument("--out", type=Path, default=None, help="write results.json and PNG plots into this folder")
+    parser.add_argument(
+        "--trace-dir", type=Path, default=None,
+        help="write each run's protocol trace as DIR/<system>-eta<eta>.jsonl (check with staleflow verify --trace)",
+    )
 
 
 def _systems(requested: list[str]) -> list[str]:
@@ -73,8 +77,12 @@ def simulate_system(
     tick_s: float | None = None,
     event_quantum_s: float | None = None,
     on_step: Any = None,
+    trace_path: Path | None = None,
 ) -> dict[str, Any]:
-    """Run one system for ``steps`` training steps; returns its figures (the JSON entry)."""
+    """Run one system for ``steps`` training steps; returns its figures (the JSON entry).
+
+    With ``trace_path`` the run's protocol trace is written there (JSONL, for ``verify --trace``).
+    """
     from staleflow.adapters.sim_engine import SimEngine
     from staleflow.adapters.sim_trainer import SimTrainer
     from staleflow.runtime.clock import VirtualClock
@@ -98,6 +106,7 @@ def simulate_system(
         cost_model=workload.build_cost_model(),
         clock=clock,
         tick_s=workload.simulation.tick_s if tick_s is None else tick_s,
+        trace_path=trace_path,
     )
     started = time.perf_counter()
     try:
@@ -279,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
         "by_eta": {},
     }
     exit_code = 0
+    if args.trace_dir is not None:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
         for eta in args.eta:
             results: dict[str, dict[str, Any]] = {}
@@ -288,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
                     results[name] = simulate_system(
                         workload, name, eta, args.steps, args.seed, args.tick, args.quantum,
                         on_step=lambda task=task: progress.advance(task),
+                        trace_path=None if args.trace_dir is None else args.trace_dir / f"{name}-eta{eta}.jsonl",
                     )
                 except RunStalledError as exc:
                     err.print(f"error: eta={eta} {name}: {exc}", highlight=False)

@@ -72,3 +72,22 @@ def test_unknown_system_and_bad_steps_exit_2(capsys) -> None:
     assert "unknown system 'verl'" in capsys.readouterr().err
     assert run_cli(["--workload", "small-ci", "--steps", "0"]) == 2
     assert "--steps must be >= 1" in capsys.readouterr().err
+
+
+def test_trace_dir_writes_a_trace_per_run_that_the_spec_accepts(capsys, tmp_path) -> None:
+    from staleflow.verification.trace_validation import validate_trace
+
+    code = run_cli(
+        ["--workload", "small-ci", "--systems", "staleflow", "sync", "--eta", "2", "--steps", "3",
+         "--json", "--trace-dir", str(tmp_path)]
+    )
+    capsys.readouterr()
+    assert code == 0
+    traces = sorted(p.name for p in tmp_path.glob("*.jsonl"))
+    assert traces == ["staleflow-eta2.jsonl", "sync-eta2.jsonl"]
+    for name in traces:
+        lines = (tmp_path / name).read_text().splitlines()
+        consumes = [line for line in lines if '"consume"' in line]
+        assert len(consumes) == 3
+        result = validate_trace(tmp_path / name, use_tlc=False)
+        assert result.ok, result.detail
