@@ -670,5 +670,8 @@ class RunLoop:
             self._pusher.shutdown()
         self.rewards.close()
         for engine in self.engines.values():
-            engine.close()
+            try:
+                engine.close()
+            except INSTANCE_FAILURES:
+                pass  # a dead instance has nothing left to close
         self.trainer.close()
