@@ -227,6 +227,12 @@ class EngineLedger:
         with self._lock:
             self.syncs.append((instance_id, version, seconds))
 
+    def versions(self) -> list[int]:
+        """The last observed version of each instance (from the loop's own snapshots: no engine call,
+        so a dead instance cannot fail the caller)."""
+        with self._lock:
+            return [self._versions[iid] for iid in sorted(self._versions)]
+
     def observed(self, snap: InstanceSnapshot) -> None:
         with self._lock:
             changed = self._versions.get(snap.instance_id) != snap.version

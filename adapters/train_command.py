@@ -279,7 +279,7 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
         for step in range(first_step + 1, config.train.steps + 1):
             metrics = loop.run(1)
             record = _step_record(metrics, ledger, reward_seconds[0], trained_before)
-            log.step(step, record, versions=[e.snapshot().version for e in engines])
+            log.step(step, record, versions=ledger.versions())
             if evaluator.enabled and config.task.eval_every and step % config.task.eval_every == 0 and step < config.train.steps:
                 log.eval(step, evaluator.run(trainer))
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.train.steps:
