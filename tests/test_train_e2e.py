@@ -103,3 +103,53 @@ def test_resume_continues_from_the_checkpoint_within_the_bound(first_run: tuple[
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(r["kind"] == "resumed" and r["step"] == 2 for r in records)
     assert [r["step"] for r in records if r["kind"] == "step"][-3:] == [3, 4, 5]
+
+
+def _steps_logged(metrics: Path) -> int:
+    if not metrics.exists():
+        return 0
+    return sum(1 for line in metrics.read_text().splitlines() if line.startswith('{"kind": "step"'))
+
+
+def test_killing_a_vllm_instance_mid_run_loses_nothing_and_keeps_the_bound(tmp_path: Path) -> None:
+    """Kill one rollout instance's Ray actor process (SIGKILL) during `staleflow train`: the run
+    finishes on the other instance with exit code 0 (clean audit, bound kept) and a trace the spec
+    accepts."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from staleflow.verification.trace_validation import validate_trace
+
+    run_dir = tmp_path / "run"
+    steps = 30
+    overrides = [o for o in SMALL_JOB if not o.startswith(("train.steps", "checkpoint.every"))]
+    job = subprocess.Popen(
+        [sys.executable, "-m", "staleflow.cli", "train", f"train.steps={steps}", "checkpoint.every=0",
+         *overrides, "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 400
+        while _steps_logged(run_dir / "metrics.jsonl") < 5:
+            assert job.poll() is None, f"train ended before the kill: {job.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "train did not reach step 5 in time"
+            time.sleep(0.5)
+        hosts = subprocess.run(["pgrep", "-f", "^ray::_Host"], capture_output=True, text=True).stdout.split()
+        assert len(hosts) == 2, f"expected two rollout actor processes, found {hosts}"
+        os.kill(int(hosts[0]), signal.SIGKILL)
+        output, _ = job.communicate(timeout=600)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output[-3000:]
+    assert "audit: lost 0, duplicated 0, orphaned 0, ok True" in output
+    assert _steps_logged(run_dir / "metrics.jsonl") == steps
+    consumed = _consumed(run_dir / "trace.jsonl", 0)
+    assert [b for b, _ in consumed] == list(range(steps))
+    eta = json.loads((run_dir / "summary.json").read_text())["eta"]
+    assert all(v <= b <= v + eta for b, versions in consumed for v in versions)
+    result = validate_trace(run_dir / "trace.jsonl", use_tlc=False)
+    assert result.ok, result.detail
