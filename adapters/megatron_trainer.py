@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from staleflow.adapters.background_trainer import BackgroundStepTrainer
 from staleflow.adapters.torch_trainer import TrainerSettings
 from staleflow.runtime.algorithms import (
     Correction,
@@ -215,7 +214,7 @@ def megatron_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch
 
 
 # ----------------------------------------------------------------------------------- the trainer
-class MegatronTrainer:
+class MegatronTrainer(BackgroundStepTrainer):
     """GRPO training on Megatron-core, one CUDA GPU per rank (see the module docstring).
 
     Same constructor and extras (``save_checkpoint``, ``load_checkpoint``, ``generate_greedy``) as
@@ -290,46 +289,11 @@ class MegatronTrainer:
             [self._model],
         )
         self._steps_taken = 0
-        self._version = version
-        self._lock = threading.Lock()
-        self._published = self._hf_weights()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-trainer")
-        self._running: Future[TrainResult] | None = None
-
-    # ------------------------------------------------------------------------------ Trainer seam
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def start_step(self, batch: TrainingBatch) -> None:
-        if self._running is not None:
-            raise RuntimeError("a training step is already running; poll() it first")
-        if batch.version != self._version:
-            raise ValueError(f"batch is buffer {batch.version} but the trainer holds version {self._version}")
-        self._running = self._executor.submit(self._step, batch)
-
-    def poll(self) -> TrainResult | None:
-        if self._running is None or not self._running.done():
-            return None
-        future, self._running = self._running, None
-        return future.result()
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        """Hugging Face-named CPU weights of version :attr:`version` (for the PS and vLLM)."""
-        return self._published
-
-    def next_event_time(self) -> float | None:
-        return None
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._start_background(version, self._hf_weights(), "megatron-trainer")
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, folder: str | os.PathLike[str]) -> Path:
-        if self._running is not None:
-            raise RuntimeError("cannot checkpoint while a training step is running")
-        target = Path(folder)
-        target.mkdir(parents=True, exist_ok=True)
+        target = self._checkpoint_folder(folder)
         with self._lock:
             torch.save(
                 {

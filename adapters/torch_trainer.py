@@ -20,15 +20,14 @@ import itertools
 import math
 import os
 import random
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from staleflow.adapters.background_trainer import BackgroundStepTrainer
 from staleflow.runtime.algorithms import (
     Correction,
     LossSettings,
@@ -86,7 +85,7 @@ def load_causal_lm(path: str | os.PathLike[str]) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
 
 
-class TorchTrainer:
+class TorchTrainer(BackgroundStepTrainer):
     """GRPO training of a causal LM on CPU (or one GPU with ``device="cuda"``).
 
     Args:
@@ -128,62 +127,14 @@ class TorchTrainer:
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
-        self._version = version
-        self._lock = threading.Lock()  # guards the model between the step thread and callers
-        self._published = self._copy_weights()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-trainer")
-        self._running: Future[TrainResult] | None = None
-
-    # ------------------------------------------------------------------------------ Trainer seam
-    @property
-    def version(self) -> int:
-        """The newest finished version (the one :meth:`weights` returns)."""
-        return self._version
-
-    def start_step(self, batch: TrainingBatch) -> None:
-        if self._running is not None:
-            raise RuntimeError("a training step is already running; poll() it first")
-        if batch.version != self._version:
-            raise ValueError(
-                f"batch is buffer {batch.version} but the trainer holds version {self._version}; "
-                "buffer v trains version v into v + 1"
-            )
-        self._running = self._executor.submit(self._step, batch)
-
-    def poll(self) -> TrainResult | None:
-        if self._running is None or not self._running.done():
-            return None
-        future, self._running = self._running, None
-        return future.result()  # re-raises a failed step's exception
-
-    def wait(self, timeout: float | None = None) -> TrainResult:
-        """Block until the running step finishes and return its result."""
-        if self._running is None:
-            raise RuntimeError("no training step is running")
-        self._running.result(timeout=timeout)
-        result = self.poll()
-        assert result is not None
-        return result
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        """A CPU state dict of version :attr:`version` (a copy; safe to hand to other threads)."""
-        return self._published
-
-    def next_event_time(self) -> float | None:
-        return None
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._start_background(version, self._copy_weights(), "torch-trainer")
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, folder: str | os.PathLike[str]) -> Path:
         """Write model, optimiser, schedule, version and RNG state to ``folder`` (no step may run)."""
         from safetensors.torch import save_file
 
-        if self._running is not None:
-            raise RuntimeError("cannot checkpoint while a training step is running")
-        target = Path(folder)
-        target.mkdir(parents=True, exist_ok=True)
+        target = self._checkpoint_folder(folder)
         with self._lock:
             save_file({k: v.contiguous() for k, v in self._published.items()}, str(target / CHECKPOINT_MODEL))
             torch.save(
