@@ -159,9 +159,12 @@ class TorchTrainer(BackgroundStepTrainer):
         for name in (CHECKPOINT_MODEL, CHECKPOINT_STATE):
             if not (source / name).is_file():
                 raise FileNotFoundError(f"checkpoint {source} has no {name}")
+        # Read and check everything before touching the model: a refused load changes nothing.
+        weights = _read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
+        state = _read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
+        _check_weights_match(weights, self._model.state_dict(), source / CHECKPOINT_MODEL)
         with self._lock:
-            self._model.load_state_dict(load_file(str(source / CHECKPOINT_MODEL)), strict=True)
-            state = torch.load(source / CHECKPOINT_STATE, weights_only=False)
+            self._model.load_state_dict(weights, strict=True)
             self._optimizer.load_state_dict(state["optimizer"])
             self._scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["torch_rng"])
@@ -242,6 +245,34 @@ class TorchTrainer(BackgroundStepTrainer):
 
     def _copy_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self._model.state_dict().items()}
+
+
+def _read_checkpoint_file(path: Path, read: Any) -> Any:
+    """``read(path)``, with any failure (truncated, corrupt) reported as a ValueError naming the file."""
+    try:
+        return read(path)
+    except Exception as error:  # safetensors and torch raise many types for a damaged file
+        raise ValueError(f"checkpoint file {path} cannot be read ({type(error).__name__}: {error})") from error
+
+
+def _check_weights_match(weights: dict[str, torch.Tensor], expected: dict[str, Any], path: Path) -> None:
+    """Refuse weights of another model (missing, extra or differently shaped tensors), naming them."""
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    mismatched = [
+        f"{name}: {tuple(weights[name].shape)} in the file, {tuple(expected[name].shape)} in the model"
+        for name in sorted(set(weights) & set(expected))
+        if weights[name].shape != expected[name].shape
+    ]
+    if missing or extra or mismatched:
+        details = "; ".join(
+            part for part in (
+                f"missing {missing[:3]}" if missing else "",
+                f"unexpected {extra[:3]}" if extra else "",
+                f"size mismatch {mismatched[:3]}" if mismatched else "",
+            ) if part
+        )
+        raise ValueError(f"checkpoint file {path} holds another model's weights: {details}")
 
 
 def _minibatch_rows(group_sizes: Sequence[int], minibatches: int) -> list[slice]:
