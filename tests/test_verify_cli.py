@@ -16,7 +16,7 @@ from staleflow.verification import cli
 from staleflow.verification.checks import CheckResult
 from staleflow.verification.trace_validation import record_workload_trace
 
-KEYS = ["name", "property", "method", "bounds", "explored", "result", "seconds"]
+KEYS = ["name", "property", "method", "bounds", "explored", "result", "seconds", "detail"]
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         )
     ok = bool(results) and all(r.ok for r in results)
     if args.json:
-        checks = [{key: r.to_json()[key] for key in COLUMNS} for r in results]
+        checks = [{key: r.to_json()[key] for key in (*COLUMNS, "detail")} for r in results]
         print(json.dumps({"ok": ok, "checks": checks}, indent=2))
     else:
         _print_table(results, time.perf_counter() - started)
