@@ -9,12 +9,13 @@ turn it off).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,12 +143,7 @@ def run_tlc(
     ``"timeout"``), never a pass.
     """
     java, jar = find_java(), find_jar()
-    with tempfile.TemporaryDirectory(prefix="staleflow-tlc-") as tmp:
-        work = Path(tmp)
-        for path in SPEC_DIR.glob("*.tla"):
-            shutil.copy(path, work / path.name)
-        for name, text in (overrides or {}).items():
-            (work / name).write_text(text)
+    with _spec_workdir("staleflow-tlc-", overrides) as work:
         (work / "model.cfg").write_text(cfg)
         command = [java, "-XX:+UseParallelGC", "-cp", str(jar), "tlc2.TLC", "-workers", str(workers),
                    "-config", "model.cfg", "-metadir", str(work / "meta")]
@@ -177,15 +173,23 @@ def run_tlc(
     )
 
 
-def sany_parse(modules: Sequence[str], overrides: Mapping[str, str] | None = None) -> TlcRun:
-    """Parse and semantically check ``modules`` with SANY; ``returncode`` 0 means all are well formed."""
-    java, jar = find_java(), find_jar()
-    with tempfile.TemporaryDirectory(prefix="staleflow-sany-") as tmp:
+
+@contextlib.contextmanager
+def _spec_workdir(prefix: str, overrides: Mapping[str, str] | None) -> Iterator[Path]:
+    """A temporary folder holding every spec module, with ``overrides`` (file name -> text) written
+    over or beside them; TLC and SANY run there so nothing lands in the repository."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         work = Path(tmp)
         for path in SPEC_DIR.glob("*.tla"):
             shutil.copy(path, work / path.name)
         for name, text in (overrides or {}).items():
             (work / name).write_text(text)
+        yield work
+
+def sany_parse(modules: Sequence[str], overrides: Mapping[str, str] | None = None) -> TlcRun:
+    """Parse and semantically check ``modules`` with SANY; ``returncode`` 0 means all are well formed."""
+    java, jar = find_java(), find_jar()
+    with _spec_workdir("staleflow-sany-", overrides) as work:
         started = time.perf_counter()
         proc = subprocess.run([java, "-cp", str(jar), "tla2sany.SANY", *(f"{m}.tla" for m in modules)],
                               cwd=work, capture_output=True, text=True, timeout=120, check=False)
