@@ -2,8 +2,8 @@
 
 Each seed draws a scenario (cluster shape, policy, ``eta``, redundancy, and the rate of each fault
 kind) and runs the unchanged runtime on simulated instances and trainer through the fault
-injectors of :mod:`staleflow.adapters.faults`: a faulty phase, then a healed phase that must make
-progress. See :mod:`staleflow.adapters.chaos` for what is checked and when.
+injectors of :mod:`staleflow.verification.faults`: a faulty phase, then a healed phase that must make
+progress. See :mod:`staleflow.verification.chaos` for what is checked and when.
 
 Prints the seeds run, the faults injected by kind, the events and audits checked, and each
 violation with the one command that replays it. Exit code 1 if any seed found a violation.
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_arguments(args: argparse.Namespace) -> list[str]:
-    from staleflow.adapters.faults import FaultKind
+    from staleflow.verification.faults import FaultKind
 
     problems = []
     if args.seed is None and args.seeds < 1:
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
-    from staleflow.adapters.chaos import run_seed
+    from staleflow.verification.chaos import run_seed
 
     seeds = [args.seed] if args.seed is not None else list(range(args.first, args.first + args.seeds))
     results = []

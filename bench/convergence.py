@@ -75,7 +75,7 @@ def run_dir_name(eta: int, seed: int) -> str:
 
 def load_run(run_dir: Path, eta: int, seed: int) -> RunResult:
     """Read one run's ``metrics.jsonl``; a run without steps or evaluations is an error."""
-    from staleflow.adapters.metrics import read_metrics
+    from staleflow.cli.metrics import read_metrics
 
     records = read_metrics(run_dir)
     steps = [r for r in records if r.get("kind") == "step"]
@@ -141,7 +141,7 @@ def train_one(eta: int, seed: int, steps: int, out: Path, quiet: bool) -> bool:
 # -------------------------------------------------------------------------------- aggregation
 def trailing_mean(values: Sequence[float], window: int) -> list[float]:
     """Mean of the last ``window`` values at each point (fewer at the start)."""
-    from staleflow.adapters.report import _moving_mean
+    from staleflow.cli.report import _moving_mean
 
     return _moving_mean(list(values), window)
 
@@ -205,7 +205,7 @@ def aggregate(runs: Sequence[RunResult], smooth: int) -> dict[int, dict[str, Any
 
 
 def plot(figures: dict[int, dict[str, Any]], path: Path, smooth: int, steps: int) -> None:
-    from staleflow.adapters.report import _pyplot
+    from staleflow.cli.report import _pyplot
 
     plt = _pyplot()
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)

@@ -65,11 +65,12 @@ def _summary(samples: list[float]) -> dict[str, float]:
 
 def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, Any]:
     """Fill a fleet of ``instances`` with about ``requests`` in-flight requests and time ``ticks`` ticks."""
-    from staleflow.adapters.sim_engine import SimEngine
+    from staleflow.adapters.sim.engine import SimEngine
     from staleflow.protocol import StalenessManager
     from staleflow.runtime.clock import VirtualClock
     from staleflow.runtime.commands import Route
-    from staleflow.runtime.coordinator import Coordinator
+    from staleflow.runtime.coordinator import Coordinator, decide
+    from staleflow.runtime.group_life import GroupLife
     from staleflow.runtime.policies import make_policy
     from staleflow.runtime.trajectory_server import TrajectoryServer
     from staleflow.runtime.types import PromptGroup
@@ -92,7 +93,8 @@ def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, A
                     metadata={GROUP_LENGTHS_KEY: [RESPONSE_TOKENS] * GROUP_SIZE, "max_new_tokens": RESPONSE_TOKENS})
         for i in range(batch_size * (ETA + 1))
     )
-    coordinator = Coordinator(manager, ts, make_policy("staleflow"), cost, [e.snapshot() for e in engines])
+    groups = GroupLife(manager, ts)
+    coordinator = Coordinator(groups, make_policy("staleflow"), cost, [e.snapshot() for e in engines])
 
     def execute(commands: list[Any]) -> None:
         for command in commands:
@@ -101,7 +103,7 @@ def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, A
             by_id[command.instance_id].submit(ts.mark_routed(command.request_ids, command.instance_id))
 
     fill_started = time.perf_counter()
-    while commands := coordinator.plan(0, full=False):
+    while commands := decide(coordinator, groups, 0, full=False):
         execute(commands)
     fill_s = time.perf_counter() - fill_started
     on_instances = sum(len(v.requests) for v in coordinator.views)
@@ -116,7 +118,7 @@ def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, A
             coordinator.observe(engine.snapshot())
         observe.append(time.perf_counter() - started)
         started = time.perf_counter()
-        commands = coordinator.plan(0, full=True)
+        commands = decide(coordinator, groups, 0, full=True)
         steady.append(time.perf_counter() - started)
         execute(commands)
 
@@ -125,7 +127,7 @@ def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, A
             coordinator.forget(instance_id, [rid])
             ts.requeue(by_id[instance_id].interrupt([rid]), instance_id)
         started = time.perf_counter()
-        commands = coordinator.plan(0, full=True)
+        commands = decide(coordinator, groups, 0, full=True)
         rerouted.append(time.perf_counter() - started)
         execute(commands)
 

@@ -8,6 +8,8 @@ import time
 class RealClock:
     """Wall-clock seconds since construction."""
 
+    simulated = False
+
     def __init__(self) -> None:
         self._start = time.monotonic()
 
@@ -22,6 +24,8 @@ class RealClock:
 
 class VirtualClock:
     """Simulated seconds: ``sleep_until`` jumps at once. Deterministic; used by the simulator."""
+
+    simulated = True
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = start

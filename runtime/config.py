@@ -35,6 +35,8 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+#: the coordinator knobs a config may set for the system's policy (null: the policy's own value)
+POLICY_KNOBS = ("mu", "phi_wait", "phi_throughput", "sync_kv_fraction")
 
 
 class _Loader(yaml.SafeLoader):
@@ -153,20 +155,28 @@ class CostModelConfig(_Section):
 class CoordinatorConfig(_Section):
     """The coordinator's knobs (design section 3.2). Ablations are systems (``staleflow-no-routing``...).
 
-    ``mu`` defaults to 0.02, not the paper's 0.3: with the CPU cost model, 0.3 stopped routing at
-    about 14 requests per instance, where vLLM-CPU still gains throughput from bigger batches.
+    The strategy knobs are defined once, by the system's policy
+    (:class:`~staleflow.runtime.policies.SystemPolicy`: the paper's ``mu`` 0.3, ``phi_wait`` 3,
+    ``phi_throughput`` 5, ``sync_kv_fraction`` 0.1); left out or null, a knob takes the chosen
+    system's value. The built-in CPU job sets ``mu`` 0.02: with the CPU cost model, 0.3 stopped
+    routing at about 14 requests per instance, where vLLM-CPU still gains throughput from bigger
+    batches.
     """
 
-    mu: StrictFloat = Field(0.02, ge=0, le=1)
-    phi_wait: StrictInt = Field(3, ge=0, le=1_000_000)
-    phi_throughput: StrictFloat = Field(5.0, ge=0, le=1000)
-    sync_kv_fraction: StrictFloat = Field(0.1, ge=0, le=1)
+    mu: StrictFloat | None = Field(None, ge=0, le=1)
+    phi_wait: StrictInt | None = Field(None, ge=0, le=1_000_000)
+    phi_throughput: StrictFloat | None = Field(None, ge=0, le=1000)
+    sync_kv_fraction: StrictFloat | None = Field(None, ge=0, le=1)
     tick_s: StrictFloat = Field(0.05, gt=0, le=60)
     cost_model: CostModelConfig = CostModelConfig()
 
+    def policy_knobs(self) -> dict[str, float | int]:
+        """The knobs this config sets (the others keep the system's values)."""
+        return {name: value for name in POLICY_KNOBS if (value := getattr(self, name)) is not None}
+
 
 class TrainConfig(_Section):
-    """The optimiser and the RL objective (``runtime/algorithms.py``)."""
+    """The optimiser and the RL objective (``adapters/torch/algorithms.py``)."""
 
     backend: Literal["torch", "megatron"] = "torch"
     steps: StrictInt = Field(150, ge=1, le=10_000_000)

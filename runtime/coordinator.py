@@ -10,13 +10,16 @@ that agree with it, and decides commands with the policy's strategies:
 3. **Route**: queued requests (partials and group members not placed yet) in priority order, each
    only to instances whose version is at least its group's version; the queue is served in order
    and a request that cannot be placed holds back the rest until the next decision.
-4. **Admit**: while the queue is empty, pending groups are admitted: the router picks an instance
-   among those whose version the protocol would admit, the protocol **reserves** the group at that
-   version (the :class:`~staleflow.protocol.StalenessManager` is the only authority), and the
-   group's requests are routed.
+4. **Admit**: while the queue is empty, pending groups are admitted one at a time
+   (:meth:`Coordinator.next_admission`): the router picks an instance among those whose version the
+   protocol would admit (the :class:`~staleflow.protocol.StalenessManager` is the only authority);
+   the caller reserves the group through :class:`~staleflow.runtime.group_life.GroupLife` and
+   hands its requests back (:meth:`Coordinator.place_admitted`), which routes them.
 
-Group aborts (staleness GC) also go through here, so that the protocol, the trajectory server and
-the speculative state change together.
+The coordinator reads the protocol and the trajectory server and changes neither: its own state is
+the speculative view of the fleet and its counters. Staleness GC is a decision too
+(:meth:`Coordinator.stale_groups`); the caller aborts the groups and the coordinator cancels
+their requests (:meth:`Coordinator.cancel`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,20 +35,34 @@ from staleflow.protocol import StalenessManager
 from staleflow.runtime.commands import Abort, Command, Interrupt, Pull, Route
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.fleet import FleetArrays, InstanceView
+from staleflow.runtime.group_life import GroupLife
 from staleflow.runtime.migration import plan_migration
 from staleflow.runtime.policies import SystemPolicy
 from staleflow.runtime.routing import LeastLoadedRouter, ThroughputRouter
 from staleflow.runtime.sync import plan_pulls
-from staleflow.runtime.trajectory_server import GroupState, TrajectoryServer
+from staleflow.runtime.trajectory_server import TrajectoryServer
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A decision to admit ``group_id`` at ``version`` on the instance at ``instance_index``."""
+
+    group_id: str
+    version: int
+    instance_index: int
+    prompt_tokens: int
 
 
 class Coordinator:
     """Decides Route / Interrupt / Pull / Abort commands for a fleet of rollout instances.
 
+    One decision is: :meth:`plan` (pulls, interrupts, the queue's routes), then
+    :meth:`next_admission` / :meth:`place_admitted` until it returns None, then :meth:`take_routes`.
+
     Args:
-        manager: the staleness protocol (reserves go through it).
-        trajectory_server: where groups and requests live (local object or a Ray proxy).
+        groups: the owner of groups' life; read for the protocol, the trajectory server (local
+            object or a Ray proxy) and the count of live groups.
         policy: the system policy (strategies and knobs).
         cost_model: the instances' decode cost model (throughput routing and migration).
         snapshots: one initial snapshot per instance (empty instances), in a fixed order.
@@ -52,16 +70,14 @@ class Coordinator:
 
     def __init__(
         self,
-        manager: StalenessManager,
-        trajectory_server: TrajectoryServer,
+        groups: GroupLife,
         policy: SystemPolicy,
         cost_model: CostModel,
         snapshots: Sequence[InstanceSnapshot],
     ) -> None:
         if not snapshots:
             raise ValueError("the coordinator needs at least one rollout instance")
-        self.manager = manager
-        self.ts = trajectory_server
+        self.groups = groups
         self.policy = policy
         self.cost_model = cost_model
         self.views = [InstanceView(s) for s in snapshots]
@@ -73,11 +89,12 @@ class Coordinator:
             if policy.routing == "throughput"
             else LeastLoadedRouter(policy.max_running)
         )
-        #: admitted groups not yet removed without training (the inflight cap's accepted + running)
-        self.live_groups = 0
         self._fleet = FleetArrays.of(self.views)
         self._dirty: set[int] = set()
         self._starved = False  # the last decision left admissible groups for want of an instance
+        self._routes: dict[int, list[str]] = {}  # the decision in progress: instance index -> requests
+        self._admitting = False  # the decision in progress may admit groups
+        self._ps_version: int | None = None
         self.stats: Counter[str] = Counter()
         self.decision_seconds = 0.0
 
@@ -117,13 +134,20 @@ class Coordinator:
         self.views[index] = InstanceView(snapshot)
         self._dirty.add(index)
 
-    def groups_removed(self, count: int) -> None:
-        """Admitted groups that ended without being trained (aborted, failed, dropped)."""
-        self.live_groups -= count
+    @property
+    def manager(self) -> StalenessManager:
+        return self.groups.manager
+
+    @property
+    def ts(self) -> TrajectoryServer:
+        return self.groups.ts
 
     # ----------------------------------------------------------------- decisions
     def plan(self, ps_version: int | None, full: bool) -> list[Command]:
-        """Commands for now. ``full``: a periodic tick (migration is considered only then)."""
+        """Pull and Interrupt commands for now; queued requests are placed (sent by :meth:`take_routes`).
+
+        ``full``: a periodic tick (migration is considered only then).
+        """
         started = time.perf_counter()
         commands: list[Command] = []
         pulls = plan_pulls(
@@ -148,15 +172,14 @@ class Coordinator:
                 commands.append(Interrupt(self.views[i].instance_id, tuple(rids)))
                 self.stats["migrated_requests"] += len(rids)
             fleet = self._synced_fleet()
-        routes: dict[int, list[str]] = {}
+        self._routes = {}
+        self._ps_version = ps_version
         self._starved = False
+        self._admitting = False
         if self.ts.queued_count() or self._admissible_versions(ps_version):
-            if self._route_queue(fleet, routes):
-                self._starved = not self._admit(fleet, ps_version, routes)
+            self._admitting = self._route_queue(fleet, self._routes)
         elif self.ts.pending_count():
             self._starved = True  # no instance version is admissible (or the cap is reached)
-        for i, rids in routes.items():
-            commands.append(Route(self.views[i].instance_id, tuple(rids)))
         self.stats["pulls"] += len(pulls)
         self.decision_seconds += time.perf_counter() - started
         return commands
@@ -219,49 +242,62 @@ class Coordinator:
             return []
         if self.policy.admission == "inflight_cap":
             cap = (self.manager.eta + (ps_version or 0) + 1) * self.manager.batch_size
-            if self.live_groups >= cap:
+            if self.groups.live >= cap:
                 return []
         versions = [v for v in set(self._fleet.version.tolist()) if self.manager.can_reserve(v)]
         if not versions:
             self.stats["admission_blocked_by_protocol"] += 1
         return versions
 
-    def _admit(self, fleet: FleetArrays, ps_version: int | None, routes: dict[int, list[str]]) -> bool:
-        """Admit pending groups while the router, the protocol (and the policy's cap) allow.
+    def next_admission(self) -> Admission | None:
+        """The next pending group to admit in the decision in progress, or None when admission stops.
 
-        Returns False if a group the protocol would admit found no instance (the router had no room
-        at an admissible version); True if admission stopped for another reason.
+        Admission stops when nothing is pending, no instance version is admissible (or the policy's
+        cap is reached), or the router has no room at an admissible version (the fleet is then
+        *starved*: a sync may be needed). The caller reserves the group (``GroupLife.admit``) and
+        passes its requests to :meth:`place_admitted`.
         """
-        while True:
+        if not self._admitting:
+            return None
+        started = time.perf_counter()
+        try:
             group = self.ts.next_pending()
-            if group is None:
-                return True
-            admissible = self._admissible_versions(ps_version)
-            if not admissible:
-                return True
+            admissible = [] if group is None else self._admissible_versions(self._ps_version)
+            if group is None or not admissible:
+                self._admitting = False
+                return None
             tokens = len(group.prompt_ids)
+            fleet = self._fleet
             chosen = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible))
             if not chosen:
-                return False
-            choice = chosen[0]
-            version = int(fleet.version[choice])
-            if not self.manager.reserve(group.group_id, version):
-                raise RuntimeError(f"protocol refused group {group.group_id!r} at version {version} after can_reserve")
-            self.live_groups += 1
-            self.stats["groups_admitted"] += 1
-            requests = self.ts.admit(group.group_id, version)
-            self._assign(choice, requests[0].request_id, tokens, version, routes)
-            if not self._place(requests[1:], fleet, routes):
-                return True
+                self._admitting = False
+                self._starved = True
+                return None
+            return Admission(group.group_id, int(fleet.version[chosen[0]]), chosen[0], tokens)
+        finally:
+            self.decision_seconds += time.perf_counter() - started
+
+    def place_admitted(self, admission: Admission, requests: Sequence[RolloutRequest]) -> None:
+        """Route the requests of a group just reserved as ``admission`` decided."""
+        self.stats["groups_admitted"] += 1
+        self._assign(admission.instance_index, requests[0].request_id, admission.prompt_tokens, admission.version, self._routes)
+        if not self._place(list(requests[1:]), self._fleet, self._routes):
+            self._admitting = False
+
+    def take_routes(self) -> list[Command]:
+        """The Route commands of the decision in progress, which ends here."""
+        commands: list[Command] = [Route(self.views[i].instance_id, tuple(rids)) for i, rids in self._routes.items()]
+        self._routes = {}
+        self._admitting = False
+        return commands
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """What outlives a restart: the admitted-group count (the inflight cap) and the counters.
-        The speculative views are rebuilt from the instances' snapshots."""
-        return {"live_groups": self.live_groups, "stats": dict(self.stats), "decision_seconds": self.decision_seconds}
+        """What outlives a restart: the counters. The speculative views are rebuilt from the
+        instances' snapshots."""
+        return {"stats": dict(self.stats), "decision_seconds": self.decision_seconds}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.live_groups = int(state["live_groups"])
         self.stats = Counter(state["stats"])
         self.decision_seconds = float(state["decision_seconds"])
 
@@ -277,23 +313,39 @@ class Coordinator:
             commands.append(Abort(instance_id, tuple(rids)))
         return commands
 
-    def abort_stale_groups(self) -> list[Command]:
-        """Staleness GC (ROLL style): abort generating groups due in the head buffer."""
-        head = self.manager.version
-        stale = [
-            g.group_id
-            for g in self.manager.groups()
-            if g.version + self.manager.eta == head and self.ts.group_state(str(g.group_id)) is GroupState.GENERATING
-        ]
-        pairs: list[tuple[str, str]] = []
-        for group_id in stale:
-            self.manager.abort(group_id)
-            pairs.extend(self.ts.abort_group(str(group_id)))
-        self.groups_removed(len(stale))
+    def interrupt_all(self) -> list[Command]:
+        """Interrupt every request the fleet holds (a checkpoint: partials go to the trajectory server)."""
+        commands: list[Command] = []
+        for view in self.views:
+            if view.requests:
+                rids = tuple(view.requests)
+                self.forget(view.instance_id, rids)
+                commands.append(Interrupt(view.instance_id, rids))
+        return commands
+
+    def stale_groups(self) -> list[str]:
+        """Staleness GC (ROLL style): the generating groups due in the head buffer, to abort."""
+        stale = self.groups.generating_due(self.manager.version)
         self.stats["gc_aborted_groups"] += len(stale)
-        return self.cancel(pairs)
+        return stale
 
 
 def _tokens(request: RolloutRequest) -> int:
     """Tokens a request puts in the KV cache when it (re)starts: prompt and output so far."""
     return len(request.prompt_ids) + len(request.output_ids)
+
+
+def decide(coordinator: Coordinator, groups: GroupLife, ps_version: int | None, full: bool, gc: bool = False) -> list[Command]:
+    """One whole decision: the coordinator decides, ``groups`` makes every group change it implies.
+
+    ``gc``: abort the generating groups due in the head buffer first (staleness GC), so that no
+    route goes to a cancelled request. Returns the commands to carry out, in order.
+    """
+    commands: list[Command] = []
+    if gc:
+        commands += coordinator.cancel(groups.abort(coordinator.stale_groups()))
+    commands += coordinator.plan(ps_version, full)
+    while (admission := coordinator.next_admission()) is not None:
+        coordinator.place_admitted(admission, groups.admit(admission.group_id, admission.version))
+    commands += coordinator.take_routes()
+    return commands

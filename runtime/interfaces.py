@@ -4,6 +4,19 @@ The same coordinator, servers and protocol drive real parts (vLLM, torch, Ray) a
 (virtual time, cost model). Simulated parts advance lazily: whenever they are called they first
 bring their state up to ``clock.now()``; ``next_event_time`` tells the run loop how far a virtual
 clock may jump. Real parts work in the background and return ``None`` there.
+
+**Failure contract.** A binding raises only these for an operating failure (anything else is a
+bug and ends the run):
+
+- :class:`InstanceLostError` (or any ``ConnectionError``, e.g. a dead Ray actor) and
+  ``TimeoutError``: the instance stopped answering or lost its state (a crashed engine thread, a
+  killed process). The run loop then presumes everything the instance held lost: its requests go
+  back to the queue from their last partial in the trajectory server, and it gets no work until a
+  probe finds it answering and empty.
+- :class:`TransferFailedError`: a weight transfer (a push to, or a pull from, the parameter server)
+  did not complete. A failed pull is handled like a lost instance; a failed push is retried.
+
+Bad arguments (a caller's bug) raise ``ValueError``/``TypeError`` as usual.
 """
 
 from __future__ import annotations
@@ -13,9 +26,28 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory, TrainingBatch, TrainResult
 
 
+class InstanceLostError(ConnectionError):
+    """A rollout instance failed in a way that loses its state (see the failure contract)."""
+
+
+class TransferFailedError(ConnectionError):
+    """A weight transfer to or from the parameter server did not complete."""
+
+
+#: The exceptions of the failure contract: what the run loop recovers from.
+INSTANCE_FAILURES: tuple[type[Exception], ...] = (ConnectionError, TimeoutError)
+
+
 @runtime_checkable
 class Clock(Protocol):
-    """Time for the runtime: seconds since the run started, real or virtual."""
+    """Time for the runtime: seconds since the run started, real or virtual.
+
+    ``simulated`` is True for virtual time: it moves only when the loop jumps it, every part
+    announces its next event (``next_event_time``), and so an iteration with nothing due and no
+    work left is a stall, not a wait.
+    """
+
+    simulated: bool
 
     def now(self) -> float: ...
 
@@ -25,7 +57,12 @@ class Clock(Protocol):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """One rollout instance (a vLLM engine, or a simulated one)."""
+    """One rollout instance (a vLLM engine, or a simulated one).
+
+    Every method may raise the failure contract's :class:`InstanceLostError` (or another
+    ``ConnectionError``) or ``TimeoutError``; ``load_weights`` may also raise
+    :class:`TransferFailedError`.
+    """
 
     instance_id: str
 
@@ -57,7 +94,11 @@ class RolloutEngine(Protocol):
 
 @runtime_checkable
 class Trainer(Protocol):
-    """The training side: one step at a time, in the background."""
+    """The training side: one step at a time, in the background.
+
+    A trainer has no failure contract: an exception from it ends the run (the last checkpoint
+    resumes it).
+    """
 
     def start_step(self, batch: TrainingBatch) -> None:
         """Begin training on ``batch`` (buffer ``batch.version``); returns at once."""

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from staleflow.runtime.interfaces import TransferFailedError
+
 
 class ReadWriteLock:
     """Many readers or one writer; a waiting writer goes before new readers (no writer starvation)."""
@@ -55,7 +57,7 @@ class ReadWriteLock:
                 self._cond.notify_all()
 
 
-class VersionNotAvailableError(LookupError):
+class VersionNotAvailableError(TransferFailedError, LookupError):
     """A pull asked for a version the PS does not hold (not pushed yet, or evicted)."""
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from staleflow.runtime.algorithms import (
+from staleflow.adapters.torch.algorithms import (
     Correction,
     LossSettings,
     PackedBatch,

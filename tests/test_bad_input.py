@@ -331,25 +331,23 @@ TS_CASES = [
 
 
 def _loop(eta: int = 2) -> Any:
-    from staleflow.adapters.sim_engine import SimEngine
-    from staleflow.adapters.sim_trainer import SimTrainer
+    from staleflow.adapters.sim.engine import SimEngine
+    from staleflow.adapters.sim.trainer import SimTrainer
+    from staleflow.runtime.assembly import RunSpec, assemble_run
     from staleflow.runtime.clock import VirtualClock
-    from staleflow.runtime.loop import RunLoop
+    from staleflow.runtime.loop import RunParts
     from staleflow.runtime.policies import make_policy
 
     workload = load_workload("small-ci")
     clock = VirtualClock()
-    return RunLoop(
+    parts = RunParts(
         engines=[SimEngine.from_workload(workload, f"i{i}", clock) for i in range(2)],
         trainer=SimTrainer.from_workload(workload, clock),
         prompts=workload.prompt_groups(0),
-        policy=make_policy("staleflow"),
-        eta=eta,
-        batch_size=4,
         cost_model=workload.build_cost_model(),
         clock=clock,
-        tick_s=0.05,
     )
+    return assemble_run(RunSpec(make_policy("staleflow"), eta=eta, batch_size=4, tick_s=0.05), parts)
 
 
 _STATE: dict[str, Any] = {}
@@ -410,8 +408,8 @@ _TRAINER: dict[str, Any] = {}
 def _trainer_checkpoint(tmp: Path, damage: Callable[[Path], None]) -> Any:
     """Load a damaged copy of a tiny-model trainer checkpoint into a trainer (built once); the
     trainer's model and version must be unchanged by the refused load."""
-    from staleflow.adapters.tiny_model import PAD_ID, ensure_tiny_model
-    from staleflow.adapters.torch_trainer import TorchTrainer
+    from staleflow.cli.tiny_model import PAD_ID, ensure_tiny_model
+    from staleflow.adapters.torch.trainer import TorchTrainer
 
     if not _TRAINER:
         model_dir = ensure_tiny_model(Path(os.environ.get("STALEFLOW_TINY_MODEL_DIR", "~/.cache/staleflow/tiny-model")).expanduser())

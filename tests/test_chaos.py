@@ -1,9 +1,9 @@
 """Deterministic simulation testing in CI: fixed seeds of seeded faults, checked after every event.
 
 Goal: the runtime loses and duplicates nothing, trains nothing staler than ``eta``, keeps training
-and writes a trace the spec accepts, under every fault kind of :mod:`staleflow.adapters.faults`.
+and writes a trace the spec accepts, under every fault kind of :mod:`staleflow.verification.faults`.
 
-Method: :func:`staleflow.adapters.chaos.run_seed` runs the unchanged runtime on simulated
+Method: :func:`staleflow.verification.chaos.run_seed` runs the unchanged runtime on simulated
 instances and trainer through the fault injectors (a faulty phase, then a healed one) and checks
 after every protocol event, every step and at the end. A fixed set of seeds runs here; every
 failing seed found so far is a named regression test below, with the fault kinds that broke it
@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from staleflow.adapters.chaos import ChaosResult, run_seed
-from staleflow.adapters.faults import FaultKind, LaggingClock
+from staleflow.verification.chaos import ChaosResult, run_seed
+from staleflow.verification.faults import FaultKind, LaggingClock
 from staleflow.bench.chaos import summarise
 from staleflow.runtime.clock import VirtualClock
 
@@ -51,7 +51,7 @@ def test_a_seed_replays_identically_in_another_process(tmp_path: Path) -> None:
 
     first = run_seed(5, tmp_path / "a")
     script = (
-        "import json, sys; from pathlib import Path; from staleflow.adapters.chaos import run_seed; "
+        "import json, sys; from pathlib import Path; from staleflow.verification.chaos import run_seed; "
         "print(json.dumps(run_seed(5, Path(sys.argv[1])).fault_log))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
@@ -104,8 +104,8 @@ def test_regression_seed(seed: int, kinds: list[str] | None, found: str) -> None
 def test_results_finished_before_an_interrupt_arrive_before_its_reply() -> None:
     """Tester bug (seed 89 before the fix): a result the engine finished while handling an
     interrupt was delayed past the checkpoint that followed; one channel per instance is FIFO."""
-    from staleflow.adapters.faults import FaultPlan, FaultRates, FaultyEngine
-    from staleflow.adapters.sim_engine import SimEngine
+    from staleflow.verification.faults import FaultPlan, FaultRates, FaultyEngine
+    from staleflow.adapters.sim.engine import SimEngine
     from staleflow.runtime.cost_model import CostModel
     from staleflow.runtime.types import RolloutRequest
 
@@ -151,7 +151,7 @@ def test_tester_catches_a_runtime_that_loses_an_interrupted_partial(monkeypatch:
 
 
 def test_tester_catches_token_versions_outside_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    from staleflow.adapters.sim_engine import SimEngine
+    from staleflow.adapters.sim.engine import SimEngine
 
     def forget_versions(self: SimEngine, version: int, weights: object = None) -> None:
         self._version = version  # switches version but records no mark: new tokens keep the old one
@@ -180,7 +180,7 @@ def test_a_dead_ray_actor_is_a_lost_connection() -> None:
     import collections
 
     import ray
-    from staleflow.runtime.placement import RayPlacement
+    from staleflow.adapters.ray.placement import RayPlacement
 
     placement = RayPlacement(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -198,21 +198,22 @@ def test_run_loop_survives_a_killed_instance_actor() -> None:
     """Real clock, instances as Ray actors: one actor is killed between steps; the run goes on
     with the others, nothing lost or duplicated, staleness within eta."""
     import ray
-    from staleflow.adapters.chaos import draw_scenario, workload_for
-    from staleflow.adapters.sim_engine import SimEngine
-    from staleflow.adapters.sim_trainer import SimTrainer
+    from staleflow.verification.chaos import draw_scenario, workload_for
+    from staleflow.adapters.sim.engine import SimEngine
+    from staleflow.adapters.sim.trainer import SimTrainer
     from staleflow.runtime.clock import RealClock
-    from staleflow.runtime.loop import RunLoop
-    from staleflow.runtime.placement import RayPlacement
+    from staleflow.runtime.assembly import RunSpec, assemble_run
+    from staleflow.runtime.loop import RunParts
+    from staleflow.adapters.ray.placement import RayPlacement
     from staleflow.runtime.policies import make_policy
 
     workload = workload_for(draw_scenario(0))
     placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
     clock = RealClock()
     engines = [placement.place(SimEngine.from_workload, workload, f"i{i}", clock) for i in range(3)]
-    loop = RunLoop(engines=engines, trainer=SimTrainer.from_workload(workload, clock), prompts=workload.prompt_groups(0),
-                   policy=make_policy("staleflow"), eta=1, batch_size=3, cost_model=workload.build_cost_model(),
-                   clock=clock, tick_s=0.02)
+    parts = RunParts(engines=engines, trainer=SimTrainer.from_workload(workload, clock), prompts=workload.prompt_groups(0),
+                     cost_model=workload.build_cost_model(), clock=clock)
+    loop = assemble_run(RunSpec(make_policy("staleflow"), eta=1, batch_size=3, tick_s=0.02), parts)
     try:
         loop.run(2)
         ray.kill(engines[0]._handle)

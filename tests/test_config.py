@@ -16,7 +16,9 @@ from staleflow.runtime.config import (
 
 def test_default_yaml_is_the_built_in_job() -> None:
     config = load_config()
-    assert config == JobConfig()
+    # the defaults, and the one knob tuned for vLLM-CPU (the others keep the system's values)
+    assert config == JobConfig(coordinator={"mu": 0.02})
+    assert config.coordinator.policy_knobs() == {"mu": 0.02}
     assert config.system is System.STALEFLOW
     assert (config.protocol.eta, config.protocol.batch_groups, config.rollout.group_size) == (2, 16, 8)
     assert (config.train.lr, config.train.betas, config.rollout.max_new_tokens) == (3e-4, (0.9, 0.98), 72)

@@ -17,7 +17,7 @@ import torch
 
 megatron = pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
 
-from staleflow.adapters.megatron_trainer import (
+from staleflow.adapters.megatron.trainer import (
     MegatronTrainer,
     build_gpt_model,
     hf_to_megatron,
@@ -26,9 +26,9 @@ from staleflow.adapters.megatron_trainer import (
     megatron_to_hf,
     transformer_config_from_hf,
 )
-from staleflow.adapters.tiny_model import ensure_tiny_model
-from staleflow.adapters.torch_trainer import load_causal_lm
-from staleflow.runtime.algorithms import token_logprobs
+from staleflow.cli.tiny_model import ensure_tiny_model
+from staleflow.adapters.torch.trainer import load_causal_lm
+from staleflow.adapters.torch.algorithms import token_logprobs
 
 
 @pytest.fixture(scope="module")

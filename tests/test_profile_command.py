@@ -7,7 +7,7 @@ import importlib.util
 import json
 
 import pytest
-from staleflow.adapters.profile_command import (
+from staleflow.cli.profile import (
     OnlineRefit,
     add_arguments,
     pool_steps,
@@ -78,7 +78,7 @@ def test_bad_grid_arguments_are_named(capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed")
 def test_profile_measures_a_real_engine_and_writes_loadable_coefficients(tmp_path, capsys):
-    from staleflow.adapters.tiny_model import ensure_tiny_model
+    from staleflow.cli.tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "model")
     out = tmp_path / "cost.json"

@@ -9,7 +9,8 @@ import pytest
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
 from staleflow.runtime.clock import RealClock, VirtualClock
 from staleflow.runtime.cost_model import CostModel
-from staleflow.runtime.loop import RunLoop, RunStalledError
+from staleflow.runtime.assembly import RunSpec, assemble_run
+from staleflow.runtime.loop import RunParts, RunStalledError
 from staleflow.runtime.policies import POLICIES, make_policy
 from staleflow.runtime.types import PromptGroup
 
@@ -17,16 +18,16 @@ MODEL = CostModel(thr=0.0064, o_b=0.0027, o_k=1.231e-4, a_b=0.0028, a_k=3.35e-8)
 
 
 def build(policy="staleflow", eta=2, batch=4, instances=4, n_samples=4, n_extra=0, step_s=1.0, prompts=None,
-          clock=None, engines=None, trainer=None, tick_s=0.5, **kwargs):
+          clock=None, engines=None, trainer=None, tick_s=0.5, reward_fn=None, reward_timeout_s=30.0, trace_path=None):
     clock = clock or VirtualClock()
     engines = engines or [FakeEngine(f"i{k}", clock, max_running=6) for k in range(instances)]
     trainer = trainer or FakeTrainer(clock, step_s)
     events = []
-    loop = RunLoop(
-        engines=engines, trainer=trainer, prompts=prompts or prompt_groups(n_samples, n_extra),
-        policy=policy if not isinstance(policy, str) else make_policy(policy), eta=eta, batch_size=batch,
-        cost_model=MODEL, clock=clock, tick_s=tick_s, event_hooks=[events.append], **kwargs,
-    )
+    policy = policy if not isinstance(policy, str) else make_policy(policy)
+    spec = RunSpec(policy, eta=eta, batch_size=batch, tick_s=tick_s, reward_timeout_s=reward_timeout_s)
+    parts = RunParts(engines=engines, trainer=trainer, prompts=prompts or prompt_groups(n_samples, n_extra),
+                     cost_model=MODEL, clock=clock, reward_fn=reward_fn)
+    loop = assemble_run(spec, parts, event_hooks=[events.append], trace_path=trace_path)
     return loop, trainer, engines, events
 
 
@@ -151,7 +152,7 @@ def test_checkpoint_resume_keeps_the_bound_and_every_partial():
         prompts=_skip(prompt_groups(4, lengths=(30, 80, 200, 15)), state["prompts_drawn"]),
     )
     resumed.load_state_dict(state)
-    assert resumed.coordinator.live_groups == loop.coordinator.live_groups > 0  # the inflight-cap count
+    assert resumed.groups.live == loop.groups.live > 0  # the inflight-cap count
     assert len(resumed.manager) == len(loop.manager)
     metrics = resumed.run(4)
     assert metrics.steps == 7 and resumed_trainer.version == 7

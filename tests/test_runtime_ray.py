@@ -10,9 +10,10 @@ import runtime_fakes
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
 from staleflow.runtime.clock import RealClock
 from staleflow.runtime.cost_model import CostModel
-from staleflow.runtime.loop import RunLoop
+from staleflow.runtime.assembly import RunSpec, assemble_run
+from staleflow.runtime.loop import RunParts
 from staleflow.runtime.parameter_server import ParameterServer
-from staleflow.runtime.placement import ActorProxy, InProcessPlacement, RayPlacement
+from staleflow.adapters.ray.placement import ActorProxy, InProcessPlacement, RayPlacement
 from staleflow.runtime.policies import make_policy
 from staleflow.runtime.trajectory_server import TrajectoryServer
 
@@ -34,12 +35,12 @@ def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing():
         ts = placement.place(TrajectoryServer)
         ps = placement.place(ParameterServer)
         assert isinstance(engines[0], ActorProxy) and engines[0].instance_id == "i0"
-        loop = RunLoop(
+        parts = RunParts(
             engines=engines, trainer=trainer, prompts=prompt_groups(2, lengths=(10, 20, 30)),
-            policy=make_policy("staleflow"), eta=1, batch_size=2,
             cost_model=CostModel(0.0064, 0.0027, 1.231e-4, 0.0028, 3.35e-8), clock=clock,
-            trajectory_server=ts, parameter_server=ps, tick_s=0.005,
+            trajectory_server=ts, parameter_server=ps,
         )
+        loop = assemble_run(RunSpec(make_policy("staleflow"), eta=1, batch_size=2, tick_s=0.005), parts)
         metrics = loop.run(3)
         assert metrics.steps == 3 and trainer.weights() == {"version": 3}
         assert ps.latest_version() == 3

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from staleflow.protocol import StalenessManager
 from staleflow.runtime.commands import Interrupt, Pull, Route
-from staleflow.runtime.coordinator import Coordinator
+from staleflow.runtime.coordinator import Coordinator, decide
+from staleflow.runtime.group_life import GroupLife
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.fleet import FleetArrays, InstanceView
 from staleflow.runtime.migration import plan_migration
@@ -138,14 +139,14 @@ def test_per_instance_sync_pulls_the_cheapest_instance_on_demand():
 
 def test_coordinator_reports_starvation_and_pulls_on_the_next_decision():
     c, m, ts = _coordinator("staleflow", eta=0, batch=2, instances=2, sync_kv_fraction=0.0)
-    for cmd in c.plan(ps_version=0, full=True):
+    for cmd in _decide(c, 0, True):
         ts.mark_routed(cmd.request_ids, cmd.instance_id)
     for g in list(m.groups()):
         m.occupy(g.group_id)
     m.consume()  # version 1 trained; both instances still hold version-0 work
-    commands = c.plan(ps_version=1, full=False)
+    commands = _decide(c, 1, False)
     assert commands == []  # nothing admissible at version 0: starved, nothing pulled yet
-    pulls = [cmd for cmd in c.plan(ps_version=1, full=False) if isinstance(cmd, Pull)]
+    pulls = [cmd for cmd in _decide(c, 1, False) if isinstance(cmd, Pull)]
     assert len(pulls) == 1 and pulls[0].version == 1
 
 
@@ -192,13 +193,18 @@ def _coordinator(policy="staleflow", eta=1, batch=2, instances=2, **knobs):
     ts = TrajectoryServer()
     ts.add_groups(PromptGroup(f"g{i}", [1] * 8, 2, 0, {"max_new_tokens": 50}) for i in range(20))
     m = StalenessManager(eta, batch)
-    c = Coordinator(m, ts, make_policy(policy, **knobs), MODEL, [snap(f"i{k}") for k in range(instances)])
+    c = Coordinator(GroupLife(m, ts), make_policy(policy, **knobs), MODEL, [snap(f"i{k}") for k in range(instances)])
     return c, m, ts
+
+
+def _decide(c, ps_version, full, gc=False):
+    """One whole decision, as the run loop makes it."""
+    return decide(c, c.groups, ps_version, full, gc)
 
 
 def test_coordinator_admits_up_to_the_protocol_and_routes_groups():
     c, m, ts = _coordinator(eta=1, batch=2)
-    commands = c.plan(ps_version=0, full=True)
+    commands = _decide(c, 0, True)
     routes = [cmd for cmd in commands if isinstance(cmd, Route)]
     routed = sorted(r for cmd in routes for r in cmd.request_ids)
     assert len(m) == 4  # (eta + 1) * B groups reserved at version 0
@@ -210,7 +216,7 @@ def test_coordinator_admits_up_to_the_protocol_and_routes_groups():
 
 def test_coordinator_rejects_contradicting_snapshots():
     c, _, ts = _coordinator()
-    commands = c.plan(ps_version=0, full=True)
+    commands = _decide(c, 0, True)
     route = next(cmd for cmd in commands if isinstance(cmd, Route) and cmd.instance_id == "i0")
     ts.mark_routed(route.request_ids, "i0")
     stale = snap("i0")  # taken before the route arrived: holds fewer requests, agrees
@@ -226,16 +232,16 @@ def test_coordinator_rejects_contradicting_snapshots():
 
 def test_inflight_cap_bounds_admission():
     c, _, _ = _coordinator("inflight-cap", eta=1, batch=2)
-    c.plan(ps_version=0, full=True)
-    assert c.live_groups == 4 == (1 + 0 + 1) * 2
+    _decide(c, 0, True)
+    assert c.groups.live == 4 == (1 + 0 + 1) * 2
 
 
 def test_stale_group_gc_aborts_groups_due_in_the_head_buffer():
     c, m, ts = _coordinator("start-version-gc", eta=0, batch=2)
-    for cmd in c.plan(ps_version=0, full=True):
+    for cmd in _decide(c, 0, True):
         ts.mark_routed(cmd.request_ids, cmd.instance_id)
     assert len(m) == 2
-    aborts = c.abort_stale_groups()
+    aborts = c.cancel(c.groups.abort(c.stale_groups()))  # the GC step of a decision
     assert len(m) == 0 and c.stats["gc_aborted_groups"] == 2
     assert sorted(r for a in aborts for r in a.request_ids) == ["g0/0", "g0/1", "g1/0", "g1/1"]
     assert all(not v.requests for v in c.views)
@@ -244,13 +250,13 @@ def test_stale_group_gc_aborts_groups_due_in_the_head_buffer():
 def test_pull_interrupts_requests_unless_the_policy_keeps_them():
     for keeps in (False, True):
         c, m, ts = _coordinator("staleflow-no-sync", eta=1, batch=2, pull_keeps_requests=keeps)
-        for cmd in c.plan(ps_version=0, full=True):
+        for cmd in _decide(c, 0, True):
             ts.mark_routed(cmd.request_ids, cmd.instance_id)
         held = {v.instance_id: set(v.requests) for v in c.views}
         for g in list(m.groups())[:2]:
             m.occupy(g.group_id)
         m.consume()  # the trainer made version 1
-        commands = c.plan(ps_version=1, full=False)
+        commands = _decide(c, 1, False)
         pulls = [cmd for cmd in commands if isinstance(cmd, Pull)]
         interrupts = {cmd.instance_id: set(cmd.request_ids) for cmd in commands if isinstance(cmd, Interrupt)}
         assert {p.instance_id for p in pulls} == {"i0", "i1"}
@@ -264,12 +270,12 @@ def test_pull_interrupts_requests_unless_the_policy_keeps_them():
 
 def test_coordinator_migrates_on_full_ticks_only():
     c, _, ts = _coordinator("staleflow", eta=3, batch=8, instances=2)
-    for cmd in c.plan(ps_version=0, full=True):
+    for cmd in _decide(c, 0, True):
         if isinstance(cmd, Route):
             ts.mark_routed(cmd.request_ids, cmd.instance_id)
     c.forget("i1", list(c.views[1].requests))  # instance 1 drained
-    assert not [cmd for cmd in c.plan(ps_version=0, full=False) if isinstance(cmd, Interrupt)]
-    interrupts = [cmd for cmd in c.plan(ps_version=0, full=True) if isinstance(cmd, Interrupt)]
+    assert not [cmd for cmd in _decide(c, 0, False) if isinstance(cmd, Interrupt)]
+    interrupts = [cmd for cmd in _decide(c, 0, True) if isinstance(cmd, Interrupt)]
     assert interrupts and interrupts[0].instance_id == "i0"
 
 

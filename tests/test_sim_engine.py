@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from staleflow.adapters.sim_engine import FAKE_LOGPROB, SimEngine
+from staleflow.adapters.sim.engine import FAKE_LOGPROB, SimEngine
 from staleflow.runtime.clock import VirtualClock
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.interfaces import RolloutEngine

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from staleflow.adapters.sim_tokens import RunLengthList
+from staleflow.adapters.sim.tokens import RunLengthList
 
 
 def test_reads_like_the_list_it_encodes() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from staleflow.adapters.sim_trainer import SimTrainer, SimWeights
+from staleflow.adapters.sim.trainer import SimTrainer, SimWeights
 from staleflow.runtime.clock import VirtualClock
 from staleflow.runtime.interfaces import Trainer
 from staleflow.runtime.types import TrainingBatch, Trajectory

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from staleflow.adapters.upper_bound import upper_bound
+from staleflow.cli.upper_bound import upper_bound
 from staleflow.runtime.workload import (
     GROUP_LENGTHS_KEY,
     WorkloadError,

@@ -43,7 +43,7 @@ def _consumed(trace: Path, segment: int) -> list[tuple[int, list[int]]]:
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    from staleflow.adapters.train_command import train
+    from staleflow.cli.train import train
     from staleflow.runtime.config import load_config
 
     run_dir = tmp_path_factory.mktemp("train") / "run"
@@ -81,7 +81,7 @@ def test_training_run_keeps_the_bound_and_learns(first_run: tuple[Path, dict]) -
 
 
 def test_resume_continues_from_the_checkpoint_within_the_bound(first_run: tuple[Path, dict]) -> None:
-    from staleflow.adapters.train_command import latest_checkpoint, train
+    from staleflow.cli.train import latest_checkpoint, train
     from staleflow.runtime.config import load_config
 
     run_dir, _ = first_run

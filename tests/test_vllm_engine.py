@@ -64,14 +64,14 @@ def _torch_logprobs(model_dir, state_dict, prompt, output):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from staleflow.adapters.tiny_model import ensure_tiny_model
+    from staleflow.cli.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from staleflow.adapters.vllm_engine import SamplingConfig, VLLMEngine
+    from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
 
     with VLLMEngine("local", model_dir, sampling=SamplingConfig(temperature=0.0)) as eng:
         yield eng
@@ -80,8 +80,8 @@ def engine(model_dir):
 @pytest.fixture(scope="module")
 def ray_engine(model_dir):
     """A second engine at the same weights, placed as a Ray actor (its own process) by the runtime."""
-    from staleflow.adapters.vllm_engine import SamplingConfig, VLLMEngine
-    from staleflow.runtime.placement import RayPlacement
+    from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
+    from staleflow.adapters.ray.placement import RayPlacement
 
     placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -28,7 +28,7 @@ Model of execution:
 Between two events (a finish, a KV overflow, a command) the running set is fixed, so ``s`` steps
 take ``s*(a_b + a_k*K + M(n)) + a_k*n*s*(s-1)/2`` seconds: the engine jumps over them in closed
 form. Work is O(events * log n), independent of the number of tokens: token lists are
-:class:`~staleflow.adapters.sim_tokens.RunLengthList` runs. Token ids are ``0`` and behaviour
+:class:`~staleflow.adapters.sim.tokens.RunLengthList` runs. Token ids are ``0`` and behaviour
 log-probs a constant ``FAKE_LOGPROB``: the simulator models time, not text.
 
 ``event_quantum_s`` > 0 makes :meth:`SimEngine.next_event_time` round up to a multiple of it: the
@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from staleflow.adapters.sim_tokens import RunLengthList
+from staleflow.adapters.sim.tokens import RunLengthList
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.interfaces import Clock
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory

@@ -80,7 +80,7 @@ def profile_engine(
     seed: int = 0,
     on_batch: Any = None,
 ) -> ProfileResult:
-    """Run the grid on ``engine`` (a :class:`~staleflow.adapters.vllm_engine.VLLMEngine` that
+    """Run the grid on ``engine`` (a :class:`~staleflow.adapters.vllm.engine.VLLMEngine` that
     ignores EOS) and fit the cost model. One warm-up batch runs first and is not measured."""
     from staleflow.runtime.types import RolloutRequest
 
@@ -213,8 +213,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from staleflow.adapters.tiny_model import ensure_tiny_model
-    from staleflow.adapters.vllm_engine import SamplingConfig, VLLMEngine
+    from staleflow.cli.tiny_model import ensure_tiny_model
+    from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
 
     longest = max(args.prompt_lengths) + args.decode_tokens
     if longest > args.max_model_len:

@@ -1,9 +1,9 @@
 """The :class:`~staleflow.runtime.interfaces.Trainer` seam on a Hugging Face causal LM in plain torch.
 
-One training step per batch (``runtime/algorithms.py`` for the objective), run in a background
+One training step per batch (``adapters/torch/algorithms.py`` for the objective), run in a background
 thread so that :meth:`TorchTrainer.start_step` returns at once and the run loop goes on routing and
 collecting while the step runs. torch releases the GIL inside its kernels, so the step uses a core
-of its own while vLLM decodes in another thread; placed in a Ray actor (``runtime/placement.py``),
+of its own while vLLM decodes in another thread; placed in a Ray actor (``adapters/ray/placement.py``),
 it runs in a process of its own with ``threads`` intra-op threads.
 
 Versions: the trainer holds version ``v`` and trains only on buffer ``v`` (``batch.version == v``);
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from staleflow.adapters.background_trainer import BackgroundStepTrainer
-from staleflow.runtime.algorithms import (
+from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
+from staleflow.adapters.torch.algorithms import (
     Correction,
     LossSettings,
     PackedBatch,

@@ -125,7 +125,7 @@ def _base_model(config: Any) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path {path} is not a local model folder (no config.json)")
         return path
-    from staleflow.adapters.tiny_model import TinyModelSpec, ensure_tiny_model
+    from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
 
     folder = Path(config.model.tiny_model_dir).expanduser()
     if config.model.seed != 0:  # one folder per initialisation
@@ -155,20 +155,19 @@ def _prompt_source(config: Any, tokens: _Tokens, seed: int) -> Iterator[Any]:
 # -------------------------------------------------------------------------------------- training
 def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[str, Any]:
     """Run the job in ``config`` (resuming from ``checkpoint`` if given); returns the summary."""
-    from staleflow.adapters.vllm_engine import set_vllm_env_defaults
+    from staleflow.adapters.vllm.engine import set_vllm_env_defaults
 
     set_vllm_env_defaults()  # before vLLM (or torch) reads its environment
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
-    from staleflow.adapters.metrics import EngineLedger, MetricsLog, TrackedEngine
-    from staleflow.adapters.vllm_engine import SamplingConfig, VLLMEngine
-    from staleflow.protocol.trace import JsonlTraceWriter
+    from staleflow.cli.metrics import EngineLedger, MetricsLog, TrackedEngine
+    from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
+    from staleflow.adapters.ray.placement import RayPlacement
+    from staleflow.runtime.assembly import RunSpec, assemble_run
     from staleflow.runtime.clock import RealClock
     from staleflow.runtime.config import dump_config
     from staleflow.runtime.cost_model import CostModel
-    from staleflow.runtime.loop import RunLoop
-    from staleflow.runtime.placement import RayPlacement
-    from staleflow.runtime.policies import make_policy
+    from staleflow.runtime.loop import RunParts
     from staleflow.runtime.tasks import make_group, reward_fn
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -236,29 +235,17 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
     )
     if saved_state is not None:  # continue the prompt stream where the checkpointed run had drawn to
         groups = itertools.islice(groups, int(saved_state["prompts_drawn"]), None)
-    coordinator = config.coordinator
-    policy = make_policy(
-        config.system.value,
-        mu=coordinator.mu,
-        phi_wait=coordinator.phi_wait,
-        phi_throughput=coordinator.phi_throughput,
-        sync_kv_fraction=coordinator.sync_kv_fraction,
-        batch_redundancy=config.protocol.redundancy,
-        group_redundancy=config.rollout.group_extra,
-    )
-    loop = RunLoop(
+    parts = RunParts(
         engines=engines,
         trainer=trainer,
         prompts=groups,
-        policy=policy,
-        eta=config.protocol.eta,
-        batch_size=config.protocol.batch_groups,
-        cost_model=CostModel(**coordinator.cost_model.model_dump()),
+        cost_model=CostModel(**config.coordinator.cost_model.model_dump()),
         clock=clock,
         reward_fn=reward,
-        reward_timeout_s=config.task.reward_timeout_s,
-        tick_s=coordinator.tick_s,
     )
+    # A resumed run appends a segment (header = the restored protocol state) to the same trace.
+    trace_path = run_dir / "trace.jsonl"
+    loop = assemble_run(RunSpec.from_job(config), parts, trace_path=trace_path)
     first_step = 0
     trained_before = 0  # tokens trained before a resume, so throughput covers this run only
     if saved_state is not None:
@@ -266,8 +253,6 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
         first_step = int(saved_state["steps_done"])
         trained_before = int(saved_state["tokens"][1])
         log.event("resumed", step=first_step, checkpoint=str(checkpoint))
-    # A resumed run appends a segment (header = the restored protocol state) to the same trace.
-    trace = JsonlTraceWriter.attach(loop.manager, run_dir / "trace.jsonl", mode="a" if resuming else "w")
 
     evaluator = _Evaluator(config, tokens, prompt_seed=config.seed + 2)
     if not resuming and evaluator.enabled:
@@ -302,9 +287,8 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
         else:
             loop.state_dict()
         audit = loop.audit()
-        summary = _summary(config, loop.manager.eta, metrics, audit, trained_before, ledger, trace.path, time.perf_counter() - started, warmup_seconds, engine_seconds, reward_seconds[0], run_dir)
+        summary = _summary(config, loop.manager.eta, metrics, audit, trained_before, ledger, trace_path, time.perf_counter() - started, warmup_seconds, engine_seconds, reward_seconds[0], run_dir)
     finally:
-        trace.close()
         log.close()
         loop.close()
         ledger.close()
@@ -312,7 +296,7 @@ def train(config: Any, run_dir: Path, checkpoint: Path | None = None) -> dict[st
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1), encoding="utf-8")
     shutil.rmtree(run_dir / ".weights", ignore_errors=True)
     if config.metrics.report:
-        from staleflow.adapters.report import write_report
+        from staleflow.cli.report import write_report
 
         write_report(run_dir)
     return summary
@@ -323,7 +307,7 @@ def _warm_start(config: Any, base: Path, target: Path, tokens: _Tokens) -> tuple
     if config.warmup.steps == 0:
         shutil.copytree(base, target)
         return target, 0.0
-    from staleflow.adapters.warmup import warm_up
+    from staleflow.cli.warmup import warm_up
 
     result = warm_up(
         base,
@@ -341,11 +325,11 @@ def _warm_start(config: Any, base: Path, target: Path, tokens: _Tokens) -> tuple
 
 
 def _make_trainer(config: Any, model_dir: Path, tokens: _Tokens) -> Any:
-    from staleflow.adapters.torch_trainer import TorchTrainer, TrainerSettings
+    from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings
 
     settings = TrainerSettings.from_config(config)
     if config.train.backend == "megatron":
-        from staleflow.adapters.megatron_trainer import MegatronTrainer
+        from staleflow.adapters.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed)
     return TorchTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads)
@@ -396,7 +380,7 @@ def _step_record(metrics: Any, ledger: Any, reward_seconds: float, trained_befor
 
 
 def _summary(config: Any, eta: int, metrics: Any, audit: Any, trained_before: int, ledger: Any, trace_path: Path, wall: float, warmup_s: float, engine_s: float, reward_s: float, run_dir: Path) -> dict[str, Any]:
-    from staleflow.adapters.metrics import read_metrics
+    from staleflow.cli.metrics import read_metrics
 
     records = read_metrics(run_dir)
     steps = [r for r in records if r.get("kind") == "step"]

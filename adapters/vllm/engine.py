@@ -36,7 +36,7 @@ from typing import Any, Self, TypeVar
 
 from staleflow.runtime.clock import RealClock
 from staleflow.runtime.cost_model import ProfileRecord
-from staleflow.runtime.interfaces import Clock
+from staleflow.runtime.interfaces import Clock, InstanceLostError
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
 
 #: CPU defaults: in-process engine core, one OpenMP thread without pinning (spin-waiting against
@@ -51,7 +51,7 @@ VLLM_ENV_DEFAULTS = {
     "OMP_NUM_THREADS": "1",
     "HF_HUB_OFFLINE": "1",
 }
-WORKER_EXTENSION = "staleflow.adapters.vllm_worker_extension.WeightReloadExtension"
+WORKER_EXTENSION = "staleflow.adapters.vllm.worker_extension.WeightReloadExtension"
 _T = TypeVar("_T")
 
 
@@ -92,8 +92,9 @@ class _Window:
     wall: float = field(default_factory=time.monotonic)
 
 
-class EngineFailed(RuntimeError):
-    """The engine thread died; the engine cannot be used any more."""
+class EngineFailed(InstanceLostError):
+    """The engine thread died or the engine is closed: the instance is lost (the failure contract
+    of :mod:`staleflow.runtime.interfaces`), and the run loop recovers its requests."""
 
 
 class VLLMEngine:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from staleflow.adapters.metrics import INSTANCES_FILE, read_metrics
+from staleflow.cli.metrics import INSTANCES_FILE, read_metrics
 
 
 def _pyplot() -> Any:

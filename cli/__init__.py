@@ -15,10 +15,10 @@ from typing import Sequence
 #: subcommand -> (module that implements it, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("staleflow.verification.cli", "machine-check the staleness protocol (Z3, TLC, conformance, mutants)"),
-    "train": ("staleflow.adapters.train_command", "run an RL training job (no arguments: the built-in CPU job)"),
-    "simulate": ("staleflow.adapters.simulate_command", "run StaleFlow and the baselines on a simulated cluster"),
-    "profile": ("staleflow.adapters.profile_command", "measure a rollout engine and fit the cost model"),
-    "report": ("staleflow.adapters.report", "rewrite a training run's report, or compare runs"),
+    "train": ("staleflow.cli.train", "run an RL training job (no arguments: the built-in CPU job)"),
+    "simulate": ("staleflow.cli.simulate", "run StaleFlow and the baselines on a simulated cluster"),
+    "profile": ("staleflow.cli.profile", "measure a rollout engine and fit the cost model"),
+    "report": ("staleflow.cli.report", "rewrite a training run's report, or compare runs"),
     "bench": ("staleflow.bench.cli", "run a benchmark and print its figures"),
 }
 

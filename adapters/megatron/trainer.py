@@ -1,6 +1,6 @@
 """The :class:`~staleflow.runtime.interfaces.Trainer` seam on Megatron-core (GPU).
 
-The same RL step as :mod:`staleflow.adapters.torch_trainer` (``runtime/algorithms.py``: GRPO
+The same RL step as :mod:`staleflow.adapters.torch.trainer` (``adapters/torch/algorithms.py``: GRPO
 advantages, off-policy correction, per-token loss), on a Megatron-core ``GPTModel`` wrapped in
 Megatron's ``DistributedDataParallel`` and stepped by Megatron's optimizer
 (``get_megatron_optimizer``, gradient clipping and the optional distributed optimizer included).
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from staleflow.adapters.background_trainer import BackgroundStepTrainer
-from staleflow.adapters.torch_trainer import TrainerSettings
-from staleflow.runtime.algorithms import (
+from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
+from staleflow.adapters.torch.trainer import TrainerSettings
+from staleflow.adapters.torch.algorithms import (
     Correction,
     PackedBatch,
     pack_batch,
@@ -218,7 +218,7 @@ class MegatronTrainer(BackgroundStepTrainer):
     """GRPO training on Megatron-core, one CUDA GPU per rank (see the module docstring).
 
     Same constructor and extras (``save_checkpoint``, ``load_checkpoint``, ``generate_greedy``) as
-    :class:`~staleflow.adapters.torch_trainer.TorchTrainer`, so the run loop and ``staleflow
+    :class:`~staleflow.adapters.torch.trainer.TorchTrainer`, so the run loop and ``staleflow
     train`` (``train.backend=megatron``) use either.
     """
 

@@ -4,7 +4,7 @@ Every system runs the same runtime (protocol, trajectory and parameter servers, 
 loop) against simulated rollout instances and a simulated trainer in virtual time, on the same
 prompts and response lengths (same seed). The table reports throughput (trained response tokens per
 second), time per step, instance utilisation, staleness and drops, and StaleFlow's ratio to each
-baseline and to the workload's upper bound (:mod:`staleflow.adapters.upper_bound`).
+baseline and to the workload's upper bound (:mod:`staleflow.cli.upper_bound`).
 
 Exit codes: 0 done; 1 a run stalled or broke a guarantee (staleness above ``eta``, a lost or
 duplicated trajectory); 2 bad arguments or workload file.
@@ -83,31 +83,27 @@ def simulate_system(
 
     With ``trace_path`` the run's protocol trace is written there (JSONL, for ``verify --trace``).
     """
-    from staleflow.adapters.sim_engine import SimEngine
-    from staleflow.adapters.sim_trainer import SimTrainer
+    from staleflow.adapters.sim.engine import SimEngine
+    from staleflow.adapters.sim.trainer import SimTrainer
+    from staleflow.runtime.assembly import RunSpec, assemble_run
     from staleflow.runtime.clock import VirtualClock
-    from staleflow.runtime.loop import RunLoop
-    from staleflow.runtime.policies import make_policy
+    from staleflow.runtime.loop import RunParts
 
-    policy = make_policy(system)
+    spec = RunSpec.from_workload(workload, system, eta, tick_s=tick_s)
+    policy = spec.policy
     clock = VirtualClock()
     quantum = workload.simulation.event_quantum_s if event_quantum_s is None else event_quantum_s
-    engines = [
-        SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum)
-        for i in range(workload.cluster.rollout_instances)
-    ]
-    loop = RunLoop(
-        engines=engines,
+    parts = RunParts(
+        engines=[
+            SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum)
+            for i in range(workload.cluster.rollout_instances)
+        ],
         trainer=SimTrainer.from_workload(workload, clock),
         prompts=workload.prompt_groups(seed, n_extra=policy.group_redundancy),
-        policy=policy,
-        eta=eta,
-        batch_size=workload.batch.groups_per_step,
         cost_model=workload.build_cost_model(),
         clock=clock,
-        tick_s=workload.simulation.tick_s if tick_s is None else tick_s,
-        trace_path=trace_path,
     )
+    loop = assemble_run(spec, parts, trace_path=trace_path)
     started = time.perf_counter()
     try:
         metrics = loop.run(steps, on_step=on_step)
@@ -258,7 +254,7 @@ def _plot(report: dict[str, Any], out: Path) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
-    from staleflow.adapters.upper_bound import upper_bound
+    from staleflow.cli.upper_bound import upper_bound
     from staleflow.runtime.loop import RunStalledError
     from staleflow.runtime.workload import WorkloadError, load_workload
 

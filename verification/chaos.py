@@ -2,7 +2,7 @@
 
 One seed picks a whole scenario, "swarm" style: the cluster (instances, batch and group sizes, the
 bound ``eta``, redundancy, the system policy) and the fault rates of every kind in
-:mod:`staleflow.adapters.faults`. The unchanged runtime (protocol, trajectory and parameter
+:mod:`staleflow.verification.faults`. The unchanged runtime (protocol, trajectory and parameter
 servers, coordinator, run loop, reward runner) then drives simulated instances and a simulated
 trainer on a virtual clock, through the fault injectors:
 
@@ -29,11 +29,11 @@ import tempfile
 import time
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from staleflow.adapters.faults import (
+from staleflow.verification.faults import (
     FaultKind,
     FaultPlan,
     FaultRates,
@@ -117,7 +117,7 @@ def draw_scenario(
 ) -> Scenario:
     """The scenario of ``seed``: cluster shape, policy and fault rates (some kinds off, "swarm").
 
-    ``kinds`` keeps only those fault kinds (:class:`~staleflow.adapters.faults.FaultKind` values);
+    ``kinds`` keeps only those fault kinds (:class:`~staleflow.verification.faults.FaultKind` values);
     the rest of the scenario is the same as without it.
     """
     rng = random.Random(f"staleflow-chaos/{seed}/scenario")
@@ -210,20 +210,22 @@ class ChaosRun:
     """One seed: build the scenario's cluster, run both phases, check everything (see the module)."""
 
     def __init__(self, scenario: Scenario, trace_path: Path, use_tlc: bool = False) -> None:
-        from staleflow.adapters.sim_engine import SimEngine
-        from staleflow.adapters.sim_trainer import SimTrainer
+        from staleflow.adapters.sim.engine import SimEngine
+        from staleflow.adapters.sim.trainer import SimTrainer
+        from staleflow.runtime.assembly import RunSpec
         from staleflow.runtime.parameter_server import ParameterServer
-        from staleflow.runtime.policies import make_policy
 
         self.scenario = scenario
         self.trace_path = trace_path
         self.use_tlc = use_tlc
         self.workload = workload = workload_for(scenario)
-        self.policy = make_policy(
-            scenario.system,
+        self.spec = RunSpec.from_workload(
+            workload, scenario.system, scenario.eta,
             batch_redundancy=scenario.batch_redundancy if scenario.system != "sync" else 0,
             group_redundancy=scenario.group_redundancy,
         )
+        self.spec = replace(self.spec, reward_timeout_s=REWARD_TIMEOUT_S)
+        self.policy = self.spec.policy
         self.clock = BudgetClock()
         self.plan = FaultPlan(scenario.seed, scenario.rates, self.clock)
         self.engines = [
@@ -250,26 +252,21 @@ class ChaosRun:
 
     # ------------------------------------------------------------------ building
     def make_loop(self) -> Any:
-        from staleflow.runtime.loop import RunLoop
+        from staleflow.runtime.assembly import assemble_run
+        from staleflow.runtime.loop import RunParts
 
         active, self.plan.active = self.plan.active, False  # the first snapshots are the truth
         try:
-            return RunLoop(
+            parts = RunParts(
                 engines=self.engines,
                 trainer=self.trainer,
                 prompts=self.prompts,
-                policy=self.policy,
-                eta=self.scenario.eta,
-                batch_size=self.scenario.batch_size,
                 cost_model=self.workload.build_cost_model(),
                 clock=self.clock,
                 parameter_server=self.ps,  # type: ignore[arg-type]
                 reward_fn=self.reward,
-                reward_timeout_s=REWARD_TIMEOUT_S,
-                tick_s=self.workload.simulation.tick_s,
-                event_hooks=[self.check_event],
-                trace_path=self.trace_path,
             )
+            return assemble_run(self.spec, parts, event_hooks=[self.check_event], trace_path=self.trace_path)
         finally:
             self.plan.active = active
 

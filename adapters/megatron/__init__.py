@@ -1,0 +1,1 @@
+"""The Megatron-core trainer (GPU only; it builds on CPU)."""

@@ -1,0 +1,1 @@
+"""Placing runtime parts as Ray actors."""

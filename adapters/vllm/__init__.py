@@ -1,0 +1,1 @@
+"""The vLLM rollout engine (a :class:`~staleflow.runtime.interfaces.RolloutEngine`)."""
