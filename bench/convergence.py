@@ -48,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS), help="seeds per eta (default: 0 1 2)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per run (default: {DEFAULT_STEPS})")
     parser.add_argument("--out", type=Path, default=Path("runs/convergence"), help="study folder (default: runs/convergence)")
-    parser.add_argument("--smooth", type=int, default=DEFAULT_SMOOTH, help=f"steps in the reward's trailing mean (default: {DEFAULT_SMOOTH})")
+    parser.add_argument(
+        "--smooth", type=int, default=DEFAULT_SMOOTH, help=f"steps in the reward's trailing mean (default: {DEFAULT_SMOOTH})"
+    )
     parser.add_argument("--no-train", action="store_true", help="only aggregate the runs already finished in --out")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
 
@@ -141,9 +143,9 @@ def train_one(eta: int, seed: int, steps: int, out: Path, quiet: bool) -> bool:
 # -------------------------------------------------------------------------------- aggregation
 def trailing_mean(values: Sequence[float], window: int) -> list[float]:
     """Mean of the last ``window`` values at each point (fewer at the start)."""
-    from staleflow.cli.report import _moving_mean
+    from staleflow.cli.report import moving_mean
 
-    return _moving_mean(list(values), window)
+    return moving_mean(list(values), window)
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -198,16 +200,26 @@ def aggregate(runs: Sequence[RunResult], smooth: int) -> dict[int, dict[str, Any
             "run_loop_s": statistics.fmean(r.elapsed_s[-1] for r in group),
             "max_staleness": {r.seed: r.max_staleness for r in group},
             "bound_ok": all(r.max_staleness <= eta for r in group),
-            "curve_step": {"step": group[0].steps, "mean": smoothed.mean(0).tolist(), "min": smoothed.min(0).tolist(), "max": smoothed.max(0).tolist()},
-            "curve_time": {"t": grid.tolist(), "mean": on_grid.mean(0).tolist(), "min": on_grid.min(0).tolist(), "max": on_grid.max(0).tolist()},
+            "curve_step": {
+                "step": group[0].steps,
+                "mean": smoothed.mean(0).tolist(),
+                "min": smoothed.min(0).tolist(),
+                "max": smoothed.max(0).tolist(),
+            },
+            "curve_time": {
+                "t": grid.tolist(),
+                "mean": on_grid.mean(0).tolist(),
+                "min": on_grid.min(0).tolist(),
+                "max": on_grid.max(0).tolist(),
+            },
         }
     return figures
 
 
 def plot(figures: dict[int, dict[str, Any]], path: Path, smooth: int, steps: int) -> None:
-    from staleflow.cli.report import _pyplot
+    from staleflow.cli.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for i, (eta, f) in enumerate(sorted(figures.items())):
         label = f"eta {eta} ({len(f['seeds'])} seeds)"
@@ -229,14 +241,16 @@ def plot(figures: dict[int, dict[str, Any]], path: Path, smooth: int, steps: int
 def table(figures: dict[int, dict[str, Any]], smooth: int) -> str:
     common_s = next(iter(figures.values()))["common_s"]
     lines = [
-        f"| eta | seeds | greedy eval start -> end | eval gain (end - start, per seed) | train reward, last {smooth} steps | train reward at {common_s:.0f} s of run loop | trained tokens/s | run loop (mean) | max staleness per seed (<= eta) |",
+        f"| eta | seeds | greedy eval start -> end | eval gain (end - start, per seed) | train reward, last {smooth} steps "
+        f"| train reward at {common_s:.0f} s of run loop | trained tokens/s | run loop (mean) | max staleness per seed (<= eta) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for eta, f in sorted(figures.items()):
         staleness = ", ".join(str(f["max_staleness"][s]) for s in f["seeds"])
         lines.append(
             f"| {eta} | {' '.join(map(str, f['seeds']))} | {f['eval_start']:.3f} ± {f['eval_start_std']:.3f} -> "
-            f"{f['eval_end']:.3f} ± {f['eval_end_std']:.3f} | {f['eval_gain']:+.3f} ± {f['eval_gain_std']:.3f} | {f['reward_last']:.3f} ± {f['reward_last_std']:.3f} | "
+            f"{f['eval_end']:.3f} ± {f['eval_end_std']:.3f} | {f['eval_gain']:+.3f} ± {f['eval_gain_std']:.3f} | "
+            f"{f['reward_last']:.3f} ± {f['reward_last_std']:.3f} | "
             f"{f['reward_at_common_s']:.3f} ± {f['reward_at_common_s_std']:.3f} | "
             f"{f['tokens_per_s']:.0f} ± {f['tokens_per_s_std']:.0f} | {f['run_loop_s']:.0f} s | "
             f"{staleness} ({'ok' if f['bound_ok'] else 'VIOLATED'}) |"
@@ -281,7 +295,9 @@ def run(args: argparse.Namespace) -> int:
     command = reproduce_command(args)
     (args.out / TABLE_FILE).write_text(f"{text}\n\n![convergence]({PLOT_FILE})\n\nReproduce: `{command}`\n", encoding="utf-8")
     compact = {eta: {k: v for k, v in f.items() if not k.startswith("curve_")} for eta, f in figures.items()}
-    (args.out / FIGURES_FILE).write_text(json.dumps({"steps": args.steps, "smooth": args.smooth, "failed": failed, "etas": figures}, indent=1), encoding="utf-8")
+    (args.out / FIGURES_FILE).write_text(
+        json.dumps({"steps": args.steps, "smooth": args.smooth, "failed": failed, "etas": figures}, indent=1), encoding="utf-8"
+    )
     if args.json:
         print(json.dumps({"steps": args.steps, "failed": failed, "etas": compact}, indent=1))
     else:

@@ -94,7 +94,9 @@ class MetricsLog:
         self._write({"kind": "eval", "step": step, **metrics})
         self._scalars("eval", step, metrics)
         if self._progress is not None:
-            self._progress.console.log(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if isinstance(v, float)))
+            self._progress.console.log(
+                f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if isinstance(v, float))
+            )
 
     def event(self, kind: str, **fields: Any) -> None:
         self._write({"kind": kind, **fields})

@@ -93,8 +93,7 @@ def profile_engine(
     def run_batch(n: int, prompt_len: int) -> list[ProfileRecord]:
         ids = [f"profile-{next(counter)}" for _ in range(n)]
         requests = [
-            RolloutRequest(rid, rid, [rng.randrange(4, vocab) for _ in range(prompt_len)], decode_tokens, engine.version)
-            for rid in ids
+            RolloutRequest(rid, rid, [rng.randrange(4, vocab) for _ in range(prompt_len)], decode_tokens, engine.version) for rid in ids
         ]
         engine.decode_steps()  # drop anything measured before this batch
         engine.submit(requests)
@@ -187,11 +186,7 @@ class OnlineRefit:
                 continue
             self._samples.append(ProfileRecord(n=n, kv_tokens=snap.kv_tokens, latency=n / snap.tokens_per_s))
             self._since_fit += 1
-        if (
-            self._since_fit < self._refit_every
-            or len(self._samples) < self._min_samples
-            or len({s.n for s in self._samples}) < 3
-        ):
+        if self._since_fit < self._refit_every or len(self._samples) < self._min_samples or len({s.n for s in self._samples}) < 3:
             return False
         self.model, self.report = fit_cost_model(self._samples)
         self._since_fit = 0
@@ -205,16 +200,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"local model folder (default: the built-in tiny model in {DEFAULT_TINY_MODEL_DIR})")
     parser.add_argument("--out", default="cost_model.json", help="coefficients file to write, .json or .yaml (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the full result (points, fit) as JSON")
-    parser.add_argument("--batch-sizes", type=_int_list, default=DEFAULT_BATCH_SIZES, help="running requests n, comma-separated (default %(default)s)")
-    parser.add_argument("--prompt-lengths", type=_int_list, default=DEFAULT_PROMPT_LENGTHS, help="prompt tokens, comma-separated (default %(default)s)")
+    parser.add_argument(
+        "--batch-sizes", type=_int_list, default=DEFAULT_BATCH_SIZES, help="running requests n, comma-separated (default %(default)s)"
+    )
+    parser.add_argument(
+        "--prompt-lengths", type=_int_list, default=DEFAULT_PROMPT_LENGTHS, help="prompt tokens, comma-separated (default %(default)s)"
+    )
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens each request generates (default %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    from staleflow.cli.tiny_model import ensure_tiny_model
     from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
+    from staleflow.cli.tiny_model import ensure_tiny_model
 
     longest = max(args.prompt_lengths) + args.decode_tokens
     if longest > args.max_model_len:
@@ -236,9 +235,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=max(args.batch_sizes),
         seed=args.seed,
     ) as engine:
-        result = profile_engine(
-            engine, args.batch_sizes, args.prompt_lengths, args.decode_tokens, seed=args.seed, on_batch=show
-        )
+        result = profile_engine(engine, args.batch_sizes, args.prompt_lengths, args.decode_tokens, seed=args.seed, on_batch=show)
         result = replace(result, reload_ms=measure_reload_ms(engine, model_dir))
     result.model.save(args.out)
     if args.json:
@@ -248,10 +245,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fitted on {len(result.points)} points ({result.steps} decode steps) in {result.seconds:.1f} s")
         print(f"coefficients: {coefficients}")
         print(f"peak decode throughput {result.peak_tokens_per_s:.0f} tokens/s; in-place reload {result.reload_ms:.1f} ms")
-        print(
-            f"fit error: mean {result.report.mean_relative_error:.1%}, max {result.report.max_relative_error:.1%} "
-            f"(paper: 10.5% mean)"
-        )
+        print(f"fit error: mean {result.report.mean_relative_error:.1%}, max {result.report.max_relative_error:.1%} (paper: 10.5% mean)")
         print(f"wrote {args.out}; as overrides for staleflow train:")
         print(" ".join(f"coordinator.cost_model.{k}={v:.4g}" for k, v in result.model.to_dict().items()))
     return 0

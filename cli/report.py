@@ -24,7 +24,7 @@ from typing import Any
 from staleflow.cli.metrics import INSTANCES_FILE, read_metrics
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,7 +33,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def _moving_mean(values: Sequence[float], window: int) -> list[float]:
+def moving_mean(values: Sequence[float], window: int) -> list[float]:
     out, total = [], 0.0
     for i, value in enumerate(values):
         total += value
@@ -48,13 +48,13 @@ def _steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot_reward(records: list[dict[str, Any]], path: Path, label: str = "") -> None:
-    plt = _pyplot()
+    plt = pyplot()
     steps = _steps(records)
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [r["step"] for r in steps]
     y = [r.get("reward_mean") or 0.0 for r in steps]
     ax.plot(x, y, alpha=0.3, color="C0", label=f"{label} batch reward".strip())
-    ax.plot(x, _moving_mean(y, 20), color="C0", label=f"{label} mean of 20 steps".strip())
+    ax.plot(x, moving_mean(y, 20), color="C0", label=f"{label} mean of 20 steps".strip())
     evals = [r for r in records if r.get("kind") == "eval"]
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_reward"] for r in evals], "o--", color="C3", label="greedy eval (fixed set)")
@@ -69,13 +69,13 @@ def plot_reward(records: list[dict[str, Any]], path: Path, label: str = "") -> N
 
 
 def plot_throughput(records: list[dict[str, Any]], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     steps = _steps(records)
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [r["elapsed_s"] for r in steps]
     ax.plot(x, [r["tokens_per_s"] for r in steps], label="trained tokens/s (cumulative)")
     per_step = [r["tokens"] / r["step_time_s"] if r.get("step_time_s") else 0.0 for r in steps]
-    ax.plot(x, _moving_mean(per_step, 10), alpha=0.6, label="per step (mean of 10)")
+    ax.plot(x, moving_mean(per_step, 10), alpha=0.6, label="per step (mean of 10)")
     ax.set_xlabel("run time (s)")
     ax.set_ylabel("tokens/s")
     ax.grid(alpha=0.3)
@@ -86,7 +86,7 @@ def plot_throughput(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def plot_staleness(records: list[dict[str, Any]], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     steps = [r for r in _steps(records) if r.get("group_staleness")]
     fig, ax = plt.subplots(figsize=(7, 4))
     levels = sorted({int(s) for r in steps for s in r["group_staleness"]})
@@ -121,7 +121,7 @@ def plot_instances(timeline: dict[str, list[dict[str, Any]]], path: Path) -> Non
     """Top: how many versions each instance is behind the newest instance version seen so far
     (0 = newest; several instances at different versions show as different lines). Bottom: the
     requests on each instance."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = sorted((r for rs in timeline.values() for r in rs), key=lambda r: r["t"])
     newest, lag = 0, {}
     for r in rows:
@@ -166,7 +166,8 @@ def write_report(run_dir: Path) -> Path:
         f"| steps | {summary['steps']} |",
         f"| wall time (all) / run loop | {summary['wall_s']:.0f} s / {summary['elapsed_s']:.0f} s |",
         f"| warm-up / engine start-up | {summary['warmup_s']:.1f} s / {summary['engine_start_s']:.1f} s |",
-        f"| train reward, first {summary['reward_window']} -> last {summary['reward_window']} steps | {fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])} |",
+        f"| train reward, first {summary['reward_window']} -> last {summary['reward_window']} steps "
+        f"| {fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])} |",
         f"| greedy eval reward (fixed set) | {fmt(summary['eval_first'])} -> {fmt(summary['eval_last'])} |",
         f"| greedy exact answers | {fmt(summary['eval_exact_first'])} -> {fmt(summary['eval_exact_last'])} |",
         f"| trained tokens/s | {summary['tokens_per_s']:.0f} |",
@@ -178,9 +179,11 @@ def write_report(run_dir: Path) -> Path:
         f"| audit (lost, duplicated) | {summary['lost']}, {summary['duplicated']}: {'ok' if summary['audit_ok'] else 'FAILED'} |",
         f"| instance busy fraction | {', '.join(f'{k} {v:.2f}' for k, v in summary['instance_busy_fraction'].items())} |",
         f"| max version spread between instances | {inst['max_version_spread']:.0f} |",
-        f"| requests interrupted / resumed / resumed on another instance | {inst['interrupted_requests']:.0f} / {inst['resumed_requests']:.0f} / {inst['resumed_elsewhere']:.0f} |",
+        f"| requests interrupted / resumed / resumed on another instance "
+        f"| {inst['interrupted_requests']:.0f} / {inst['resumed_requests']:.0f} / {inst['resumed_elsewhere']:.0f} |",
         f"| weight syncs (time) | {inst['weight_syncs']:.0f} ({inst['sync_seconds']:.1f} s) |",
-        f"| time: train / reward / weight sync / rollout busy (mean) | {times['train']:.1f} / {times['reward']:.1f} / {times['weight_sync']:.1f} / {times['rollout_busy_mean']:.1f} s |",
+        f"| time: train / reward / weight sync / rollout busy (mean) "
+        f"| {times['train']:.1f} / {times['reward']:.1f} / {times['weight_sync']:.1f} / {times['rollout_busy_mean']:.1f} s |",
         f"| protocol trace | `{Path(summary['trace']).name}` (`staleflow verify --trace {summary['trace']}`) |",
         "",
         "## Reward",
@@ -207,14 +210,16 @@ def write_report(run_dir: Path) -> Path:
 
 def compare_runs(run_dirs: Sequence[Path], out_dir: Path) -> Path:
     """A side-by-side Markdown table and reward/throughput plots of several runs."""
-    plt = _pyplot()
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = [json.loads((Path(d) / "summary.json").read_text(encoding="utf-8")) for d in run_dirs]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for i, (run_dir, summary) in enumerate(zip(run_dirs, summaries)):
         steps = _steps(read_metrics(Path(run_dir)))
         label = f"{summary['system']} (eta {summary['eta']})"
-        left.plot([r["elapsed_s"] for r in steps], _moving_mean([r.get("reward_mean") or 0.0 for r in steps], 20), color=f"C{i}", label=label)
+        left.plot(
+            [r["elapsed_s"] for r in steps], moving_mean([r.get("reward_mean") or 0.0 for r in steps], 20), color=f"C{i}", label=label
+        )
         right.plot([r["elapsed_s"] for r in steps], [r["tokens_per_s"] for r in steps], color=f"C{i}", label=label)
     left.set_xlabel("run time (s)")
     left.set_ylabel("train reward (mean of 20 steps)")

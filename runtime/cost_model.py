@@ -57,6 +57,28 @@ class CostModel:
         """Seconds per decode step of ``n_running`` requests holding ``kv_tokens`` KV-cache tokens."""
         return self.a_b + self.a_k * kv_tokens + max(self.thr, self.o_b + self.o_k * n_running)
 
+    def decode_seconds(self, steps: int, n_running: int, kv_tokens: int) -> float:
+        """Seconds for ``steps`` decode steps of a fixed running set that starts at ``kv_tokens``
+        (each step adds ``n_running`` KV tokens): ``s*L(n, K) + a_k*n*s*(s-1)/2`` in closed form."""
+        return steps * self.step_latency(n_running, kv_tokens) + self.a_k * n_running * steps * (steps - 1) / 2
+
+    def steps_within(self, budget_s: float, n_running: int, kv_tokens: int, limit: int) -> int:
+        """The most decode steps (<= ``limit``) of a fixed running set that end within ``budget_s``
+        (the root of :meth:`decode_seconds`' quadratic, corrected by a step either way for rounding)."""
+        base = self.step_latency(n_running, kv_tokens)
+        half = self.a_k * n_running / 2
+        if half == 0:
+            steps = int(budget_s // base)
+        else:
+            b = base - half
+            steps = int((-b + math.sqrt(b * b + 4 * half * budget_s)) / (2 * half))
+        steps = max(0, min(steps, limit))
+        while steps < limit and (steps + 1) * base + half * (steps + 1) * steps <= budget_s:
+            steps += 1
+        while steps > 0 and steps * base + half * steps * (steps - 1) > budget_s:
+            steps -= 1
+        return steps
+
     def throughput(self, n_running: float, kv_tokens: float) -> float:
         """Decode tokens per second: ``n / L(n, K)`` (0 for an empty instance)."""
         if n_running <= 0:

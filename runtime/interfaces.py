@@ -21,9 +21,10 @@ Bad arguments (a caller's bug) raise ``ValueError``/``TypeError`` as usual.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
-from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory, TrainingBatch, TrainResult
+from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, TrainingBatch, TrainResult, Trajectory
 
 
 class InstanceLostError(ConnectionError):

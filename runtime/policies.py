@@ -13,7 +13,8 @@ kept by all of them. How each baseline maps onto the runtime (design section 3.3
 ``inflight-cap`` (VeRL-Async, AReaL, SkyRL)
     Admission ``accepted + running <= (eta + version + 1) * B`` (``version``: the newest trained
     model), partial rollout, a global weight update as soon as a version is pushed (in-flight
-    requests are interrupted and resubmitted with their tokens so far), least-loaded routing. The group must also be admitted by the protocol; where the cap lets a
+    requests are interrupted and resubmitted with their tokens so far), least-loaded routing. The
+    group must also be admitted by the protocol; where the cap lets a
     group through that the bound cannot place, it waits (counted as ``admission_blocked_by_protocol``), and a
     straggler past its deadline holds the trainer back instead of being trained stale.
 ``start-version-gc`` (ROLL Flash)
@@ -124,9 +125,7 @@ POLICIES: dict[str, SystemPolicy] = {
     "sync": SystemPolicy("sync", sync="global_drained", fixed_eta=0, **_BASELINE),
     "one-step-off": SystemPolicy("one-step-off", sync="global_drained", fixed_eta=1, **_BASELINE),
     "inflight-cap": SystemPolicy("inflight-cap", sync="global_immediate", admission="inflight_cap", **_BASELINE),
-    "start-version-gc": SystemPolicy(
-        "start-version-gc", sync="global_immediate", admission="inflight_cap", gc_stale=True, **_BASELINE
-    ),
+    "start-version-gc": SystemPolicy("start-version-gc", sync="global_immediate", admission="inflight_cap", gc_stale=True, **_BASELINE),
 }
 
 

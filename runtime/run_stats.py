@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from staleflow.protocol import ConsumedBatch
-from staleflow.runtime.trajectory_server import AuditReport
+from staleflow.runtime.audit import AuditReport
 from staleflow.runtime.types import TrainingBatch
 
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from staleflow.runtime.audit import AuditReport, placement_mismatches
 from staleflow.runtime.types import (
     PromptGroup,
     RolloutRequest,
@@ -89,28 +90,6 @@ class FinishOutcome:
     cancel: tuple[tuple[str, str], ...] = ()
     late: bool = False
     duplicate: bool = False
-
-
-@dataclass(frozen=True)
-class AuditReport:
-    """Every request and group counted once, and their agreement with the engines.
-
-    ``lost``: requests the TS places on an instance that the instance does not hold.
-    ``orphaned``: requests an instance holds that the TS does not place there.
-    ``duplicated``: trajectories reported finished while their request was not running there,
-    plus requests held by more than one instance.
-    """
-
-    groups: dict[str, int]
-    requests: dict[str, int]
-    lost: tuple[str, ...]
-    orphaned: tuple[str, ...]
-    duplicated: tuple[str, ...]
-    problems: tuple[str, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not (self.lost or self.orphaned or self.duplicated or self.problems)
 
 
 def request_id(group_id: str, index: int) -> str:
@@ -362,23 +341,13 @@ class TrajectoryServer:
                     self._requests[r].state in (RequestState.QUEUED, RequestState.RUNNING) for r in ids
                 ):
                     problems.append(f"group {group_id!r} is {entry.state.value} with live requests")
-        lost: list[str] = []
-        orphaned: list[str] = []
-        duplicated = list(self._duplicates)
+        lost: tuple[str, ...] = ()
+        orphaned: tuple[str, ...] = ()
+        duplicated = tuple(self._duplicates)
         if engine_requests is not None:
-            held: dict[str, str] = {}
-            for instance_id, rids in engine_requests.items():
-                for rid in rids:
-                    if rid in held:
-                        duplicated.append(rid)
-                    held[rid] = instance_id
-            placed = self.running_on()
-            for instance_id, rids in placed.items():
-                lost.extend(sorted(r for r in rids if held.get(r) != instance_id))
-            for rid, instance_id in held.items():
-                if rid not in placed.get(instance_id, ()):
-                    orphaned.append(rid)
-        return AuditReport(groups, requests, tuple(lost), tuple(sorted(orphaned)), tuple(duplicated), tuple(problems))
+            lost, orphaned, held_twice = placement_mismatches(self.running_on(), engine_requests)
+            duplicated += held_twice
+        return AuditReport(groups, requests, lost, orphaned, duplicated, tuple(problems))
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

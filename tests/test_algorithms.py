@@ -19,7 +19,9 @@ from staleflow.adapters.torch.algorithms import (
 from staleflow.runtime.types import TrainingBatch, Trajectory
 
 
-def _traj(rid: str, gid: str, prompt: list[int], out: list[int], versions: list[int], reward: float | None, logprobs: list[float] | None = None) -> Trajectory:
+def _traj(
+    rid: str, gid: str, prompt: list[int], out: list[int], versions: list[int], reward: float | None, logprobs: list[float] | None = None
+) -> Trajectory:
     return Trajectory(
         request_id=rid,
         group_id=gid,

@@ -158,8 +158,13 @@ def _config_cases() -> list[Case]:
     cases += [
         Case("config", "seed: true (a flag for a number)", _config({"seed": True}), ConfigError, ("seed",)),
         Case("config", "seed: '3' (a string for a number)", _config({"seed": "3"}), ConfigError, ("seed",)),
-        Case("config", "train.scale_advantages: 'yes' (a word for a flag)", _config({"train": {"scale_advantages": "yes"}}),
-             ConfigError, ("train.scale_advantages",)),
+        Case(
+            "config",
+            "train.scale_advantages: 'yes' (a word for a flag)",
+            _config({"train": {"scale_advantages": "yes"}}),
+            ConfigError,
+            ("train.scale_advantages",),
+        ),
     ]
     return cases
 
@@ -189,8 +194,13 @@ CONFIG_FILE_CASES = [
     Case("config file", "a list at the top level", _config_file("- eta\n"), ConfigError, ("mapping", "list")),
     Case("config file", "override without '=' (`protocol.eta`)", _override("protocol.eta"), ConfigError, ("key=value",)),
     Case("config file", "override into a value (`seed.x=1`)", _override("seed.x=1"), ConfigError, ("seed", "not a section")),
-    Case("config file", "missing file", lambda tmp: __import__("staleflow.runtime.config", fromlist=["x"]).load_config(tmp / "none.yaml"),
-         ConfigError, ("cannot read", "none.yaml")),
+    Case(
+        "config file",
+        "missing file",
+        lambda tmp: __import__("staleflow.runtime.config", fromlist=["x"]).load_config(tmp / "none.yaml"),
+        ConfigError,
+        ("cannot read", "none.yaml"),
+    ),
 ]
 
 # ----------------------------------------------------------------------------- workloads
@@ -209,14 +219,29 @@ def _workload(mutate: Callable[[dict[str, Any]], None]) -> Callable[[Path], Any]
 
 
 WORKLOAD_CASES = [
-    Case("workload", "KV cache smaller than the longest request", _workload(lambda d: d["instance"].update(kv_capacity_tokens=100)),
-         WorkloadError, ("instance.kv_capacity_tokens", "longest request")),
-    Case("workload", "mean response length above the maximum", _workload(lambda d: d["response_tokens"].update(mean=5000)),
-         WorkloadError, ("response_tokens", "mean")),
+    Case(
+        "workload",
+        "KV cache smaller than the longest request",
+        _workload(lambda d: d["instance"].update(kv_capacity_tokens=100)),
+        WorkloadError,
+        ("instance.kv_capacity_tokens", "longest request"),
+    ),
+    Case(
+        "workload",
+        "mean response length above the maximum",
+        _workload(lambda d: d["response_tokens"].update(mean=5000)),
+        WorkloadError,
+        ("response_tokens", "mean"),
+    ),
     Case("workload", "group size 'four'", _workload(lambda d: d["batch"].update(group_size="four")), WorkloadError, ("batch.group_size",)),
     Case("workload", "negative cost coefficient", _workload(lambda d: d["cost_model"].update(thr=-1)), WorkloadError, ("cost_model.thr",)),
-    Case("workload", "unknown length distribution 'zipf'", _workload(lambda d: d["response_tokens"].update(distribution="zipf")),
-         WorkloadError, ("response_tokens", "zipf")),
+    Case(
+        "workload",
+        "unknown length distribution 'zipf'",
+        _workload(lambda d: d["response_tokens"].update(distribution="zipf")),
+        WorkloadError,
+        ("response_tokens", "zipf"),
+    ),
     Case("workload", "missing section cluster", _workload(lambda d: d.pop("cluster")), WorkloadError, ("cluster", "required")),
     Case("workload", "unknown name", lambda tmp: load_workload("no-such-workload"), WorkloadError, ("no-such-workload", "shipped")),
 ]
@@ -234,17 +259,34 @@ def _dataset(name: str, text: str, max_prompt_tokens: int = 16) -> Callable[[Pat
 
 
 DATASET_CASES = [
-    Case("dataset", "missing file", lambda tmp: load_prompts(tmp / "none.jsonl", encode=list, max_prompt_tokens=8),
-         PromptFileError, ("none.jsonl", "does not exist")),
+    Case(
+        "dataset",
+        "missing file",
+        lambda tmp: load_prompts(tmp / "none.jsonl", encode=list, max_prompt_tokens=8),
+        PromptFileError,
+        ("none.jsonl", "does not exist"),
+    ),
     Case("dataset", "a .csv file", _dataset("p.csv", "prompt,answer\n"), PromptFileError, ("p.csv", ".csv")),
-    Case("dataset", "a line that is not JSON", _dataset("p.jsonl", '{"prompt": "a", "answer": "b"}\n{"prompt": \n'),
-         PromptFileError, ("p.jsonl", "line 2", "not valid JSON")),
+    Case(
+        "dataset",
+        "a line that is not JSON",
+        _dataset("p.jsonl", '{"prompt": "a", "answer": "b"}\n{"prompt": \n'),
+        PromptFileError,
+        ("p.jsonl", "line 2", "not valid JSON"),
+    ),
     Case("dataset", "row without a prompt", _dataset("p.jsonl", '{"answer": "b"}\n'), PromptFileError, ("p.jsonl", "'prompt'", "missing")),
     Case("dataset", "row without an answer", _dataset("p.jsonl", '{"prompt": "a"}\n'), PromptFileError, ("'answer'", "missing")),
-    Case("dataset", "prompt that is a number", _dataset("p.jsonl", '{"prompt": 5, "answer": "b"}\n'), PromptFileError, ("'prompt'", "string")),
+    Case(
+        "dataset", "prompt that is a number", _dataset("p.jsonl", '{"prompt": 5, "answer": "b"}\n'), PromptFileError, ("'prompt'", "string")
+    ),
     Case("dataset", "empty prompt", _dataset("p.jsonl", '{"prompt": "", "answer": "b"}\n'), PromptFileError, ("empty prompt",)),
-    Case("dataset", "prompt of 40 tokens, limit 16", _dataset("p.jsonl", json.dumps({"prompt": "x" * 40, "answer": "b"}) + "\n"),
-         PromptFileError, ("40 tokens", "max_prompt_tokens=16")),
+    Case(
+        "dataset",
+        "prompt of 40 tokens, limit 16",
+        _dataset("p.jsonl", json.dumps({"prompt": "x" * 40, "answer": "b"}) + "\n"),
+        PromptFileError,
+        ("40 tokens", "max_prompt_tokens=16"),
+    ),
     Case("dataset", "a row that is a list", _dataset("p.jsonl", '["a", "b"]\n'), PromptFileError, ("expected an object",)),
     Case("dataset", "no rows", _dataset("p.jsonl", "\n"), PromptFileError, ("has no prompts",)),
 ]
@@ -284,23 +326,52 @@ PROTOCOL_CASES = [
     Case("protocol", "StalenessManager(batch_size=0)", lambda tmp: StalenessManager(1, 0), ValueError, ("batch_size", ">= 1")),
     Case("protocol", "StalenessManager(eta='2')", lambda tmp: StalenessManager("2", 2), ValueError, ("eta", "int")),  # type: ignore[arg-type]
     Case("protocol", "reserve an active group again", _misuse(lambda m: m.reserve("a", 0)), DuplicateGroupError, ("'a'", "already active")),
-    Case("protocol", "reserve at a version ahead of the trainer", _misuse(lambda m: m.reserve("d", 1)), InvalidVersionError, ("version 1", "ahead")),
+    Case(
+        "protocol",
+        "reserve at a version ahead of the trainer",
+        _misuse(lambda m: m.reserve("d", 1)),
+        InvalidVersionError,
+        ("version 1", "ahead"),
+    ),
     Case("protocol", "reserve at version -1", _misuse(lambda m: m.reserve("d", -1)), InvalidVersionError, (">= 0",)),
     Case("protocol", "reserve with group id True", _misuse(lambda m: m.reserve(True, 0)), TypeError, ("group_id",)),
     Case("protocol", "occupy an unknown group", _misuse(lambda m: m.occupy("z")), UnknownGroupError, ("'z'", "not active")),
     Case("protocol", "occupy a finished group", _misuse(lambda m: m.occupy("a")), InvalidTransitionError, ("'a'", "already done")),
     Case("protocol", "abort an unknown group", _misuse(lambda m: m.abort("z")), UnknownGroupError, ("'z'",)),
-    Case("protocol", "consume with one finished group of two", _misuse(lambda m: m.consume()), ConsumeNotReadyError,
-         ("buffer 0", "1 finished groups, 2 needed")),
-    Case("protocol", "restore something that is not a snapshot", lambda tmp: StalenessManager.restore({"eta": 1}), SnapshotError,
-         ("not a staleness-manager snapshot",)),
-    Case("protocol", "restore with a group past its deadline", _restore(lambda s: s.update(version=5)), SnapshotError, ("past its deadline",)),
-    Case("protocol", "restore with a group listed twice", _restore(lambda s: s["groups"].append(list(s["groups"][0]))), SnapshotError,
-         ("appears twice",)),
-    Case("protocol", "restore with more groups than the bound allows", _restore(lambda s: s.update(batch_size=1)), SnapshotError,
-         ("at most", "allowed")),
-    Case("protocol", "restore with status 'flying'", _restore(lambda s: s["groups"][0].__setitem__(2, "flying")), SnapshotError,
-         ("flying",)),
+    Case(
+        "protocol",
+        "consume with one finished group of two",
+        _misuse(lambda m: m.consume()),
+        ConsumeNotReadyError,
+        ("buffer 0", "1 finished groups, 2 needed"),
+    ),
+    Case(
+        "protocol",
+        "restore something that is not a snapshot",
+        lambda tmp: StalenessManager.restore({"eta": 1}),
+        SnapshotError,
+        ("not a staleness-manager snapshot",),
+    ),
+    Case(
+        "protocol", "restore with a group past its deadline", _restore(lambda s: s.update(version=5)), SnapshotError, ("past its deadline",)
+    ),
+    Case(
+        "protocol",
+        "restore with a group listed twice",
+        _restore(lambda s: s["groups"].append(list(s["groups"][0]))),
+        SnapshotError,
+        ("appears twice",),
+    ),
+    Case(
+        "protocol",
+        "restore with more groups than the bound allows",
+        _restore(lambda s: s.update(batch_size=1)),
+        SnapshotError,
+        ("at most", "allowed"),
+    ),
+    Case(
+        "protocol", "restore with status 'flying'", _restore(lambda s: s["groups"][0].__setitem__(2, "flying")), SnapshotError, ("flying",)
+    ),
 ]
 
 # ----------------------------------------------------------------------------- trajectory server
@@ -317,14 +388,34 @@ def _ts_misuse(operation: Callable[[TrajectoryServer], Any]) -> Callable[[Path],
 
 
 TS_CASES = [
-    Case("trajectory server", "add a group id twice", _ts_misuse(lambda ts: ts.add_groups([PromptGroup("g0", [1], 2)])),
-         TrajectoryServerError, ("'g0'", "added already")),
-    Case("trajectory server", "a group of 0 samples", _ts_misuse(lambda ts: ts.add_groups([PromptGroup("g1", [1], 0)])),
-         ValueError, ("'g1'", "n_samples")),
-    Case("trajectory server", "route a request that is not queued", _ts_misuse(lambda ts: ts.mark_routed(["g0/9"], "i0")),
-         TrajectoryServerError, ("'g0/9'", "unknown request")),
-    Case("trajectory server", "admit a group twice", _ts_misuse(lambda ts: ts.admit("g0", 0)), TrajectoryServerError,
-         ("'g0'", "generating", "not pending")),
+    Case(
+        "trajectory server",
+        "add a group id twice",
+        _ts_misuse(lambda ts: ts.add_groups([PromptGroup("g0", [1], 2)])),
+        TrajectoryServerError,
+        ("'g0'", "added already"),
+    ),
+    Case(
+        "trajectory server",
+        "a group of 0 samples",
+        _ts_misuse(lambda ts: ts.add_groups([PromptGroup("g1", [1], 0)])),
+        ValueError,
+        ("'g1'", "n_samples"),
+    ),
+    Case(
+        "trajectory server",
+        "route a request that is not queued",
+        _ts_misuse(lambda ts: ts.mark_routed(["g0/9"], "i0")),
+        TrajectoryServerError,
+        ("'g0/9'", "unknown request"),
+    ),
+    Case(
+        "trajectory server",
+        "admit a group twice",
+        _ts_misuse(lambda ts: ts.admit("g0", 0)),
+        TrajectoryServerError,
+        ("'g0'", "generating", "not pending"),
+    ),
 ]
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -386,19 +477,49 @@ def _resume_started(tmp: Path) -> Any:
 
 
 CHECKPOINT_CASES = [
-    Case("checkpoint", "run-loop state of another format", _resume(lambda s: s.update(format="other/1")), ValueError,
-         ("not a run-loop checkpoint",)),
+    Case(
+        "checkpoint",
+        "run-loop state of another format",
+        _resume(lambda s: s.update(format="other/1")),
+        ValueError,
+        ("not a run-loop checkpoint",),
+    ),
     Case("checkpoint", "run-loop state loaded after the run started", _resume_started, RuntimeError, ("before the first run()",)),
-    Case("checkpoint", "protocol snapshot with a group past its deadline", _resume(lambda s: s["protocol"].update(version=9)),
-         SnapshotError, ("past its deadline",)),
-    Case("checkpoint", "trajectory-server state of another format", _resume(lambda s: s["trajectory_server"].update(format="x")),
-         ValueError, ("not a trajectory-server state",)),
-    Case("checkpoint", "state without its trajectory-server section", _resume(lambda s: s.pop("trajectory_server")),
-         ValueError, ("lacks trajectory_server",)),
-    Case("checkpoint", "checkpoint of eta 2 resumed with eta 3", _resume(lambda s: None, eta=3), ValueError,
-         ("protocol eta=2", "this run eta=3")),
-    Case("checkpoint", "parameter-server version 99 with protocol version 2", _resume(lambda s: s["parameter_server"].update(latest_version=99)),
-         ValueError, ("parameter-server version 99", "ahead of protocol version 2")),
+    Case(
+        "checkpoint",
+        "protocol snapshot with a group past its deadline",
+        _resume(lambda s: s["protocol"].update(version=9)),
+        SnapshotError,
+        ("past its deadline",),
+    ),
+    Case(
+        "checkpoint",
+        "trajectory-server state of another format",
+        _resume(lambda s: s["trajectory_server"].update(format="x")),
+        ValueError,
+        ("not a trajectory-server state",),
+    ),
+    Case(
+        "checkpoint",
+        "state without its trajectory-server section",
+        _resume(lambda s: s.pop("trajectory_server")),
+        ValueError,
+        ("lacks trajectory_server",),
+    ),
+    Case(
+        "checkpoint",
+        "checkpoint of eta 2 resumed with eta 3",
+        _resume(lambda s: None, eta=3),
+        ValueError,
+        ("protocol eta=2", "this run eta=3"),
+    ),
+    Case(
+        "checkpoint",
+        "parameter-server version 99 with protocol version 2",
+        _resume(lambda s: s["parameter_server"].update(latest_version=99)),
+        ValueError,
+        ("parameter-server version 99", "ahead of protocol version 2"),
+    ),
 ]
 
 
@@ -408,8 +529,8 @@ _TRAINER: dict[str, Any] = {}
 def _trainer_checkpoint(tmp: Path, damage: Callable[[Path], None]) -> Any:
     """Load a damaged copy of a tiny-model trainer checkpoint into a trainer (built once); the
     trainer's model and version must be unchanged by the refused load."""
-    from staleflow.cli.tiny_model import PAD_ID, ensure_tiny_model
     from staleflow.adapters.torch.trainer import TorchTrainer
+    from staleflow.cli.tiny_model import PAD_ID, ensure_tiny_model
 
     if not _TRAINER:
         model_dir = ensure_tiny_model(Path(os.environ.get("STALEFLOW_TINY_MODEL_DIR", "~/.cache/staleflow/tiny-model")).expanduser())
@@ -449,15 +570,34 @@ def _other_model(folder: Path) -> None:
 
 
 TRAINER_CHECKPOINT_CASES = [
-    Case("checkpoint", "trainer checkpoint without trainer_state.pt",
-         lambda tmp: _trainer_checkpoint(tmp, lambda f: (f / "trainer_state.pt").unlink()), FileNotFoundError,
-         ("trainer_state.pt",)),
-    Case("checkpoint", "trainer checkpoint with a truncated model.safetensors",
-         lambda tmp: _trainer_checkpoint(tmp, _truncate("model.safetensors")), Exception, ("model.safetensors",)),
-    Case("checkpoint", "trainer checkpoint with a truncated trainer_state.pt",
-         lambda tmp: _trainer_checkpoint(tmp, _truncate("trainer_state.pt")), Exception, ("trainer_state.pt",)),
-    Case("checkpoint", "trainer checkpoint of another model (a tensor of another shape)",
-         lambda tmp: _trainer_checkpoint(tmp, _other_model), Exception, ("model.safetensors", "size mismatch")),
+    Case(
+        "checkpoint",
+        "trainer checkpoint without trainer_state.pt",
+        lambda tmp: _trainer_checkpoint(tmp, lambda f: (f / "trainer_state.pt").unlink()),
+        FileNotFoundError,
+        ("trainer_state.pt",),
+    ),
+    Case(
+        "checkpoint",
+        "trainer checkpoint with a truncated model.safetensors",
+        lambda tmp: _trainer_checkpoint(tmp, _truncate("model.safetensors")),
+        Exception,
+        ("model.safetensors",),
+    ),
+    Case(
+        "checkpoint",
+        "trainer checkpoint with a truncated trainer_state.pt",
+        lambda tmp: _trainer_checkpoint(tmp, _truncate("trainer_state.pt")),
+        Exception,
+        ("trainer_state.pt",),
+    ),
+    Case(
+        "checkpoint",
+        "trainer checkpoint of another model (a tensor of another shape)",
+        lambda tmp: _trainer_checkpoint(tmp, _other_model),
+        Exception,
+        ("model.safetensors", "size mismatch"),
+    ),
 ]
 
 

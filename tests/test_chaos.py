@@ -16,10 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from staleflow.verification.chaos import ChaosResult, run_seed
-from staleflow.verification.faults import FaultKind, LaggingClock
 from staleflow.bench.chaos import summarise
 from staleflow.runtime.clock import VirtualClock
+from staleflow.verification.chaos import ChaosResult, run_seed
+from staleflow.verification.faults import FaultKind, LaggingClock
 
 #: Seeds run in CI; together they inject every fault kind (checked below).
 CI_SEEDS = range(16)
@@ -104,10 +104,10 @@ def test_regression_seed(seed: int, kinds: list[str] | None, found: str) -> None
 def test_results_finished_before_an_interrupt_arrive_before_its_reply() -> None:
     """Tester bug (seed 89 before the fix): a result the engine finished while handling an
     interrupt was delayed past the checkpoint that followed; one channel per instance is FIFO."""
-    from staleflow.verification.faults import FaultPlan, FaultRates, FaultyEngine
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.runtime.cost_model import CostModel
     from staleflow.runtime.types import RolloutRequest
+    from staleflow.verification.faults import FaultPlan, FaultRates, FaultyEngine
 
     clock = VirtualClock()
     plan = FaultPlan(0, FaultRates(finish_delay=1.0, delay_s_max=5.0), clock)
@@ -198,14 +198,14 @@ def test_run_loop_survives_a_killed_instance_actor() -> None:
     """Real clock, instances as Ray actors: one actor is killed between steps; the run goes on
     with the others, nothing lost or duplicated, staleness within eta."""
     import ray
-    from staleflow.verification.chaos import draw_scenario, workload_for
+    from staleflow.adapters.ray.placement import RayPlacement
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.adapters.sim.trainer import SimTrainer
-    from staleflow.runtime.clock import RealClock
     from staleflow.runtime.assembly import RunSpec, assemble_run
+    from staleflow.runtime.clock import RealClock
     from staleflow.runtime.loop import RunParts
-    from staleflow.adapters.ray.placement import RayPlacement
     from staleflow.runtime.policies import make_policy
+    from staleflow.verification.chaos import draw_scenario, workload_for
 
     workload = workload_for(draw_scenario(0))
     placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -26,7 +26,16 @@ def test_default_yaml_is_the_built_in_job() -> None:
 
 
 def test_overrides_are_parsed_as_yaml_on_dotted_keys() -> None:
-    config = load_config(overrides=["protocol.eta=4", "train.lr=1e-4", "train.betas=[0.8, 0.9]", "metrics.tensorboard=false", "task.prompt_file=data/p.jsonl", "task.reward=exact_match"])
+    config = load_config(
+        overrides=[
+            "protocol.eta=4",
+            "train.lr=1e-4",
+            "train.betas=[0.8, 0.9]",
+            "metrics.tensorboard=false",
+            "task.prompt_file=data/p.jsonl",
+            "task.reward=exact_match",
+        ]
+    )
     assert config.protocol.eta == 4
     assert config.train.lr == pytest.approx(1e-4)
     assert config.train.betas == (0.8, 0.9)

@@ -11,11 +11,22 @@ from staleflow.bench import convergence
 from staleflow.bench.convergence import aggregate, load_run
 
 
-def _write_run(folder: Path, rewards: list[float], elapsed: list[float], evals: tuple[float, float], tokens_per_s: float, staleness: dict[str, int]) -> None:
+def _write_run(
+    folder: Path, rewards: list[float], elapsed: list[float], evals: tuple[float, float], tokens_per_s: float, staleness: dict[str, int]
+) -> None:
     folder.mkdir(parents=True)
     records: list[dict[str, object]] = [{"kind": "eval", "step": 0, "eval_reward": evals[0], "eval_exact": 0.0}]
     for step, (reward, t) in enumerate(zip(rewards, elapsed), start=1):
-        records.append({"kind": "step", "step": step, "reward_mean": reward, "elapsed_s": t, "tokens_per_s": tokens_per_s * step / len(rewards), "group_staleness": staleness if step == 2 else {"0": 16}})
+        records.append(
+            {
+                "kind": "step",
+                "step": step,
+                "reward_mean": reward,
+                "elapsed_s": t,
+                "tokens_per_s": tokens_per_s * step / len(rewards),
+                "group_staleness": staleness if step == 2 else {"0": 16},
+            }
+        )
     records.append({"kind": "checkpoint", "step": len(rewards), "path": "x"})
     records.append({"kind": "eval", "step": len(rewards), "eval_reward": evals[1], "eval_exact": 0.0})
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
@@ -90,7 +101,9 @@ def test_command_aggregates_finished_runs_without_training(study: Path, capsys: 
     assert figures["etas"]["2"]["tokens_per_s"] == pytest.approx(200.0)
     assert (study / "convergence.png").stat().st_size > 0
     out = capsys.readouterr().out
-    assert "| 2 | 0 1 | 0.300 ± 0.141 -> 0.700 ± 0.141 | +0.400 ± 0.000 | 0.600 ± 0.000 | 0.450 ± 0.212 | 200 ± 141 | 6 s | 2, 1 (ok) |" in out
+    assert (
+        "| 2 | 0 1 | 0.300 ± 0.141 -> 0.700 ± 0.141 | +0.400 ± 0.000 | 0.600 ± 0.000 | 0.450 ± 0.212 | 200 ± 141 | 6 s | 2, 1 (ok) |" in out
+    )
     assert "staleflow bench convergence --etas 2 --seeds 0 1 --steps 4" in out
 
 

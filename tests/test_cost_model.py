@@ -86,9 +86,9 @@ def test_load_names_missing_and_unknown_keys(tmp_path) -> None:
 def test_fit_from_jsonl_and_csv_files(tmp_path) -> None:
     records = sample_records(QWEN7B, noise=0.05, count=60)
     jsonl = tmp_path / "profile.jsonl"
-    jsonl.write_text("".join(json.dumps({"n": n, "kv_tokens": k, "latency": l}) + "\n" for n, k, l in records))
+    jsonl.write_text("".join(json.dumps({"n": n, "kv_tokens": k, "latency": latency}) + "\n" for n, k, latency in records))
     csv_path = tmp_path / "profile.csv"
-    csv_path.write_text("n,kv_tokens,latency\n" + "".join(f"{n},{k},{l}\n" for n, k, l in records))
+    csv_path.write_text("n,kv_tokens,latency\n" + "".join(f"{n},{k},{latency}\n" for n, k, latency in records))
     assert len(load_profile_records(jsonl)) == 60
     _, report_a = fit_cost_model_file(jsonl)
     _, report_b = fit_cost_model_file(csv_path)

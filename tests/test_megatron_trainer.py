@@ -26,9 +26,9 @@ from staleflow.adapters.megatron.trainer import (
     megatron_to_hf,
     transformer_config_from_hf,
 )
-from staleflow.cli.tiny_model import ensure_tiny_model
-from staleflow.adapters.torch.trainer import load_causal_lm
 from staleflow.adapters.torch.algorithms import token_logprobs
+from staleflow.adapters.torch.trainer import load_causal_lm
+from staleflow.cli.tiny_model import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
+from staleflow.runtime.assembly import RunSpec, assemble_run
 from staleflow.runtime.clock import RealClock, VirtualClock
 from staleflow.runtime.cost_model import CostModel
-from staleflow.runtime.assembly import RunSpec, assemble_run
 from staleflow.runtime.loop import RunParts, RunStalledError
 from staleflow.runtime.policies import POLICIES, make_policy
 from staleflow.runtime.types import PromptGroup

@@ -8,12 +8,12 @@ ray = pytest.importorskip("ray")
 
 import runtime_fakes
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
+from staleflow.adapters.ray.placement import ActorProxy, InProcessPlacement, RayPlacement
+from staleflow.runtime.assembly import RunSpec, assemble_run
 from staleflow.runtime.clock import RealClock
 from staleflow.runtime.cost_model import CostModel
-from staleflow.runtime.assembly import RunSpec, assemble_run
 from staleflow.runtime.loop import RunParts
 from staleflow.runtime.parameter_server import ParameterServer
-from staleflow.adapters.ray.placement import ActorProxy, InProcessPlacement, RayPlacement
 from staleflow.runtime.policies import make_policy
 from staleflow.runtime.trajectory_server import TrajectoryServer
 

@@ -7,9 +7,9 @@ import pytest
 from staleflow.protocol import StalenessManager
 from staleflow.runtime.commands import Interrupt, Pull, Route
 from staleflow.runtime.coordinator import Coordinator, decide
-from staleflow.runtime.group_life import GroupLife
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.fleet import FleetArrays, InstanceView
+from staleflow.runtime.group_life import GroupLife
 from staleflow.runtime.migration import plan_migration
 from staleflow.runtime.policies import POLICIES, make_policy
 from staleflow.runtime.routing import (

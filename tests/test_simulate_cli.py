@@ -27,7 +27,7 @@ def test_json_output_has_every_system_within_the_bound(capsys, tmp_path) -> None
     report = json.loads(out)  # stdout holds the JSON and nothing else
     assert set(report["systems"]) == {"staleflow", "sync", "inflight-cap"}
     assert report["upper_bound_tokens_per_s"] == pytest.approx(upper_bound(load_workload("small-ci")).tokens_per_s)
-    for name, figures in report["systems"].items():
+    for figures in report["systems"].values():
         assert {"tokens_per_s", "step_time_s", "utilisation", "max_staleness", "staleness_histogram", "dropped"} <= set(figures)
         assert 0 < figures["tokens_per_s"] < report["upper_bound_tokens_per_s"]
         assert figures["steps"] == 5 and figures["lost"] == 0 and figures["duplicated"] == 0

@@ -57,7 +57,10 @@ def test_repeat_letter_prompts_are_long_tailed_and_seeded() -> None:
     p90 = sorted(counts)[int(0.9 * len(counts))]
     assert 35 <= p90 <= 45
     first = prompts[0]
-    assert first.text == f"{first.metadata['letter']}*{first.metadata['count']}=" and first.answer == first.metadata["letter"] * first.metadata["count"]
+    assert (
+        first.text == f"{first.metadata['letter']}*{first.metadata['count']}="
+        and first.answer == first.metadata["letter"] * first.metadata["count"]
+    )
     again = list(itertools.islice(repeat_letter_prompts(seed=1), 5))
     assert again == prompts[:5]
     assert list(itertools.islice(repeat_letter_prompts(seed=2), 5)) != prompts[:5]

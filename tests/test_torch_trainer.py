@@ -7,19 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from staleflow.adapters.torch.algorithms import Correction, LossSettings, token_logprobs
+from staleflow.adapters.torch.trainer import (
+    TorchTrainer,
+    TrainerSettings,
+    load_causal_lm,
+)
 from staleflow.cli.tiny_model import (
     EOS_ID,
     PAD_ID,
     build_tokenizer,
     ensure_tiny_model,
 )
-from staleflow.adapters.torch.trainer import (
-    TorchTrainer,
-    TrainerSettings,
-    load_causal_lm,
-)
 from staleflow.cli.warmup import warm_up
-from staleflow.adapters.torch.algorithms import Correction, LossSettings, token_logprobs
 from staleflow.runtime.tasks import repeat_letter_prompts
 from staleflow.runtime.types import TrainingBatch, Trajectory
 

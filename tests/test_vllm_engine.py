@@ -80,8 +80,8 @@ def engine(model_dir):
 @pytest.fixture(scope="module")
 def ray_engine(model_dir):
     """A second engine at the same weights, placed as a Ray actor (its own process) by the runtime."""
-    from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
     from staleflow.adapters.ray.placement import RayPlacement
+    from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
 
     placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -33,6 +33,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from staleflow.protocol.events import ProtocolEvent
+from staleflow.runtime.clock import VirtualClock
+from staleflow.runtime.types import PromptGroup
 from staleflow.verification.faults import (
     FaultKind,
     FaultPlan,
@@ -44,9 +47,6 @@ from staleflow.verification.faults import (
     faulty_reward,
     restart_loop,
 )
-from staleflow.protocol.events import ProtocolEvent
-from staleflow.runtime.clock import VirtualClock
-from staleflow.runtime.types import PromptGroup
 
 #: Wall-clock seconds the reward runner waits for a group. Injected hangs are released as soon as
 #: the runtime gives up on their group, so each costs this much wall time; a healthy reward returns

@@ -217,14 +217,16 @@ def compare_graphs(
     with the mirror's graph over the same constants. ``overrides`` may replace spec files (mutants)."""
     groups = tuple(f"g{i}" for i in range(1, n_groups + 1))
     constants: dict[str, int | tuple[str, ...]] = {"Eta": params.eta, "B": params.batch_size, "X": params.redundancy}
+
+    def keep(state: MirrorState) -> bool:
+        return max_version is None or state.version <= max_version
+
     if max_version is None:
         module, spec, view = "MCLag", "LagSpec", (lambda s: normalise(params, s))
         cfg = cfg_text({**constants, "Groups": groups}, spec)
-        keep: Callable[[MirrorState], bool] = lambda s: True
     else:
         module, spec, view = "MCStalenessBuffer", "Spec", (lambda s: s)
         cfg = cfg_text({**constants, "MaxVersion": max_version, "Groups": groups}, spec, constraint="VersionBound")
-        keep = lambda s: s.version <= max_version
     result = GraphComparison()
     with tempfile.TemporaryDirectory(prefix="staleflow-graph-") as tmp:
         dot = Path(tmp) / "graph.dot"

@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
-from staleflow.adapters.torch.trainer import TrainerSettings
 from staleflow.adapters.torch.algorithms import (
     Correction,
     PackedBatch,
@@ -38,6 +36,8 @@ from staleflow.adapters.torch.algorithms import (
     policy_loss,
     token_staleness,
 )
+from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
+from staleflow.adapters.torch.trainer import TrainerSettings
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FILE = "megatron_trainer.pt"

@@ -208,7 +208,7 @@ class SimEngine:
         kv, tokens = self._kv, self._tokens
         if self._running and self._busy_until <= self._t < now:  # mid-segment: count the steps done
             n = len(self._running)
-            done = self._steps_within(now - self._t, n, kv, self._segment()[0])
+            done = self._cost.steps_within(now - self._t, n, kv, self._segment()[0])
             kv += n * done
             tokens += n * done
         last_time, last_tokens = self._last_snapshot
@@ -279,28 +279,6 @@ class SimEngine:
             produced=produced,
         )
 
-    def _time_for(self, steps: int, n: int, kv: int) -> float:
-        """Seconds for ``steps`` decode steps of ``n`` requests starting at ``kv`` KV tokens."""
-        base = self._cost.step_latency(n, kv)
-        return steps * base + self._cost.a_k * n * steps * (steps - 1) / 2
-
-    def _steps_within(self, budget: float, n: int, kv: int, limit: int) -> int:
-        """The most steps (<= limit) that end within ``budget`` seconds (the root of the quadratic
-        time, corrected by a step either way for rounding)."""
-        base = self._cost.step_latency(n, kv)
-        half = self._cost.a_k * n / 2
-        if half == 0:
-            steps = int(budget // base)
-        else:
-            b = base - half
-            steps = int((-b + math.sqrt(b * b + 4 * half * budget)) / (2 * half))
-        steps = max(0, min(steps, limit))
-        while steps < limit and (steps + 1) * base + half * (steps + 1) * steps <= budget:
-            steps += 1
-        while steps > 0 and steps * base + half * steps * (steps - 1) > budget:
-            steps -= 1
-        return steps
-
     def _steps_to_finish(self) -> int:
         heap = self._finish_heap
         while heap:
@@ -320,13 +298,13 @@ class SimEngine:
         if self._seg is None:
             n = len(self._running)
             steps = min(self._steps_to_finish(), self._steps_to_overflow(n))
-            self._seg = (steps, self._t + self._time_for(steps, n, self._kv))
+            self._seg = (steps, self._t + self._cost.decode_seconds(steps, n, self._kv))
         return self._seg
 
     def _do_steps(self, steps: int) -> None:
         self._seg = None
         n = len(self._running)
-        elapsed = self._time_for(steps, n, self._kv)
+        elapsed = self._cost.decode_seconds(steps, n, self._kv)
         self._t += elapsed
         self._steps += steps
         self._kv += n * steps
@@ -369,7 +347,7 @@ class SimEngine:
         self._advance(now)
         if self._running and self._busy_until <= self._t < now:
             steps = self._segment()[0]
-            done = self._steps_within(now - self._t, len(self._running), self._kv, steps)
+            done = self._cost.steps_within(now - self._t, len(self._running), self._kv, steps)
             self._do_steps(done + 1)  # <= steps: the segment ends after now
             self._finish_due()
 

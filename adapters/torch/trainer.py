@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
 from staleflow.adapters.torch.algorithms import (
     Correction,
     LossSettings,
@@ -37,6 +36,7 @@ from staleflow.adapters.torch.algorithms import (
     token_logprobs,
     token_staleness,
 )
+from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_MODEL = "model.safetensors"
@@ -266,11 +266,13 @@ def _check_weights_match(weights: dict[str, torch.Tensor], expected: dict[str, A
     ]
     if missing or extra or mismatched:
         details = "; ".join(
-            part for part in (
+            part
+            for part in (
                 f"missing {missing[:3]}" if missing else "",
                 f"unexpected {extra[:3]}" if extra else "",
                 f"size mismatch {mismatched[:3]}" if mismatched else "",
-            ) if part
+            )
+            if part
         )
         raise ValueError(f"checkpoint file {path} holds another model's weights: {details}")
 
@@ -295,7 +297,9 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
     return out
 
 
-def _greedy(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int, pad_id: int, device: torch.device) -> list[list[int]]:
+def _greedy(
+    model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int, pad_id: int, device: torch.device
+) -> list[list[int]]:
     """Greedy decoding of left-padded prompts with Hugging Face ``generate``."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)

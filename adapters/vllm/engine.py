@@ -34,44 +34,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode
+from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.runtime.clock import RealClock
 from staleflow.runtime.cost_model import ProfileRecord
 from staleflow.runtime.interfaces import Clock, InstanceLostError
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
 
-#: CPU defaults: in-process engine core, one OpenMP thread without pinning (spin-waiting against
-#: another busy process slows vLLM 10-20x), 1 GiB of KV cache, no warm-up, no hub access, and logs
-#: on stderr (stdout is for results: ``staleflow profile --json``).
-VLLM_ENV_DEFAULTS = {
-    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_CI_ENV": "1",
-    "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-}
+__all__ = ["EngineFailed", "SamplingConfig", "VLLMEngine", "set_vllm_env_defaults"]
+
 WORKER_EXTENSION = "staleflow.adapters.vllm.worker_extension.WeightReloadExtension"
 _T = TypeVar("_T")
-
-
-def set_vllm_env_defaults() -> None:
-    """Set :data:`VLLM_ENV_DEFAULTS` where the environment does not set them (call before importing vLLM)."""
-    for key, value in VLLM_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How every request of an engine is sampled. ``temperature=0`` is greedy."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()
-    #: generate exactly ``max_new_tokens`` (profiling); EOS still counts as a token
-    ignore_eos: bool = False
-
 
 @dataclass
 class _Published:
@@ -127,7 +100,7 @@ class VLLMEngine:
         self._sampling = sampling
         self._max_model_len = max_model_len
         self._clock: Clock = clock if clock is not None else RealClock()
-        self._weights_dir = Path(weights_dir) if weights_dir is not None else _default_weights_dir()
+        self._weights_dir = Path(weights_dir) if weights_dir is not None else default_weights_dir()
         self._engine_args: dict[str, Any] = {
             "model": str(model_path),
             "dtype": "float32",
@@ -324,7 +297,7 @@ class VLLMEngine:
 
     def _run(self, started: Future[None]) -> None:
         try:
-            self._llm = _make_llm_engine(self._engine_args)
+            self._llm = make_llm_engine(self._engine_args)
         except BaseException as error:  # noqa: BLE001 - reported to the constructor
             self._failure = error
             started.set_exception(error)
@@ -375,8 +348,8 @@ class VLLMEngine:
 
     def _step(self) -> None:
         scheduler = self._scheduler()
-        decode = scheduler is not None and _pure_decode(scheduler)
-        n, kv = (len(scheduler.running), _kv_tokens(scheduler)) if decode else (0, 0)
+        decode = scheduler is not None and pure_decode(scheduler)
+        n, kv = (len(scheduler.running), kv_tokens(scheduler)) if decode else (0, 0)
         start = time.perf_counter()
         outputs = self._llm.step()
         seconds = time.perf_counter() - start
@@ -492,7 +465,7 @@ class VLLMEngine:
         if scheduler is not None:
             running = tuple(self._internal_ids.get(r.request_id, r.request_id) for r in scheduler.running)
             waiting = tuple(self._internal_ids.get(r.request_id, r.request_id) for r in scheduler.waiting)
-            kv = _kv_tokens(scheduler)
+            kv = kv_tokens(scheduler)
         else:  # engine core in another process: all our live requests count as running
             running, waiting = tuple(self._live), ()
             kv = sum(len(r.prompt_ids) + len(r.output_ids) for r in self._live.values())
@@ -500,28 +473,3 @@ class VLLMEngine:
             self._published.running = running
             self._published.waiting = waiting
             self._published.kv_tokens = kv
-
-
-def _make_llm_engine(engine_args: dict[str, Any]) -> Any:
-    set_vllm_env_defaults()
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    return LLMEngine.from_engine_args(EngineArgs(**engine_args))
-
-
-def _pure_decode(scheduler: Any) -> bool:
-    """True when the next step decodes one token for each running request and prefills nothing."""
-    if len(scheduler.waiting):
-        return False
-    return all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
-
-
-def _kv_tokens(scheduler: Any) -> int:
-    return sum(int(r.num_computed_tokens) for r in scheduler.running)
-
-
-def _default_weights_dir() -> Path:
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / "staleflow-weights"

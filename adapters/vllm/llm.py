@@ -1,0 +1,35 @@
+"""The few calls into vLLM's engine and scheduler that the rollout engine needs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from staleflow.adapters.vllm.settings import set_vllm_env_defaults
+
+
+def make_llm_engine(engine_args: dict[str, Any]) -> Any:
+    set_vllm_env_defaults()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(**engine_args))
+
+
+def pure_decode(scheduler: Any) -> bool:
+    """True when the next step decodes one token for each running request and prefills nothing."""
+    if len(scheduler.waiting):
+        return False
+    return all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
+
+
+def kv_tokens(scheduler: Any) -> int:
+    return sum(int(r.num_computed_tokens) for r in scheduler.running)
+
+
+def default_weights_dir() -> Path:
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / "staleflow-weights"

@@ -1,0 +1,123 @@
+"""What ``staleflow train`` records: one metrics record per step, the run's summary and its text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from staleflow.runtime.config import JobConfig
+
+
+def step_record(metrics: Any, ledger: Any, reward_seconds: float, trained_before: int) -> dict[str, Any]:
+    train = dict(metrics.train_metrics[-1]) if metrics.train_metrics else {}
+    buffer = max(metrics.staleness_per_buffer) if metrics.staleness_per_buffer else None
+    record = {
+        **train,
+        "elapsed_s": metrics.elapsed_s,
+        "step_time_s": metrics.step_times_s[-1] if metrics.step_times_s else 0.0,
+        "tokens_per_s": (metrics.tokens_trained - trained_before) / metrics.elapsed_s,
+        "tokens_trained": metrics.tokens_trained,
+        "tokens_generated": metrics.tokens_generated,
+        "buffer": buffer,
+        "group_staleness": {} if buffer is None else {str(s): n for s, n in metrics.staleness_per_buffer[buffer].items()},
+        "dropped": metrics.dropped,
+        "reward_failures": metrics.reward_failures,
+        "utilisation": metrics.utilisation,
+        "reward_s_total": reward_seconds,
+        **{k: v for k, v in ledger.summary().items()},
+    }
+    return record
+
+
+def summarise(
+    config: JobConfig,
+    eta: int,
+    metrics: Any,
+    audit: Any,
+    trained_before: int,
+    ledger: Any,
+    trace_path: Path,
+    wall: float,
+    warmup_s: float,
+    engine_s: float,
+    reward_s: float,
+    run_dir: Path,
+) -> dict[str, Any]:
+    from staleflow.cli.metrics import read_metrics
+
+    records = read_metrics(run_dir)
+    steps = [r for r in records if r.get("kind") == "step"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    rewards = [r["reward_mean"] for r in steps if r.get("reward_mean") is not None]
+    window = min(20, max(1, len(rewards) // 3)) if rewards else 0
+    train_s = sum(r.get("train_s", 0.0) for r in steps)
+    data = metrics.to_dict()
+    data.pop("train_metrics", None)
+    data.pop("step_times_s", None)
+    return {
+        "system": config.system.value,
+        "eta": eta,
+        "steps": metrics.steps,
+        "wall_s": wall,
+        "warmup_s": warmup_s,
+        "engine_start_s": engine_s,
+        "reward_first": sum(rewards[:window]) / window if window else None,
+        "reward_last": sum(rewards[-window:]) / window if window else None,
+        "reward_window": window,
+        "eval_first": evals[0]["eval_reward"] if evals else None,
+        "eval_last": evals[-1]["eval_reward"] if evals else None,
+        "eval_exact_first": evals[0]["eval_exact"] if evals else None,
+        "eval_exact_last": evals[-1]["eval_exact"] if evals else None,
+        "bound_ok": metrics.max_staleness <= eta,
+        "time_breakdown_s": {
+            "run": metrics.elapsed_s,
+            "train": train_s,
+            "reward": reward_s,
+            "weight_sync": ledger.summary()["sync_seconds"],
+            "rollout_busy_mean": metrics.utilisation * metrics.elapsed_s,
+        },
+        "instances": ledger.summary(),
+        "trace": str(trace_path),
+        **{k: v for k, v in data.items() if k not in ("system", "steps")},
+        # the audit after the final quiesce (the loop's own is taken while instances still run)
+        "tokens_per_s": (metrics.tokens_trained - trained_before) / metrics.elapsed_s,  # this run (after a resume)
+        "audit_ok": audit.ok,
+        "lost": len(audit.lost),
+        "duplicated": len(audit.duplicated),
+        "orphaned": len(audit.orphaned),
+        "audit_problems": list(audit.problems[:10]),
+        "trajectory_server": {"groups": audit.groups, "requests": audit.requests},
+    }
+
+
+def summary_text(summary: dict[str, Any], run_dir: Path) -> str:
+    def fmt(value: Any) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    inst = summary["instances"]
+    lines = [
+        (
+            f"system {summary['system']} (eta {summary['eta']}): {summary['steps']} steps in {summary['wall_s']:.0f} s "
+            f"(run loop {summary['elapsed_s']:.0f} s)"
+        ),
+        (
+            f"  train reward, first {summary['reward_window']} -> last {summary['reward_window']} steps: "
+            f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}"
+        ),
+        (
+            f"  greedy eval reward: {fmt(summary['eval_first'])} -> {fmt(summary['eval_last'])} "
+            f"(exact {fmt(summary['eval_exact_first'])} -> {fmt(summary['eval_exact_last'])})"
+        ),
+        (
+            f"  trained tokens/s: {summary['tokens_per_s']:.0f}; staleness histogram {summary['staleness_histogram']} "
+            f"(max {summary['max_staleness']} <= eta {summary['eta']}: {summary['bound_ok']})"
+        ),
+        (
+            f"  instances: max version spread {inst['max_version_spread']:.0f}, interrupted {inst['interrupted_requests']:.0f}, "
+            f"resumed elsewhere {inst['resumed_elsewhere']:.0f}, weight syncs {inst['weight_syncs']:.0f}"
+        ),
+        f"  audit: lost {summary['lost']}, duplicated {summary['duplicated']}, orphaned {summary['orphaned']}, ok {summary['audit_ok']}",
+        f"  files: {run_dir}/ (report.md, metrics.jsonl, {Path(summary['trace']).name}, checkpoints/)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""The architecture holds by tools, not by convention: import-linter's layer contracts (pyproject),
+ruff's rules, mypy --strict on the protocol, and one owner of a group's life."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+#: Methods that change a group's protocol entry (on the manager) or its trajectory-server state.
+PROTOCOL_TRANSITIONS = {"reserve", "occupy", "abort", "consume", "restore"}
+SERVER_TRANSITIONS = {"admit", "set_rewards", "fail_group", "abort_group", "take_batch"}
+#: The one module allowed to call them (and the modules that define them).
+OWNER = "runtime/group_life.py"
+
+
+def _run(*command: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NO_COLOR": "1"}
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_import_contracts_are_kept() -> None:
+    result = _run(str(BIN / "lint-imports"), "--no-cache")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "5 kept, 0 broken" in result.stdout
+
+
+def test_import_linter_reports_a_layer_violation(tmp_path: Path) -> None:
+    """The contracts bind: a runtime module importing an adapter is reported (checked on a copy)."""
+    copy = tmp_path / "staleflow"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".venv", ".git", ".typecheck", "__pycache__", ".hypothesis", "runs"))
+    (copy / "runtime" / "bad_import.py").write_text("from staleflow.adapters.sim import engine\n", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "NO_COLOR": "1"}
+    result = subprocess.run(
+        [str(BIN / "lint-imports"), "--no-cache", "--config", str(copy / "pyproject.toml")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "staleflow.runtime.bad_import -> staleflow.adapters.sim.engine" in result.stdout
+
+
+def test_ruff_rules_pass() -> None:
+    result = _run(str(BIN / "ruff"), "check", "--no-cache", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_protocol_passes_mypy_strict() -> None:
+    result = _run(str(BIN / "mypy"), "--strict", "--no-incremental", "-p", "staleflow.protocol")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _transition_calls(path: Path) -> list[str]:
+    """``file:line method`` for every call of a group transition in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        method, receiver = node.func.attr, ast.unparse(node.func.value)
+        on_manager = method in PROTOCOL_TRANSITIONS and receiver.split(".")[-1] == "manager"
+        on_server = method in SERVER_TRANSITIONS and receiver.split(".")[-1] in {"ts", "trajectory_server", "server"}
+        if on_manager or on_server:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {receiver}.{method}")
+    return found
+
+
+def test_only_the_group_owner_changes_groups() -> None:
+    """Outside runtime/group_life.py, no runtime, binding or command changes a group's protocol
+    entry or trajectory-server state (tests and the verification layers drive the protocol directly)."""
+    calls = [
+        call
+        for folder in ("runtime", "adapters", "cli")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if str(path.relative_to(ROOT)) != OWNER
+        for call in _transition_calls(path)
+    ]
+    assert calls == []
+    owner_calls = {call.split()[-1] for call in _transition_calls(ROOT / OWNER)}
+    assert owner_calls >= {
+        "self.manager.reserve", "self.manager.occupy", "self.manager.abort", "self.manager.consume",
+        "self.ts.admit", "self.ts.set_rewards", "self.ts.fail_group", "self.ts.abort_group", "self.ts.take_batch",
+    }
+
+
+@pytest.mark.parametrize("folder", ["runtime", "adapters", "cli"])
+def test_modules_stay_small(folder: str) -> None:
+    """About 400 lines at most (420 non-blank) per module of the runtime, the bindings and the commands."""
+    sizes = {
+        str(p.relative_to(ROOT)): sum(1 for line in p.read_text(encoding="utf-8").splitlines() if line.strip())
+        for p in (ROOT / folder).rglob("*.py")
+    }
+    assert {name: n for name, n in sizes.items() if n > 420} == {}
