@@ -192,3 +192,4 @@ def test_reload_mid_generation_changes_output_and_logprobs_match_torch(engine, m
     with pytest.raises(ValueError, match="cannot load version 0 over version 1"):
         engine.load_weights(0, perturbed)
 
+
