@@ -121,6 +121,42 @@ class RolloutConfig(_Section):
     max_model_len: StrictInt = Field(256, ge=2, le=1_000_000)
     temperature: StrictFloat = Field(1.0, gt=0, le=10)
     max_num_seqs: StrictInt = Field(256, ge=1, le=65536)
+    gpus_per_instance: StrictInt = Field(0, ge=0, le=64)
+    """GPUs of one rollout instance = vLLM's tensor-parallel size; 0: a CPU instance (vLLM-CPU)."""
+    cpus_per_instance: StrictFloat = Field(0, ge=0, le=1024)
+    """CPUs each rollout actor reserves in Ray (0: none, as on a small machine where they share)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vLLM's weight and activation dtype; auto: bfloat16 on GPU instances, float32 on CPU ones."""
+    gpu_memory_utilization: StrictFloat = Field(0.9, gt=0, le=1)
+    """Share of each GPU vLLM may take (weights, activations, KV cache); GPU instances only."""
+    enforce_eager: StrictBool | None = None
+    """Disable CUDA graphs; null: eager on CPU, graphs on GPU."""
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to vLLM's ``EngineArgs`` as they are (they override StaleFlow's settings)."""
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The vLLM ``EngineArgs`` these settings resolve to (the binding adds its own)."""
+        gpu = self.gpus_per_instance > 0
+        settings: dict[str, Any] = {
+            "dtype": self.dtype if self.dtype != "auto" else ("bfloat16" if gpu else "float32"),
+            "enforce_eager": self.enforce_eager if self.enforce_eager is not None else not gpu,
+        }
+        if gpu:
+            settings["tensor_parallel_size"] = self.gpus_per_instance
+            settings["gpu_memory_utilization"] = self.gpu_memory_utilization
+        return {**settings, **self.engine_kwargs}
+
+
+class ClusterConfig(_Section):
+    """Where the job's actors run (Ray)."""
+
+    address: str | None = None
+    """An existing Ray cluster (``auto``, ``ray://host:10001``); null: ``RAY_ADDRESS`` if set, else a
+    local cluster started for the job."""
+    num_cpus: StrictInt | None = Field(2, ge=1, le=1_000_000)
+    """CPUs of a local cluster (null: all of this machine's); ignored for an existing cluster."""
+    num_gpus: StrictInt | None = Field(None, ge=0, le=1_000_000)
+    """GPUs of a local cluster (null: those Ray detects); ignored for an existing cluster."""
 
 
 #: ``protocol.eta`` when the config leaves it out (or null): what each system means by default.
@@ -192,6 +228,8 @@ class TrainConfig(_Section):
     weight_cap: StrictFloat = Field(5.0, ge=1, le=1e6)
     scale_advantages: StrictBool = True
     threads: StrictInt = Field(1, ge=1, le=1024)  # torch intra-op threads of the trainer
+    gpus: StrictInt = Field(0, ge=0, le=1_000_000)
+    """GPUs of the trainer (0: it trains on CPU in the driver process)."""
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:
@@ -225,6 +263,7 @@ class JobConfig(_Section):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     warmup: WarmupConfig = WarmupConfig()
+    cluster: ClusterConfig = ClusterConfig()
     rollout: RolloutConfig = RolloutConfig()
     protocol: ProtocolConfig = ProtocolConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
