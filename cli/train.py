@@ -71,6 +71,20 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["audit_ok"] and summary["bound_ok"] else 1
 
 
+def _place_servers(config: JobConfig, placement: Any) -> dict[str, Any]:
+    """The trajectory and parameter servers as Ray actors (``servers.placement=ray``), or none: the
+    run loop then makes them in this process."""
+    if config.servers.placement != "ray":
+        return {}
+    from staleflow.adapters.ray.parameter_server import RemoteParameterServer
+    from staleflow.runtime.trajectory_server import TrajectoryServer
+
+    return {
+        "trajectory_server": placement.place_reserved("trajectory-server", TrajectoryServer),
+        "parameter_server": RemoteParameterServer.place(placement, "parameter-server"),
+    }
+
+
 def _dry_run(config: JobConfig, as_json: bool) -> str:
     """The resolved config and the placement plan, as text or JSON."""
     from staleflow.runtime.config import dump_config
@@ -229,7 +243,9 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
     )
     if saved_state is not None:  # continue the prompt stream where the checkpointed run had drawn to
         groups = itertools.islice(groups, int(saved_state["prompts_drawn"]), None)
+    servers = _place_servers(config, placement)
     parts = RunParts(
+        **servers,
         engines=engines,
         trainer=trainer,
         prompts=groups,

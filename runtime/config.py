@@ -147,6 +147,17 @@ class RolloutConfig(_Section):
         return {**settings, **self.engine_kwargs}
 
 
+class ServersConfig(_Section):
+    """Where the trajectory server and the parameter server run."""
+
+    placement: Literal["driver", "ray"] = "driver"
+    """``ray``: each in its own Ray actor, and a Pull hands the instance a reference, so weights go
+    from the parameter server's actor straight to the instance (never through the driver);
+    ``driver``: in the driver process (every server call is a local call: the small CPU job)."""
+    cpus: StrictFloat = Field(0, ge=0, le=1024)
+    """CPUs each server actor reserves (``ray`` placement)."""
+
+
 class ClusterConfig(_Section):
     """Where the job's actors run (Ray)."""
 
@@ -264,6 +275,7 @@ class JobConfig(_Section):
     task: TaskConfig = TaskConfig()
     warmup: WarmupConfig = WarmupConfig()
     cluster: ClusterConfig = ClusterConfig()
+    servers: ServersConfig = ServersConfig()
     rollout: RolloutConfig = RolloutConfig()
     protocol: ProtocolConfig = ProtocolConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()

@@ -96,3 +96,9 @@ def test_train_exits_2_naming_the_missing_gpus_before_any_engine_starts(tmp_path
     assert "lacks resources for this job: GPU: the job needs 2 (rollout-0, rollout-1), the cluster has 1" in err
     assert not (tmp_path / "run" / "model-v0").exists()  # refused before the warm-up and any engine
     assert not ray.is_initialized()
+
+
+def test_ray_placed_servers_are_in_the_plan() -> None:
+    plan = plan_placement(load_config(overrides=["servers.placement=ray", "servers.cpus=1"]))
+    assert [(a.name, a.cpus, a.gpus) for a in plan.actors][2:] == [("trajectory-server", 1, 0), ("parameter-server", 1, 0)]
+    assert [a.name for a in plan_placement(load_config()).actors] == ["rollout-0", "rollout-1"]

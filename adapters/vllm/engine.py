@@ -38,7 +38,7 @@ from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.runtime.clock import RealClock
 from staleflow.runtime.cost_model import ProfileRecord
-from staleflow.runtime.interfaces import Clock, InstanceLostError
+from staleflow.runtime.interfaces import Clock, InstanceLostError, WeightsReference
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
 
 __all__ = ["EngineFailed", "SamplingConfig", "VLLMEngine", "set_vllm_env_defaults"]
@@ -156,12 +156,16 @@ class VLLMEngine:
     def load_weights(self, version: int, weights: Any) -> None:
         """Reload the weights in place and become ``version``; returns when the new weights serve.
 
-        ``weights``: a safetensors file, a folder holding ``model.safetensors``, or a state dict
-        (name -> tensor, checkpoint names), which is written to a temporary safetensors file first.
+        ``weights``: a safetensors file, a folder holding ``model.safetensors``, a state dict
+        (name -> tensor, checkpoint names), which is written to a temporary safetensors file first,
+        or a :class:`~staleflow.runtime.interfaces.WeightsReference`, fetched here first (from a
+        parameter server in another process, straight into this one).
         """
         with self._lock:
             self._published.loads_pending += 1
         try:
+            if isinstance(weights, WeightsReference):
+                weights = weights.fetch()
             path, temporary = self._weights_file(weights)
             try:
                 self._call(lambda: self._do_load(version, path))
