@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import queue
-import tempfile
 import threading
 import time
 from collections import deque
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode
+from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.runtime.clock import RealClock
 from staleflow.runtime.cost_model import ProfileRecord
@@ -166,7 +165,7 @@ class VLLMEngine:
         try:
             if isinstance(weights, WeightsReference):
                 weights = weights.fetch()
-            path, temporary = self._weights_file(weights)
+            path, temporary = weights_file(weights, self._weights_dir, self.instance_id)
             try:
                 self._call(lambda: self._do_load(version, path))
             finally:
@@ -261,27 +260,6 @@ class VLLMEngine:
                 f"{name}: prompt ({len(request.prompt_ids)}) + max_new_tokens ({request.max_new_tokens}) "
                 f"= {total} exceeds max_model_len {self._max_model_len}"
             )
-
-    def _weights_file(self, weights: Any) -> tuple[Path, bool]:
-        if isinstance(weights, (str, os.PathLike)):
-            path = Path(weights)
-            if path.is_dir():
-                path = path / "model.safetensors"
-            if not path.is_file():
-                raise FileNotFoundError(f"{self.instance_id}: no safetensors weights at {path}")
-            return path, False
-        if isinstance(weights, Mapping):
-            from safetensors.torch import save_file
-
-            self._weights_dir.mkdir(parents=True, exist_ok=True)
-            handle, name = tempfile.mkstemp(prefix=f"{self.instance_id}-", suffix=".safetensors", dir=self._weights_dir)
-            os.close(handle)
-            tensors = {key: value.detach().to("cpu").contiguous() for key, value in weights.items()}
-            save_file(tensors, name)
-            return Path(name), True
-        raise TypeError(
-            f"{self.instance_id}: weights must be a safetensors path or a state dict, not {type(weights).__name__}"
-        )
 
     def _call(self, command: Callable[[], _T], timeout: float | None = 600.0) -> _T:
         self._raise_if_failed()
