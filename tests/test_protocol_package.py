@@ -366,3 +366,16 @@ def test_locked_manager_keeps_invariant_and_accounting_under_threads(tmp_path: P
     report = check.check_trace(trace)
     assert report.accepted, (report.offending, report.reason)
     assert report.events == len(seqs)
+
+
+def test_bench_lock_cost_replays_the_same_calls_on_both_managers() -> None:
+    from staleflow.bench.protocol import _recorded_ops, lock_cost
+
+    ops = _recorded_ops(eta=1, batch_size=8, batches=10, seed=0)
+    plain, locked = StalenessManager(1, 8), LockedStalenessManager.create(1, 8)
+    results = [[getattr(m, op)(*args) for op, args in ops] for m in (plain, locked)]
+    assert results[0] == results[1] and plain.snapshot() == locked.snapshot()
+    assert plain.version == 10 and any(r is False for r in results[0])  # refused reserves replayed too
+    rows = lock_cost(batches=5, seed=0, overhead_ns=0.0, repeats=1)
+    assert set(rows) == {"eta=1,B=64", "eta=3,B=512"}
+    assert all(r["plain_ns_per_op"] > 0 and r["locked_ns_per_op"] > 0 for r in rows.values())
