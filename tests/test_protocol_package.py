@@ -84,15 +84,24 @@ def test_light_wheel_holds_exactly_the_protocol_sources(light_wheel: Path) -> No
     assert "Requires-Dist" not in text
 
 
-@pytest.mark.slow
-def test_light_package_installs_alone_in_a_fresh_venv_offline(light_wheel: Path, tmp_path: Path) -> None:
-    """pip install --no-index into a new venv: nothing else comes along, it works, and it checks traces."""
-    env_dir = tmp_path / "venv"
+@pytest.fixture(scope="module")
+def light_venv(light_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with only the light wheel installed (pip install --no-index): its python."""
+    env_dir = tmp_path_factory.mktemp("venv")
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
     installed = _run(python, "-m", "pip", "install", "--no-index", "--disable-pip-version-check", light_wheel)
     assert installed.returncode == 0, installed.stdout + installed.stderr
-    listing = _run(python, "-m", "pip", "list", "--format=json", "--disable-pip-version-check")
+    return python
+
+
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+@pytest.mark.slow
+def test_light_package_installs_alone_in_a_fresh_venv_offline(light_venv: Path, tmp_path: Path) -> None:
+    """pip install --no-index into a new venv: nothing else comes along, it works, and it checks traces."""
+    listing = _run(light_venv, "-m", "pip", "list", "--format=json", "--disable-pip-version-check")
     names = {p["name"].lower() for p in json.loads(listing.stdout)}
     assert names - {"pip", "setuptools", "wheel"} == {"staleflow-protocol"}
     script = tmp_path / "use.py"
@@ -108,12 +117,39 @@ def test_light_package_installs_alone_in_a_fresh_venv_offline(light_wheel: Path,
         "print(sorted(k for k in sys.modules if k.split('.')[0] in ('staleflow', 'torch', 'numpy')))\n"
     )
     trace = tmp_path / "trace.jsonl"
-    clean_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    used = _run(python, "-I", script, trace, cwd=tmp_path, env=clean_env)
+    used = _run(light_venv, "-I", script, trace, cwd=tmp_path, env=CLEAN_ENV)
     assert used.returncode == 0, used.stderr
     assert used.stdout.splitlines() == ["[True, True, True, True, False]", "('a', 'b')", "[]"]
-    checked = _run(python, "-I", "-m", "staleflow_protocol.check", trace, cwd=tmp_path, env=clean_env)
+    checked = _run(light_venv, "-I", "-m", "staleflow_protocol.check", trace, cwd=tmp_path, env=CLEAN_ENV)
     assert (checked.returncode, checked.stdout.strip()) == (0, f"{trace}: accepted (8 events in 1 segment(s))")
+
+
+#: What each ``python`` block of docs/integrating.md prints (its comments say the same).
+GUIDE_OUTPUT = [
+    ["refused p4", "0 ('p1', 'p0') ()", "True True",
+     "1 [('p3', 0, 'running'), ('p5', 1, 'running'), ('p6', 1, 'running')]"],
+    ["0 True", "True True"],
+    ["0 run.jsonl: accepted (4 events in 1 segment(s))",
+     "1 bad.jsonl: REJECTED at segment 1: event #1 (line 3, seq 1, reserve('b', v=0)): "
+     "reserve('b', v=0) accepted but Reserve is disabled"],
+]
+
+
+@pytest.mark.slow
+def test_integration_guide_examples_run_on_the_light_package(light_venv: Path, tmp_path: Path) -> None:
+    import re
+
+    guide = (ROOT / "docs" / "integrating.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.S)
+    assert len(blocks) == len(GUIDE_OUTPUT)
+    for number, (block, expected) in enumerate(zip(blocks, GUIDE_OUTPUT)):
+        for line in expected:  # the guide's comments show the output
+            assert f"# {line}" in block, (number, line)
+        script = tmp_path / f"example{number}.py"
+        script.write_text(block)
+        done = _run(light_venv, "-I", script, cwd=tmp_path, env=CLEAN_ENV)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == expected, number
 
 
 def test_protocol_sources_need_only_python_3_9() -> None:
