@@ -182,3 +182,27 @@ def test_areal_trains_exactly_the_protocol_batches_and_the_trace_checks(tmp_path
                              capture_output=True, text=True, check=False, timeout=120)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert f"accepted ({len(events)} events" in checked.stdout
+
+
+def test_an_engine_ahead_of_the_trainer_stops_the_trainer_with_the_protocol_error() -> None:
+    """A host that stamps its engine with a version the protocol has not reached (e.g. optimizer steps
+    instead of weight versions) gets the InvalidVersionError in prepare_batch, not a silent rejection."""
+    protocol = LockedStalenessManager.create(eta=1, batch_size=2)
+    policy = torch.zeros(len(VOCAB))
+    engine = FakeEngine(policy, seed=0)
+    engine.sync(policy, 3)
+    staleness = ProtocolStalenessManager(protocol, engine)
+    config = InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=1, max_concurrent_rollouts=4)
+    executor = WorkflowExecutor(config, engine, staleness_manager=staleness)
+    executor.initialize(train_data_parallel_size=1)
+    workflow = RLVRWorkflow(reward_fn=reward_fn, gconfig=GenerationHyperparameters(max_new_tokens=8),
+                            tokenizer=_tokenizer())
+    batches = ProtocolBatches(executor, staleness, workflow, _prompts())
+    try:
+        with pytest.raises(RuntimeError, match="ahead of the trainer"):
+            batches.prepare_batch(timeout=60)
+    finally:
+        executor.destroy()
+    assert len(protocol) == 0 and protocol.version == 0
+    with pytest.raises(ValueError, match="restore the protocol snapshot"):
+        staleness.on_version_recovered(3)

@@ -119,11 +119,15 @@ class ProtocolStalenessManager:
                 self._stat.accepted += 1
             else:
                 self._stat.rejected += 1
-            if task_id is not None and task_id not in self._started:  # never reached ProtocolWorkflow
-                self._started.add(task_id)
+            # a task that never reached ProtocolWorkflow (an evaluation episode, or a workflow the
+            # host submitted without ProtocolBatches) is not the protocol's: only release its slot
+            wrapped = task_id in self._started
+            if task_id is not None and not wrapped:
                 self._unreserved -= 1
             reserved = task_id in self._reserved
-        if task_id is not None and reserved:
+        if task_id is None or not wrapped:
+            return
+        if reserved:
             with self.protocol.locked() as manager:  # consume may have dropped it meanwhile
                 if task_id in manager:
                     if accepted:
@@ -131,10 +135,9 @@ class ProtocolStalenessManager:
                     else:
                         manager.abort(task_id)
         with self._changed:
-            if task_id is not None:
-                self._finished.add(task_id)
-                if not accepted:
-                    self._rejected.append(task_id)
+            self._finished.add(task_id)
+            if not accepted:
+                self._rejected.append(task_id)
             self._changed.notify_all()
 
     def wait_for_change(self, timeout: float) -> None:
