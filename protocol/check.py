@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
 
 from . import mirror
 from .events import CounterState, ProtocolEvent
@@ -163,7 +163,7 @@ def describe(segment: TraceSegment, offset: int, index: int) -> str:
     return f"event #{offset + index} (line {segment.first_line + 1 + index}, seq {e.seq}, {what})"
 
 
-def check_trace(path: Union[str, Path]) -> TraceReport:
+def check_trace(path: str | Path) -> TraceReport:
     """Replay every segment of a JSONL trace on the mirror; raises TraceFormatError or OSError if unreadable."""
     segments = read_trace(path)
     total = sum(len(segment.events) for segment in segments)

@@ -19,8 +19,9 @@ is missed). ``staleflow bench protocol`` reports what the lock costs per operati
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
+from typing import TYPE_CHECKING, Any
 
 from .events import ConsumedBatch, CounterState, EventHook, GroupId, GroupRecord
 from .manager import BufferView, StalenessManager
@@ -165,7 +166,7 @@ class LockedStalenessManager:
         with self._lock:
             return self._manager.snapshot()
 
-    def attach_trace(self, path: Union[str, Path], mode: str = "w") -> JsonlTraceWriter:
+    def attach_trace(self, path: str | Path, mode: str = "w") -> JsonlTraceWriter:
         """Start a JSONL trace of this manager; the snapshot and the hook are taken atomically."""
         from .trace import JsonlTraceWriter
 

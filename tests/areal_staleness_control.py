@@ -19,14 +19,13 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import test_areal_adapter as t  # noqa: E402
-from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig  # noqa: E402
-from areal.infra.workflow_executor import WorkflowExecutor  # noqa: E402
-from areal.workflow.rlvr import RLVRWorkflow  # noqa: E402
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
-
-from staleflow.adapters.areal import ProtocolBatches, ProtocolStalenessManager  # noqa: E402
-from staleflow.protocol import LockedStalenessManager  # noqa: E402
+import test_areal_adapter as t
+from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
+from areal.infra.workflow_executor import WorkflowExecutor
+from areal.workflow.rlvr import RLVRWorkflow
+from staleflow.adapters.areal import ProtocolBatches, ProtocolStalenessManager
+from staleflow.protocol import LockedStalenessManager
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 
 def run(mode: str, seed: int, steps: int = 12, eta: int = 1, batch_size: int = 4) -> tuple[collections.Counter[int], float]:

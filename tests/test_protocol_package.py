@@ -140,7 +140,7 @@ def test_integration_guide_examples_run_on_the_light_package(light_venv: Path, t
     import re
 
     guide = (ROOT / "docs" / "integrating.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.DOTALL)
     assert len(blocks) == len(GUIDE_OUTPUT)
     for number, (block, expected) in enumerate(zip(blocks, GUIDE_OUTPUT)):
         for line in expected:  # the guide's comments show the output
