@@ -122,6 +122,8 @@ def test_light_package_installs_alone_in_a_fresh_venv_offline(light_venv: Path, 
     assert used.stdout.splitlines() == ["[True, True, True, True, False]", "('a', 'b')", "[]"]
     checked = _run(light_venv, "-I", "-m", "staleflow_protocol.check", trace, cwd=tmp_path, env=CLEAN_ENV)
     assert (checked.returncode, checked.stdout.strip()) == (0, f"{trace}: accepted (8 events in 1 segment(s))")
+    script_checked = _run(light_venv.parent / "staleflow-check-trace", trace, cwd=tmp_path, env=CLEAN_ENV)
+    assert (script_checked.returncode, script_checked.stdout) == (0, checked.stdout)
 
 
 #: What each ``python`` block of docs/integrating.md prints (its comments say the same).
