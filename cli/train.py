@@ -81,7 +81,9 @@ def _place_servers(config: JobConfig, placement: Any) -> dict[str, Any]:
 
     return {
         "trajectory_server": placement.place_reserved("trajectory-server", TrajectoryServer),
-        "parameter_server": RemoteParameterServer.place(placement, "parameter-server"),
+        "parameter_server": RemoteParameterServer.place(
+            placement, "parameter-server", broadcast=config.servers.broadcast_settings()
+        ),
     }
 
 

@@ -156,6 +156,26 @@ class ServersConfig(_Section):
     ``driver``: in the driver process (every server call is a local call: the small CPU job)."""
     cpus: StrictFloat = Field(0, ge=0, le=1024)
     """CPUs each server actor reserves (``ray`` placement)."""
+    weight_transfer: Literal["reference", "broadcast"] = "reference"
+    """``ray`` placement: how an instance gets a version. ``reference``: its engine fetches the state
+    dict from the parameter server's actor; ``broadcast``: a collective broadcast from the server
+    into the instance's workers, in buckets (gloo on CPU, NCCL on GPU)."""
+    wire_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of weights on the wire of a broadcast (the model's own dtype is restored on arrival)."""
+    bucket_mb: StrictInt = Field(64, ge=1, le=65536)
+    """Size of one broadcast bucket, MiB."""
+
+    @model_validator(mode="after")
+    def _broadcast_needs_ray(self) -> ServersConfig:
+        if self.weight_transfer == "broadcast" and self.placement != "ray":
+            raise ValueError("servers.weight_transfer=broadcast needs servers.placement=ray (the server sends from its own actor)")
+        return self
+
+    def broadcast_settings(self) -> dict[str, Any] | None:
+        """The broadcast settings of a Ray-placed parameter server (None: reference pulls)."""
+        if self.weight_transfer != "broadcast":
+            return None
+        return {"wire_dtype": self.wire_dtype, "bucket_bytes": self.bucket_mb << 20}
 
 
 class ClusterConfig(_Section):

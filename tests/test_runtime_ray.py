@@ -60,3 +60,27 @@ def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing(monkeypatch):
     finally:
         placement.close()
     assert not ray.is_initialized()
+
+
+@pytest.mark.ray
+def test_a_parameter_server_actor_broadcasts_a_version_to_a_receiver_in_another_process():
+    """Pulls from a Ray-placed broadcasting parameter server hand out broadcast references; the
+    receiver (here the driver, in a real run an engine's workers) gets every tensor over gloo,
+    in buckets, from the server's process."""
+    import torch
+    from staleflow.adapters.torch.weight_broadcast import BroadcastWeights, receive
+
+    weights = {f"layer{i}.weight": torch.randn(64, 32) for i in range(5)} | {"norm.weight": torch.ones(32)}
+    placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        server = RemoteParameterServer.place(placement, broadcast={"wire_dtype": "float32", "bucket_bytes": 16 << 10})
+        server.push(0, weights)
+        version, reference = server.pull()
+        assert version == 0 and isinstance(reference, BroadcastWeights)
+        plan = reference.open(receivers=1)
+        assert len(plan.buckets) == 3  # 8 KiB tensors in 16 KiB buckets
+        received = dict(receive(plan))
+        assert reference.close() == plan.wire_bytes == sum(t.numel() * 4 for t in weights.values())
+        assert received.keys() == weights.keys() and all(torch.equal(received[k], weights[k]) for k in weights)
+    finally:
+        placement.close()

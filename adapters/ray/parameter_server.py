@@ -41,17 +41,30 @@ class RemoteWeights:
 
 
 class RemoteParameterServer:
-    """The parameter-server interface over a :class:`ParameterServer` placed as a Ray actor."""
+    """The parameter-server interface over a :class:`ParameterServer` placed as a Ray actor.
 
-    def __init__(self, server: ActorProxy) -> None:
+    ``broadcast``: pulls hand out :class:`~staleflow.adapters.torch.weight_broadcast.BroadcastWeights`
+    with these settings (``wire_dtype``, ``bucket_bytes``, ``backend``, ``host``), and the server is a
+    ``BroadcastParameterServer``; None: pulls hand out :class:`RemoteWeights`.
+    """
+
+    def __init__(self, server: ActorProxy, broadcast: dict[str, Any] | None = None) -> None:
         self._server = server
+        self._broadcast = broadcast
 
     @classmethod
-    def place(cls, placement: RayPlacement, name: str | None = None, keep: int = 3) -> RemoteParameterServer:
+    def place(
+        cls, placement: RayPlacement, name: str | None = None, keep: int = 3, broadcast: dict[str, Any] | None = None
+    ) -> RemoteParameterServer:
         """Start the server in the bundle reserved for actor ``name`` (None: anywhere)."""
+        factory: Any = ParameterServer
+        if broadcast is not None:
+            from staleflow.adapters.torch.weight_broadcast import BroadcastParameterServer
+
+            factory = BroadcastParameterServer
         if name is None:
-            return cls(placement.place(ParameterServer, keep=keep, copy_weights=_keep_as_is))
-        return cls(placement.place_reserved(name, ParameterServer, keep=keep, copy_weights=_keep_as_is))
+            return cls(placement.place(factory, keep=keep, copy_weights=_keep_as_is), broadcast)
+        return cls(placement.place_reserved(name, factory, keep=keep, copy_weights=_keep_as_is), broadcast)
 
     def push(self, version: int, weights: Any) -> None:
         self._server.push(version, weights)
@@ -63,13 +76,18 @@ class RemoteParameterServer:
     def versions(self) -> tuple[int, ...]:
         return tuple(self._server.versions())
 
-    def pull(self, version: int | None = None) -> tuple[int, RemoteWeights]:
-        """``(version, reference)``; the weights stay on the server until the puller fetches them."""
+    def pull(self, version: int | None = None) -> tuple[int, Any]:
+        """``(version, reference)``; the weights stay on the server until the puller fetches them
+        (or joins their broadcast)."""
         held = self.versions()
         if version is None:
             version = held[-1] if held else None
         if version is None or version not in held:
             raise VersionNotAvailableError(f"version {version} is not on the parameter server (it holds {list(held)})")
+        if self._broadcast is not None:
+            from staleflow.adapters.torch.weight_broadcast import BroadcastWeights
+
+            return version, BroadcastWeights(self._server, version, **self._broadcast)
         return version, RemoteWeights(self._server, version)
 
     def state_dict(self) -> dict[str, Any]:

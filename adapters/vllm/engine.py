@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+from staleflow.adapters.torch.weight_broadcast import BroadcastWeights, TransferPlan
 from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.runtime.clock import RealClock
@@ -95,6 +96,7 @@ class VLLMEngine:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {model_path} has no config.json (vLLM would try the hub)")
         self.instance_id = instance_id
+        self.bytes_received = 0  # weight bytes received by broadcast
         self._version = version
         self._sampling = sampling
         self._max_model_len = max_model_len
@@ -163,6 +165,13 @@ class VLLMEngine:
         with self._lock:
             self._published.loads_pending += 1
         try:
+            if isinstance(weights, BroadcastWeights):  # received by every worker, straight into the model
+                plan = weights.open(receivers=int(self._engine_args.get("tensor_parallel_size", 1)))
+                try:
+                    self._call(lambda: self._do_load(version, plan))
+                finally:
+                    self.bytes_received += weights.close()
+                return
             if isinstance(weights, WeightsReference):
                 weights = weights.fetch()
             path, temporary = weights_file(weights, self._weights_dir, self.instance_id)
@@ -426,10 +435,13 @@ class VLLMEngine:
                 self._forget_internal(request.request_id)
         return stopped
 
-    def _do_load(self, version: int, path: Path) -> None:
+    def _do_load(self, version: int, source: Path | TransferPlan) -> None:
         if version < self._version:
             raise ValueError(f"{self.instance_id}: cannot load version {version} over version {self._version}")
-        self._llm.collective_rpc("staleflow_reload_safetensors", args=(str(path),))
+        if isinstance(source, TransferPlan):
+            self._llm.collective_rpc("staleflow_receive_broadcast", args=(source.to_dict(),))
+        else:
+            self._llm.collective_rpc("staleflow_reload_safetensors", args=(str(source),))
         self._version = version
         self._llm.set_weight_version(str(version))
 
