@@ -78,9 +78,11 @@ def ensure_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyMo
 
 
 def _read_spec(folder: Path) -> dict[str, int] | None:
+    """The spec a folder was built from; fields added to the spec since then take their defaults
+    (a folder built before ``tie_word_embeddings`` existed is an untied model)."""
     try:
-        return dict(json.loads((folder / _SPEC_FILE).read_text()))
-    except (OSError, ValueError):
+        return {**asdict(TinyModelSpec()), **json.loads((folder / _SPEC_FILE).read_text())}
+    except (OSError, ValueError, TypeError):
         return None
 
 

@@ -123,6 +123,9 @@ class RolloutConfig(_Section):
     max_num_seqs: StrictInt = Field(256, ge=1, le=65536)
     gpus_per_instance: StrictInt = Field(0, ge=0, le=64)
     """GPUs of one rollout instance = vLLM's tensor-parallel size; 0: a CPU instance (vLLM-CPU)."""
+    instances_per_gpu: StrictInt = Field(1, ge=1, le=64)
+    """With ``gpus_per_instance`` 1: how many instances share one GPU (each reserves a share of it;
+    set ``gpu_memory_utilization`` to fit them all)."""
     cpus_per_instance: StrictFloat = Field(0, ge=0, le=1024)
     """CPUs each rollout actor reserves in Ray (0: none, as on a small machine where they share)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -133,6 +136,20 @@ class RolloutConfig(_Section):
     """Disable CUDA graphs; null: eager on CPU, graphs on GPU."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed to vLLM's ``EngineArgs`` as they are (they override StaleFlow's settings)."""
+
+    @model_validator(mode="after")
+    def _gpu_sharing(self) -> RolloutConfig:
+        if self.instances_per_gpu > 1 and self.gpus_per_instance != 1:
+            raise ValueError(
+                f"rollout.instances_per_gpu={self.instances_per_gpu} shares one GPU between instances; it needs "
+                f"rollout.gpus_per_instance=1 (got {self.gpus_per_instance})"
+            )
+        return self
+
+    @property
+    def gpu_share(self) -> float:
+        """The GPUs one instance reserves (a share of one when instances share a GPU)."""
+        return self.gpus_per_instance / self.instances_per_gpu
 
     def engine_settings(self) -> dict[str, Any]:
         """The vLLM ``EngineArgs`` these settings resolve to (the binding adds its own)."""

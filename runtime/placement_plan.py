@@ -23,7 +23,7 @@ class ActorPlan:
     name: str
     role: str
     cpus: float
-    gpus: int
+    gpus: float
 
     def bundle(self) -> dict[str, float]:
         """The Ray bundle: only the resources it asks for (Ray refuses empty bundles: at least a
@@ -48,7 +48,7 @@ class PlacementPlan:
         return sum(a.cpus for a in self.actors)
 
     @property
-    def total_gpus(self) -> int:
+    def total_gpus(self) -> float:
         return sum(a.gpus for a in self.actors)
 
     def to_dict(self) -> dict[str, Any]:
@@ -62,8 +62,8 @@ class PlacementPlan:
     def describe(self) -> str:
         lines = [f"cluster: {self.cluster_address or 'a local Ray cluster'}"]
         for actor in self.actors:
-            lines.append(f"  {actor.name:<14} {actor.role:<16} {actor.cpus:g} CPU, {actor.gpus} GPU")
-        lines.append(f"total: {self.total_cpus:g} CPU, {self.total_gpus} GPU")
+            lines.append(f"  {actor.name:<17} {actor.role:<17} {actor.cpus:g} CPU, {actor.gpus:g} GPU")
+        lines.append(f"total: {self.total_cpus:g} CPU, {self.total_gpus:g} GPU")
         return "\n".join(lines)
 
 
@@ -73,7 +73,7 @@ def plan_placement(config: JobConfig, cluster_address: str | None = None) -> Pla
     driver process and reserves nothing)."""
     rollout = config.rollout
     actors = [
-        ActorPlan(f"rollout-{i}", "rollout instance", rollout.cpus_per_instance, rollout.gpus_per_instance)
+        ActorPlan(f"rollout-{i}", "rollout instance", rollout.cpus_per_instance, rollout.gpu_share)
         for i in range(rollout.instances)
     ]
     if config.servers.placement == "ray":

@@ -102,3 +102,11 @@ def test_ray_placed_servers_are_in_the_plan() -> None:
     plan = plan_placement(load_config(overrides=["servers.placement=ray", "servers.cpus=1"]))
     assert [(a.name, a.cpus, a.gpus) for a in plan.actors][2:] == [("trajectory-server", 1, 0), ("parameter-server", 1, 0)]
     assert [a.name for a in plan_placement(load_config()).actors] == ["rollout-0", "rollout-1"]
+
+
+def test_instances_can_share_a_gpu() -> None:
+    plan = plan_placement(load_config(overrides=["rollout.gpus_per_instance=1", "rollout.instances_per_gpu=2"]))
+    assert [a.gpus for a in plan.actors] == [0.5, 0.5] and plan.total_gpus == 1
+    assert missing_resources(plan, {"CPU": 2, "GPU": 1}) == []
+    with pytest.raises(Exception, match="instances_per_gpu=2 .* needs rollout.gpus_per_instance=1"):
+        load_config(overrides=["rollout.gpus_per_instance=2", "rollout.instances_per_gpu=2"])
