@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from staleflow.runtime.workload import Workload
 
 BASELINES = ("sync", "one-step-off", "inflight-cap", "start-version-gc")
-ABLATIONS = ("staleflow-no-routing", "staleflow-no-sync", "staleflow-no-migration")
+ABLATIONS = ("staleflow-no-routing", "staleflow-no-sync", "staleflow-no-migration", "staleflow-fresh")
 DEFAULT_SYSTEMS = ("staleflow", *BASELINES)
 UPPER_BOUND = "upper-bound"
 

@@ -61,7 +61,8 @@ class System(str, enum.Enum):
     staleness 1 with global updates (VeRL-Pipeline). ``inflight-cap``: AReaL/VeRL-Async admission
     with partial rollout and global updates. ``start-version-gc``: ROLL-style, abort groups older
     than the bound. ``staleflow``: the staleness protocol with the coordinator's routing,
-    synchronisation and migration; ``staleflow-no-*`` switch one strategy off (ablations).
+    synchronisation and migration; ``staleflow-no-*`` switch one strategy off (ablations);
+    ``staleflow-fresh`` adds freshness-aware admission (later buffers only when the trainer waits).
     The policies themselves are in ``runtime/policies.py``.
     """
 
@@ -73,6 +74,7 @@ class System(str, enum.Enum):
     STALEFLOW_NO_ROUTING = "staleflow-no-routing"
     STALEFLOW_NO_SYNC = "staleflow-no-sync"
     STALEFLOW_NO_MIGRATION = "staleflow-no-migration"
+    STALEFLOW_FRESH = "staleflow-fresh"
 
 
 class _Section(BaseModel):

@@ -95,6 +95,9 @@ class Coordinator:
         self._routes: dict[int, list[str]] = {}  # the decision in progress: instance index -> requests
         self._admitting = False  # the decision in progress may admit groups
         self._ps_version: int | None = None
+        #: freshness-aware admission: buffers beyond the head that admission may fill
+        self.lookahead = 1
+        self._steps_without_wait = 0
         self.stats: Counter[str] = Counter()
         self.decision_seconds = 0.0
 
@@ -244,10 +247,27 @@ class Coordinator:
             cap = (self.manager.eta + (ps_version or 0) + 1) * self.manager.batch_size
             if self.groups.live >= cap:
                 return []
+        if self.policy.freshness and len(self.manager) >= (self.lookahead + 1) * self.manager.batch_size + self.manager.redundancy:
+            self.stats["admission_held_for_freshness"] += 1
+            return []
         versions = [v for v in set(self._fleet.version.tolist()) if self.manager.can_reserve(v)]
         if not versions:
             self.stats["admission_blocked_by_protocol"] += 1
         return versions
+
+    def step_started(self, trainer_waited: bool) -> None:
+        """A training step started; ``trainer_waited``: the trainer sat idle for data before it.
+        Adapts the freshness-aware admission's lookahead (see :class:`SystemPolicy`)."""
+        if not self.policy.freshness:
+            return
+        if trainer_waited:
+            self.lookahead = min(self.lookahead + 1, max(self.manager.eta, 1))
+            self._steps_without_wait = 0
+            return
+        self._steps_without_wait += 1
+        if self._steps_without_wait >= self.policy.freshness_patience:
+            self.lookahead = max(self.lookahead - 1, 1)
+            self._steps_without_wait = 0
 
     def next_admission(self) -> Admission | None:
         """The next pending group to admit in the decision in progress, or None when admission stops.
@@ -268,7 +288,11 @@ class Coordinator:
                 return None
             tokens = len(group.prompt_ids)
             fleet = self._fleet
-            chosen = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible))
+            chosen = []
+            if self.policy.freshness:  # the newest version first: its groups start freshest
+                chosen = self.router.choose(fleet, tokens, fleet.version == max(admissible))
+            if not chosen:
+                chosen = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible))
             if not chosen:
                 self._admitting = False
                 self._starved = True

@@ -304,6 +304,8 @@ class RunLoop:
             self.stats.step_finished(now, result.metrics)
             progress = True
         if self.stats.steps_done < target and self.manager.can_consume():
+            waited = now - self.stats.last_step_end > (0.0 if self.clock.simulated else 2 * self.settings.tick_s)
+            self.coordinator.step_started(trainer_waited=waited)
             consumed = self.groups.consume()
             self.stats.batch_consumed(consumed.protocol, consumed.batch, len(consumed.cancel))
             self.instances.execute(self.coordinator.cancel(consumed.cancel))

@@ -64,6 +64,14 @@ class SystemPolicy:
         phi_throughput: migrate when one instance's throughput is this many times another's.
         sync_kv_fraction: per-instance sync pulls an instance whose KV cache is at most this full.
         max_running: least-loaded routing's per-instance cap on requests.
+        freshness: freshness-aware admission: admit work for later buffers only when the trainer
+            would otherwise wait. Admission stops once the active groups fill the head buffer and
+            ``lookahead`` more (the protocol may allow up to ``eta``); the lookahead grows by one
+            after a step the trainer had to wait for, and shrinks by one after
+            ``freshness_patience`` steps in a row it did not; new groups go first to instances at
+            the newest admissible version. It only chooses when to reserve, never what the
+            protocol allows.
+        freshness_patience: steps without a wait before the lookahead shrinks.
         pull_keeps_requests: an instance that pulls keeps its running requests, which go on with
             the new weights (in-place reload, vLLM ``pause_generation(mode="keep")``); by default
             they are interrupted first and re-routed as partials (abort-and-resubmit, as the
@@ -85,13 +93,15 @@ class SystemPolicy:
     phi_throughput: float = 5.0
     sync_kv_fraction: float = 0.1
     max_running: int = 1_000_000
+    freshness: bool = False
+    freshness_patience: int = 3
     pull_keeps_requests: bool = False
 
     def __post_init__(self) -> None:
         _choice("routing", self.routing, ("throughput", "least_loaded"))
         _choice("sync", self.sync, ("per_instance", "global_immediate", "global_drained"))
         _choice("admission", self.admission, ("protocol", "inflight_cap"))
-        for name in ("batch_redundancy", "group_redundancy", "phi_wait", "max_running"):
+        for name in ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"policy {self.name!r}: {name} must be an int >= 0, got {value!r}")
@@ -122,6 +132,7 @@ POLICIES: dict[str, SystemPolicy] = {
     "staleflow-no-routing": SystemPolicy("staleflow-no-routing", routing="least_loaded", **_STALEFLOW),
     "staleflow-no-sync": SystemPolicy("staleflow-no-sync", sync="global_immediate", **_STALEFLOW),
     "staleflow-no-migration": SystemPolicy("staleflow-no-migration", migration=False, **_STALEFLOW),
+    "staleflow-fresh": SystemPolicy("staleflow-fresh", freshness=True, **_STALEFLOW),
     "sync": SystemPolicy("sync", sync="global_drained", fixed_eta=0, **_BASELINE),
     "one-step-off": SystemPolicy("one-step-off", sync="global_drained", fixed_eta=1, **_BASELINE),
     "inflight-cap": SystemPolicy("inflight-cap", sync="global_immediate", admission="inflight_cap", **_BASELINE),

@@ -74,13 +74,13 @@ class RunStats:
         self.train_metrics: list[dict[str, float]] = []
         self.staleness: dict[int, Counter[int]] = {}
         self.run_start = 0.0
-        self._last_step_end = 0.0
+        self.last_step_end = 0.0
         self._busy_since: dict[str, float] = {}
         self._busy_total: dict[str, float] = {}
 
     def start(self, now: float) -> None:
         self.run_start = now
-        self._last_step_end = now
+        self.last_step_end = now
 
     def batch_consumed(self, consumed: ConsumedBatch, batch: TrainingBatch, cancelled: int) -> None:
         self.counters["dropped"] += len(consumed.dropped)
@@ -90,8 +90,8 @@ class RunStats:
 
     def step_finished(self, now: float, metrics: Mapping[str, float]) -> None:
         self.steps_done += 1
-        self.step_times.append(now - self._last_step_end)
-        self._last_step_end = now
+        self.step_times.append(now - self.last_step_end)
+        self.last_step_end = now
         self.train_metrics.append(dict(metrics))
 
     def instances_busy(self, now: float, busy: Mapping[str, bool]) -> None:

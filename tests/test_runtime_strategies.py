@@ -293,3 +293,26 @@ def test_policies_and_their_errors():
         make_policy("staleflow", colour=1)
     with pytest.raises(ValueError, match="routing must be one of"):
         make_policy("staleflow", routing="random")
+
+
+def test_freshness_aware_admission_holds_later_buffers_until_the_trainer_waits():
+    """With freshness on, admission stops once the head buffer and ``lookahead`` more are full
+    (the protocol alone would admit up to eta buffers ahead); a step the trainer waited for widens
+    the lookahead, ``freshness_patience`` steps without a wait narrow it again."""
+    plain, plain_manager, _ = _coordinator("staleflow", eta=3, batch=2, instances=4)
+    _decide(plain, 0, True)
+    assert len(plain_manager) == 8  # (eta + 1) * B: the protocol's limit
+    fresh, manager, _ = _coordinator("staleflow-fresh", eta=3, batch=2, instances=4)
+    _decide(fresh, 0, True)
+    assert fresh.lookahead == 1 and len(manager) == 4  # (1 + 1) * B
+    assert fresh.stats["admission_held_for_freshness"] >= 1
+    fresh.step_started(trainer_waited=True)
+    assert fresh.lookahead == 2
+    _decide(fresh, 0, True)
+    assert len(manager) == 6
+    for _ in range(fresh.policy.freshness_patience):
+        fresh.step_started(trainer_waited=False)
+    assert fresh.lookahead == 1
+    for _ in range(5):
+        fresh.step_started(trainer_waited=True)
+    assert fresh.lookahead == 3  # never beyond eta
