@@ -69,7 +69,9 @@ def test_training_run_keeps_the_bound_and_learns(first_run: tuple[Path, dict]) -
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    assert all(r["update_norm"] > 0 and r["loss"] is not None and r["tokens"] > 0 for r in steps)
+    assert all(r["loss"] is not None and r["tokens"] > 0 for r in steps)
+    # a batch whose groups all have equal rewards has zero advantages and rightly no update
+    assert any(r["update_norm"] > 0 for r in steps)
     # Trainer weights at the checkpoint (version 2) differ from version 0 everywhere.
     v0 = load_file(str(run_dir / "model-v0" / "model.safetensors"))
     v2 = load_file(str(run_dir / "checkpoints" / "step-000002" / "trainer" / "model.safetensors"))
