@@ -30,6 +30,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
@@ -89,18 +90,43 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    """Prompts and the reward. ``prompt_file`` null: the built-in "repeat the letter" task."""
+    """Prompts and the reward. ``prompt_file`` null: the built-in "repeat the letter" task.
+
+    ``prompt_key``/``answer_key``/``solution_key`` may be dotted paths into nested rows; a prompt may
+    be a string or a list of chat messages, rendered with the model's chat template
+    (``chat_template: auto``) or as their contents one per line (``none``). ``reward``: a built-in
+    scorer (``repeat_letter``, ``exact_match``, ``gsm8k``, ``math``) or ``module:function``.
+    ``eval_file``: a held-out set evaluated through a rollout engine (greedy or sampled).
+    """
 
     name: Literal["repeat_letter"] = "repeat_letter"
     max_count: StrictInt = Field(64, ge=1, le=400)
     prompt_file: str | None = None
     prompt_key: str = Field("prompt", min_length=1)
     answer_key: str = Field("answer", min_length=1)
-    reward: Literal["repeat_letter", "exact_match"] = "repeat_letter"
+    solution_key: str | None = Field(None, min_length=1)
+    chat_template: Literal["auto", "none"] = "auto"
+    long_prompts: Literal["refuse", "filter"] = "refuse"
+    reward: str = "repeat_letter"
     reward_timeout_s: StrictFloat = Field(5.0, gt=0, le=3600)
+    reward_workers: StrictInt = Field(2, ge=1, le=256)
     max_prompt_tokens: StrictInt = Field(32, ge=1, le=65536)
     eval_prompts: StrictInt = Field(128, ge=0, le=100000)
     eval_every: StrictInt = Field(25, ge=0, le=1_000_000)
+    eval_file: str | None = None
+    eval_sampling: Literal["greedy", "sampled"] = "greedy"
+    eval_samples: StrictInt = Field(1, ge=1, le=1024)
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_spec(cls, value: str) -> str:
+        from staleflow.runtime.tasks.rewards import BUILTIN_REWARDS, is_reward_spec
+
+        if not is_reward_spec(value):
+            raise ValueError(
+                f"task.reward: {value!r} is not a scorer; allowed: {', '.join(BUILTIN_REWARDS)} or module:function"
+            )
+        return value
 
 
 class WarmupConfig(_Section):
@@ -109,6 +135,8 @@ class WarmupConfig(_Section):
     steps: StrictInt = Field(100, ge=0, le=100000)
     batch_size: StrictInt = Field(64, ge=1, le=65536)
     lr: StrictFloat = Field(3e-3, gt=0, le=1)
+    #: auto: only for the built-in tiny model (model.path null); always / never: as asked
+    when: Literal["auto", "always", "never"] = "auto"
 
 
 class RolloutConfig(_Section):
@@ -208,12 +236,23 @@ class CheckpointConfig(_Section):
     keep: StrictInt = Field(2, ge=1, le=1000)
 
 
+class WandbConfig(_Section):
+    """Weights & Biases logging (``pip install -e '.[tracking]'``); ``project`` null: off.
+    ``mode: offline`` writes the run under ``<run_dir>/wandb`` for a later ``wandb sync``."""
+
+    project: str | None = Field(None, min_length=1)
+    mode: Literal["online", "offline"] = "offline"
+    entity: str | None = Field(None, min_length=1)
+    name: str | None = Field(None, min_length=1)
+
+
 class MetricsConfig(_Section):
     """Where metrics go besides ``metrics.jsonl`` (always written)."""
 
     tensorboard: StrictBool = True
     progress: StrictBool = True
     report: StrictBool = True
+    wandb: WandbConfig = WandbConfig()
 
 
 class JobConfig(_Section):
@@ -277,6 +316,10 @@ class JobConfig(_Section):
             problems.append(
                 f"task.max_count={self.task.max_count} needs rollout.max_new_tokens >= {self.task.max_count + 1} "
                 f"(answer plus end of sequence), got {self.rollout.max_new_tokens}"
+            )
+        if self.task.eval_sampling == "greedy" and self.task.eval_samples > 1:
+            problems.append(
+                f"task.eval_samples={self.task.eval_samples} needs task.eval_sampling=sampled (greedy gives one answer per prompt)"
             )
         if self.task.eval_every > 0 and self.task.eval_prompts == 0:
             problems.append("task.eval_every > 0 needs task.eval_prompts > 0 (or set task.eval_every=0)")
