@@ -7,7 +7,8 @@ training; peers froze on exactly that).
 Two ways to compute rewards:
 
 - :class:`PooledReward` (``staleflow train``): the scorer that ``task.reward`` names runs in
-  ``workers`` worker processes (``spawn``), one group per job. The driver only decodes and ships
+  ``workers`` worker processes (``spawn``), one group per job; a group's timeout counts from when a
+  process takes it (groups queue while every process is busy). The driver only decodes and ships
   ``(prompt, response, answer, metadata)``; a CPU-heavy scorer uses another core and never holds the
   run loop's interpreter lock. A worker whose group times out is killed and replaced, so a hung
   scorer costs one timeout per group, not a worker for ever; a worker that dies is replaced too.
@@ -23,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
 from typing import Any
@@ -34,6 +35,7 @@ from staleflow.runtime.types import Trajectory
 RewardFn = Callable[[Trajectory, dict[str, Any]], float]
 #: what a scorer is called with: ``(prompt, response, answer, metadata)``
 ScoreInput = tuple[Any, str, str, dict[str, Any]]
+_MAX_STARTS = 5
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ def _worker_main(conn: Connection, spec: str) -> None:
         scorer = resolve_scorer(spec)
     except Exception as err:  # noqa: BLE001 - reported with every job
         scorer, failure = None, f"{type(err).__name__}: {err}"
+    conn.send(("ready", None, None))
     while True:
         try:
             message = conn.recv()
@@ -96,17 +99,19 @@ class _Worker:
     process: Any
     conn: Connection
     job: str | None = None
+    ready: bool = False  # the process has started and resolved the scorer
+    started: float = 0.0  # when it took its job
 
 
 @dataclass
 class _Job:
     group_id: str
     items: list[ScoreInput]
-    submitted: float = field(default_factory=time.monotonic)
 
 
 class ScorerPool:
-    """``workers`` scorer processes for ``spec``; jobs are groups, each under ``timeout_s`` from submission."""
+    """``workers`` scorer processes for ``spec``; jobs are groups, queued until a process is free, each
+    under ``timeout_s`` from when a (started) process takes it."""
 
     def __init__(self, spec: str, workers: int, timeout_s: float) -> None:
         if workers < 1:
@@ -118,6 +123,7 @@ class ScorerPool:
         self._queue: deque[_Job] = deque()
         self._jobs: dict[str, _Job] = {}
         self._failed: list[RewardOutcome] = []
+        self._failed_starts = 0
         self.restarts = 0
 
     def _start(self) -> _Worker:
@@ -133,7 +139,7 @@ class ScorerPool:
         worker.process.join(timeout=5)
         worker.conn.close()
         fresh = self._start()
-        worker.process, worker.conn, worker.job = fresh.process, fresh.conn, None
+        worker.process, worker.conn, worker.job, worker.ready = fresh.process, fresh.conn, None, False
         self.restarts += 1
 
     def submit(self, group_id: str, items: list[ScoreInput]) -> None:
@@ -147,36 +153,37 @@ class ScorerPool:
 
     def _dispatch(self) -> None:
         for worker in self._workers:
-            if worker.job is None and self._queue:
+            if worker.ready and worker.job is None and self._queue:
                 job = self._queue.popleft()
                 try:
                     worker.conn.send((job.group_id, job.items))
-                except (BrokenPipeError, OSError):  # the worker died while idle
+                except (BrokenPipeError, OSError):  # the worker died while idle: the job waits for the next one
+                    self._queue.appendleft(job)
                     self._replace(worker)
-                    worker.conn.send((job.group_id, job.items))
+                    continue
                 except Exception as err:  # noqa: BLE001 - e.g. metadata that cannot be pickled
                     del self._jobs[job.group_id]
                     self._failed.append(RewardOutcome(job.group_id, None, f"cannot send the group to a scorer: {err}"))
                     continue
-                worker.job = job.group_id
+                worker.job, worker.started = job.group_id, time.monotonic()
 
     def poll(self, block: bool = False) -> list[RewardOutcome]:
         """Outcomes ready now; ``block``: wait until every job has an outcome."""
         outcomes = self._collect()
         while block and self._jobs:  # outcomes of failed sends are already in ``outcomes``
-            busy = [w.conn for w in self._workers if w.job is not None]
-            oldest = min(job.submitted for job in self._jobs.values())
-            remaining = max(0.01, oldest + self._timeout - time.monotonic())
-            if busy:
-                wait_connections(busy, timeout=remaining)
-            else:
-                time.sleep(min(remaining, 0.05))
+            busy = [w for w in self._workers if w.job is not None]
+            waiting = [w.conn for w in self._workers if w.job is not None or not w.ready]
+            remaining = min((w.started + self._timeout - time.monotonic() for w in busy), default=0.1)
+            wait_connections(waiting, timeout=min(max(0.01, remaining), 0.5))
             outcomes += self._collect()
         return outcomes
 
     def _collect(self) -> list[RewardOutcome]:
         outcomes, self._failed = self._failed, []
         for worker in self._workers:
+            if not worker.ready:
+                self._check_started(worker)
+                continue
             if worker.job is None:
                 continue
             job_id = worker.job
@@ -202,17 +209,31 @@ class ScorerPool:
                 outcomes.append(RewardOutcome(job_id, None, f"scorer process died (exit code {code})"))
         now = time.monotonic()
         for worker in self._workers:  # a job past its timeout: kill its worker, start another
-            if worker.job is not None and now - self._jobs[worker.job].submitted >= self._timeout:
+            if worker.job is not None and now - worker.started >= self._timeout:
                 job_id = worker.job
                 self._replace(worker)
                 del self._jobs[job_id]
                 outcomes.append(RewardOutcome(job_id, None, f"reward timed out after {self._timeout} s"))
-        for job in [j for j in self._queue if now - j.submitted >= self._timeout]:
-            self._queue.remove(job)
-            del self._jobs[job.group_id]
-            outcomes.append(RewardOutcome(job.group_id, None, f"reward timed out after {self._timeout} s (waited for a scorer)"))
         self._dispatch()
         return outcomes
+
+    def _check_started(self, worker: _Worker) -> None:
+        """Mark a starting worker ready once it says so; one that died starting is started again
+        (at most ``_MAX_STARTS`` times in a row, then the jobs fail)."""
+        try:
+            if worker.conn.poll():
+                worker.conn.recv()
+                worker.ready = True
+                self._failed_starts = 0
+                return
+        except (EOFError, OSError):
+            pass
+        if not worker.process.is_alive():
+            code = worker.process.exitcode
+            self._failed_starts += 1
+            if self._failed_starts > _MAX_STARTS:
+                raise RuntimeError(f"scorer processes for {self._spec!r} keep dying at start (exit code {code})")
+            self._replace(worker)
 
     def close(self) -> None:
         for worker in self._workers:

