@@ -199,9 +199,12 @@ class ScorerPool:
                     answered, rewards, error = job_id, None, f"scorer process died (exit code {worker.process.exitcode})"
                     self._replace(worker)
                 worker.job = None
-                if answered in self._jobs:
-                    del self._jobs[answered]
-                    outcomes.append(RewardOutcome(answered, rewards, error))
+                if answered != job_id:  # cannot happen with one job per process at a time; never lose the job
+                    rewards, error = None, f"scorer process answered {answered!r} for {job_id!r}"
+                    self._replace(worker)
+                if job_id in self._jobs:
+                    del self._jobs[job_id]
+                    outcomes.append(RewardOutcome(job_id, rewards, error))
             elif not worker.process.is_alive():
                 code = worker.process.exitcode
                 self._replace(worker)
