@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,9 @@ def test_wandb_offline_logs_train_and_eval_scalars(tmp_path: Path, monkeypatch: 
     log.eval(1, {"eval_reward": 0.25, "eval_pass@1": 0.2})
     log.close()
     (record,) = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + 30  # wandb-core may still be writing the offline record after finish()
+    while b"eval/eval_reward" not in record.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
     data = record.read_bytes()
     for key in (b"train/reward_mean", b"eval/eval_pass@1", b"eval/eval_reward"):
         assert key in data
