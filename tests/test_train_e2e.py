@@ -170,3 +170,41 @@ def test_killing_a_vllm_instance_mid_run_loses_nothing_and_keeps_the_bound(tmp_p
     assert all(v <= b <= v + eta for b, versions in consumed for v in versions)
     result = validate_trace(run_dir / "trace.jsonl", use_tlc=False)
     assert result.ok, result.detail
+
+
+def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp_path: Path) -> None:
+    """The second built-in job, shrunk: verl-format chat rows, the gsm8k reward in scorer processes,
+    held-out evaluation through its own vLLM engine (eval numbers in the metrics, summary and report)."""
+    from staleflow.cli.train import _data_paths_near, train
+    from staleflow.runtime.config import load_config
+
+    config_file = Path(__file__).resolve().parents[1] / "runtime" / "configs" / "arithmetic.yaml"
+    overrides = [
+        "train.steps=2",
+        "train.max_time_s=null",
+        "protocol.batch_groups=2",
+        "rollout.group_size=2",
+        "rollout.instances=1",
+        "warmup.steps=2",
+        "warmup.batch_size=8",
+        "task.eval_prompts=6",
+        "task.eval_every=0",
+        "checkpoint.every=0",
+        "metrics.progress=false",
+        "metrics.tensorboard=false",
+    ]
+    config = _data_paths_near(load_config(config_file, overrides), config_file.parent)
+    summary = train(config, tmp_path / "run")
+    assert summary["audit_ok"] and summary["bound_ok"] and summary["steps"] == 2
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 2] and [e["eval_version"] for e in evals] == [0, 2]
+    for record in evals:
+        assert 0.0 <= record["eval_pass@1"] <= 1.0 and 0.0 <= record["eval_reward"] <= 1.0
+        assert record["eval_reward_failures"] == 0 and record["eval_response_tokens"] > 0
+    steps = [r for r in records if r["kind"] == "step"]
+    assert all(r["reward_failures"] == 0 for r in steps)  # every group scored by the gsm8k scorer processes
+    assert summary["eval_label"]["exact"] == "eval pass@1 (greedy)"
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "held-out arithmetic-eval.jsonl" in report and "## Evaluation" in report
+    assert not (tmp_path / "run" / "model-v0").exists() or (tmp_path / "run" / "model-v0" / "model.safetensors").is_file()

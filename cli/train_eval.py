@@ -1,0 +1,139 @@
+"""Held-out evaluation through a rollout engine (not the trainer's own decoding).
+
+A job whose prompts come from files is evaluated on ``task.eval_file`` (its first
+``task.eval_prompts`` rows), or, without one, on a fixed seeded sample of the training rows (then the
+figures are not held-out ones and are labelled so). The evaluator owns one extra rollout engine (the
+same vLLM binding as the rollout instances, in its own Ray actor, sampling greedy or at
+``rollout.temperature``); at each evaluation it loads the trainer's newest weights into it, submits
+every eval prompt (``task.eval_samples`` responses each when sampled) through the
+:class:`~staleflow.runtime.interfaces.RolloutEngine` seam, collects the responses and scores them
+with the job's reward in worker processes under the reward timeout.
+
+Figures (``kind: eval`` records of ``metrics.jsonl``): ``eval_reward`` (mean reward over every
+response; a failed or timed-out reward counts 0), ``eval_pass@1`` (per prompt, the fraction of its
+responses with reward >= 1, averaged over prompts; with greedy decoding, the fraction of prompts
+answered correctly), ``eval_exact`` (the same number, under the name the built-in job's report uses),
+``eval_response_tokens`` (mean), ``eval_truncated`` (fraction stopped by ``rollout.max_new_tokens``),
+``eval_reward_failures`` and ``eval_s``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from staleflow.runtime.rewarding import PooledReward, RewardRunner
+from staleflow.runtime.tasks import Prompt, make_group
+from staleflow.runtime.types import RolloutRequest, Trajectory
+
+#: a response counts as correct (pass@1) at this reward or above
+CORRECT_AT = 1.0
+
+
+class EngineEvaluator:
+    """Mean reward and pass@1 of ``prompts`` through ``engine`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        prompts: Sequence[Prompt],
+        *,
+        encode: Callable[[str], Sequence[int]],
+        reward: PooledReward,
+        reward_timeout_s: float,
+        max_new_tokens: int,
+        samples: int = 1,
+        mode: str = "greedy",
+        held_out: bool = True,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        if not prompts:
+            raise ValueError("no evaluation prompts")
+        self.enabled = True
+        self.mode = mode
+        self.held_out = held_out
+        self._engine = engine
+        self._samples = samples
+        self._timeout = timeout_s
+        self._groups = [
+            make_group(p, f"eval-{i}", encode=encode, n_samples=samples, max_new_tokens=max_new_tokens) for i, p in enumerate(prompts)
+        ]
+        self._rewards = RewardRunner(reward, reward_timeout_s)
+        self._rounds = itertools.count()
+        self._loaded = -1
+
+    def starts_at(self, version: int) -> None:
+        """The engine already holds ``version`` (it was built on those weights): no load until a newer one."""
+        self._loaded = version
+
+    @property
+    def prompts(self) -> int:
+        return len(self._groups)
+
+    def run(self, version: int, weights: Any) -> dict[str, Any]:
+        """Evaluate model ``version`` (``weights``: a state dict or a safetensors path)."""
+        begin = time.perf_counter()
+        if version > self._loaded:
+            self._engine.load_weights(version, weights)
+            self._loaded = version
+        trajectories = self._generate(next(self._rounds), max(version, 0))
+        by_group: dict[str, list[Trajectory]] = {g.group_id: [] for g in self._groups}
+        for trajectory in trajectories:
+            by_group[trajectory.group_id].append(trajectory)
+        for group in self._groups:
+            self._rewards.submit(group.group_id, by_group[group.group_id], group.metadata)
+        outcomes = {o.group_id: o for o in self._rewards.poll(block=True)}
+        rewards: list[float] = []
+        pass_at_1: list[float] = []
+        failures = 0
+        for group in self._groups:
+            outcome = outcomes.get(group.group_id)
+            scores = outcome.rewards if outcome is not None and outcome.rewards is not None else None
+            if scores is None:
+                failures += 1
+                scores = [0.0] * len(by_group[group.group_id])
+            rewards.extend(scores)
+            pass_at_1.append(sum(1 for r in scores if r >= CORRECT_AT) / len(scores))
+        lengths = [len(t.output_ids) for t in trajectories]
+        pass1 = sum(pass_at_1) / len(pass_at_1)
+        return {
+            "eval_reward": sum(rewards) / len(rewards),
+            "eval_pass@1": pass1,
+            "eval_exact": pass1,
+            "eval_response_tokens": sum(lengths) / len(lengths),
+            "eval_truncated": sum(1 for t in trajectories if t.finish_reason == "length") / len(trajectories),
+            "eval_reward_failures": failures,
+            "eval_version": version,
+            "eval_s": time.perf_counter() - begin,
+        }
+
+    def _generate(self, round_no: int, version: int) -> list[Trajectory]:
+        requests = [
+            RolloutRequest(
+                request_id=f"eval{round_no}-{group.group_id}-{k}",
+                group_id=group.group_id,
+                prompt_ids=list(group.prompt_ids),
+                max_new_tokens=int(group.metadata["max_new_tokens"]),
+                group_version=version,
+            )
+            for group in self._groups
+            for k in range(self._samples)
+        ]
+        self._engine.submit(requests)
+        done: dict[str, Trajectory] = {}
+        deadline = time.monotonic() + self._timeout
+        while len(done) < len(requests):
+            for trajectory in self._engine.collect():
+                done[trajectory.request_id] = trajectory
+            if len(done) < len(requests):
+                if time.monotonic() > deadline:
+                    self._engine.abort([r.request_id for r in requests if r.request_id not in done])
+                    missing = len(requests) - len(done)
+                    raise TimeoutError(f"evaluation: {missing} of {len(requests)} responses not back after {self._timeout} s")
+                time.sleep(0.01)
+        return [done[r.request_id] for r in requests]
+
+    def close(self) -> None:
+        self._rewards.close()

@@ -1,0 +1,226 @@
+"""The application side of real tasks: config keys, held-out evaluation through a rollout engine
+(mean reward and pass@1 in the metrics), the start-up check of a scorer, warm-up gating, chat
+rendering with the tiny model's template, and W&B logging (offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from staleflow.cli.train_eval import EngineEvaluator
+from staleflow.cli.train_rewards import ScorerCheckError, check_scorer, scorer_arguments
+from staleflow.cli.train_setup import wants_warmup
+from staleflow.runtime.config import ConfigError, load_config
+from staleflow.runtime.rewarding import PooledReward
+from staleflow.runtime.tasks import Prompt, RewardSpecError
+from staleflow.runtime.types import RolloutRequest, Trajectory
+
+ARITHMETIC = Path(__file__).resolve().parents[1] / "runtime" / "configs" / "arithmetic.yaml"
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8")
+
+
+class ScriptedEngine:
+    """A rollout engine that answers each prompt from a script (version-dependent)."""
+
+    instance_id = "eval"
+
+    def __init__(self, answers: dict[int, dict[str, list[str]]]) -> None:
+        self.answers = answers
+        self.version = -1
+        self.loads: list[int] = []
+        self._done: list[Trajectory] = []
+        self._served: dict[str, int] = {}
+
+    def load_weights(self, version: int, weights: object) -> None:
+        self.loads.append(version)
+        self.version = version
+
+    def submit(self, requests: list[RolloutRequest]) -> None:
+        for r in requests:
+            assert r.group_version <= self.version
+            prompt = decode(r.prompt_ids)
+            k = self._served.get(prompt, 0)
+            self._served[prompt] = k + 1
+            options = self.answers[self.version][prompt]
+            text = options[k % len(options)]
+            self._done.append(
+                Trajectory(r.request_id, r.group_id, r.prompt_ids, encode(text), [0.0] * len(text), [self.version] * len(text), "stop")
+            )
+
+    def collect(self) -> list[Trajectory]:
+        done, self._done = self._done, []
+        return done
+
+    def abort(self, ids: list[str]) -> None:
+        pass
+
+
+def _prepare(trajectory: Trajectory, metadata: dict) -> tuple:
+    return scorer_arguments(decode(trajectory.output_ids), metadata)
+
+
+PROMPTS = [Prompt("Ann has 2 pens and buys 3 more?", "5"), Prompt("Ben has 9 cups and loses 4?", "5"), Prompt("Jo has 1 key?", "1")]
+
+
+@pytest.mark.slow
+def test_engine_evaluation_reports_mean_reward_and_pass_at_1() -> None:
+    engine = ScriptedEngine(
+        {
+            0: {PROMPTS[0].text: ["#### 5"], PROMPTS[1].text: ["#### 6"], PROMPTS[2].text: ["one"]},
+            3: {PROMPTS[0].text: ["#### 5", "#### 4"], PROMPTS[1].text: ["#### 5"], PROMPTS[2].text: ["#### 1", "#### 1"]},
+        }
+    )
+    evaluator = EngineEvaluator(
+        engine, PROMPTS, encode=encode, reward=PooledReward("gsm8k", _prepare, workers=1), reward_timeout_s=30, max_new_tokens=8
+    )
+    try:
+        greedy = evaluator.run(0, "model-v0")
+        assert greedy["eval_reward"] == pytest.approx(1 / 3) and greedy["eval_pass@1"] == pytest.approx(1 / 3)
+        assert greedy["eval_exact"] == greedy["eval_pass@1"] and greedy["eval_reward_failures"] == 0
+        sampled = EngineEvaluator(
+            engine,
+            PROMPTS,
+            encode=encode,
+            reward=PooledReward("gsm8k", _prepare, workers=1),
+            reward_timeout_s=30,
+            max_new_tokens=8,
+            samples=2,
+            mode="sampled",
+        )
+        try:
+            sampled.starts_at(0)
+            engine.version = 0
+            result = sampled.run(3, {"weights": 3})
+            # prompt 0: 1 of 2 right; prompt 1: 2 of 2; prompt 2: 2 of 2 -> pass@1 (0.5 + 1 + 1) / 3
+            assert result["eval_pass@1"] == pytest.approx(2.5 / 3) and result["eval_reward"] == pytest.approx(5 / 6)
+            assert result["eval_version"] == 3 and engine.loads[-1] == 3
+        finally:
+            sampled.close()
+        engine._served.clear()
+        latest = evaluator.run(3, {"weights": 3})  # one response per prompt: the script's first answers
+        assert latest["eval_pass@1"] == 1.0 and latest["eval_reward"] == 1.0
+    finally:
+        evaluator.close()
+
+
+def test_new_task_keys_validate_and_the_shipped_config_loads() -> None:
+    config = load_config(ARITHMETIC)
+    assert config.task.reward == "gsm8k" and config.task.answer_key == "reward_model.ground_truth"
+    assert config.task.eval_file == "data/arithmetic-eval.jsonl" and config.task.solution_key == "extra_info.answer"
+    assert load_config(overrides=["task.reward=my_rewards:score", "task.prompt_file=x.jsonl"]).task.reward == "my_rewards:score"
+    with pytest.raises(ConfigError, match="task.reward: 'bleu score' is not a scorer; allowed: repeat_letter, exact_match, gsm8k, math"):
+        load_config(overrides=["task.reward=bleu score"])
+    with pytest.raises(ConfigError, match="task.eval_samples=4 needs task.eval_sampling=sampled"):
+        load_config(overrides=["task.eval_samples=4"])
+    with pytest.raises(ConfigError, match="task.long_prompts: .*allowed: one of refuse, filter"):
+        load_config(overrides=["task.long_prompts=truncate"])
+    with pytest.raises(ConfigError, match="metrics.wandb.mode: .*allowed: one of online, offline"):
+        load_config(overrides=["metrics.wandb.mode=cloud"])
+
+
+def test_warmup_applies_to_the_tiny_model_only_unless_asked() -> None:
+    assert wants_warmup(load_config())
+    assert not wants_warmup(load_config(overrides=["model.path=/models/qwen"]))
+    assert wants_warmup(load_config(overrides=["model.path=/models/qwen", "warmup.when=always"]))
+    assert not wants_warmup(load_config(overrides=["warmup.when=never"]))
+    assert not wants_warmup(load_config(overrides=["warmup.steps=0"]))
+
+
+class _Data:
+    def __init__(self, rows: list[Prompt]) -> None:
+        self.train, self.held_out = rows, None
+
+
+def test_a_scorer_is_checked_at_start_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "startup_scorers.py").write_text(
+        textwrap.dedent(
+            """
+            def good(prompt, response, answer, metadata):
+                return 1.0 if response == answer else 0.0
+
+            def text(prompt, response, answer, metadata):
+                return "yes"
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [Prompt("q", "42", {"data_source": "x"})]
+    check_scorer(
+        load_config(overrides=["task.reward=startup_scorers:good", "task.prompt_file=x.jsonl", "task.reward_timeout_s=20."]), _Data(rows)
+    )
+    with pytest.raises(ScorerCheckError, match="returned str \\('yes'\\), not a number"):
+        check_scorer(
+            load_config(overrides=["task.reward=startup_scorers:text", "task.prompt_file=x.jsonl", "task.reward_timeout_s=20."]),
+            _Data(rows),
+        )
+    with pytest.raises(RewardSpecError, match="cannot import module 'missing_scorers'"):
+        check_scorer(load_config(overrides=["task.reward=missing_scorers:f", "task.prompt_file=x.jsonl"]), _Data(rows))
+    with pytest.raises(ScorerCheckError, match="gsm8k answer must be a number"):  # a built-in scorer on the wrong data
+        check_scorer(load_config(overrides=["task.reward=gsm8k", "task.prompt_file=x.jsonl"]), _Data([Prompt("q", "forty")]))
+
+
+def test_scorer_arguments_carry_the_row_not_the_run_keys() -> None:
+    metadata = {
+        "prompt": "text",
+        "answer": "7",
+        "max_new_tokens": 8,
+        "source_prompt": [{"role": "user", "content": "q"}],
+        "data_source": "d",
+    }
+    assert scorer_arguments("#### 7", metadata) == ([{"role": "user", "content": "q"}], "#### 7", "7", {"data_source": "d"})
+
+
+def test_chat_rendering_with_the_tiny_models_template(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from staleflow.cli.tiny_model import ensure_tiny_model
+    from staleflow.cli.train_setup import TaskData, Tokens
+
+    model = ensure_tiny_model(Path(os.environ.get("STALEFLOW_TINY_MODEL_DIR", "~/.cache/staleflow/tiny-model")).expanduser())
+    row = {
+        "prompt": [{"role": "user", "content": "Ann has 2 pens and buys 3 more. How many pens now?"}],
+        "reward_model": {"ground_truth": "5"},
+    }
+    (tmp_path / "p.jsonl").write_text(
+        json.dumps(row) + "\n" + json.dumps({**row, "prompt": [{"role": "user", "content": "x" * 80}]}) + "\n"
+    )
+    overrides = [f"task.prompt_file={tmp_path / 'p.jsonl'}", "task.answer_key=reward_model.ground_truth", "task.reward=gsm8k"]
+    tokens = Tokens(model, "auto")
+    assert tokens.has_template
+    with pytest.raises(ValueError, match="p.jsonl: line 2: prompt has 80 tokens, more than max_prompt_tokens=64"):
+        TaskData(load_config(overrides=[*overrides, "task.max_prompt_tokens=64"]), tokens)
+    data = TaskData(load_config(overrides=[*overrides, "task.max_prompt_tokens=64", "task.long_prompts=filter"]), tokens)
+    assert [p.text for p in data.train] == [row["prompt"][0]["content"]]  # the template joins contents
+    assert data.filtered == {str(tmp_path / "p.jsonl"): (1, 2)}
+
+
+@pytest.mark.slow
+def test_wandb_offline_logs_train_and_eval_scalars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    from staleflow.cli.metrics import MetricsLog
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    settings = load_config(overrides=["metrics.wandb.project=staleflow-test"]).metrics.wandb.model_dump()
+    log = MetricsLog(tmp_path, total_steps=2, tensorboard=False, progress=False, wandb=settings, wandb_config={"seed": 0})
+    log.step(1, {"reward_mean": 0.5, "loss": 0.1})
+    log.eval(1, {"eval_reward": 0.25, "eval_pass@1": 0.2})
+    log.close()
+    (record,) = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + 30  # wandb-core may still be writing the offline record after finish()
+    while b"eval/eval_reward" not in record.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    data = record.read_bytes()
+    for key in (b"train/reward_mean", b"eval/eval_pass@1", b"eval/eval_reward"):
+        assert key in data
+    assert (tmp_path / "wandb-run-id").read_text() in record.name
+    assert [json.loads(line)["kind"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == ["step", "eval"]
