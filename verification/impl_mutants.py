@@ -146,6 +146,48 @@ MUTANTS: tuple[Mutant, ...] = (
         "dropped = tuple(head.done)",
     ),
     Mutant(
+        "consume-prefix-not-cumulative",
+        "consume",
+        "the guard checks each later offset alone, not the prefix of remaining groups (shows at eta >= 3)",
+        "prefix += len(self._buckets[k]) - plan[k]",
+        "prefix = len(self._buckets[k]) - plan[k]",
+    ),
+    Mutant(
+        "consume-guard-first-two-buffers",
+        "consume",
+        "the guard checks the remaining groups only against the next two buffers",
+        "for k in range(1, self._eta + 1):",
+        "for k in range(1, min(self._eta, 2) + 1):",
+    ),
+    Mutant(
+        "restore-skips-invariant",
+        "restore",
+        "restore does not check Inv (a snapshot with too many groups due is accepted)",
+        "        manager._check_invariant()\n",
+        "",
+    ),
+    Mutant(
+        "restore-wraps-past-deadline",
+        "restore",
+        "a group one buffer past its deadline wraps into the newest bucket (negative index)",
+        "if not 0 <= offset <= self._eta:",
+        "if offset < -1:",
+    ),
+    Mutant(
+        "buffers-index-off-by-one",
+        "buffers",
+        "buffer views are numbered from the trainer's next version, not the head buffer",
+        "BufferView(self._version + i, self.capacity(0)",
+        "BufferView(self._version + i + 1, self.capacity(0)",
+    ),
+    Mutant(
+        "buffers-redundancy-in-every-buffer",
+        "buffers",
+        "every buffer view holds B + X groups, not only the head",
+        "self.capacity(0) if i == 0 else self._batch_size, 0, 0)",
+        "self.capacity(0), 0, 0)",
+    ),
+    Mutant(
         "snapshot-loses-status",
         "snapshot",
         "a snapshot records every group as running",
@@ -218,9 +260,33 @@ def trace_layer(manager_cls: type[StalenessManager]) -> str | None:
     return None
 
 
+def model_layer(manager_cls: type[StalenessManager]) -> str | None:
+    """The Z3-proved model functions against the class (``z3-model = manager.py``, quick grid)."""
+    from staleflow.verification.model_link import GRID_QUICK, compare_grid
+
+    try:
+        compare_grid(manager_cls, GRID_QUICK)
+    except Exception as error:  # noqa: BLE001 - any failure of the checked code is a caught failure
+        return _first_line(error)
+    return None
+
+
+def restore_layer(manager_cls: type[StalenessManager]) -> str | None:
+    """Fuzzed valid and invalid snapshots (``restore-fuzz``, quick count)."""
+    from staleflow.verification.snapshots import QUICK_COUNT, fuzz_restore
+
+    try:
+        fuzz_restore(manager_cls, QUICK_COUNT)
+    except Exception as error:  # noqa: BLE001 - any failure of the checked code is a caught failure
+        return _first_line(error)
+    return None
+
+
 #: Every dynamic layer a mutant is run through, cheapest first.
 LAYERS: dict[str, Layer] = {
     "exhaustive": exhaustive_layer,
+    "model": model_layer,
+    "restore": restore_layer,
     "conformance": conformance_layer,
     "trace validation": trace_layer,
 }
@@ -260,8 +326,8 @@ def check_mutant(mutant: Mutant, every_layer: bool) -> tuple[CheckResult, list[s
 
 
 BOUNDS = (
-    "exhaustive grid of conformance-exhaustive; Hypothesis profile 'mutant' (200 x 50, no shrinking); "
-    "3 traced workloads"
+    "quick grids of conformance-exhaustive and z3-model = manager.py; restore-fuzz quick count; "
+    "Hypothesis profile 'mutant' (200 x 50, no shrinking); 3 traced workloads"
 )
 
 

@@ -73,15 +73,35 @@ def start_state(segment: TraceSegment) -> MirrorState:
     for name in ("eta", "batch_size", "redundancy"):
         if start.get(name) != getattr(segment.header, name):
             raise TraceFormatError(f"trace header and its start snapshot disagree on {name}")
-    groups = frozenset((g, v, status) for g, v, status in start["groups"])
-    return MirrorState(int(start["version"]), groups)
+    version, entries = start.get("version"), start.get("groups")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0 or not isinstance(entries, list):
+        raise TraceFormatError("the trace's start snapshot has no valid version and group list")
+    for entry in entries:
+        ok = isinstance(entry, list) and len(entry) == 3
+        g, v, status = entry if ok else (None, None, None)
+        ok = ok and isinstance(g, (str, int)) and not isinstance(g, bool)
+        ok = ok and isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= version
+        if not (ok and status in (mirror.RUNNING, mirror.DONE)):
+            raise TraceFormatError(f"the trace's start snapshot has an invalid group entry {entry!r}")
+    groups = frozenset((g, v, status) for g, v, status in entries)
+    state = MirrorState(version, groups)
+    p = params_of(segment)
+    if len({g for g, _, _ in groups}) != len(entries):
+        raise TraceFormatError("the trace's start snapshot lists a group twice")
+    if not mirror.invariant(p, state):  # checked by the spec itself, not by restore()
+        failed = ", ".join(mirror.invariant_failures(p, state))
+        raise TraceFormatError(f"the trace's start state violates Inv ({failed})")
+    return state
 
 
 def counters(p: SpecParams, s: MirrorState) -> CounterState:
     """The counters the implementation logs, computed from a spec state."""
     running, done = [0] * (p.eta + 1), [0] * (p.eta + 1)
-    for _, v, status in s.groups:
-        (running if status == mirror.RUNNING else done)[v + p.eta - s.version] += 1
+    for g, v, status in s.groups:
+        offset = v + p.eta - s.version
+        if not 0 <= offset <= p.eta:  # a negative index would wrap into the newest offset
+            raise ValueError(f"group {g!r} (v{v}) has deadline offset {offset} at head {s.version}: outside 0..{p.eta}")
+        (running if status == mirror.RUNNING else done)[offset] += 1
     return CounterState(s.version, tuple(running), tuple(done))
 
 
@@ -120,13 +140,16 @@ def replay_mirror(segment: TraceSegment) -> Verdict:
     p = params_of(segment)
     s = start_state(segment)
     for index, e in enumerate(segment.events):
-        if e.before != counters(p, s):
-            return Verdict(False, len(segment.events), index, f"before-state {e.before} != spec {counters(p, s)}")
-        t = mirror_step(p, s, e)
-        if isinstance(t, str):
-            return Verdict(False, len(segment.events), index, t)
-        if e.after != counters(p, t):
-            return Verdict(False, len(segment.events), index, f"after-state {e.after} != spec {counters(p, t)}")
+        try:
+            if e.before != counters(p, s):
+                return Verdict(False, len(segment.events), index, f"before-state {e.before} != spec {counters(p, s)}")
+            t = mirror_step(p, s, e)
+            if isinstance(t, str):
+                return Verdict(False, len(segment.events), index, t)
+            if e.after != counters(p, t):
+                return Verdict(False, len(segment.events), index, f"after-state {e.after} != spec {counters(p, t)}")
+        except ValueError as error:  # a state outside offsets 0..eta: never a spec state
+            return Verdict(False, len(segment.events), index, str(error))
         s = t
     return Verdict(True, len(segment.events), explored=f"{len(segment.events):,} events")
 
