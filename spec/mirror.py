@@ -165,10 +165,11 @@ def refusal_reasons(p: SpecParams) -> tuple[str, ...]:
     return (*(f"reserve:{r}" for r in reserve), *(f"consume:{r}" for r in consume))
 
 
-def sole_refusal_reasons(p: SpecParams, s: MirrorState) -> set[str]:
-    """The refusals in ``s`` that have exactly one failing conjunct, as ``action:conjunct``."""
+def sole_refusal_reasons(p: SpecParams, s: MirrorState, idle_group: bool = True) -> set[str]:
+    """The refusals in ``s`` that have exactly one failing conjunct, as ``action:conjunct``
+    (Reserve only if ``idle_group``: a model with a fixed set of ids has one to reserve)."""
     out: set[str] = set()
-    for version in range(s.version + 1):
+    for version in range(s.version + 1 if idle_group else 0):
         failed = reserve_failures(p, s, version)
         if len(failed) == 1:
             out.add(f"reserve:{failed[0]}")
