@@ -149,3 +149,27 @@ def test_coverage_reports_a_conjunct_never_seen() -> None:
     coverage.add(SpecParams(1, 1, 0), MirrorState(0, frozenset()))
     missing = coverage.missing()[SpecParams(1, 1, 0)]
     assert "reserve:deadline" in missing and "consume:drops" in missing
+
+
+# ----------------------------------------------------------------------------- every eta
+
+
+def test_inv_is_inductive_for_every_eta() -> None:
+    from staleflow.verification import z3_unbounded as zu
+
+    rows = zu.checks(quick=True)
+    assert [r.name for r in rows] == [f"z3-all-eta {name}" for name, _, _ in zu.ROWS]
+    assert all(r.result == "pass" for r in rows), [r.detail for r in rows if r.result != "pass"]
+
+
+def test_the_all_eta_proofs_refute_a_wrong_guard() -> None:
+    from staleflow.verification import z3_unbounded as zu
+
+    main = zu.reserve_steps()[-1]
+    at_zero_slack = tuple(zu.SL(zu.eta) >= 0 if p.eq(zu.SL(zu.eta) > 0) else p for p in main.premises)
+    assert at_zero_slack != main.premises
+    assert zu.prove(dataclasses.replace(main, premises=at_zero_slack))[0] == "sat"
+    consume_main = next(s for s in zu.consume_steps() if s.name.startswith("consume: Inv after, at any offset"))
+    no_prefix_guard = tuple(p for p in consume_main.premises if not p.eq(zu.Q(zu.k + 1) <= zu.cap(zu.k)))
+    assert len(no_prefix_guard) == len(consume_main.premises) - 1
+    assert zu.prove(dataclasses.replace(consume_main, premises=no_prefix_guard))[0] == "sat"

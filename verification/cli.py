@@ -25,6 +25,7 @@ from staleflow.verification.checks import CheckResult
 #: (layer title, module); every module has ``checks(quick: bool) -> list[CheckResult]``.
 LAYERS: tuple[tuple[str, str], ...] = (
     ("z3 proofs", "staleflow.verification.z3_proofs"),
+    ("z3 all eta", "staleflow.verification.z3_unbounded"),
     ("z3 model = code", "staleflow.verification.model_link"),
     ("tlc", "staleflow.verification.tlc"),
     ("graph equivalence", "staleflow.verification.graph_equivalence"),

@@ -506,6 +506,17 @@ def _check_every_action(
         impl = manager_cls.restore(snapshot)
         step = assert_consume_conforms(impl.consume(), p, spec)
         assert_same_state(impl, p, step.state)
+    else:
+        impl = manager_cls.restore(snapshot)
+        try:
+            impl.consume()
+        except ConsumeNotReadyError as error:
+            done = sum(1 for g in spec.groups if g[2] == DONE)
+            expected = f"{done} finished groups, {p.batch_size} needed" if done < p.batch_size else "still running"
+            assert expected in str(error), f"consume refused with {str(error)!r}, expected it to say {expected!r}"
+        else:
+            raise AssertionError("consume() succeeded where the spec's Consume is disabled")
+        assert_same_state(impl, p, spec)
 
 
 def run_conformance(

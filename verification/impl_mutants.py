@@ -213,6 +213,11 @@ def mutant_class(mutant: Mutant | None) -> type[StalenessManager]:
                 f"mutant {name}: {mutant.original!r} occurs {count} times in protocol/manager.py"
             )
         source = source.replace(mutant.original, mutant.replacement)
+    return compile_manager(source, name)
+
+
+def compile_manager(source: str, name: str) -> type[StalenessManager]:
+    """Compile a (mutated) text of manager.py into a fresh module; return its manager class."""
     module = types.ModuleType(f"staleflow.protocol._mutant_{name.replace('-', '_')}")
     module.__file__ = f"<mutant {name} of {manager_module.__file__}>"
     exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own file

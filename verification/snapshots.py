@@ -189,8 +189,13 @@ def fuzz_restore(
         given = copy.deepcopy(snap)
         try:
             manager = manager_cls.restore(given)
-        except SnapshotError:
+        except SnapshotError as error:
             assert expected is None, f"restore refused a valid snapshot: {snap}"
+            if kind == "inv-capacity":  # the error names the first buffer whose constraint fails
+                failed = mirror.invariant_failures(p, MirrorState(c, frozenset(tuple(g) for g in snap["groups"])))
+                first = min(int(f[3:]) for f in failed if f.startswith("cap"))
+                assert f"due by buffer {c + first}, at most {(first + 1) * p.batch_size + p.redundancy} allowed" in str(error), (
+                    f"restore's error {str(error)!r} does not name buffer {c + first} for {snap}")
             continue
         except Exception as error:  # noqa: BLE001 - anything but SnapshotError is an escape
             raise AssertionError(f"restore raised {type(error).__name__} ({error}), not SnapshotError, for {snap}") from None
