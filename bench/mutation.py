@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def enumerate_mutants(source: str, prefixes: list[str]) -> list[tuple[str, int, int, str]]:
     """(operator, occurrence, line, mutated source) for every mutation Cosmic Ray can make."""
-    import cosmic_ray.plugins as plugins
+    from cosmic_ray import plugins
     from cosmic_ray.ast import ast_nodes, get_ast
     from cosmic_ray.mutating import mutate_code
 

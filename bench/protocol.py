@@ -19,7 +19,7 @@ import json
 import random
 import time
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 from staleflow.protocol import StalenessManager
 

@@ -11,9 +11,9 @@ with status ``"running"`` or ``"done"``. A group's deadline is ``version + eta``
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Iterator
 
 from staleflow.protocol.events import GroupId
 

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("cosmic_ray")
 
-from staleflow.bench import mutation  # noqa: E402
-from staleflow.bench import protocol as protocol_bench  # noqa: E402
-from staleflow.protocol import manager as manager_module  # noqa: E402
+from staleflow.bench import mutation
+from staleflow.bench import protocol as protocol_bench
+from staleflow.protocol import manager as manager_module
 
 SOURCE = Path(manager_module.__file__).read_text(encoding="utf-8")
 

@@ -84,7 +84,8 @@ def _defect(rng: random.Random, snap: dict[str, Any], p: SpecParams, c: int) -> 
     elif kind == "groups-field":
         snap.pop("groups") if rng.random() < 0.3 else snap.update(groups=rng.choice(({}, "g1", None, 3)))
     elif kind == "entry-shape":
-        groups.insert(rng.randint(0, len(groups)), rng.choice((["x", c], ["x", c, RUNNING, 0], "x", {"id": "x"}, None)))
+        shapes: tuple[Any, ...] = (["x", c], ["x", c, RUNNING, 0], "x", {"id": "x"}, None)
+        groups.insert(rng.randint(0, len(groups)), rng.choice(shapes))
     elif kind == "id-type":
         groups.insert(rng.randint(0, len(groups)), [rng.choice((1.0, None, True, ["x"], ("x",))), c, RUNNING])
     elif kind == "duplicate-id" and groups:
