@@ -66,8 +66,9 @@ from staleflow.verification.checks import CheckResult
 MAX_ETA = 3
 MAX_BATCH_SIZE = 3
 MAX_REDUNDANCY = 2
-#: Most reserves one burst may make (B + X + 1 at the largest parameters).
-MAX_BURST = MAX_BATCH_SIZE + MAX_REDUNDANCY + 1
+#: Most reserves one burst may make: cap(eta) + 1 = (eta + 1) B + X + 1 at the largest parameters,
+#: so that one burst at one version can fill every buffer and be refused.
+MAX_BURST = (MAX_ETA + 1) * MAX_BATCH_SIZE + MAX_REDUNDANCY + 1
 #: Picks an element of a state-dependent list by index modulo its length (cheaper than st.data()).
 PICK = st.integers(0, 1 << 16)
 INVALID_CALLS = (
@@ -284,7 +285,7 @@ def conformance_machine(
 
         @rule(lag=st.integers(-1, MAX_ETA + 2), count=st.integers(1, MAX_BURST), finish=st.integers(0, 2**MAX_BURST - 1))
         def reserve(self, lag: int, count: int, finish: int) -> None:
-            """1 to B + X + 1 reserves at one version; admitted group ``n`` is occupied at once if bit
+            """1 to cap(eta) + 1 = (eta + 1) B + X + 1 reserves at one version; admitted group ``n`` is occupied at once if bit
             ``n`` of ``finish`` is set. The version is ``lag`` behind the trainer: one ahead (invalid),
             up to two past every deadline (refused) or, folded into ``0..eta``, a valid one. Every call
             is checked as a single call; bursts make runs reach full buffers, Consume, drops and mixed
@@ -293,7 +294,7 @@ def conformance_machine(
             if lag > p.eta + 2:
                 lag %= p.eta + 1
             version = self.spec.version - lag
-            for n in range(min(count, p.batch_size + p.redundancy + 1)):
+            for n in range(min(count, (p.eta + 1) * p.batch_size + p.redundancy + 1)):
                 group_id = self.reserve_one(version)
                 if group_id is None:
                     break
