@@ -146,6 +146,18 @@ def consume_steps() -> list[Step]:
                        0, eta + 1, lambda n: total(n) == B - N(n),
                        lambda n: [*plan(n - 1), total(n) == total(n - 1) + T(n - 1), total(0) == 0], ctx)
     steps += induction("consume: P'(n) = Q(n + 1)", -1, eta - 1, lambda n: P2(n) == Q(n + 1), defs, ctx)
+    # The code's last prefix guard (k = eta: Q(eta) <= cap(eta - 1)) never refuses: what remains after
+    # taking B is at most cap(eta) - B. Q(n) = P(n) - P(0) - (T(1) + ... + T(n)) by induction, so
+    # Q(eta) = P(eta) - B - drops. (This is why a mutant that skips that check is equivalent.)
+    steps += induction("consume: Q(n) = P(n) - P(0) - (T(1) + ... + T(n))", 0, eta,
+                       lambda n: Q(n) == P(n) - P(0) - (total(n + 1) - T(0)),
+                       lambda n: [def_p(n), *defs(n - 1), total(n + 1) == total(n) + T(n), total(1) == T(0)],
+                       (*ctx, P(-1) == 0, total(0) == 0))
+    steps.append(Step(
+        "consume: the last prefix guard Q(eta) <= cap(eta - 1) is implied (never refuses)",
+        (*PARAMS, *ctx, eta >= 1, inv_at(eta), inv_at(0), *plan(0), N(0) >= 0, def_p(0), P(-1) == 0,
+         total(eta + 1) == B - N(eta + 1), Q(eta) == P(eta) - P(0) - (total(eta + 1) - T(0))),
+        Q(eta) <= cap(eta - 1)))
     guard = [in_range(k, 0, eta - 1), Q(k + 1) <= cap(k)]  # the prefix guard at k + 1 in 1..eta
     steps.append(Step(
         "consume: Inv after, at any offset k < eta",
