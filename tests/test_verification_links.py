@@ -173,3 +173,34 @@ def test_the_all_eta_proofs_refute_a_wrong_guard() -> None:
     no_prefix_guard = tuple(p for p in consume_main.premises if not p.eq(zu.Q(zu.k + 1) <= zu.cap(zu.k)))
     assert len(no_prefix_guard) == len(consume_main.premises) - 1
     assert zu.prove(dataclasses.replace(consume_main, premises=no_prefix_guard))[0] == "sat"
+
+
+# ----------------------------------------------------------------------------- TLA+ configurations bind
+
+
+def test_checked_in_tlc_configurations_let_later_buffers_bind() -> None:
+    from staleflow.verification import tlc
+
+    safety = tlc.binding_conjuncts((tlc.SPEC_DIR / "safety.cfg").read_text())
+    assert safety == "Reserve conjuncts that can bind: deadline, cap0, cap1, cap2, cap3"
+    quick = tlc.binding_conjuncts((tlc.SPEC_DIR / "safety_quick.cfg").read_text())
+    assert quick == "Reserve conjuncts that can bind: deadline, cap0, cap1, cap2"
+    for name in ("liveness.cfg", "liveness_x0.cfg", "liveness_quick.cfg"):
+        assert "Eta = 2" in (tlc.SPEC_DIR / name).read_text()
+    assert "X = 0" in (tlc.SPEC_DIR / "liveness_x0.cfg").read_text()
+
+
+def test_a_reserve_checking_only_the_first_two_buffers_is_caught() -> None:
+    from staleflow.verification.spec_mutants import MUTANTS, check_mutant
+
+    row = check_mutant(next(m for m in MUTANTS if m.name == "reserve-checks-first-two-buffers"))
+    assert row.result == "pass" and row.detail.startswith("caught by TLC safety: rc 12"), row.detail
+
+
+def test_graph_coverage_expects_only_what_can_bind() -> None:
+    from staleflow.verification.graph_equivalence import expected_refusals
+
+    p = SpecParams(2, 1, 1)
+    assert expected_refusals(p, 4, absolute=True) == [
+        "reserve:deadline", "reserve:cap0", "reserve:cap1", "consume:batch", "consume:drops", "consume:next-cap0"]
+    assert "reserve:deadline" not in expected_refusals(p, 4, absolute=False)

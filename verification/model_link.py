@@ -19,6 +19,7 @@ Without this row the Z3 rows would give the same verdict for any ``manager.py``.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -104,8 +105,14 @@ def compare_grid(manager_cls: type[StalenessManager], grid: Sequence[tuple[int, 
     return compared
 
 
+#: Added by ``verify --nightly`` (deeper: eta 5, and B = 2 with X = 1 at eta 3).
+GRID_NIGHTLY_EXTRA: tuple[tuple[int, int, int], ...] = ((3, 2, 1), (5, 1, 0))
+
+
 def checks(quick: bool) -> list[CheckResult]:
     grid = GRID_QUICK if quick else GRID_FULL
+    if not quick and os.environ.get("HYPOTHESIS_PROFILE") == "nightly":  # set by verify --nightly
+        grid = (*grid, *GRID_NIGHTLY_EXTRA)
     started = time.perf_counter()
     try:
         explored, result, detail = f"{compare_grid(StalenessManager, grid):,} states", "pass", ""
