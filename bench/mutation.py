@@ -8,9 +8,9 @@ module (never written to disk) and judged by the rows of ``staleflow verify --qu
 ``manager.py``, run in this process on the mutant class, cheapest first, stopping at the first
 failure:
 
-  exhaustive (conformance-exhaustive, quick grid) -> model (z3-model = manager.py, quick grid)
-  -> restore (restore-fuzz, quick count) -> conformance (the Hypothesis machine, ci settings
-  without shrinking) -> trace validation (mirror replay of the traced workloads).
+  restore (restore-fuzz, quick count) -> exhaustive (conformance-exhaustive, quick grid) -> model
+  (z3-model = manager.py, quick grid) -> conformance (the Hypothesis machine, ci settings without
+  shrinking) -> trace validation (mirror replay of the traced workloads).
 
 The other rows of ``verify --quick`` (Z3 proofs, TLC, graph equivalence, spec mutants) read only the
 spec, the mirror and the model, never ``manager.py``, so a mutant cannot change their verdict.
@@ -117,6 +117,16 @@ def _changed_line(source: str, mutated: str, line: int) -> tuple[str, str]:
     return before[line - 1].strip() if 0 < line <= len(before) else "", ""
 
 
+def judge_layers() -> dict[str, Any]:
+    """The manager-dependent rows of ``verify --quick``, at that run's bounds, cheapest first."""
+    from staleflow.verification import impl_mutants
+    from staleflow.verification.conformance import EXHAUSTIVE_GRID
+    from staleflow.verification.model_link import GRID_QUICK
+    from staleflow.verification.snapshots import QUICK_COUNT
+
+    return impl_mutants.make_layers(EXHAUSTIVE_GRID, GRID_QUICK, QUICK_COUNT)
+
+
 def judge(source: str, name: str, timeout: float) -> tuple[str, str, str]:
     """(outcome, layer, why) for one mutated text of manager.py."""
     import builtins
@@ -138,7 +148,7 @@ def judge(source: str, name: str, timeout: float) -> tuple[str, str, str]:
     previous = signal.signal(signal.SIGALRM, alarm)
     layer = ""
     try:
-        for layer, check in impl_mutants.LAYERS.items():
+        for layer, check in judge_layers().items():
             # per layer; then every second, so that a re-run (Hypothesis replaying) cannot hang
             signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)
             why = check(cls)
