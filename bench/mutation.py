@@ -78,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "core/ReplaceComparisonOperator,core/NumberReplacer (default: all core operators)")
     parser.add_argument("--mutants", default="", help="comma-separated OPERATOR#OCCURRENCE: judge only these "
                         "(e.g. the survivors of an earlier run)")
+    parser.add_argument("--skip", type=int, default=0, help="skip the first N mutants (resume a run)")
     parser.add_argument("--limit", type=int, default=0, help="judge only the first N mutants (0: all)")
     parser.add_argument("--shard", default="1/1", help="K/N: judge every N-th mutant starting at the K-th")
     parser.add_argument("--timeout", type=float, default=30.0,
@@ -176,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if chosen:
         prefixes = sorted({operator for operator, _ in chosen})
     mutants = [m for m in enumerate_mutants(source, prefixes) if not chosen or (m[0], m[1]) in chosen][k - 1 :: n]
+    mutants = mutants[args.skip :]
     if args.limit:
         mutants = mutants[: args.limit]
     print(f"bench mutation: {len(mutants)} mutants of {path.name}", file=sys.stderr, flush=True)
