@@ -136,6 +136,11 @@ def assert_same_state(impl: StalenessManager, p: SpecParams, spec: MirrorState) 
     assert len(impl) == len(spec.groups), f"len(impl) = {len(impl)}, spec has {len(spec.groups)}"
     assert impl.version == spec.version, f"impl version {impl.version}, spec {spec.version}"
     assert impl.counts() == mirror_counts(p, spec), f"counts {impl.counts()} != spec {mirror_counts(p, spec)}"
+    for group_id, version, status in spec.groups:  # the per-group queries: group() and `in`
+        record = impl.group(group_id)
+        assert (record.group_id, record.version, record.status.value) == (group_id, version, status), (
+            f"group({group_id!r}) = {record}, spec has v{version} {status}")
+        assert group_id in impl, f"{group_id!r} in manager is False for an active group"
 
 
 def assert_same_queries(impl: StalenessManager, p: SpecParams, spec: MirrorState) -> None:
