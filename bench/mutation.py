@@ -43,7 +43,43 @@ _LAST_GUARD = (
     "Q(eta) <= cap(eta - 1), never refuses (what remains after taking B is at most cap(eta) - B = "
     "cap(eta - 1)): proved for every eta by the z3-all-eta consume row"
 )
+_ANNOTATION = ("an annotation only: manager.py has `from __future__ import annotations`, so annotations are "
+               "strings that are never evaluated at run time (mypy --strict would reject the text)")
+_SLACK_NONNEGATIVE = ("slack is never negative (0 for a passed deadline, else min over k of cap(k) - P(k) >= 0 "
+                      "under Inv, proved inductive), so `!= 0` and `> 0` agree")
+_LAST_VIEW = ("slot may pass eta only when the last view is full; under Inv the views hold cap(eta) >= all "
+              "active groups, so every later (bucket, field) has count 0 and views[slot] is never read again")
 EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
+    ("core/ReplaceBinaryOperator_BitOr_Add", 0): ("on_event: EventHook + None = None,", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_BitOr_Add", 1): ("def oldest_admissible_version(self) -> int + None:", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_BitOr_Add", 2): (
+        "cls, snapshot: Mapping[str, Any], on_event: EventHook + None = None", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_BitOr_Add", 3): ("def _consume_plan(self) -> list[int] + None:", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_BitOr_Add", 4): ("group_id: GroupId + None,", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_BitOr_Add", 5): ("version: int + None,", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_Sub_RShift", 3): (
+        "for version in range(max(0, self._version >> self._eta), self._version + 1):",
+        "c >> eta <= max(0, c - eta) for all c, eta >= 0, so the loop only starts earlier, at versions past "
+        "their deadline, whose slack is 0: the first admissible version found is the same"),
+    ("core/ReplaceComparisonOperator_Gt_NotEq", 0): ("return self.reserve_slack(version) != 0", _SLACK_NONNEGATIVE),
+    ("core/ReplaceComparisonOperator_Gt_NotEq", 1): ("if self.reserve_slack(version) != 0:", _SLACK_NONNEGATIVE),
+    ("core/ReplaceComparisonOperator_Gt_NotEq", 2): (
+        "accepted = self._slack_at(version + self._eta - self._version) != 0", _SLACK_NONNEGATIVE),
+    ("core/ReplaceComparisonOperator_Lt_LtE", 4): (
+        "if k >= offset and capacity - prefix <= slack:",
+        "on a tie the running minimum is replaced by an equal value: the same minimum"),
+    ("core/ReplaceComparisonOperator_Is_Eq", 0): (
+        "if bucket.running.pop(group_id, bucket) == bucket:",
+        "_Bucket defines no __eq__, so == is identity, as `is`"),
+    ("core/ReplaceComparisonOperator_Is_Eq", 1): (
+        "(bucket.running if record.status == GroupStatus.RUNNING else bucket.done)[group_id] = None",
+        "enum members are singletons: == and `is` agree"),
+    ("core/ReplaceComparisonOperator_Is_GtE", 1): (
+        "(bucket.running if record.status >= GroupStatus.RUNNING else bucket.done)[group_id] = None",
+        "GroupStatus is a str enum with the two values 'done' < 'running': >= RUNNING holds exactly for RUNNING"),
+    ("core/ReplaceComparisonOperator_Lt_LtE", 1): ("if view.free == 0 and slot <= self._eta:", _LAST_VIEW),
+    ("core/ReplaceComparisonOperator_Lt_NotEq", 1): ("if view.free == 0 and slot != self._eta:", _LAST_VIEW),
+    ("core/ReplaceComparisonOperator_Lt_IsNot", 1): ("if view.free == 0 and slot is not self._eta:", _LAST_VIEW),
     ("core/ReplaceBinaryOperator_Add_Mul", 11): ("for k in range(1, self._eta * 1):", _LAST_GUARD),
     ("core/ReplaceBinaryOperator_Add_FloorDiv", 11): ("for k in range(1, self._eta // 1):", _LAST_GUARD),
     ("core/ReplaceBinaryOperator_Add_Pow", 11): ("for k in range(1, self._eta ** 1):", _LAST_GUARD),
