@@ -77,6 +77,12 @@ EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
     ("core/ReplaceComparisonOperator_Is_GtE", 1): (
         "(bucket.running if record.status >= GroupStatus.RUNNING else bucket.done)[group_id] = None",
         "GroupStatus is a str enum with the two values 'done' < 'running': >= RUNNING holds exactly for RUNNING"),
+    ("core/ReplaceComparisonOperator_Eq_LtE", 0): (
+        "BufferView(self._version + i, self.capacity(0) if i <= 0 else self._batch_size, 0, 0)",
+        "i runs over 0..eta: i <= 0 holds exactly when i == 0"),
+    ("core/ReplaceComparisonOperator_Eq_LtE", 1): (
+        "if view.free <= 0 and slot < self._eta:",
+        "a view's free room is never negative (each step places min(count, free)): <= 0 holds exactly when == 0"),
     ("core/ReplaceComparisonOperator_Lt_LtE", 1): ("if view.free == 0 and slot <= self._eta:", _LAST_VIEW),
     ("core/ReplaceComparisonOperator_Lt_NotEq", 1): ("if view.free == 0 and slot != self._eta:", _LAST_VIEW),
     ("core/ReplaceComparisonOperator_Lt_IsNot", 1): ("if view.free == 0 and slot is not self._eta:", _LAST_VIEW),
