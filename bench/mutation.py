@@ -59,8 +59,8 @@ EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
     ("core/ReplaceBinaryOperator_BitOr_Add", 5): ("version: int + None,", _ANNOTATION),
     ("core/ReplaceBinaryOperator_Sub_RShift", 3): (
         "for version in range(max(0, self._version >> self._eta), self._version + 1):",
-        "c >> eta <= max(0, c - eta) for all c, eta >= 0, so the loop only starts earlier, at versions past "
-        "their deadline, whose slack is 0: the first admissible version found is the same"),
+        ("c >> eta <= max(0, c - eta) for all c, eta >= 0, so the loop only starts earlier, at versions past "
+         "their deadline, whose slack is 0: the first admissible version found is the same")),
     ("core/ReplaceComparisonOperator_Gt_NotEq", 0): ("return self.reserve_slack(version) != 0", _SLACK_NONNEGATIVE),
     ("core/ReplaceComparisonOperator_Gt_NotEq", 1): ("if self.reserve_slack(version) != 0:", _SLACK_NONNEGATIVE),
     ("core/ReplaceComparisonOperator_Gt_NotEq", 2): (
