@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, str] = {
     "load": "staleflow.bench.load",
     "convergence": "staleflow.bench.convergence",
     "weight-sync": "staleflow.bench.weight_sync",
+    "mutation": "staleflow.bench.mutation",
 }
 
 

@@ -28,12 +28,22 @@ from staleflow.protocol import LockedStalenessManager, ProtocolEvent, StalenessM
 OPS = ("reserve", "occupy", "abort", "consume")
 GOAL_OPS_PER_S = 200_000
 GOAL_SCALING_RATIO = 1.5
+CONSUME_SIZES = (500, 2_000, 8_000, 32_000)
+#: consume must stay linear in B: ns per group taken at the largest B over the smallest.
+GOAL_CONSUME_RATIO = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
     parser.add_argument("--batches", type=int, default=200, help="batches consumed per steady-state run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--consume-sizes",
+        type=lambda text: tuple(int(v) for v in text.split(",")),
+        default=CONSUME_SIZES,
+        metavar="B,B,...",
+        help="batch sizes of the consume table (default %(default)s)",
+    )
 
 
 def _timer_overhead_ns() -> float:
@@ -213,6 +223,27 @@ def _print_lock_table(rows: dict[str, dict[str, float]]) -> None:
     Console().print(table)
 
 
+def consume_cost(batch_size: int, rounds: int, overhead_ns: float) -> dict[str, float]:
+    """Cost of one ``consume`` taking ``batch_size`` groups (eta 1, so the protocol holds 2 B).
+
+    Each round (untimed) reserves at the trainer's version until refused and finishes every running
+    group, then times one consume: it takes B of the 2 B finished groups, leaving the other half
+    for the next round (so both a partial and a whole bucket are taken). Reported: the best round
+    (least disturbed by other load) in ms, and that time per group taken in ns.
+    """
+    manager = StalenessManager(eta=1, batch_size=batch_size)
+    next_id = 0
+    best = float("inf")
+    for _ in range(rounds):
+        while manager.reserve(next_id, manager.version):
+            manager.occupy(next_id)
+            next_id += 1
+        timings = _Timings(overhead_ns)
+        timings.call("consume", manager.consume)
+        best = min(best, timings.total_ns["consume"])
+    return {"consume_ms": best / 1e6, "ns_per_group": best / batch_size}
+
+
 def run(args: argparse.Namespace) -> int:
     overhead_ns = _timer_overhead_ns()
     steady = {
@@ -227,14 +258,20 @@ def run(args: argparse.Namespace) -> int:
         for op in ("reserve", "occupy", "abort")
     )
     slowest = min(row["all_ops_per_s"] for row in steady.values())
+    consume_by_b = {str(b): consume_cost(b, 7, overhead_ns) for b in args.consume_sizes}
+    per_group = [row["ns_per_group"] for row in consume_by_b.values()]
+    consume_ratio = per_group[-1] / per_group[0]
     result = {
         "steady_state": steady,
         "per_op_ns_by_active_groups": per_op_ns,
         "slowest_all_ops_per_s": slowest,
         "worst_scaling_ratio": worst_ratio,
+        "consume_by_batch_size": consume_by_b,
+        "consume_ns_per_group_ratio": consume_ratio,
         "goals": {
             "ops_per_s": {"goal": GOAL_OPS_PER_S, "met": slowest >= GOAL_OPS_PER_S},
             "scaling_ratio": {"goal": GOAL_SCALING_RATIO, "met": worst_ratio <= GOAL_SCALING_RATIO},
+            "consume_linear": {"goal": GOAL_CONSUME_RATIO, "met": consume_ratio <= GOAL_CONSUME_RATIO},
         },
         "timer_overhead_ns": overhead_ns,
         "command": "staleflow bench protocol",
@@ -268,11 +305,19 @@ def _print_tables(result: dict) -> None:
     for size, row in result["per_op_ns_by_active_groups"].items():
         scale.add_row(f"{int(size):,}", *(f"{row[op]:,.0f}" for op in ("reserve", "occupy", "abort")))
     console.print(scale)
+    linear = Table(title="consume by batch size (eta=1, best of 7)")
+    for column in ("B", "consume (ms)", "per group taken (ns)"):
+        linear.add_column(column, justify="right")
+    for size, row in result["consume_by_batch_size"].items():
+        linear.add_row(f"{int(size):,}", f"{row['consume_ms']:,.3f}", f"{row['ns_per_group']:,.0f}")
+    console.print(linear)
     goals = result["goals"]
     console.print(
         f"slowest steady state: {result['slowest_all_ops_per_s']:,.0f} ops/s "
         f"(goal >= {GOAL_OPS_PER_S:,}: {'met' if goals['ops_per_s']['met'] else 'NOT met'}); "
         f"worst cost ratio 1k -> 100k groups: {result['worst_scaling_ratio']:.2f}x "
-        f"(goal <= {GOAL_SCALING_RATIO}x: {'met' if goals['scaling_ratio']['met'] else 'NOT met'})"
+        f"(goal <= {GOAL_SCALING_RATIO}x: {'met' if goals['scaling_ratio']['met'] else 'NOT met'}); "
+        f"consume per group, largest B over smallest: {result['consume_ns_per_group_ratio']:.2f}x "
+        f"(goal <= {GOAL_CONSUME_RATIO}x: {'met' if goals['consume_linear']['met'] else 'NOT met'})"
     )
     console.print(f"reproduce: {result['command']}")

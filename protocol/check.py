@@ -85,8 +85,11 @@ def start_state(header: TraceHeader) -> MirrorState:
 def counters(p: SpecParams, s: MirrorState) -> CounterState:
     """The counters the implementation logs, computed from a mirror state."""
     running, done = [0] * (p.eta + 1), [0] * (p.eta + 1)
-    for _, v, status in s.groups:
-        (running if status == mirror.RUNNING else done)[v + p.eta - s.version] += 1
+    for g, v, status in s.groups:
+        offset = v + p.eta - s.version
+        if not 0 <= offset <= p.eta:  # a negative index would wrap into the newest offset
+            raise ValueError(f"group {g!r} (v{v}) has deadline offset {offset} at head {s.version}: outside 0..{p.eta}")
+        (running if status == mirror.RUNNING else done)[offset] += 1
     return CounterState(s.version, tuple(running), tuple(done))
 
 
@@ -134,13 +137,16 @@ def replay_events(header: TraceHeader, events: Sequence[ProtocolEvent]) -> Rejec
     p = params_of(header)
     s = start_state(header)
     for index, e in enumerate(events):
-        if e.before != counters(p, s):
-            return Rejection(index, f"before-state {e.before} != spec {counters(p, s)}")
-        t = mirror_step(p, s, e)
-        if isinstance(t, str):
-            return Rejection(index, t)
-        if e.after != counters(p, t):
-            return Rejection(index, f"after-state {e.after} != spec {counters(p, t)}")
+        try:
+            if e.before != counters(p, s):
+                return Rejection(index, f"before-state {e.before} != spec {counters(p, s)}")
+            t = mirror_step(p, s, e)
+            if isinstance(t, str):
+                return Rejection(index, t)
+            if e.after != counters(p, t):
+                return Rejection(index, f"after-state {e.after} != spec {counters(p, t)}")
+        except ValueError as error:  # a state outside offsets 0..eta: never a spec state
+            return Rejection(index, str(error))
         s = t
     return None
 

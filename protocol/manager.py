@@ -267,10 +267,14 @@ class StalenessManager:
         before = self.counts() if self._hooks else None
         taken: list[GroupId] = []
         for bucket, count in zip(self._buckets, plan):
-            for _ in range(count):
-                group_id = next(iter(bucket.done))
-                del bucket.done[group_id]
-                taken.append(group_id)
+            if count:
+                # One pass over the bucket's first ``count`` done groups, then delete them: taking
+                # them one at a time with ``next(iter(...))`` rescans the deleted slots (quadratic in B).
+                oldest = iter(bucket.done)
+                first = [next(oldest) for _ in range(count)]
+                for group_id in first:
+                    del bucket.done[group_id]
+                taken.extend(first)
         head = self._buckets.popleft()
         dropped = (*head.running, *head.done)
         self._buckets.append(_Bucket())
@@ -405,7 +409,7 @@ class StalenessManager:
         except ValueError as error:
             raise SnapshotError(f"invalid snapshot group {group_id!r}: {error}") from None
         offset = version + self._eta - self._version
-        if offset < 0:
+        if not 0 <= offset <= self._eta:  # never let a negative offset index the deque from the end
             raise SnapshotError(f"invalid snapshot: group {group_id!r} is past its deadline")
         bucket = self._buckets[offset]
         (bucket.running if record.status is GroupStatus.RUNNING else bucket.done)[group_id] = None

@@ -25,9 +25,12 @@ from staleflow.verification.checks import CheckResult
 #: (layer title, module); every module has ``checks(quick: bool) -> list[CheckResult]``.
 LAYERS: tuple[tuple[str, str], ...] = (
     ("z3 proofs", "staleflow.verification.z3_proofs"),
+    ("z3 all eta", "staleflow.verification.z3_unbounded"),
+    ("z3 model = code", "staleflow.verification.model_link"),
     ("tlc", "staleflow.verification.tlc"),
     ("graph equivalence", "staleflow.verification.graph_equivalence"),
     ("conformance", "staleflow.verification.conformance"),
+    ("restore", "staleflow.verification.snapshots"),
     ("trace validation", "staleflow.verification.trace_validation"),
     ("spec mutants", "staleflow.verification.spec_mutants"),
     ("impl mutants", "staleflow.verification.impl_mutants"),

@@ -29,9 +29,10 @@ import contextlib
 import io
 import json
 import os
+import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -65,8 +66,9 @@ from staleflow.verification.checks import CheckResult
 MAX_ETA = 3
 MAX_BATCH_SIZE = 3
 MAX_REDUNDANCY = 2
-#: Most reserves one burst may make (B + X + 1 at the largest parameters).
-MAX_BURST = MAX_BATCH_SIZE + MAX_REDUNDANCY + 1
+#: Most reserves one burst may make: cap(eta) + 1 = (eta + 1) B + X + 1 at the largest parameters,
+#: so that one burst at one version can fill every buffer and be refused.
+MAX_BURST = (MAX_ETA + 1) * MAX_BATCH_SIZE + MAX_REDUNDANCY + 1
 #: Picks an element of a state-dependent list by index modulo its length (cheaper than st.data()).
 PICK = st.integers(0, 1 << 16)
 INVALID_CALLS = (
@@ -120,8 +122,10 @@ def mirror_slack(params: SpecParams, state: MirrorState, version: int) -> int:
 def mirror_counts(params: SpecParams, state: MirrorState) -> CounterState:
     running = [0] * (params.eta + 1)
     done = [0] * (params.eta + 1)
-    for _, version, status in state.groups:
-        (running if status == RUNNING else done)[version + params.eta - state.version] += 1
+    for group_id, version, status in state.groups:
+        offset = version + params.eta - state.version
+        assert 0 <= offset <= params.eta, f"{group_id!r} (v{version}) is outside offsets 0..eta at {state.version}"
+        (running if status == RUNNING else done)[offset] += 1
     return CounterState(state.version, tuple(running), tuple(done))
 
 
@@ -132,6 +136,11 @@ def assert_same_state(impl: StalenessManager, p: SpecParams, spec: MirrorState) 
     assert len(impl) == len(spec.groups), f"len(impl) = {len(impl)}, spec has {len(spec.groups)}"
     assert impl.version == spec.version, f"impl version {impl.version}, spec {spec.version}"
     assert impl.counts() == mirror_counts(p, spec), f"counts {impl.counts()} != spec {mirror_counts(p, spec)}"
+    for group_id, version, status in spec.groups:  # the per-group queries: group() and `in`
+        record = impl.group(group_id)
+        assert (record.group_id, record.version, record.status.value) == (group_id, version, status), (
+            f"group({group_id!r}) = {record}, spec has v{version} {status}")
+        assert group_id in impl, f"{group_id!r} in manager is False for an active group"
 
 
 def assert_same_queries(impl: StalenessManager, p: SpecParams, spec: MirrorState) -> None:
@@ -281,7 +290,7 @@ def conformance_machine(
 
         @rule(lag=st.integers(-1, MAX_ETA + 2), count=st.integers(1, MAX_BURST), finish=st.integers(0, 2**MAX_BURST - 1))
         def reserve(self, lag: int, count: int, finish: int) -> None:
-            """1 to B + X + 1 reserves at one version; admitted group ``n`` is occupied at once if bit
+            """1 to cap(eta) + 1 = (eta + 1) B + X + 1 reserves at one version; admitted group ``n`` is occupied at once if bit
             ``n`` of ``finish`` is set. The version is ``lag`` behind the trainer: one ahead (invalid),
             up to two past every deadline (refused) or, folded into ``0..eta``, a valid one. Every call
             is checked as a single call; bursts make runs reach full buffers, Consume, drops and mixed
@@ -290,7 +299,7 @@ def conformance_machine(
             if lag > p.eta + 2:
                 lag %= p.eta + 1
             version = self.spec.version - lag
-            for n in range(min(count, p.batch_size + p.redundancy + 1)):
+            for n in range(min(count, (p.eta + 1) * p.batch_size + p.redundancy + 1)):
                 group_id = self.reserve_one(version)
                 if group_id is None:
                     break
@@ -378,8 +387,13 @@ def conformance_machine(
 
 
 # --------------------------------------------------------------------------- exhaustive small scope
-#: (eta, B, X) of the exhaustive layer: every Inv state of each is checked (2,196 states).
-EXHAUSTIVE_GRID = tuple((eta, b, x) for eta in range(3) for b in (1, 2) for x in range(2))
+#: (eta, B, X) of the exhaustive layer: every Inv state of each, at every head buffer 0..eta+1.
+#: eta 3 is the least at which a later Consume prefix guard (cap(1) at c + 1) can bind.
+EXHAUSTIVE_GRID = (
+    *((eta, b, x) for eta in range(3) for b in (1, 2) for x in range(2)),
+    (3, 1, 0), (3, 1, 1), (4, 1, 0),
+)
+EXHAUSTIVE_GRID_FULL = (*EXHAUSTIVE_GRID, (2, 1, 2), (2, 2, 2), (3, 1, 2), (3, 2, 0), (4, 1, 1))
 
 
 def inv_counter_states(p: SpecParams) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -396,36 +410,80 @@ def inv_counter_states(p: SpecParams) -> Iterator[tuple[tuple[int, ...], tuple[i
     yield from extend(0, 0, (), ())
 
 
-def exhaustive_conformance(
-    manager_cls: type[StalenessManager], grid: Sequence[tuple[int, int, int]]
-) -> int:
-    """Check every Inv state of every ``(eta, B, X)`` in ``grid``: the manager restored into it
-    answers every query as the mirror does, and every action (reserve at each version, occupy and
-    abort at each offset, consume) leads to the mirror's successor. Returns the states checked.
+def heads(eta: int) -> range:
+    """Head buffers checked: 0 (the oldest offsets would need negative versions, so they are
+    empty) up to ``eta + 1`` (version 0 is past its deadline; every later head behaves the same)."""
+    return range(eta + 2)
 
-    The head buffer is ``c = eta + 1``, so version 0 is past its deadline (a refused reserve)."""
+
+def snapshot_of(
+    p: SpecParams, c: int, running: Sequence[int], done: Sequence[int], rng: random.Random | None = None
+) -> dict[str, Any] | None:
+    """A snapshot with these counters at head ``c``, groups listed in a shuffled arrival order
+    when ``rng`` is given (so arrival order is not deadline order); None if an offset that would
+    need a negative version is not empty."""
+    groups = []
+    for i in range(p.eta + 1):
+        version = c - p.eta + i
+        for status, count in ((RUNNING, running[i]), (DONE, done[i])):
+            if count and version < 0:
+                return None
+            groups += [[f"{status[0]}{i}.{n}", version, status] for n in range(count)]
+    if rng is not None:
+        rng.shuffle(groups)
+    return {"format": SNAPSHOT_FORMAT, "eta": p.eta, "batch_size": p.batch_size,
+            "redundancy": p.redundancy, "version": c, "groups": groups}
+
+
+@dataclass
+class Coverage:
+    """Which conjuncts of Inv and of the Consume guard were the only reason for a refusal, per
+    (eta, B, X); ``missing`` lists the expected ones never seen alone."""
+
+    seen: dict[SpecParams, set[str]] = field(default_factory=dict)
+
+    def add(self, p: SpecParams, state: MirrorState) -> None:
+        self.seen.setdefault(p, set()).update(mirror.sole_refusal_reasons(p, state))
+
+    def missing(self) -> dict[SpecParams, list[str]]:
+        out = {}
+        for p, seen in self.seen.items():
+            absent = [r for r in mirror.refusal_reasons(p) if r not in seen]
+            if absent:
+                out[p] = absent
+        return out
+
+    def describe(self) -> str:
+        reasons = sum(len(v) for v in self.seen.values())
+        return f"{reasons} (config, conjunct) refusal reasons seen alone in {len(self.seen)} configs"
+
+
+def exhaustive_conformance(
+    manager_cls: type[StalenessManager], grid: Sequence[tuple[int, int, int]],
+    coverage: Coverage | None = None, seed: int = 0,
+) -> int:
+    """Check every Inv state of every ``(eta, B, X)`` in ``grid`` at every head ``0..eta+1``: the
+    manager restored into it answers every query as the mirror does, and every action (reserve at
+    each version, occupy and abort at each offset, consume) leads to the mirror's successor.
+    Snapshots list the groups in a seeded shuffled order. Returns the states checked."""
+    rng = random.Random(seed)
     checked = 0
     for eta, batch_size, redundancy in grid:
         p = SpecParams(eta, batch_size, redundancy)
-        c = eta + 1
         for running, done in inv_counter_states(p):
-            groups = [
-                (f"{status[0]}{i}.{n}", c - eta + i, status)
-                for i in range(eta + 1)
-                for status, count in ((RUNNING, running[i]), (DONE, done[i]))
-                for n in range(count)
-            ]
-            snapshot = {
-                "format": SNAPSHOT_FORMAT, "eta": eta, "batch_size": batch_size,
-                "redundancy": redundancy, "version": c, "groups": [list(g) for g in groups],
-            }
-            spec = MirrorState(c, frozenset(groups))
-            where = f"eta={eta} B={batch_size} X={redundancy} running={running} done={done}"
-            try:
-                _check_every_action(manager_cls, snapshot, p, spec)
-            except AssertionError as error:
-                raise AssertionError(f"{where}: {error}") from None
-            checked += 1
+            for c in heads(eta):
+                snapshot = snapshot_of(p, c, running, done, rng)
+                if snapshot is None:
+                    continue
+                spec = MirrorState(c, frozenset(tuple(g) for g in snapshot["groups"]))
+                where = f"eta={eta} B={batch_size} X={redundancy} c={c} running={running} done={done}"
+                try:
+                    _check_every_action(manager_cls, snapshot, p, spec)
+                except AssertionError as error:
+                    raise AssertionError(f"{where}: {error}") from None
+                if coverage is not None:
+                    coverage.add(p, spec)
+                checked += 1
     return checked
 
 
@@ -454,6 +512,17 @@ def _check_every_action(
         impl = manager_cls.restore(snapshot)
         step = assert_consume_conforms(impl.consume(), p, spec)
         assert_same_state(impl, p, step.state)
+    else:
+        impl = manager_cls.restore(snapshot)
+        try:
+            impl.consume()
+        except ConsumeNotReadyError as error:
+            done = sum(1 for g in spec.groups if g[2] == DONE)
+            expected = f"{done} finished groups, {p.batch_size} needed" if done < p.batch_size else "still running"
+            assert expected in str(error), f"consume refused with {str(error)!r}, expected it to say {expected!r}"
+        else:
+            raise AssertionError("consume() succeeded where the spec's Consume is disabled")
+        assert_same_state(impl, p, spec)
 
 
 def run_conformance(
@@ -473,25 +542,52 @@ def checks(quick: bool) -> list[CheckResult]:
     """The conformance rows of ``staleflow verify``: the exhaustive small-scope check, and the
     Hypothesis machine under the profile named by ``HYPOTHESIS_PROFILE`` (``ci`` by default, for
     the quick and the full run alike; ``verify --nightly`` sets ``nightly``)."""
-    return [_exhaustive_row(), _hypothesis_row(os.environ.get("HYPOTHESIS_PROFILE", "ci"))]
+    return [*_exhaustive_rows(quick), _hypothesis_row(os.environ.get("HYPOTHESIS_PROFILE", "ci"))]
 
 
-def _exhaustive_row() -> CheckResult:
+def _grid_bounds(grid: Sequence[tuple[int, int, int]]) -> str:
+    etas = sorted({eta for eta, _, _ in grid})
+    return (f"{len(grid)} (eta, B, X) points: eta {etas[0]}..{etas[-1]}, B <= {max(b for _, b, _ in grid)}, "
+            f"X <= {max(x for _, _, x in grid)}; head buffer 0..eta+1; shuffled arrival order")
+
+
+def _exhaustive_rows(quick: bool) -> list[CheckResult]:
+    grid = EXHAUSTIVE_GRID if quick else EXHAUSTIVE_GRID_FULL
+    coverage = Coverage()
     started = time.perf_counter()
     try:
-        explored, result, detail = f"{exhaustive_conformance(StalenessManager, EXHAUSTIVE_GRID):,} states", "pass", ""
+        explored = f"{exhaustive_conformance(StalenessManager, grid, coverage):,} states"
+        result, detail = "pass", ""
     except Exception as error:  # noqa: BLE001 - a counterexample or a crash is a failed check
         explored, result, detail = "stopped at the first counterexample", "fail", _first_line(error)
-    return CheckResult(
+    seconds = round(time.perf_counter() - started, 3)
+    rows = [CheckResult(
         name="conformance-exhaustive",
         property="impl = spec mirror on every Inv state: queries and every action's successor",
         method="enumeration of all Inv counter states, manager restored into each",
-        bounds="eta 0..2, B 1..2, X 0..1, head buffer eta+1",
+        bounds=_grid_bounds(grid),
         explored=explored,
         result=result,
-        seconds=round(time.perf_counter() - started, 3),
+        seconds=seconds,
         detail=detail,
-    )
+    )]
+    missing = coverage.missing()
+    covered = result == "pass" and not missing and len(coverage.seen) == len(grid)
+    rows.append(CheckResult(
+        name="coverage-refusals",
+        property="per (eta, B, X): every conjunct of Inv (Reserve) and of the Consume guard that can "
+                 "bind was the only reason for some refusal",
+        method="spec/mirror.py refusal reasons on the states of conformance-exhaustive",
+        bounds=_grid_bounds(grid),
+        explored=coverage.describe(),
+        result="pass" if covered else "fail",
+        seconds=0.0,
+        detail=("every expected conjunct seen alone in every config; never alone by construction: "
+                "next-deadline, next-cap(eta-1), next-cap(eta)") if covered else
+               "; ".join(f"eta={p.eta} B={p.batch_size} X={p.redundancy}: never alone {r}" for p, r in missing.items())[:500]
+               or "the exhaustive check failed",
+    ))
+    return rows
 
 
 def _hypothesis_row(profile: str) -> CheckResult:

@@ -15,7 +15,7 @@ import importlib
 import tempfile
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -23,11 +23,7 @@ from unittest import mock
 from staleflow.protocol import StalenessManager
 from staleflow.protocol import manager as manager_module
 from staleflow.verification.checks import CheckResult
-from staleflow.verification.conformance import (
-    EXHAUSTIVE_GRID,
-    exhaustive_conformance,
-    run_conformance,
-)
+from staleflow.verification.conformance import exhaustive_conformance, run_conformance
 
 
 @dataclass(frozen=True)
@@ -146,6 +142,48 @@ MUTANTS: tuple[Mutant, ...] = (
         "dropped = tuple(head.done)",
     ),
     Mutant(
+        "consume-prefix-not-cumulative",
+        "consume",
+        "the guard checks each later offset alone, not the prefix of remaining groups (shows at eta >= 3)",
+        "prefix += len(self._buckets[k]) - plan[k]",
+        "prefix = len(self._buckets[k]) - plan[k]",
+    ),
+    Mutant(
+        "consume-guard-next-buffer-only",
+        "consume",
+        "the guard checks the remaining groups only against the next buffer (shows at eta >= 3)",
+        "for k in range(1, self._eta + 1):",
+        "for k in range(1, min(self._eta, 1) + 1):",
+    ),
+    Mutant(
+        "restore-skips-invariant",
+        "restore",
+        "restore does not check Inv (a snapshot with too many groups due is accepted)",
+        "        manager._check_invariant()\n",
+        "",
+    ),
+    Mutant(
+        "restore-wraps-past-deadline",
+        "restore",
+        "a group one buffer past its deadline wraps into the newest bucket (negative index)",
+        "if not 0 <= offset <= self._eta:",
+        "if offset < -1:",
+    ),
+    Mutant(
+        "buffers-index-off-by-one",
+        "buffers",
+        "buffer views are numbered from the trainer's next version, not the head buffer",
+        "BufferView(self._version + i, self.capacity(0)",
+        "BufferView(self._version + i + 1, self.capacity(0)",
+    ),
+    Mutant(
+        "buffers-redundancy-in-every-buffer",
+        "buffers",
+        "every buffer view holds B + X groups, not only the head",
+        "self.capacity(0) if i == 0 else self._batch_size, 0, 0)",
+        "self.capacity(0), 0, 0)",
+    ),
+    Mutant(
         "snapshot-loses-status",
         "snapshot",
         "a snapshot records every group as running",
@@ -171,6 +209,11 @@ def mutant_class(mutant: Mutant | None) -> type[StalenessManager]:
                 f"mutant {name}: {mutant.original!r} occurs {count} times in protocol/manager.py"
             )
         source = source.replace(mutant.original, mutant.replacement)
+    return compile_manager(source, name)
+
+
+def compile_manager(source: str, name: str) -> type[StalenessManager]:
+    """Compile a (mutated) text of manager.py into a fresh module; return its manager class."""
     module = types.ModuleType(f"staleflow.protocol._mutant_{name.replace('-', '_')}")
     module.__file__ = f"<mutant {name} of {manager_module.__file__}>"
     exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own file
@@ -184,12 +227,39 @@ def mutant_class(mutant: Mutant | None) -> type[StalenessManager]:
 Layer = Callable[[type[StalenessManager]], "str | None"]
 
 
-def exhaustive_layer(manager_cls: type[StalenessManager]) -> str | None:
+#: Grids of the mutant rows: smaller than the verify rows' (every mutant, and the baseline, runs
+#: through them), eta 3 first so that the eta >= 3 consume bugs are found at once. ``bench
+#: mutation`` judges with the verify --quick rows' own grids instead (:func:`make_layers`).
+MUTANT_EXHAUSTIVE_GRID: tuple[tuple[int, int, int], ...] = (
+    (3, 1, 0), *((eta, b, x) for eta in range(3) for b in (1, 2) for x in range(2)))
+MUTANT_MODEL_GRID = MUTANT_EXHAUSTIVE_GRID
+MUTANT_RESTORE_COUNT = 1_500
+
+
+def _catch(check: Callable[[], object]) -> str | None:
     try:
-        exhaustive_conformance(manager_cls, EXHAUSTIVE_GRID)
+        check()
     except Exception as error:  # noqa: BLE001 - any failure of the checked code is a caught failure
         return _first_line(error)
     return None
+
+
+def make_layers(
+    exhaustive_grid: Sequence[tuple[int, int, int]],
+    model_grid: Sequence[tuple[int, int, int]],
+    restore_count: int,
+) -> dict[str, Layer]:
+    """The dynamic layers, cheapest first, at the given bounds."""
+    from staleflow.verification.model_link import compare_grid
+    from staleflow.verification.snapshots import fuzz_restore
+
+    return {
+        "restore": lambda cls: _catch(lambda: fuzz_restore(cls, restore_count)),
+        "exhaustive": lambda cls: _catch(lambda: exhaustive_conformance(cls, exhaustive_grid)),
+        "model": lambda cls: _catch(lambda: compare_grid(cls, model_grid)),
+        "conformance": conformance_layer,
+        "trace validation": trace_layer,
+    }
 
 
 def conformance_layer(manager_cls: type[StalenessManager]) -> str | None:
@@ -218,12 +288,8 @@ def trace_layer(manager_cls: type[StalenessManager]) -> str | None:
     return None
 
 
-#: Every dynamic layer a mutant is run through, cheapest first.
-LAYERS: dict[str, Layer] = {
-    "exhaustive": exhaustive_layer,
-    "conformance": conformance_layer,
-    "trace validation": trace_layer,
-}
+#: Every dynamic layer a mutant row is run through, cheapest first.
+LAYERS: dict[str, Layer] = {}
 
 
 # --------------------------------------------------------------------------- the check
@@ -260,8 +326,8 @@ def check_mutant(mutant: Mutant, every_layer: bool) -> tuple[CheckResult, list[s
 
 
 BOUNDS = (
-    "exhaustive grid of conformance-exhaustive; Hypothesis profile 'mutant' (200 x 50, no shrinking); "
-    "3 traced workloads"
+    "restore-fuzz 1,500 snapshots; every Inv state of eta 0..2 x B 1..2 x X 0..1 and (3, 1, 0) at every head "
+    "(exhaustive and model); Hypothesis profile 'mutant' (200 x 50, no shrinking); 3 traced workloads"
 )
 
 
@@ -296,3 +362,6 @@ def checks(quick: bool) -> list[CheckResult]:
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+LAYERS.update(make_layers(MUTANT_EXHAUSTIVE_GRID, MUTANT_MODEL_GRID, MUTANT_RESTORE_COUNT))

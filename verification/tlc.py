@@ -31,6 +31,7 @@ SAFETY_FULL = ("MCStalenessBuffer", "safety.cfg")
 SAFETY_QUICK = ("MCStalenessBuffer", "safety_quick.cfg")
 LIVENESS_FULL = ("MCLag", "liveness.cfg")
 LIVENESS_QUICK = ("MCLag", "liveness_quick.cfg")
+LIVENESS_X0 = ("MCLag", "liveness_x0.cfg")
 ADMISSION = ("MCStalenessBuffer", "admission.cfg")
 
 
@@ -107,6 +108,24 @@ def config_bounds(cfg: str) -> str:
         else:
             parts.append(f"{name}={value}")
     return " ".join(parts)
+
+
+def binding_conjuncts(cfg: str) -> str:
+    """Which conjuncts of Inv a Reserve can violate at a config's constants (a necessary condition:
+    ``cap(k)`` needs more than ``(k+1)B + X`` groups; the deadline needs a head past ``Eta``, so
+    ``MaxVersion > Eta``; the lag model never has a group past its deadline)."""
+    values = dict(re.findall(r"^\s*(\w+)\s*=\s*(.+?)\s*$", cfg, re.MULTILINE))
+    try:
+        eta, b, x = int(values["Eta"]), int(values["B"]), int(values["X"])
+        groups = len([m for m in values["Groups"].strip("{}").split(",") if m.strip()])
+    except (KeyError, ValueError):
+        return "?"
+    can = [f"cap{k}" for k in range(eta + 1) if groups > (k + 1) * b + x]
+    if "MaxVersion" in values and int(values["MaxVersion"]) > eta:
+        can.insert(0, "deadline")
+    never = [f"cap{k}" for k in range(eta + 1) if groups <= (k + 1) * b + x]
+    return f"Reserve conjuncts that can bind: {', '.join(can) or 'none'}" + (
+        f"; never: {', '.join(never)}" if never else "")
 
 
 def _count(pattern: str, text: str) -> int:
@@ -220,7 +239,8 @@ def model_check(name: str, prop: str, module: str, cfg_name: str, expect_livenes
         property=prop,
         method=method,
         bounds=config_bounds(cfg),
-        explored=f"{run.distinct:,} distinct states ({run.generated:,} generated), depth {run.depth}",
+        explored=f"{run.distinct:,} distinct states ({run.generated:,} generated), depth {run.depth}; "
+        + binding_conjuncts(cfg),
         result="pass" if run.ok and run.distinct > 0 else "fail",
         seconds=round(run.seconds, 2),
         detail=detail,
@@ -247,8 +267,10 @@ def checks(quick: bool) -> list[CheckResult]:
     if not quick:
         results.append(model_check(
             "tlc-exact-admission", "P1: Reserve(g, v) enabled iff a placement in buffers c..deadline exists "
-            "(brute force over all placements)", *ADMISSION, expect_liveness=False))
-    results.append(model_check(
-        "tlc-liveness", "L1 trainer progress: <>[]no abort => []<>Consume (WF producer, rollout, consume); "
-        "Inv, S1, S2, L1 on the relative model", *liveness, expect_liveness=True))
+            "(brute force over all placements); TypeOK, Inv, S1, S2, L1 with X > 0", *ADMISSION,
+            expect_liveness=False))
+    live = "L1 trainer progress: <>[]no abort => []<>Consume (WF producer, rollout, consume); Inv, S1, S2, L1 on the relative model"
+    results.append(model_check("tlc-liveness", live, *liveness, expect_liveness=True))
+    if not quick:
+        results.append(model_check("tlc-liveness-x0", live + ", X = 0", *LIVENESS_X0, expect_liveness=True))
     return results

@@ -291,11 +291,16 @@ ROWS: tuple[Row, ...] = (
     Row("abort-running", "Inv inductive: Abort of a running group"),
     Row("abort-done", "Inv inductive: Abort of a done group"),
     Row("consume", "Inv inductive: Consume (EDF plan with drops)"),
-    Row("s1-bound", "S1: consumed groups have offsets 0..eta (v <= b <= v+eta), only done groups"),
-    Row("s2-accounting", "S2: batch of exactly B; drops = head leftovers, <= X, 0 when X = 0"),
+    Row("s1-bound", "S1: every group in batch c (the head buffer) has version v with 0 <= v <= c <= v + eta; "
+                    "only done groups"),
+    Row("s2-accounting", "S2 (counts): batch of exactly B; drops = head leftovers, <= X, 0 when X = 0; "
+                         "active after = active before - B - drops (no group lost or made up)"),
     Row("l1-deadlock-free", "L1: Inv and >= B active => Consume enabled once all running finish"),
     Row("l1-ranking", "L1: V = #running drops by Occupy; Consume or Occupy enabled with >= B active"),
     Row("l1-stable", "L1: Occupy never disables an enabled Consume"),
+    Row("l1-progress", "L1 with Reserve: (cap(eta) - active, #running) >= 0 falls lexicographically at every "
+                       "Reserve and Occupy; with no running group and Reserve refused at the newest version, "
+                       "Consume is enabled"),
     Row("p1-refuse", "P1: slack+1 more groups at the offset admit no placement (refusals exact)"),
     Row("p1-admit", "P1: admitting slack more groups at the offset keeps Inv"),
     Row("placement", "P1/Hall: Inv => the EDF placement (buffers()) is a valid placement"),
@@ -310,6 +315,7 @@ def queries(eta: int) -> list[Query]:
     p = Params(eta, B, X)
     s = symbolic_counters(eta, "s")
     j = z3.Int("j")
+    c = z3.Int("c")  # the head buffer (absolute), for S1 stated with versions
     in_range = z3.And(0 <= j, j <= eta)
     base = (p.valid(), invariant(p, s))
     plan, enabled = consume_plan(p, s)
@@ -328,8 +334,16 @@ def queries(eta: int) -> list[Query]:
         _query("consume", (*base, enabled), invariant(p, after_consume)),
         _query(
             "s1-bound",
-            (*base, enabled),
-            z3.And(*[z3.And(0 <= plan[i], plan[i] <= s.done[i]) for i in range(eta + 1)]),
+            # head buffer c; a state holds no group at an offset whose version c + i - eta is negative
+            (*base, enabled, c >= 0, *[z3.Implies(c + i - eta < 0, s.size(i) == 0) for i in range(eta + 1)]),
+            *[
+                z3.And(
+                    0 <= plan[i],
+                    plan[i] <= s.done[i],
+                    z3.Implies(plan[i] >= 1, z3.And(0 <= c + i - eta, c + i - eta <= c, c <= c + i - eta + eta)),
+                )
+                for i in range(eta + 1)
+            ],
         ),
         _query(
             "s2-accounting",
@@ -340,6 +354,7 @@ def queries(eta: int) -> list[Query]:
                 0 <= drops,
                 drops <= X,
                 z3.Implies(X == 0, drops == 0),
+                after_consume.active() == s.active() - B - drops,
             ),
         ),
         _query(
@@ -365,6 +380,28 @@ def queries(eta: int) -> list[Query]:
             "l1-stable",
             (*base, enabled, in_range, _at(s.running, j) >= 1),
             consume_plan(p, occupy(s, j))[1],
+        ),
+        _query(
+            "l1-progress",
+            (*base, in_range, slack > 0),
+            z3.And(
+                p.cap(eta) - reserve(s, j).active() >= 0,
+                p.cap(eta) - reserve(s, j).active() < p.cap(eta) - s.active(),
+            ),
+        ),
+        _query(
+            "l1-progress",
+            (*base, in_range, _at(s.running, j) >= 1),
+            z3.And(
+                occupy(s, j).active() == s.active(),
+                0 <= total(occupy(s, j).running),
+                total(occupy(s, j).running) < total(s.running),
+            ),
+        ),
+        _query(
+            "l1-progress",
+            (*base, *[r == 0 for r in s.running], reserve_slack(p, s, eta) <= 0),
+            enabled,
         ),
         _query(
             "p1-refuse",

@@ -1,0 +1,262 @@
+"""Mutation testing of the protocol with Cosmic Ray's operators, judged by ``verify --quick``.
+
+Cosmic Ray (``cosmic-ray``, a maintained mutation-testing tool) enumerates every mutation its core
+operators can make in ``protocol/manager.py`` (binary, comparison and unary operators, numbers,
+``not`` insertion, and/or, loops that run zero times, exception types, decorators) and produces
+each mutated text with ``cosmic_ray.mutating.mutate_code``. Each mutant is compiled into a fresh
+module (never written to disk) and judged by the rows of ``staleflow verify --quick`` that depend on
+``manager.py``, run in this process on the mutant class, cheapest first, stopping at the first
+failure:
+
+  restore (restore-fuzz, quick count) -> exhaustive (conformance-exhaustive, quick grid) -> model
+  (z3-model = manager.py, quick grid) -> conformance (the Hypothesis machine, ci settings without
+  shrinking) -> trace validation (mirror replay of the traced workloads).
+
+The other rows of ``verify --quick`` (Z3 proofs, TLC, graph equivalence, spec mutants) read only the
+spec, the mirror and the model, never ``manager.py``, so a mutant cannot change their verdict.
+
+Outcomes: ``killed`` (a layer failed), ``timeout`` (a layer ran past ``--timeout``: a hang, counted as
+killed), ``incompetent`` (the mutant does not compile or import), ``survived``, and ``equivalent``
+for survivors listed in :data:`EQUIVALENT` with the argument why no behaviour changes.
+``docs/verification.md`` lists the last full run.
+
+Reproduce: ``staleflow bench mutation [--operators PREFIX,...] [--limit N] [--shard K/N] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+#: Survivors argued equivalent: (operator, occurrence) -> why the mutant cannot behave differently.
+#: Keys are checked against the current text (the mutated line must still read as recorded).
+_LAST_GUARD = (
+    "the prefix loop of _consume_plan then stops before k = eta; that last check, "
+    "Q(eta) <= cap(eta - 1), never refuses (what remains after taking B is at most cap(eta) - B = "
+    "cap(eta - 1)): proved for every eta by the z3-all-eta consume row"
+)
+_ANNOTATION = ("an annotation only: manager.py has `from __future__ import annotations`, so annotations are "
+               "strings that are never evaluated at run time (mypy --strict would reject the text)")
+_SLACK_NONNEGATIVE = ("slack is never negative (0 for a passed deadline, else min over k of cap(k) - P(k) >= 0 "
+                      "under Inv, proved inductive), so `!= 0` and `> 0` agree")
+_LAST_VIEW = ("slot may pass eta only when the last view is full; under Inv the views hold cap(eta) >= all "
+              "active groups, so every later (bucket, field) has count 0 and views[slot] is never read again")
+EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
+    ("core/ReplaceBinaryOperator_BitOr_Add", 0): ("on_event: EventHook + None = None,", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_BitOr_Add", 1): ("def oldest_admissible_version(self) -> int + None:", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_BitOr_Add", 2): (
+        "cls, snapshot: Mapping[str, Any], on_event: EventHook + None = None", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_BitOr_Add", 3): ("def _consume_plan(self) -> list[int] + None:", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_BitOr_Add", 4): ("group_id: GroupId + None,", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_BitOr_Add", 5): ("version: int + None,", _ANNOTATION),
+    ("core/ReplaceBinaryOperator_Sub_RShift", 3): (
+        "for version in range(max(0, self._version >> self._eta), self._version + 1):",
+        ("c >> eta <= max(0, c - eta) for all c, eta >= 0, so the loop only starts earlier, at versions past "
+         "their deadline, whose slack is 0: the first admissible version found is the same")),
+    ("core/ReplaceComparisonOperator_Gt_NotEq", 0): ("return self.reserve_slack(version) != 0", _SLACK_NONNEGATIVE),
+    ("core/ReplaceComparisonOperator_Gt_NotEq", 1): ("if self.reserve_slack(version) != 0:", _SLACK_NONNEGATIVE),
+    ("core/ReplaceComparisonOperator_Gt_NotEq", 2): (
+        "accepted = self._slack_at(version + self._eta - self._version) != 0", _SLACK_NONNEGATIVE),
+    ("core/ReplaceComparisonOperator_Lt_LtE", 4): (
+        "if k >= offset and capacity - prefix <= slack:",
+        "on a tie the running minimum is replaced by an equal value: the same minimum"),
+    ("core/ReplaceComparisonOperator_Is_Eq", 0): (
+        "if bucket.running.pop(group_id, bucket) == bucket:",
+        "_Bucket defines no __eq__, so == is identity, as `is`"),
+    ("core/ReplaceComparisonOperator_Is_Eq", 1): (
+        "(bucket.running if record.status == GroupStatus.RUNNING else bucket.done)[group_id] = None",
+        "enum members are singletons: == and `is` agree"),
+    ("core/ReplaceComparisonOperator_Is_GtE", 1): (
+        "(bucket.running if record.status >= GroupStatus.RUNNING else bucket.done)[group_id] = None",
+        "GroupStatus is a str enum with the two values 'done' < 'running': >= RUNNING holds exactly for RUNNING"),
+    ("core/ReplaceComparisonOperator_Eq_LtE", 0): (
+        "BufferView(self._version + i, self.capacity(0) if i <= 0 else self._batch_size, 0, 0)",
+        "i runs over 0..eta: i <= 0 holds exactly when i == 0"),
+    ("core/ReplaceComparisonOperator_Eq_LtE", 1): (
+        "if view.free <= 0 and slot < self._eta:",
+        "a view's free room is never negative (each step places min(count, free)): <= 0 holds exactly when == 0"),
+    ("core/ReplaceComparisonOperator_Lt_LtE", 1): ("if view.free == 0 and slot <= self._eta:", _LAST_VIEW),
+    ("core/ReplaceComparisonOperator_Lt_NotEq", 1): ("if view.free == 0 and slot != self._eta:", _LAST_VIEW),
+    ("core/ReplaceComparisonOperator_Lt_IsNot", 1): ("if view.free == 0 and slot is not self._eta:", _LAST_VIEW),
+    ("core/ReplaceBinaryOperator_Add_Mul", 11): ("for k in range(1, self._eta * 1):", _LAST_GUARD),
+    ("core/ReplaceBinaryOperator_Add_FloorDiv", 11): ("for k in range(1, self._eta // 1):", _LAST_GUARD),
+    ("core/ReplaceBinaryOperator_Add_Pow", 11): ("for k in range(1, self._eta ** 1):", _LAST_GUARD),
+    ("core/ReplaceBinaryOperator_Add_BitOr", 11): (
+        "for k in range(1, self._eta | 1):",
+        "for even eta the loop is unchanged (eta | 1 = eta + 1); for odd eta it stops before k = eta: "
+        + _LAST_GUARD,
+    ),
+}
+
+
+class MutantTimeout(BaseException):
+    """Raised by the timer inside a mutant's layer (BaseException: layers catch Exception only)."""
+
+
+@dataclass
+class Outcome:
+    operator: str
+    occurrence: int
+    line: int
+    original: str
+    mutated: str
+    outcome: str
+    layer: str
+    seconds: float
+    why: str = ""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--file", type=Path, default=None, help="module to mutate (default protocol/manager.py)")
+    parser.add_argument("--operators", default="", help="comma-separated operator name prefixes, e.g. "
+                        "core/ReplaceComparisonOperator,core/NumberReplacer (default: all core operators)")
+    parser.add_argument("--mutants", default="", help="comma-separated OPERATOR#OCCURRENCE: judge only these "
+                        "(e.g. the survivors of an earlier run)")
+    parser.add_argument("--skip", type=int, default=0, help="skip the first N mutants (resume a run)")
+    parser.add_argument("--limit", type=int, default=0, help="judge only the first N mutants (0: all)")
+    parser.add_argument("--shard", default="1/1", help="K/N: judge every N-th mutant starting at the K-th")
+    parser.add_argument("--timeout", type=float, default=30.0,
+                        help="CPU seconds per layer before the mutant counts as a hang (unmutated: each layer < 10 s)")
+    parser.add_argument("--json", action="store_true", help="print the outcomes as JSON")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON report to this file")
+
+
+def enumerate_mutants(source: str, prefixes: list[str]) -> list[tuple[str, int, int, str]]:
+    """(operator, occurrence, line, mutated source) for every mutation Cosmic Ray can make."""
+    from cosmic_ray import plugins
+    from cosmic_ray.ast import ast_nodes, get_ast
+    from cosmic_ray.mutating import mutate_code
+
+    nodes = list(ast_nodes(get_ast(source)))
+    out = []
+    for name in plugins.operator_names():
+        if prefixes and not any(name.startswith(p) for p in prefixes):
+            continue
+        operator_class = plugins.get_operator(name)
+        if operator_class.arguments():  # VariableReplacer/VariableInserter need configured arguments
+            continue
+        operator = operator_class()
+        positions = [start for node in nodes for start, _ in operator.mutation_positions(node)]
+        for occurrence, (line, _) in enumerate(positions):
+            mutated = mutate_code(source, operator, occurrence)
+            if mutated is not None and mutated != source:
+                out.append((name, occurrence, line, mutated))
+    return out
+
+
+def _changed_line(source: str, mutated: str, line: int) -> tuple[str, str]:
+    before, after = source.splitlines(), mutated.splitlines()
+    for a, b in zip(before, after):
+        if a != b:
+            return a.strip(), b.strip()
+    return before[line - 1].strip() if 0 < line <= len(before) else "", ""
+
+
+def judge_layers() -> dict[str, Any]:
+    """The manager-dependent rows of ``verify --quick``, at that run's bounds, cheapest first."""
+    from staleflow.verification import impl_mutants
+    from staleflow.verification.conformance import EXHAUSTIVE_GRID
+    from staleflow.verification.model_link import GRID_QUICK
+    from staleflow.verification.snapshots import QUICK_COUNT
+
+    return impl_mutants.make_layers(EXHAUSTIVE_GRID, GRID_QUICK, QUICK_COUNT)
+
+
+def judge(source: str, name: str, timeout: float) -> tuple[str, str, str]:
+    """(outcome, layer, why) for one mutated text of manager.py."""
+    import builtins
+
+    from cosmic_ray.exceptions import CosmicRayTestingException
+    from staleflow.verification import impl_mutants
+
+    # ExceptionReplacer names this class in an except clause: make it resolvable, as a type that
+    # is never raised (otherwise the mutant fails with NameError, which is not the mutation meant)
+    builtins.CosmicRayTestingException = CosmicRayTestingException  # type: ignore[attr-defined]
+    try:
+        cls = impl_mutants.compile_manager(source, name)
+    except Exception as error:  # noqa: BLE001 - a mutant that does not compile is incompetent
+        return "incompetent", "compile", f"{type(error).__name__}: {error}"[:200]
+
+    def alarm(signum: int, frame: FrameType | None) -> None:
+        raise MutantTimeout()
+
+    # CPU time of this process, not wall time: a loaded machine must not turn a slow layer into a "hang"
+    previous = signal.signal(signal.SIGVTALRM, alarm)
+    layer = ""
+    try:
+        for layer, check in judge_layers().items():
+            # per layer; then every second, so that a re-run (Hypothesis replaying) cannot hang
+            signal.setitimer(signal.ITIMER_VIRTUAL, timeout, 1.0)
+            why = check(cls)
+            signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+            if why is not None:
+                return "killed", layer, why[:200]
+        return "survived", "", ""
+    except MutantTimeout:
+        return "timeout", layer, f"{layer} ran past {timeout:.0f} s of CPU time"
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
+
+
+def run(args: argparse.Namespace) -> int:
+    from staleflow.protocol import manager as manager_module
+
+    path = args.file or Path(manager_module.__file__)
+    source = path.read_text(encoding="utf-8")
+    prefixes = [p for p in args.operators.split(",") if p]
+    k, n = (int(v) for v in args.shard.split("/"))
+    started = time.perf_counter()
+    chosen = {(m.rsplit("#", 1)[0], int(m.rsplit("#", 1)[1])) for m in args.mutants.split(",") if m}
+    if chosen:
+        prefixes = sorted({operator for operator, _ in chosen})
+    mutants = [m for m in enumerate_mutants(source, prefixes) if not chosen or (m[0], m[1]) in chosen][k - 1 :: n]
+    mutants = mutants[args.skip :]
+    if args.limit:
+        mutants = mutants[: args.limit]
+    print(f"bench mutation: {len(mutants)} mutants of {path.name}", file=sys.stderr, flush=True)
+    outcomes: list[Outcome] = []
+    for index, (operator, occurrence, line, mutated) in enumerate(mutants):
+        t0 = time.perf_counter()
+        outcome, layer, why = judge(mutated, f"{operator.split('/')[-1]}-{occurrence}", args.timeout)
+        original, changed = _changed_line(source, mutated, line)
+        if outcome == "survived" and (operator, occurrence) in EQUIVALENT:
+            recorded, argument = EQUIVALENT[(operator, occurrence)]
+            if recorded == changed:
+                outcome, why = "equivalent", argument
+        outcomes.append(Outcome(operator, occurrence, line, original, changed, outcome, layer,
+                                round(time.perf_counter() - t0, 2), why))
+        print(f"[{index + 1}/{len(mutants)}] {outcome:11} {operator} #{occurrence} line {line}: {changed[:90]}",
+              file=sys.stderr, flush=True)
+    counts = Counter(o.outcome for o in outcomes)
+    report: dict[str, Any] = {
+        "file": str(path),
+        "mutants": len(outcomes),
+        "counts": dict(counts),
+        "killed_by_layer": dict(Counter(o.layer for o in outcomes if o.outcome == "killed")),
+        "seconds": round(time.perf_counter() - started, 1),
+        "survivors": [asdict(o) for o in outcomes if o.outcome == "survived"],
+        "equivalent": [asdict(o) for o in outcomes if o.outcome == "equivalent"],
+        "outcomes": [asdict(o) for o in outcomes],
+        "command": "staleflow bench mutation " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "mutation"]
+        else "staleflow bench mutation",
+    }
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{len(outcomes)} mutants: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+              + f" in {report['seconds']} s; killed by layer: {report['killed_by_layer']}")
+        for o in outcomes:
+            if o.outcome == "survived":
+                print(f"SURVIVED {o.operator} #{o.occurrence} line {o.line}: {o.original}  ->  {o.mutated}")
+    return 1 if counts["survived"] else 0
