@@ -178,7 +178,7 @@ class CoordinatorConfig(_Section):
 class TrainConfig(_Section):
     """The optimiser and the RL objective (``adapters/torch/algorithms.py``)."""
 
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal["torch", "fsdp", "megatron"] = "torch"
     steps: StrictInt = Field(150, ge=1, le=10_000_000)
     max_time_s: StrictFloat | None = Field(None, gt=0)
     lr: StrictFloat = Field(3e-4, gt=0, le=1)
@@ -192,6 +192,11 @@ class TrainConfig(_Section):
     weight_cap: StrictFloat = Field(5.0, ge=1, le=1e6)
     scale_advantages: StrictBool = True
     threads: StrictInt = Field(1, ge=1, le=1024)  # torch intra-op threads of the trainer
+    world_size: StrictInt = Field(1, ge=1, le=4096)  # trainer processes (fsdp: one per GPU, or gloo ranks on CPU)
+    micro_batch_tokens: StrictInt = Field(8192, ge=16, le=10_000_000)  # packed tokens per forward/backward
+    logprob_chunk: StrictInt = Field(1024, ge=1, le=1_000_000)  # positions per [chunk, vocab] log-softmax
+    activation_checkpointing: StrictBool = False
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:
@@ -278,6 +283,8 @@ class JobConfig(_Section):
                 f"task.max_count={self.task.max_count} needs rollout.max_new_tokens >= {self.task.max_count + 1} "
                 f"(answer plus end of sequence), got {self.rollout.max_new_tokens}"
             )
+        if self.train.world_size > 1 and self.train.backend == "torch":
+            problems.append(f"train.world_size={self.train.world_size} needs train.backend=fsdp (torch is one process)")
         if self.task.eval_every > 0 and self.task.eval_prompts == 0:
             problems.append("task.eval_every > 0 needs task.eval_prompts > 0 (or set task.eval_every=0)")
         if problems:
