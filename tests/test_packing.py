@@ -21,8 +21,8 @@ from staleflow.adapters.torch.packing import (
 )
 from staleflow.adapters.torch.trainer import load_causal_lm
 from staleflow.cli.tiny_model import build_tokenizer, ensure_tiny_model
-from staleflow.runtime.types import TrainingBatch, Trajectory
 from torch.utils._python_dispatch import TorchDispatchMode
+from trainer_batches import make_batch
 
 VOCAB, HIDDEN = 320, 128
 
@@ -30,28 +30,6 @@ VOCAB, HIDDEN = 320, 128
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def make_batch(version: int = 0, groups: int = 3, size: int = 4, seed: int = 0) -> TrainingBatch:
-    """Groups of responses of very different lengths, rewards varying inside each group, stale tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for g in range(groups):
-        prompt = torch.randint(4, 260, (3 + g,), generator=gen).tolist()
-        trajs = []
-        for i in range(size):
-            n = int(torch.randint(1, 30, (1,), generator=gen))
-            trajs.append(
-                Trajectory(
-                    request_id=f"g{g}-{i}", group_id=f"g{g}", prompt_ids=prompt,
-                    output_ids=torch.randint(4, 260, (n,), generator=gen).tolist(),
-                    logprobs=(-torch.rand(n, generator=gen) * 9).tolist(),
-                    versions=[max(version - (j % 2), 0) for j in range(n)],
-                    finish_reason="stop", reward=float(i == g % size) + 0.1 * i,
-                )
-            )
-        out[f"g{g}"] = trajs
-    return TrainingBatch(version=version, groups=out)
 
 
 def test_micro_batch_plans_respect_the_budget_and_keep_every_sequence() -> None:

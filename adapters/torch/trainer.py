@@ -35,6 +35,7 @@ from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_MODEL = "model.safetensors"
 CHECKPOINT_STATE = "trainer_state.pt"
+CHECKPOINT_FORMAT = "staleflow-torch/1"
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class TorchTrainer(BackgroundStepTrainer):
             save_file({k: v.contiguous() for k, v in self._published.items()}, str(target / CHECKPOINT_MODEL))
             torch.save(
                 {
+                    "format": CHECKPOINT_FORMAT,
                     "version": self._version,
                     "optimizer": self._optimizer.state_dict(),
                     "scheduler": self._scheduler.state_dict(),
@@ -177,6 +179,12 @@ class TorchTrainer(BackgroundStepTrainer):
         weights = _read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
         state = _read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
         _check_weights_match(weights, self._model.state_dict(), source / CHECKPOINT_MODEL)
+        if not isinstance(state, dict) or state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"checkpoint file {source / CHECKPOINT_STATE} is not a torch trainer state ({CHECKPOINT_FORMAT}): {found}")
+        missing = [k for k in ("version", "optimizer", "scheduler", "torch_rng", "python_rng") if k not in state]
+        if missing:
+            raise ValueError(f"checkpoint file {source / CHECKPOINT_STATE} lacks {missing}")
         with self._lock:
             self._model.load_state_dict(weights, strict=True)
             self._optimizer.load_state_dict(state["optimizer"])
