@@ -80,6 +80,21 @@ def read_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     return weights
 
 
+def weight_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of a model folder, from the files' headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in weight_files(Path(path)):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+        except Exception as error:  # a damaged header
+            raise ValueError(f"weights file {file} cannot be read ({type(error).__name__}: {error})") from error
+    return shapes
+
+
 def _load(file: Path, load_file: Any) -> dict[str, torch.Tensor]:
     try:
         return dict(load_file(str(file)))
