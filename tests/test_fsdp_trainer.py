@@ -3,6 +3,8 @@ and checkpoint/restore (at any world size) with every file and key checked first
 
 from __future__ import annotations
 
+import functools
+import types
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,22 @@ def test_two_gloo_ranks_match_one_process_and_checkpoint(model_dir: Path, tmp_pa
     finally:
         fsdp.close()
         single.close()
+
+
+def test_a_failed_or_dead_rank_stops_the_group_instead_of_hanging() -> None:
+    import time
+
+    from staleflow.adapters.torch.worker_group import ProcessWorkers, WorkerGroupError
+
+    # Each rank holds a namespace whose ``run`` evaluates an expression: rank 0 blocks (as in a collective).
+    workers = ProcessWorkers(functools.partial(types.SimpleNamespace, run=eval), 2, timeout_s=120)
+    assert workers.call_all("run", [("6 * 7",), ("1 + 1",)]) == [42, 2]
+    started = time.monotonic()
+    with pytest.raises(WorkerGroupError, match="rank 1 died during 'run' \\(exit code 3\\)"):
+        workers.call_all("run", [("__import__('time').sleep(300)",), ("__import__('os')._exit(3)",)])
+    assert time.monotonic() - started < 60  # noticed at once; the blocked rank is stopped too
+    with pytest.raises(WorkerGroupError, match="stopped"):
+        workers.call_all("run", [("1",), ("1",)])
+    workers = ProcessWorkers(functools.partial(types.SimpleNamespace, run=eval), 2, timeout_s=120)
+    with pytest.raises(WorkerGroupError, match="(?s)rank 0 failed in 'run':.*ZeroDivisionError"):
+        workers.call_all("run", [("1 / 0",), ("__import__('time').sleep(300)",)])

@@ -10,8 +10,8 @@ across sequences and no compute is spent on padding.
 
 :func:`chunked_logprobs` turns the model's last hidden states into next-token log-probs ``chunk``
 positions at a time: the ``[chunk, vocabulary]`` logits (upcast to float32) exist for one chunk at a
-time, and when gradients are needed each chunk runs under activation checkpointing, so backward
-recomputes one chunk's logits at a time instead of keeping ``[all tokens, vocabulary]`` alive.
+time; backward recomputes one chunk's logits at a time and turns them into their gradient in place,
+so nothing of size ``[all tokens, vocabulary]`` is ever alive.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from staleflow.adapters.torch.algorithms import _check_trajectory, group_advantages
@@ -174,11 +175,35 @@ def micro_batches(sequences: Sequence[PackedSequence], max_tokens: int) -> list[
 
 
 # ------------------------------------------------------------------------------------- log-probs
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = torch.nn.functional.linear(hidden, weight).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+class _ChunkLogProbs(torch.autograd.Function):
+    """Log-probs of one chunk's targets; backward recomputes the chunk's logits and turns them into
+    their gradient in place, so one ``[chunk, vocabulary]`` float32 tensor exists at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        logits = torch.nn.functional.linear(hidden, weight).float()
+        if temperature != 1.0:
+            logits.div_(temperature)
+        lse = torch.logsumexp(logits, dim=-1)
+        out = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = temperature
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad = torch.nn.functional.linear(hidden, weight).float()
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        # d(logit_t - lse)/d logits = onehot(t) - softmax; times the incoming gradient (all in place)
+        grad.sub_(lse.unsqueeze(-1)).exp_().neg_()
+        grad.scatter_add_(-1, targets.unsqueeze(-1), torch.ones_like(lse).unsqueeze(-1))
+        grad.mul_((grad_out / ctx.temperature).unsqueeze(-1))
+        grad = grad.to(weight.dtype)
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None
 
 
 def chunked_logprobs(
@@ -186,18 +211,15 @@ def chunked_logprobs(
 ) -> torch.Tensor:
     """Log-probs of ``targets`` ``[T]`` from last hidden states ``[T, H]`` and the output layer ``[V, H]``.
 
-    At most ``[chunk, V]`` float32 logits exist at once, in forward and (through per-chunk
-    activation checkpointing) in backward.
+    At most one ``[chunk, V]`` float32 logits tensor exists at a time, in forward and in backward
+    (which recomputes each chunk's logits instead of keeping them).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    parts = []
-    for start in range(0, hidden.shape[0], chunk):
-        h, t = hidden[start : start + chunk], targets[start : start + chunk]
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            parts.append(checkpoint(_chunk_logprobs, h, weight, t, temperature, use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(h, weight, t, temperature))
+    parts = [
+        _ChunkLogProbs.apply(hidden[start : start + chunk], weight, targets[start : start + chunk], temperature)
+        for start in range(0, hidden.shape[0], chunk)
+    ]
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 
