@@ -139,7 +139,10 @@ def train_minibatches(
     moved = sum(float((_local(p).detach() - b).pow(2).sum()) for p, b in zip(params, before))
     averaged["update_norm"] = math.sqrt(reducer.sums({"moved": moved})["moved"])
     averaged["grad_norm"] = max(grad_norms)
-    averaged["micro_batches"] = float(sum(len(plan) for plan in plans))
+    averaged["micro_batches"] = float(sum(len(plan) for plan in plans))  # per rank
+    if device.type == "cuda":
+        averaged["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
     return averaged
 
 
