@@ -1,7 +1,7 @@
 """Trainer part of the GPU smoke check (issue 9, item 8): run by ``scripts/gpu-smoke.sh``.
 
 Builds a ~100M-parameter Qwen2-shaped model locally (no network: hidden 512, 8 layers, 8 heads / 2
-KV heads, FFN 1408, Qwen2.5's 151,936-token vocabulary, tied embeddings = 99.3M parameters), trains
+KV heads, FFN 1408, Qwen2.5's 151,936-token vocabulary, tied embeddings = 100.4M parameters), trains
 it for ``--steps`` steps on synthetic GRPO batches shaped like real ones (16 groups x 8 responses,
 prompts 64-256 tokens, long-tailed responses up to ``--max-response`` tokens) with the FSDP trainer
 (or the torch trainer), then checkpoints, exports a bf16 Hugging Face folder and checks that
