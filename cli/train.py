@@ -47,20 +47,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="training steps (same as train.steps=N)")
     parser.add_argument("--run-dir", metavar="DIR", help="where the run's files go (default runs/<UTC timestamp>)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the resolved config and the placement plan (actors, CPUs, GPUs); start nothing"
+    )
+    parser.add_argument("--json", action="store_true", help="with --dry-run: print them as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    from staleflow.adapters.ray.placement import PlacementError
     from staleflow.runtime.config import ConfigError
 
     try:
         config, run_dir, checkpoint = _prepare(args)
+        if args.dry_run:
+            print(_dry_run(config, as_json=args.json))
+            return 0
         _check_installed(config)
-    except (ConfigError, FileNotFoundError, ValueError, ImportError) as err:
+        summary = train(config, run_dir, checkpoint)
+    except (ConfigError, FileNotFoundError, ValueError, ImportError, PlacementError) as err:
         print(f"staleflow train: {err}", file=sys.stderr)
         return 2
-    summary = train(config, run_dir, checkpoint)
     print(summary_text(summary, run_dir))
     return 0 if summary["audit_ok"] and summary["bound_ok"] else 1
+
+
+def _place_servers(config: JobConfig, placement: Any) -> dict[str, Any]:
+    """The trajectory and parameter servers as Ray actors (``servers.placement=ray``), or none: the
+    run loop then makes them in this process."""
+    if config.servers.placement != "ray":
+        return {}
+    from staleflow.adapters.ray.parameter_server import RemoteParameterServer
+    from staleflow.runtime.trajectory_server import TrajectoryServer
+
+    return {
+        "trajectory_server": placement.place_reserved("trajectory-server", TrajectoryServer),
+        "parameter_server": RemoteParameterServer.place(
+            placement, "parameter-server", broadcast=config.servers.broadcast_settings()
+        ),
+    }
+
+
+def _dry_run(config: JobConfig, as_json: bool) -> str:
+    """The resolved config and the placement plan, as text or JSON."""
+    from staleflow.runtime.config import dump_config
+    from staleflow.runtime.placement_plan import plan_placement
+
+    plan = plan_placement(config, os.environ.get("RAY_ADDRESS") if config.cluster.address is None else None)
+    if as_json:
+        return json.dumps({"config": config.model_dump(mode="json"), "placement": plan.to_dict()}, indent=1)
+    return f"{dump_config(config)}\n# placement plan\n{plan.describe()}"
 
 
 # ------------------------------------------------------------------------------------ preparing
@@ -98,6 +133,11 @@ def _check_installed(config: JobConfig) -> None:
         raise ImportError("the rollout instances need vLLM: pip install -e '.[cpu-infer]' (CPU) or '.[gpu]' (CUDA)")
     if config.train.backend == "megatron" and importlib.util.find_spec("megatron") is None:
         raise ImportError("train.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
+    if config.train.gpus > 0:
+        raise ValueError(
+            f"train.gpus={config.train.gpus}: this trainer runs on CPU in the driver process; a GPU trainer "
+            "actor is not available yet (rollout instances can use GPUs: rollout.gpus_per_instance)"
+        )
 
 # -------------------------------------------------------------------------------------- training
 def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> dict[str, Any]:
@@ -115,6 +155,7 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
     from staleflow.runtime.config import dump_config
     from staleflow.runtime.cost_model import CostModel
     from staleflow.runtime.loop import RunParts
+    from staleflow.runtime.placement_plan import plan_placement
     from staleflow.runtime.tasks import make_group, reward_fn
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,11 +169,21 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
     # Each vLLM engine needs a process of its own (vLLM keeps per-process global state), so the
     # instances are Ray actors. They start on the base model while the warm-up runs here, then
     # load the warmed weights as version 0.
-    placement = RayPlacement(attributes=(), num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cluster = config.cluster
+    placement = RayPlacement(
+        attributes=(), address=cluster.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
+        include_dashboard=False, log_to_driver=False,
+    )
+    try:  # every actor's resources at once, before any engine starts
+        placement.reserve(plan_placement(config))
+    except BaseException:
+        placement.close()
+        raise
     sampling = SamplingConfig(temperature=config.rollout.temperature, stop_token_ids=(tokens.eos_id,))
     engine_start = time.perf_counter()
     remote_engines = [
-        placement.place(
+        placement.place_reserved(
+            f"rollout-{i}",
             VLLMEngine,
             f"rollout-{i}",
             str(base),
@@ -142,6 +193,9 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
             seed=config.seed * 1000 + i,
             clock=clock,
             weights_dir=str(run_dir / ".weights"),
+            engine_kwargs=config.rollout.engine_settings(),
+            # tensor parallelism needs vLLM's engine core in its own processes (one per GPU)
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if config.rollout.gpus_per_instance > 1 else None,
         )
         for i in range(config.rollout.instances)
     ]
@@ -191,7 +245,9 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
     )
     if saved_state is not None:  # continue the prompt stream where the checkpointed run had drawn to
         groups = itertools.islice(groups, int(saved_state["prompts_drawn"]), None)
+    servers = _place_servers(config, placement)
     parts = RunParts(
+        **servers,
         engines=engines,
         trainer=trainer,
         prompts=groups,

@@ -1,5 +1,11 @@
 """The staleness protocol: a pure, standard-library-only core that other RL systems can vendor.
 
+Inside StaleFlow it is ``staleflow.protocol``; alone it installs as the dependency-free
+distribution ``staleflow-protocol`` (``pip install ./protocol``, Python >= 3.9), imported as
+``staleflow_protocol``: the same files. ``LockedStalenessManager`` is the thread-safe wrapper;
+``python -m staleflow_protocol.check TRACE.jsonl`` checks a trace against the spec's mirror.
+See ``docs/integrating.md``.
+
 >>> from staleflow.protocol import StalenessManager
 >>> m = StalenessManager(eta=1, batch_size=2)
 >>> [m.reserve(g, version=0) for g in ("a", "b", "c", "d", "e")]
@@ -9,7 +15,7 @@
 ('a', 'b')
 """
 
-from staleflow.protocol.errors import (
+from .errors import (
     ConsumeNotReadyError,
     DuplicateGroupError,
     InvalidTransitionError,
@@ -18,7 +24,7 @@ from staleflow.protocol.errors import (
     SnapshotError,
     UnknownGroupError,
 )
-from staleflow.protocol.events import (
+from .events import (
     ConsumedBatch,
     CounterState,
     EventHook,
@@ -27,7 +33,8 @@ from staleflow.protocol.events import (
     GroupStatus,
     ProtocolEvent,
 )
-from staleflow.protocol.manager import SNAPSHOT_FORMAT, BufferView, StalenessManager
+from .locked import LockedStalenessManager
+from .manager import SNAPSHOT_FORMAT, BufferView, StalenessManager
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -42,6 +49,7 @@ __all__ = [
     "GroupStatus",
     "InvalidTransitionError",
     "InvalidVersionError",
+    "LockedStalenessManager",
     "ProtocolError",
     "ProtocolEvent",
     "SnapshotError",

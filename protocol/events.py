@@ -17,7 +17,7 @@ class GroupStatus(str, enum.Enum):
     DONE = "done"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class GroupRecord:
     """An active group: the oldest model version that generated any of its tokens, and its status."""
 
@@ -26,7 +26,7 @@ class GroupRecord:
     status: GroupStatus
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ConsumedBatch:
     """One training batch taken out of the protocol.
 
@@ -43,7 +43,7 @@ class ConsumedBatch:
     dropped: tuple[GroupId, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class CounterState:
     """The protocol's abstract state as counters: the head buffer and per-deadline group counts.
 
@@ -56,7 +56,7 @@ class CounterState:
     done: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ProtocolEvent:
     """One operation on the manager, with its outcome and the state before and after it.
 

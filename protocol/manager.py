@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterator, Mapping
 
-from staleflow.protocol.errors import (
+from .errors import (
     ConsumeNotReadyError,
     DuplicateGroupError,
     InvalidTransitionError,
@@ -25,7 +25,7 @@ from staleflow.protocol.errors import (
     SnapshotError,
     UnknownGroupError,
 )
-from staleflow.protocol.events import (
+from .events import (
     ConsumedBatch,
     CounterState,
     EventHook,

@@ -19,18 +19,33 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import IO, Any, Protocol, TypeVar
 
-from staleflow.protocol.events import (
+from .events import (
     ConsumedBatch,
     CounterState,
+    EventHook,
     GroupId,
     ProtocolEvent,
 )
-from staleflow.protocol.manager import StalenessManager
 
 TRACE_FORMAT = "staleflow.trace/1"
 OPS = ("reserve", "occupy", "abort", "consume")
+
+
+class Traceable(Protocol):
+    """What :meth:`JsonlTraceWriter.attach` needs: a :class:`~.manager.StalenessManager` or a
+    :class:`~.locked.LockedStalenessManager`."""
+
+    @property
+    def eta(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def redundancy(self) -> int: ...
+    def snapshot(self) -> dict[str, Any]: ...
+    def add_event_hook(self, hook: EventHook) -> None: ...
+    def remove_event_hook(self, hook: EventHook) -> None: ...
 
 
 class TraceFormatError(ValueError):
@@ -243,6 +258,9 @@ def write_trace(path: str | Path, segments: list[TraceSegment]) -> None:
 # ----------------------------------------------------------------------------- writer
 
 
+_Writer = TypeVar("_Writer", bound="JsonlTraceWriter")
+
+
 class JsonlTraceWriter:
     """An event hook that appends every :class:`ProtocolEvent` to a JSONL trace file.
 
@@ -261,11 +279,14 @@ class JsonlTraceWriter:
         # the writer owns the stream until close(); line-buffered so a crash leaves whole lines
         self._stream: IO[str] | None = open(self.path, mode, encoding="utf-8", buffering=1)  # noqa: SIM115
         self._stream.write(json.dumps(header.to_json()) + "\n")
-        self._manager: StalenessManager | None = None
+        self._manager: Traceable | None = None
 
     @classmethod
-    def attach(cls, manager: StalenessManager, path: str | Path, mode: str = "w") -> JsonlTraceWriter:
+    def attach(cls, manager: Traceable, path: str | Path, mode: str = "w") -> JsonlTraceWriter:
         """Trace ``manager`` from its current state (its snapshot is the header's ``start``).
+
+        From several threads, use :meth:`~.locked.LockedStalenessManager.attach_trace`, which takes
+        the snapshot and registers the hook under the manager's lock.
 
         ``mode="a"`` appends a new segment to an existing trace (e.g. after resuming a run).
         """
@@ -293,7 +314,7 @@ class JsonlTraceWriter:
             self._stream.close()
             self._stream = None
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _Writer) -> _Writer:
         return self
 
     def __exit__(

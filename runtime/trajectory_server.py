@@ -309,7 +309,6 @@ class TrajectoryServer:
             requests[request.state.value] += 1
         return groups, requests
 
-    @property
     def late_discards(self) -> int:
         """Outputs of cancelled requests that arrived after the cancellation (ignored)."""
         return self._late

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from staleflow.runtime.interfaces import Clock
+from staleflow.runtime.interfaces import Clock, WeightsReference
 from staleflow.runtime.types import (
     InstanceSnapshot,
     PromptGroup,
@@ -79,10 +79,16 @@ class FakeEngine:
 
     def load_weights(self, version: int, weights: Any) -> None:
         self._advance()
+        if isinstance(weights, WeightsReference):  # as a real engine: fetched from the server here
+            weights = weights.fetch()
         self.version = version
         self.weights = weights
         self.loads.append(version)
         self._loading_until = self.clock.now() + self.load_s
+
+    def loaded_weights(self) -> Any:
+        """The weights of the last load (what a remote caller cannot read as an attribute)."""
+        return self.weights
 
     def snapshot(self) -> InstanceSnapshot:
         self._advance()

@@ -102,8 +102,10 @@ def _nested(loc: tuple[str, ...], value: Any) -> dict[str, Any]:
 
 def _wrong_type(info: Any) -> Any:
     """A value of the wrong type for the field: a mapping where a scalar or list is expected,
-    a word where a number or flag is."""
+    a list where a mapping is, a word where a number or flag is."""
     annotation = str(info.annotation)
+    if annotation.startswith("dict"):
+        return ["a", "list"]
     if "str" in annotation and "float" not in annotation:
         return {"not": "a string"}
     return "lots"

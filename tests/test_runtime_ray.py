@@ -8,12 +8,12 @@ ray = pytest.importorskip("ray")
 
 import runtime_fakes
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
+from staleflow.adapters.ray.parameter_server import RemoteParameterServer, RemoteWeights
 from staleflow.adapters.ray.placement import ActorProxy, InProcessPlacement, RayPlacement
 from staleflow.runtime.assembly import RunSpec, assemble_run
 from staleflow.runtime.clock import RealClock
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.loop import RunParts
-from staleflow.runtime.parameter_server import ParameterServer
 from staleflow.runtime.policies import make_policy
 from staleflow.runtime.trajectory_server import TrajectoryServer
 
@@ -24,7 +24,9 @@ def test_in_process_placement_builds_the_part_itself():
 
 
 @pytest.mark.ray
-def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing():
+def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing(monkeypatch):
+    """Every part in its own actor; weights go from the parameter server's actor straight to the
+    engine's: the driver only passes references (fetching one in the driver would raise here)."""
     ray.cloudpickle.register_pickle_by_value(runtime_fakes)  # workers cannot import the tests folder
     placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -33,7 +35,12 @@ def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing():
         engines = [placement.place(FakeEngine, "i0", clock, tokens_per_s=3000, load_s=0.005, announce_events=False)]
         trainer = placement.place(FakeTrainer, clock, 0.02)
         ts = placement.place(TrajectoryServer)
-        ps = placement.place(ParameterServer)
+        ps = RemoteParameterServer.place(placement)
+
+        def fetch_in_driver(self):
+            raise AssertionError("the driver fetched weights")
+
+        monkeypatch.setattr(RemoteWeights, "fetch", fetch_in_driver)  # this process only
         assert isinstance(engines[0], ActorProxy) and engines[0].instance_id == "i0"
         parts = RunParts(
             engines=engines, trainer=trainer, prompts=prompt_groups(2, lengths=(10, 20, 30)),
@@ -44,9 +51,36 @@ def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing():
         metrics = loop.run(3)
         assert metrics.steps == 3 and trainer.weights() == {"version": 3}
         assert ps.latest_version() == 3
+        assert engines[0].loaded_weights()["version"] >= 1  # fetched by the engine's actor itself
+        version, reference = ps.pull()
+        assert version == 3 and isinstance(reference, RemoteWeights) and reference.version == 3
         assert metrics.max_staleness <= 1 and sum(metrics.staleness_histogram.values()) == 6
         assert metrics.audit_ok and metrics.lost == 0 and metrics.duplicated == 0
         loop.close()
     finally:
         placement.close()
     assert not ray.is_initialized()
+
+
+@pytest.mark.ray
+def test_a_parameter_server_actor_broadcasts_a_version_to_a_receiver_in_another_process():
+    """Pulls from a Ray-placed broadcasting parameter server hand out broadcast references; the
+    receiver (here the driver, in a real run an engine's workers) gets every tensor over gloo,
+    in buckets, from the server's process."""
+    import torch
+    from staleflow.adapters.torch.weight_broadcast import BroadcastWeights, receive
+
+    weights = {f"layer{i}.weight": torch.randn(64, 32) for i in range(5)} | {"norm.weight": torch.ones(32)}
+    placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        server = RemoteParameterServer.place(placement, broadcast={"wire_dtype": "float32", "bucket_bytes": 16 << 10})
+        server.push(0, weights)
+        version, reference = server.pull()
+        assert version == 0 and isinstance(reference, BroadcastWeights)
+        plan = reference.open(receivers=1)
+        assert len(plan.buckets) == 3  # 8 KiB tensors in 16 KiB buckets
+        received = dict(receive(plan))
+        assert reference.close() == plan.wire_bytes == sum(t.numel() * 4 for t in weights.values())
+        assert received.keys() == weights.keys() and all(torch.equal(received[k], weights[k]) for k in weights)
+    finally:
+        placement.close()

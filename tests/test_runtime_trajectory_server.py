@@ -47,7 +47,7 @@ def test_group_redundancy_keeps_first_finishers_and_cancels_the_rest():
     assert ts.queued_count() == 0
     assert [t.request_id for t in ts.trajectories("g0")] == [r2.request_id, r1.request_id]
     late = ts.finish("a", _done(r0))  # raced the abort
-    assert late.late and not late.duplicate and ts.late_discards == 1
+    assert late.late and not late.duplicate and ts.late_discards() == 1
     groups, requests = ts.counts()
     assert groups["rewarding"] == 1
     assert requests == {"queued": 0, "running": 0, "finished": 2, "cancelled": 2}

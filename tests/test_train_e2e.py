@@ -105,6 +105,19 @@ def test_resume_continues_from_the_checkpoint_within_the_bound(first_run: tuple[
     assert [r["step"] for r in records if r["kind"] == "step"][-3:] == [3, 4, 5]
 
 
+def _ancestors(pid: int) -> set[int]:
+    """The parent, grandparent, ... of a process (from /proc)."""
+    found: set[int] = set()
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        found.add(pid)
+    return found
+
+
 def _steps_logged(metrics: Path) -> int:
     if not metrics.exists():
         return 0
@@ -137,8 +150,10 @@ def test_killing_a_vllm_instance_mid_run_loses_nothing_and_keeps_the_bound(tmp_p
             assert job.poll() is None, f"train ended before the kill: {job.stdout.read()[-3000:]}"
             assert time.monotonic() < deadline, "train did not reach step 5 in time"
             time.sleep(0.5)
-        hosts = subprocess.run(["pgrep", "-f", "^ray::_Host"], capture_output=True, text=True).stdout.split()
-        assert len(hosts) == 2, f"expected two rollout actor processes, found {hosts}"
+        # this job's own actors only: other Ray jobs may run on the machine
+        hosts = [p for p in subprocess.run(["pgrep", "-f", "^ray::_Host"], capture_output=True, text=True).stdout.split()
+                 if job.pid in _ancestors(int(p))]
+        assert len(hosts) == 2, f"expected two rollout actor processes of this job, found {hosts}"
         os.kill(int(hosts[0]), signal.SIGKILL)
         output, _ = job.communicate(timeout=600)
     finally:

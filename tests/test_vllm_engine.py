@@ -193,3 +193,30 @@ def test_reload_mid_generation_changes_output_and_logprobs_match_torch(engine, m
         engine.load_weights(0, perturbed)
 
 
+
+
+def test_broadcast_reload_reaches_every_weight_and_logprobs_match_torch(engine, model_dir):
+    """A version sent by collective broadcast (gloo on CPU, in small buckets) into the engine's
+    workers: every weight arrives (log-probs match torch's with the same weights), with fp32 and
+    with bf16 on the wire (bf16 carries half the bytes)."""
+    import torch
+    from safetensors.torch import load_file
+    from staleflow.adapters.torch.weight_broadcast import BroadcastParameterServer, BroadcastWeights
+
+    files = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(2)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in files.items()}
+    server = BroadcastParameterServer()
+    fp32_bytes = sum(t.numel() * 4 for t in perturbed.values())
+    for wire, bytes_per_value in (("float32", 4), ("bfloat16", 2)):
+        version = engine.version + 1
+        server.push(version, perturbed)
+        before = engine.bytes_received
+        engine.load_weights(version, BroadcastWeights(server, version, wire_dtype=wire, bucket_bytes=256 << 10))
+        assert engine.bytes_received - before == fp32_bytes * bytes_per_value // 4
+        engine.submit([_request(f"broadcast-{wire}", 32, group_version=version)])
+        out = _wait_finished(engine, [f"broadcast-{wire}"])[f"broadcast-{wire}"]
+        assert set(out.versions) == {version}
+        sent = {k: v.to(getattr(torch, wire)).float() for k, v in perturbed.items()}
+        ref = _torch_logprobs(model_dir, sent, PROMPT, out.output_ids)
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-3, wire

@@ -5,7 +5,8 @@ Two replays, same verdict expected:
 - **mirror** (any size): every event must be an enabled action of ``spec/mirror.py`` with the logged
   outcome: an accepted reserve is an enabled Reserve, a refused reserve a disabled one; occupy and
   abort are enabled; a consume's batch and drops are exactly one Consume successor (with the
-  logged group versions); the logged before/after counters equal the spec state's counters.
+  logged group versions); the logged before/after counters equal the spec state's counters. This
+  replay is the light package's standard-library checker (``protocol/check.py``), shared, not copied.
 - **TLC** (the first :data:`TLC_MAX_EVENTS` events of each segment): the trace becomes a generated
   ``TraceData.tla`` and ``spec/MCTrace.tla`` walks it through the TLA+ actions themselves (the
   etcd-raft / CCF pattern). Trace group ids are renamed to reusable slots ``s1, s2, ...`` (a
@@ -28,15 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from staleflow.protocol import ProtocolError, StalenessManager
-from staleflow.protocol.events import CounterState, GroupId, ProtocolEvent
+from staleflow.protocol import ProtocolError, StalenessManager, check
+from staleflow.protocol.events import CounterState, GroupId
 from staleflow.protocol.trace import (
     JsonlTraceWriter,
     TraceFormatError,
     TraceSegment,
     read_trace,
 )
-from staleflow.spec import mirror
 from staleflow.spec.mirror import MirrorState, SpecParams
 from staleflow.verification.checks import CheckResult
 from staleflow.verification.tlc import TlcUnavailableError, run_tlc
@@ -61,73 +61,19 @@ class Verdict:
 
 
 def params_of(segment: TraceSegment) -> SpecParams:
-    h = segment.header
-    return SpecParams(h.eta, h.batch_size, h.redundancy)
+    return check.params_of(segment.header)
 
 
 def start_state(segment: TraceSegment) -> MirrorState:
     """The mirror state a segment starts from: its header snapshot, or the initial state."""
-    start = segment.header.start
-    if start is None:
-        return mirror.init()
-    for name in ("eta", "batch_size", "redundancy"):
-        if start.get(name) != getattr(segment.header, name):
-            raise TraceFormatError(f"trace header and its start snapshot disagree on {name}")
-    groups = frozenset((g, v, status) for g, v, status in start["groups"])
-    return MirrorState(int(start["version"]), groups)
-
-
-def counters(p: SpecParams, s: MirrorState) -> CounterState:
-    """The counters the implementation logs, computed from a spec state."""
-    running, done = [0] * (p.eta + 1), [0] * (p.eta + 1)
-    for _, v, status in s.groups:
-        (running if status == mirror.RUNNING else done)[v + p.eta - s.version] += 1
-    return CounterState(s.version, tuple(running), tuple(done))
-
-
-def mirror_step(p: SpecParams, s: MirrorState, e: ProtocolEvent) -> MirrorState | str:
-    """The spec state after event ``e`` from ``s``, or why ``e`` is not a spec step."""
-    if e.op == "reserve":
-        assert e.group_id is not None and e.version is not None
-        t = mirror.reserve(p, s, e.group_id, e.version)
-        if e.accepted:
-            return t if t is not None else f"reserve({e.group_id!r}, v={e.version}) accepted but Reserve is disabled"
-        if s.find(e.group_id) is not None:
-            return f"refused reserve of {e.group_id!r}, which is active"
-        return s if t is None else f"reserve({e.group_id!r}, v={e.version}) refused but Reserve is enabled"
-    if e.op in ("occupy", "abort"):
-        assert e.group_id is not None
-        t = (mirror.occupy if e.op == "occupy" else mirror.abort)(p, s, e.group_id)
-        return t if t is not None else f"{e.op}({e.group_id!r}) is not enabled in the spec"
-    assert e.batch is not None
-    b = e.batch
-    if b.version != s.version:
-        return f"consume of buffer {b.version}, but the spec's head is {s.version}"
-    chosen = [s.find(g) for g in b.group_ids]
-    if any(g is None for g in chosen) or len(set(b.group_ids)) != len(b.group_ids):
-        return f"consume takes {list(b.group_ids)}: not distinct active groups"
-    if tuple(g[1] for g in chosen if g is not None) != b.group_versions:
-        return f"consume logs versions {list(b.group_versions)}, the spec has {[g[1] for g in chosen if g]}"
-    step = mirror.consume_taking(p, s, frozenset(g for g in chosen if g is not None))
-    if step is None:
-        return f"consume of {list(b.group_ids)} is not a Consume successor in the spec"
-    if step.dropped != frozenset(b.dropped) or len(b.dropped) != len(step.dropped):
-        return f"consume drops {sorted(map(str, b.dropped))}, the spec drops {sorted(map(str, step.dropped))}"
-    return step.state
+    return check.start_state(segment.header)
 
 
 def replay_mirror(segment: TraceSegment) -> Verdict:
-    p = params_of(segment)
-    s = start_state(segment)
-    for index, e in enumerate(segment.events):
-        if e.before != counters(p, s):
-            return Verdict(False, len(segment.events), index, f"before-state {e.before} != spec {counters(p, s)}")
-        t = mirror_step(p, s, e)
-        if isinstance(t, str):
-            return Verdict(False, len(segment.events), index, t)
-        if e.after != counters(p, t):
-            return Verdict(False, len(segment.events), index, f"after-state {e.after} != spec {counters(p, t)}")
-        s = t
+    """The light package's mirror replay (:mod:`staleflow.protocol.check`) as a :class:`Verdict`."""
+    rejection = check.replay_events(segment.header, segment.events)
+    if rejection is not None:
+        return Verdict(False, len(segment.events), rejection.index, rejection.reason)
     return Verdict(True, len(segment.events), explored=f"{len(segment.events):,} events")
 
 
@@ -255,9 +201,7 @@ def replay_tlc(segment: TraceSegment) -> Verdict:
 
 
 def _describe(segment: TraceSegment, offset: int, index: int) -> str:
-    e = segment.events[index]
-    what = f"{e.op}({e.group_id!r}, v={e.version})" if e.op != "consume" else f"consume(buffer {e.version})"
-    return f"event #{offset + index} (line {segment.first_line + 1 + index}, seq {e.seq}, {what})"
+    return check.describe(segment, offset, index)
 
 
 def _tlc_prefix(segment: TraceSegment) -> Verdict:

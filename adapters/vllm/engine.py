@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import queue
-import tempfile
 import threading
 import time
 from collections import deque
@@ -34,11 +33,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode
+from staleflow.adapters.torch.weight_broadcast import BroadcastWeights, TransferPlan
+from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.runtime.clock import RealClock
 from staleflow.runtime.cost_model import ProfileRecord
-from staleflow.runtime.interfaces import Clock, InstanceLostError
+from staleflow.runtime.interfaces import Clock, InstanceLostError, WeightsReference
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
 
 __all__ = ["EngineFailed", "SamplingConfig", "VLLMEngine", "set_vllm_env_defaults"]
@@ -96,6 +96,7 @@ class VLLMEngine:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {model_path} has no config.json (vLLM would try the hub)")
         self.instance_id = instance_id
+        self.bytes_received = 0  # weight bytes received by broadcast
         self._version = version
         self._sampling = sampling
         self._max_model_len = max_model_len
@@ -156,13 +157,24 @@ class VLLMEngine:
     def load_weights(self, version: int, weights: Any) -> None:
         """Reload the weights in place and become ``version``; returns when the new weights serve.
 
-        ``weights``: a safetensors file, a folder holding ``model.safetensors``, or a state dict
-        (name -> tensor, checkpoint names), which is written to a temporary safetensors file first.
+        ``weights``: a safetensors file, a folder holding ``model.safetensors``, a state dict
+        (name -> tensor, checkpoint names), which is written to a temporary safetensors file first,
+        or a :class:`~staleflow.runtime.interfaces.WeightsReference`, fetched here first (from a
+        parameter server in another process, straight into this one).
         """
         with self._lock:
             self._published.loads_pending += 1
         try:
-            path, temporary = self._weights_file(weights)
+            if isinstance(weights, BroadcastWeights):  # received by every worker, straight into the model
+                plan = weights.open(receivers=int(self._engine_args.get("tensor_parallel_size", 1)))
+                try:
+                    self._call(lambda: self._do_load(version, plan))
+                finally:
+                    self.bytes_received += weights.close()
+                return
+            if isinstance(weights, WeightsReference):
+                weights = weights.fetch()
+            path, temporary = weights_file(weights, self._weights_dir, self.instance_id)
             try:
                 self._call(lambda: self._do_load(version, path))
             finally:
@@ -257,27 +269,6 @@ class VLLMEngine:
                 f"{name}: prompt ({len(request.prompt_ids)}) + max_new_tokens ({request.max_new_tokens}) "
                 f"= {total} exceeds max_model_len {self._max_model_len}"
             )
-
-    def _weights_file(self, weights: Any) -> tuple[Path, bool]:
-        if isinstance(weights, (str, os.PathLike)):
-            path = Path(weights)
-            if path.is_dir():
-                path = path / "model.safetensors"
-            if not path.is_file():
-                raise FileNotFoundError(f"{self.instance_id}: no safetensors weights at {path}")
-            return path, False
-        if isinstance(weights, Mapping):
-            from safetensors.torch import save_file
-
-            self._weights_dir.mkdir(parents=True, exist_ok=True)
-            handle, name = tempfile.mkstemp(prefix=f"{self.instance_id}-", suffix=".safetensors", dir=self._weights_dir)
-            os.close(handle)
-            tensors = {key: value.detach().to("cpu").contiguous() for key, value in weights.items()}
-            save_file(tensors, name)
-            return Path(name), True
-        raise TypeError(
-            f"{self.instance_id}: weights must be a safetensors path or a state dict, not {type(weights).__name__}"
-        )
 
     def _call(self, command: Callable[[], _T], timeout: float | None = 600.0) -> _T:
         self._raise_if_failed()
@@ -444,10 +435,13 @@ class VLLMEngine:
                 self._forget_internal(request.request_id)
         return stopped
 
-    def _do_load(self, version: int, path: Path) -> None:
+    def _do_load(self, version: int, source: Path | TransferPlan) -> None:
         if version < self._version:
             raise ValueError(f"{self.instance_id}: cannot load version {version} over version {self._version}")
-        self._llm.collective_rpc("staleflow_reload_safetensors", args=(str(path),))
+        if isinstance(source, TransferPlan):
+            self._llm.collective_rpc("staleflow_receive_broadcast", args=(source.to_dict(),))
+        else:
+            self._llm.collective_rpc("staleflow_reload_safetensors", args=(str(source),))
         self._version = version
         self._llm.set_weight_version(str(version))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +34,27 @@ def default_weights_dir() -> Path:
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
     return base / "staleflow-weights"
+
+
+def weights_file(weights: Any, weights_dir: Path, instance_id: str) -> tuple[Path, bool]:
+    """A safetensors file for ``weights`` (a file, a folder holding ``model.safetensors``, or a
+    state dict written to a temporary file in ``weights_dir``) and whether it is temporary."""
+    if isinstance(weights, (str, os.PathLike)):
+        path = Path(weights)
+        if path.is_dir():
+            path = path / "model.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"{instance_id}: no safetensors weights at {path}")
+        return path, False
+    if isinstance(weights, Mapping):
+        from safetensors.torch import save_file
+
+        weights_dir.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f"{instance_id}-", suffix=".safetensors", dir=weights_dir)
+        os.close(handle)
+        tensors = {key: value.detach().to("cpu").contiguous() for key, value in weights.items()}
+        save_file(tensors, name)
+        return Path(name), True
+    raise TypeError(
+        f"{instance_id}: weights must be a safetensors path or a state dict, not {type(weights).__name__}"
+    )

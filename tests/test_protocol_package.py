@@ -1,0 +1,419 @@
+"""The protocol as a library for other RL systems (issue 12): its own dependency-free distribution
+(installed offline into a fresh venv), Python 3.9 compatibility, the standard-library trace checker
+run as a module, and the thread-safe wrapper under concurrent use."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+from staleflow import protocol
+from staleflow.protocol import (
+    LockedStalenessManager,
+    ProtocolEvent,
+    StalenessManager,
+    check,
+)
+from staleflow.protocol.trace import read_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+PROTOCOL = ROOT / "protocol"
+
+
+def _run(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(a) for a in args], check=False, capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def _random_trace(manager: StalenessManager | LockedStalenessManager, ops: int, seed: int) -> None:
+    """A seeded producer/trainer that issues only valid calls (refused reserves included)."""
+    rng = random.Random(seed)
+    next_id = 0
+    for _ in range(ops):
+        running = [g.group_id for g in manager.groups() if g.status.value == "running"]
+        roll = rng.random()
+        if roll < 0.45:
+            manager.reserve(f"g{next_id}", max(0, manager.version - rng.randint(0, manager.eta + 1)))
+            next_id += 1
+        elif roll < 0.8 and running:
+            manager.occupy(rng.choice(running))
+        elif roll < 0.85 and running:
+            manager.abort(rng.choice(running))
+        elif manager.can_consume():
+            manager.consume()
+
+
+# ----------------------------------------------------------------------------- distribution
+
+
+@pytest.fixture(scope="module")
+def light_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The light distribution's wheel, built offline from a copy of protocol/ (no network, no deps)."""
+    out = tmp_path_factory.mktemp("wheel")
+    source = out / "src"
+    shutil.copytree(PROTOCOL, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index", "--no-build-isolation",
+                 "--disable-pip-version-check", "-w", out / "dist", source)
+    assert built.returncode == 0, built.stdout + built.stderr
+    [wheel] = (out / "dist").glob("staleflow_protocol-*.whl")
+    return wheel
+
+
+def test_light_wheel_holds_exactly_the_protocol_sources(light_wheel: Path) -> None:
+    """The same files as staleflow.protocol, not a copy that could drift; no dependencies, Python >= 3.9."""
+    assert Path(protocol.__file__).parent.resolve() == PROTOCOL
+    sources = sorted(p.name for p in PROTOCOL.glob("*.py"))
+    assert {"check.py", "locked.py", "mirror.py", "manager.py", "trace.py"} <= set(sources)
+    with zipfile.ZipFile(light_wheel) as wheel:
+        packaged = sorted(Path(n).name for n in wheel.namelist() if n.startswith("staleflow_protocol/") and n.endswith(".py"))
+        assert packaged == sources
+        for name in sources:
+            assert wheel.read(f"staleflow_protocol/{name}") == (PROTOCOL / name).read_bytes()
+        [metadata] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+        text = wheel.read(metadata).decode()
+    assert "Requires-Python: >=3.9" in text
+    assert "Requires-Dist" not in text
+
+
+@pytest.fixture(scope="module")
+def light_venv(light_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with only the light wheel installed (pip install --no-index): its python."""
+    env_dir = tmp_path_factory.mktemp("venv")
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    installed = _run(python, "-m", "pip", "install", "--no-index", "--disable-pip-version-check", light_wheel)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    return python
+
+
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+@pytest.mark.slow
+def test_light_package_installs_alone_in_a_fresh_venv_offline(light_venv: Path, tmp_path: Path) -> None:
+    """pip install --no-index into a new venv: nothing else comes along, it works, and it checks traces."""
+    listing = _run(light_venv, "-m", "pip", "list", "--format=json", "--disable-pip-version-check")
+    names = {p["name"].lower() for p in json.loads(listing.stdout)}
+    assert names - {"pip", "setuptools", "wheel"} == {"staleflow-protocol"}
+    script = tmp_path / "use.py"
+    script.write_text(
+        "import sys\n"
+        "from staleflow_protocol import LockedStalenessManager\n"
+        "m = LockedStalenessManager.create(eta=1, batch_size=2)\n"
+        "w = m.attach_trace(sys.argv[1])\n"
+        "print([m.reserve(g, 0) for g in 'abcde'])\n"
+        "m.occupy('a'); m.occupy('b')\n"
+        "print(m.try_consume().group_ids)\n"
+        "w.close()\n"
+        "print(sorted(k for k in sys.modules if k.split('.')[0] in ('staleflow', 'torch', 'numpy')))\n"
+    )
+    trace = tmp_path / "trace.jsonl"
+    used = _run(light_venv, "-I", script, trace, cwd=tmp_path, env=CLEAN_ENV)
+    assert used.returncode == 0, used.stderr
+    assert used.stdout.splitlines() == ["[True, True, True, True, False]", "('a', 'b')", "[]"]
+    checked = _run(light_venv, "-I", "-m", "staleflow_protocol.check", trace, cwd=tmp_path, env=CLEAN_ENV)
+    assert (checked.returncode, checked.stdout.strip()) == (0, f"{trace}: accepted (8 events in 1 segment(s))")
+    script_checked = _run(light_venv.parent / "staleflow-check-trace", trace, cwd=tmp_path, env=CLEAN_ENV)
+    assert (script_checked.returncode, script_checked.stdout) == (0, checked.stdout)
+
+
+#: What each ``python`` block of docs/integrating.md prints (its comments say the same).
+GUIDE_OUTPUT = [
+    ["refused p4", "0 ('p1', 'p0') ()", "True True",
+     "1 [('p3', 0, 'running'), ('p5', 1, 'running'), ('p6', 1, 'running')]"],
+    ["0 True", "True True"],
+    ["0 run.jsonl: accepted (4 events in 1 segment(s))",
+     "1 bad.jsonl: REJECTED at segment 1: event #1 (line 3, seq 1, reserve('b', v=0)): "
+     "reserve('b', v=0) accepted but Reserve is disabled"],
+]
+
+
+@pytest.mark.slow
+def test_integration_guide_examples_run_on_the_light_package(light_venv: Path, tmp_path: Path) -> None:
+    import re
+
+    guide = (ROOT / "docs" / "integrating.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.DOTALL)
+    assert len(blocks) == len(GUIDE_OUTPUT)
+    for number, (block, expected) in enumerate(zip(blocks, GUIDE_OUTPUT)):
+        for line in expected:  # the guide's comments show the output
+            assert f"# {line}" in block, (number, line)
+        script = tmp_path / f"example{number}.py"
+        script.write_text(block)
+        done = _run(light_venv, "-I", script, cwd=tmp_path, env=CLEAN_ENV)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == expected, number
+
+
+def test_protocol_sources_need_only_python_3_9() -> None:
+    """vermin (a pinned dev tool) finds every construct's minimum version; it must be <= 3.9."""
+    if importlib.util.find_spec("vermin") is None:
+        if os.environ.get("CI"):
+            pytest.fail("vermin is missing: scripts/setup.sh installs it with the dev extra")
+        pytest.skip("vermin not installed in this venv (it is in the dev extra: pip install -e '.[dev]')")
+    ok = _run(sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", "--no-tips", "--violations", "-t=3.9-", PROTOCOL)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    # the check can fail: the two 3.10+/3.11+ constructs the package used before issue 12
+    bad = PROTOCOL.parent / ".pytest_cache" / "vermin_probe.py"
+    bad.parent.mkdir(exist_ok=True)
+    bad.write_text("from dataclasses import dataclass\nfrom typing import Self\n"
+                   "@dataclass(frozen=True, slots=True)\nclass A:\n    x: int\n")
+    try:
+        failed = _run(sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", "--no-tips", "--violations", "-t=3.9-", bad)
+    finally:
+        bad.unlink()
+    assert failed.returncode != 0 and "typing.Self" in failed.stdout and "slots" in failed.stdout
+
+
+def test_spec_mirror_is_the_light_package_mirror() -> None:
+    from staleflow.protocol import mirror
+    from staleflow.spec import mirror as spec_mirror
+
+    assert spec_mirror.reserve is mirror.reserve and spec_mirror.MirrorState is mirror.MirrorState
+
+
+# ----------------------------------------------------------------------------- trace checker
+
+
+def _check(*paths: Path) -> subprocess.CompletedProcess[str]:
+    return _run(sys.executable, "-m", "staleflow.protocol.check", *paths)
+
+
+@pytest.fixture()
+def good_trace(tmp_path: Path) -> Path:
+    manager = StalenessManager(eta=2, batch_size=3, redundancy=1)
+    path = tmp_path / "good.jsonl"
+    writer = protocol.trace.JsonlTraceWriter.attach(manager, path)
+    _random_trace(manager, 600, seed=3)
+    writer.close()
+    # a second segment after a restore (a resumed run appends to the same file)
+    resumed = StalenessManager.restore(manager.snapshot())
+    with protocol.trace.JsonlTraceWriter.attach(resumed, path, mode="a"):
+        _random_trace(resumed, 200, seed=4)
+    return path
+
+
+def test_checker_accepts_a_real_trace(good_trace: Path) -> None:
+    segments = read_trace(good_trace)
+    events = [e for s in segments for e in s.events]
+    assert len(segments) == 2 and any(e.op == "consume" and e.batch and e.batch.dropped for e in events)
+    assert any(e.op == "reserve" and e.accepted is False for e in events)
+    done = _check(good_trace)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == f"{good_trace}: accepted ({len(events)} events in 2 segment(s))"
+
+
+def _rewrite(path: Path, out: Path, edit: object) -> tuple[int, dict[str, object]]:
+    """Apply ``edit(event) -> bool`` to the first event line it accepts; returns (event index, event)."""
+    lines = path.read_text().splitlines()
+    index = -1
+    for number, line in enumerate(lines):
+        data = json.loads(line)
+        if data["type"] != "event":
+            continue
+        index += 1
+        if edit(data):  # type: ignore[operator]
+            lines[number] = json.dumps(data)
+            out.write_text("\n".join(lines) + "\n")
+            return index, data
+    raise AssertionError("no event to corrupt")
+
+
+def test_checker_rejects_a_refused_reserve_logged_as_accepted(good_trace: Path, tmp_path: Path) -> None:
+    def flip(e: dict[str, object]) -> bool:
+        if e["op"] == "reserve" and e["accepted"] is False:
+            e["accepted"] = True
+            return True
+        return False
+
+    bad = tmp_path / "flipped.jsonl"
+    index, event = _rewrite(good_trace, bad, flip)
+    done = _check(bad)
+    assert done.returncode == 1
+    assert f"REJECTED at segment 1: event #{index} (line {index + 2}, seq {event['seq']}, reserve(" in done.stdout
+    assert "accepted but Reserve is disabled" in done.stdout
+
+
+def test_checker_rejects_a_batch_that_trains_a_running_group(good_trace: Path, tmp_path: Path) -> None:
+    """A FIFO consumer that trains a group the protocol did not give it: the batch is not a Consume step."""
+    segment = read_trace(good_trace)[0]
+    running: dict[object, int] = {}
+    target = None
+    for e in segment.events:
+        if e.op == "reserve" and e.accepted:
+            running[e.group_id] = e.version or 0
+        elif e.op in ("occupy", "abort"):
+            running.pop(e.group_id, None)
+        elif e.op == "consume":
+            assert e.batch is not None
+            if running:
+                target = e.seq, next(iter(running))
+                break
+            for g in (*e.batch.group_ids, *e.batch.dropped):
+                running.pop(g, None)
+    assert target is not None
+    seq, stranger = target
+
+    def swap(e: dict[str, object]) -> bool:
+        if e["seq"] == seq:
+            batch = e["batch"]
+            assert isinstance(batch, dict)
+            batch["group_ids"][0] = stranger
+            return True
+        return False
+
+    bad = tmp_path / "fifo.jsonl"
+    index, _ = _rewrite(good_trace, bad, swap)
+    done = _check(bad)
+    assert done.returncode == 1
+    assert f"event #{index} (line {index + 2}, seq {seq}, consume(buffer" in done.stdout
+
+
+def test_checker_rejects_a_lost_event_and_an_unreadable_file(good_trace: Path, tmp_path: Path) -> None:
+    lines = good_trace.read_text().splitlines()
+    del lines[10]  # event #9 never reached the trace (e.g. an unlocked concurrent writer)
+    bad = tmp_path / "lost.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    done = _check(bad)
+    assert done.returncode == 1 and "event #9 (line 11," in done.stdout and "before-state" in done.stdout
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text('{"type": "event"}\n')
+    unreadable = _check(junk, good_trace)
+    assert unreadable.returncode == 2 and "the first line of a trace must be its header" in unreadable.stderr
+    assert "accepted" in unreadable.stdout  # the good file after it is still checked
+
+
+def test_checker_rejects_a_start_snapshot_that_breaks_the_invariant(tmp_path: Path) -> None:
+    manager = StalenessManager(eta=0, batch_size=1)
+    path = tmp_path / "start.jsonl"
+    with protocol.trace.JsonlTraceWriter.attach(manager, path):
+        manager.reserve("a", 0)
+    header = json.loads(path.read_text().splitlines()[0])
+    header["start"]["groups"] = [["x", 0, "running"], ["y", 0, "running"]]  # 2 groups due, capacity 1
+    path.write_text(json.dumps(header) + "\n")
+    done = _check(path)
+    assert done.returncode == 2 and "violates the invariant" in done.stderr
+
+
+# ----------------------------------------------------------------------------- thread safety
+
+
+def test_locked_manager_keeps_invariant_and_accounting_under_threads(tmp_path: Path) -> None:
+    """4 producer threads reserve/occupy/abort while a trainer thread consumes, with a tiny switch
+    interval; every event sees the invariant, no event is lost (seq is contiguous), every accepted
+    group ends consumed, aborted, dropped or active exactly once, every batch keeps the bound, and
+    the trace of the interleaving is a behaviour of the spec."""
+    eta, batch_size, redundancy = 2, 4, 1
+    locked = LockedStalenessManager.create(eta, batch_size, redundancy)
+    seqs: list[int] = []
+    broken: list[str] = []
+
+    def invariant_hook(event: ProtocolEvent) -> None:
+        seqs.append(event.seq)
+        prefix = 0
+        for k in range(eta + 1):
+            prefix += event.after.running[k] + event.after.done[k]
+            if prefix > (k + 1) * batch_size + redundancy:
+                broken.append(f"seq {event.seq}: Inv broken at offset {k}")
+
+    locked.add_event_hook(invariant_hook)
+    trace = tmp_path / "threads.jsonl"
+    writer = locked.attach_trace(trace)
+    accepted: list[set[str]] = [set() for _ in range(4)]
+    aborted: list[set[str]] = [set() for _ in range(4)]
+    batches: list[protocol.ConsumedBatch] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def producer(k: int) -> None:
+        rng = random.Random(k)
+        mine: list[str] = []
+
+        def finish() -> None:
+            finished = mine.pop(rng.randrange(len(mine)))
+            if rng.random() < 0.1:
+                if locked.abort_if_active(finished):
+                    aborted[k].add(finished)
+            else:
+                try:
+                    locked.occupy(finished)
+                except protocol.UnknownGroupError:  # dropped by the trainer in between (X > 0)
+                    pass
+
+        try:
+            for n in range(1500):
+                group_id = f"t{k}-{n}"
+                admitted = locked.reserve(group_id, max(0, locked.version - rng.randint(0, eta)))
+                if admitted:
+                    accepted[k].add(group_id)
+                    mine.append(group_id)
+                if mine and (not admitted or rng.random() < 0.7):
+                    finish()
+            while mine:
+                finish()
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    def trainer() -> None:
+        try:
+            while not stop.is_set():
+                batch = locked.try_consume()
+                if batch is not None:
+                    batches.append(batch)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
+        consumer = threading.Thread(target=trainer)
+        consumer.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        consumer.join()
+    finally:
+        sys.setswitchinterval(switch)
+        writer.close()
+    assert not errors, errors
+    assert not broken, broken[:3]
+    assert seqs == list(range(len(seqs)))
+    assert len(batches) >= 20 and [b.version for b in batches] == list(range(len(batches)))
+    all_accepted = set().union(*accepted)
+    consumed = [g for b in batches for g in b.group_ids]
+    dropped = [g for b in batches for g in b.dropped]
+    active = {g.group_id for g in locked.groups()}
+    removed = set().union(*aborted)
+    assert all(len(b.group_ids) == batch_size and len(b.dropped) <= redundancy for b in batches)
+    assert len(consumed) + len(dropped) == len(set(consumed) | set(dropped))  # nothing twice
+    assert set(consumed) | set(dropped) | removed | active == all_accepted
+    assert len(consumed) + len(dropped) + len(removed) + len(active) == len(all_accepted)
+    assert all(v <= b.version <= v + eta for b in batches for v in b.group_versions)
+    report = check.check_trace(trace)
+    assert report.accepted, (report.offending, report.reason)
+    assert report.events == len(seqs)
+
+
+def test_bench_lock_cost_replays_the_same_calls_on_both_managers() -> None:
+    from staleflow.bench.protocol import _recorded_ops, lock_cost
+
+    ops = _recorded_ops(eta=1, batch_size=8, batches=10, seed=0)
+    plain, locked = StalenessManager(1, 8), LockedStalenessManager.create(1, 8)
+    results = [[getattr(m, op)(*args) for op, args in ops] for m in (plain, locked)]
+    assert results[0] == results[1] and plain.snapshot() == locked.snapshot()
+    assert plain.version == 10 and any(r is False for r in results[0])  # refused reserves replayed too
+    rows = lock_cost(batches=5, seed=0, overhead_ns=0.0, repeats=1)
+    assert set(rows) == {"eta=1,B=64", "eta=3,B=512"}
+    assert all(r["plain_ns_per_op"] > 0 and r["locked_ns_per_op"] > 0 for r in rows.values())
