@@ -3,6 +3,7 @@ follows the chunk, and model folders that are sharded or tie their embeddings.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -108,6 +109,23 @@ def test_logprob_memory_follows_the_chunk_not_the_batch(model_dir: Path) -> None
     with probe:  # the padded computation it replaces: [rows, length, vocabulary] at once
         token_logprobs(model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits, mb.input_ids)
     assert probe.largest >= tokens * VOCAB
+
+
+def test_bf16_autocast_runs_forward_and_backward_close_to_fp32(model_dir: Path) -> None:
+    """The GPU recipe (bf16 compute, fp32 master weights) on this CPU: gradients within bf16 error."""
+    seqs = [s for g in batch_sequences(make_batch(groups=2, size=4)) for s in g]
+    (mb,) = micro_batches(seqs, 100_000)
+    grads = {}
+    for name, context in (("fp32", contextlib.nullcontext()), ("bf16", torch.autocast("cpu", dtype=torch.bfloat16))):
+        model = load_causal_lm(model_dir)
+        with context:
+            logp = LogProbModel(model, chunk=16, temperature=0.7)(mb.input_ids, mb.position_ids, mb.targets)
+        assert logp.dtype == torch.float32
+        (logp * mb.loss_mask).sum().backward()
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    cosine = torch.nn.functional.cosine_similarity(grads["fp32"], grads["bf16"], dim=0)
+    assert cosine > 0.99, float(cosine)
 
 
 def test_sharded_tied_model_folders_load_and_write(model_dir: Path, tmp_path: Path) -> None:

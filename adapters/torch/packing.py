@@ -177,32 +177,44 @@ def micro_batches(sequences: Sequence[PackedSequence], max_tokens: int) -> list[
 # ------------------------------------------------------------------------------------- log-probs
 class _ChunkLogProbs(torch.autograd.Function):
     """Log-probs of one chunk's targets; backward recomputes the chunk's logits and turns them into
-    their gradient in place, so one ``[chunk, vocabulary]`` float32 tensor exists at a time."""
+    their gradient in place, so one ``[chunk, vocabulary]`` float32 tensor exists at a time.
+
+    The matmul runs in autocast's dtype when autocast is on (else the inputs' common dtype) in both
+    directions, explicitly: backward runs outside autocast, so it cannot rely on it.
+    """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-        logits = torch.nn.functional.linear(hidden, weight).float()
-        if temperature != 1.0:
-            logits.div_(temperature)
-        lse = torch.logsumexp(logits, dim=-1)
-        out = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        kind = hidden.device.type
+        if torch.is_autocast_enabled(kind):
+            dtype = torch.get_autocast_dtype(kind)
+        else:
+            dtype = torch.promote_types(hidden.dtype, weight.dtype)
+        with torch.autocast(kind, enabled=False):
+            logits = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype)).float()
+            if temperature != 1.0:
+                logits.div_(temperature)
+            lse = torch.logsumexp(logits, dim=-1)
+            out = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.dtype = temperature, dtype
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         hidden, weight, targets, lse = ctx.saved_tensors
-        grad = torch.nn.functional.linear(hidden, weight).float()
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        # d(logit_t - lse)/d logits = onehot(t) - softmax; times the incoming gradient (all in place)
-        grad.sub_(lse.unsqueeze(-1)).exp_().neg_()
-        grad.scatter_add_(-1, targets.unsqueeze(-1), torch.ones_like(lse).unsqueeze(-1))
-        grad.mul_((grad_out / ctx.temperature).unsqueeze(-1))
-        grad = grad.to(weight.dtype)
-        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
+        h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            grad = torch.nn.functional.linear(h, w).float()
+            if ctx.temperature != 1.0:
+                grad.div_(ctx.temperature)
+            # d(logit_t - lse)/d logits = onehot(t) - softmax; times the incoming gradient (all in place)
+            grad.sub_(lse.unsqueeze(-1)).exp_().neg_()
+            grad.scatter_add_(-1, targets.unsqueeze(-1), torch.ones_like(lse).unsqueeze(-1))
+            grad.mul_((grad_out.float() / ctx.temperature).unsqueeze(-1))
+            grad = grad.to(ctx.dtype)
+            grad_hidden = (grad @ w).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+            grad_weight = (grad.t() @ h).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None
 
 
