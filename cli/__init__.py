@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("staleflow.cli.profile", "measure a rollout engine and fit the cost model"),
     "report": ("staleflow.cli.report", "rewrite a training run's report, or compare runs"),
     "bench": ("staleflow.bench.cli", "run a benchmark and print its figures"),
+    "export": ("staleflow.cli.export", "write a run's trained model as a Hugging Face folder"),
 }
 
 

@@ -153,10 +153,10 @@ def _check_installed(config: JobConfig) -> None:
         raise ImportError("the rollout instances need vLLM: pip install -e '.[cpu-infer]' (CPU) or '.[gpu]' (CUDA)")
     if config.train.backend == "megatron" and importlib.util.find_spec("megatron") is None:
         raise ImportError("train.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
-    if config.train.gpus > 0:
+    if config.train.gpus > 0 and config.train.backend != "fsdp":
         raise ValueError(
-            f"train.gpus={config.train.gpus}: this trainer runs on CPU in the driver process; a GPU trainer "
-            "actor is not available yet (rollout instances can use GPUs: rollout.gpus_per_instance)"
+            f"train.gpus={config.train.gpus} places trainer ranks as Ray actors: it needs train.backend=fsdp "
+            f"(train.backend={config.train.backend} trains in the driver process)"
         )
     if config.metrics.wandb.project is not None and importlib.util.find_spec("wandb") is None:
         raise ImportError("metrics.wandb.project needs wandb: pip install -e '.[tracking]'")
@@ -233,7 +233,7 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
         model_v0 = base
     if model_v0 == base and not isinstance(evaluator, Evaluator):
         evaluator.starts_at(0)
-    trainer = make_trainer(config, model_v0, tokens)
+    trainer = make_trainer(config, model_v0, tokens, placement.placement_group)
     saved_state = None
     if checkpoint is not None:  # the trainer first, so the instances start at its version
         saved_state = json.loads((checkpoint / LOOP_STATE).read_text(encoding="utf-8"))

@@ -142,15 +142,27 @@ def warm_start(config: JobConfig, base: Path, target: Path, tokens: Tokens, data
     return result.path, result.seconds
 
 
-def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens) -> Any:
+def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_group: Any = None) -> Any:
+    import torch
     from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings
 
     settings = TrainerSettings.from_config(config)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if config.train.backend == "megatron":
         from staleflow.adapters.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed)
-    return TorchTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads)
+    if config.train.backend == "fsdp":
+        import sys
+
+        from staleflow.adapters.torch.fsdp import FSDPTrainer
+
+        ray = sys.modules.get("ray")  # on GPUs, ranks are Ray actors with a GPU each (placed by Ray)
+        launcher = "ray" if device == "cuda" and ray is not None and ray.is_initialized() else "process"
+        return FSDPTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads,
+                           world_size=config.train.world_size, device=device, launcher=launcher,
+                           gpus_per_rank=config.train.gpus or 1.0, placement_group=placement_group if config.train.gpus else None)
+    return TorchTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads, device=device)
 
 
 class Evaluator:

@@ -186,6 +186,8 @@ class JobConfig(ConfigSection):
             problems.append(
                 f"task.eval_samples={self.task.eval_samples} needs task.eval_sampling=sampled (greedy gives one answer per prompt)"
             )
+        if self.train.world_size > 1 and self.train.backend == "torch":
+            problems.append(f"train.world_size={self.train.world_size} needs train.backend=fsdp (torch is one process)")
         if self.task.eval_every > 0 and self.task.eval_prompts == 0:
             problems.append("task.eval_every > 0 needs task.eval_prompts > 0 (or set task.eval_every=0)")
         if problems:

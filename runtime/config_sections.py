@@ -224,7 +224,7 @@ class CoordinatorConfig(ConfigSection):
 class TrainConfig(ConfigSection):
     """The optimiser and the RL objective (``adapters/torch/algorithms.py``)."""
 
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal["torch", "fsdp", "megatron"] = "torch"
     steps: StrictInt = Field(150, ge=1, le=10_000_000)
     max_time_s: StrictFloat | None = Field(None, gt=0)
     lr: StrictFloat = Field(3e-4, gt=0, le=1)
@@ -238,8 +238,14 @@ class TrainConfig(ConfigSection):
     weight_cap: StrictFloat = Field(5.0, ge=1, le=1e6)
     scale_advantages: StrictBool = True
     threads: StrictInt = Field(1, ge=1, le=1024)  # torch intra-op threads of the trainer
-    gpus: StrictInt = Field(0, ge=0, le=1_000_000)
-    """GPUs of the trainer (0: it trains on CPU in the driver process)."""
+    world_size: StrictInt = Field(1, ge=1, le=4096)  # trainer processes (fsdp: one per GPU, or gloo ranks on CPU)
+    micro_batch_tokens: StrictInt = Field(8192, ge=16, le=10_000_000)  # packed tokens per forward/backward
+    logprob_chunk: StrictInt = Field(1024, ge=1, le=1_000_000)  # positions per [chunk, vocab] log-softmax
+    activation_checkpointing: StrictBool = False
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    gpus: StrictFloat = Field(0, ge=0, le=1)
+    """GPUs of each trainer rank (``fsdp``: Ray actors, one rank per bundle; a share below 1 lets
+    a rank share a GPU with rollout instances); 0: the trainer runs on CPU."""
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:

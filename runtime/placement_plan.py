@@ -68,19 +68,21 @@ class PlacementPlan:
 
 
 def plan_placement(config: JobConfig, cluster_address: str | None = None) -> PlacementPlan:
-    """The actors of ``config``'s job: one per rollout instance (its tensor-parallel GPUs), the two
-    servers when they are Ray-placed, and the trainer when it has GPUs (a CPU trainer runs in the
-    driver process and reserves nothing)."""
+    """The actors of ``config``'s job: the trainer's ranks when they have GPUs (first, one bundle
+    each), one per rollout instance (its tensor-parallel GPUs or its share of one), and the two
+    servers when they are Ray-placed. A CPU trainer runs in the driver's processes and reserves
+    nothing."""
     rollout = config.rollout
-    actors = [
+    trainer = [  # first: the FSDP launcher puts rank r in bundle r
+        ActorPlan(f"trainer-{rank}", "trainer rank", 1.0, config.train.gpus) for rank in range(config.train.world_size)
+    ] if config.train.gpus > 0 else []
+    actors = trainer + [
         ActorPlan(f"rollout-{i}", "rollout instance", rollout.cpus_per_instance, rollout.gpu_share)
         for i in range(rollout.instances)
     ]
     if config.servers.placement == "ray":
         actors.append(ActorPlan("trajectory-server", "trajectory server", config.servers.cpus, 0))
         actors.append(ActorPlan("parameter-server", "parameter server", config.servers.cpus, 0))
-    if config.train.gpus > 0:
-        actors.append(ActorPlan("trainer", "trainer", 1.0, config.train.gpus))
     return PlacementPlan(tuple(actors), cluster_address if cluster_address is not None else config.cluster.address)
 
 

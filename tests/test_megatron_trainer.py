@@ -24,6 +24,7 @@ from staleflow.adapters.megatron.trainer import (
     load_hf_into_megatron,
     megatron_logprobs,
     megatron_to_hf,
+    read_megatron_checkpoint,
     transformer_config_from_hf,
 )
 from staleflow.adapters.torch.algorithms import token_logprobs
@@ -105,3 +106,74 @@ def test_conversion_refuses_an_incomplete_checkpoint(hf_model, megatron_on_cpu) 
 def test_trainer_refuses_to_start_without_cuda(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         MegatronTrainer(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ Qwen3
+def _qwen3(tied: bool):  # type: ignore[no-untyped-def]
+    """A tiny Qwen3: q_norm/k_norm, no qkv bias, head_dim 48 (not hidden / heads = 32)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(5)
+    config = Qwen3Config(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=48, max_position_embeddings=512, tie_word_embeddings=tied)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1, so a dropped or swapped norm would show in the log-probs
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_every_weight_maps_both_ways_and_matches_logprobs(megatron_on_cpu, tied: bool) -> None:  # type: ignore[no-untyped-def]
+    hf_model = _qwen3(tied)
+    hf = hf_model.state_dict()
+    config = transformer_config_from_hf(hf_model.config, use_cpu_initialization=True)
+    assert config.kv_channels == 48 and config.qk_layernorm
+    model = build_gpt_model(hf_model.config, config)
+    converted = hf_to_megatron(hf, hf_model.config)
+    expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    assert set(converted) == expected  # every Megatron parameter is produced...
+    assert "decoder.layers.1.self_attention.k_layernorm.weight" in converted
+    back = megatron_to_hf(converted, hf_model.config)
+    unique = set(hf) - ({"lm_head.weight"} if tied else set())
+    assert set(back) == unique and all(torch.equal(back[k], hf[k]) for k in unique)  # ...and every HF weight comes back
+    load_hf_into_megatron(model, hf, hf_model.config)
+    model.eval()
+    ids = torch.tensor([[4 + b for b in b"k*13=kkkkkkkk"]])
+    with torch.no_grad():
+        ours = megatron_logprobs(model, ids, torch.ones_like(ids))
+        theirs = token_logprobs(hf_model(input_ids=ids).logits, ids)
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_conversion_refuses_tensors_it_has_no_rule_for() -> None:
+    hf_model = _qwen3(tied=False)
+    hf = dict(hf_model.state_dict())
+    hf["model.layers.0.self_attn.sinks"] = torch.zeros(4)
+    with pytest.raises(ValueError, match="no rule for these Hugging Face tensors: \\['model.layers.0.self_attn.sinks'\\]"):
+        hf_to_megatron(hf, hf_model.config)
+    mg = hf_to_megatron(hf_model.state_dict(), hf_model.config)
+    mg["decoder.layers.0.self_attention.extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="no rule for these Megatron tensors"):
+        megatron_to_hf(mg, hf_model.config)
+
+
+def test_megatron_checkpoints_are_checked_before_loading(hf_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    expected = hf_to_megatron(hf_model.state_dict(), hf_model.config)
+    good = {"version": 3, "steps_taken": 3, "model": dict(expected), "optimizer": {}}
+    torch.save(good, tmp_path / "megatron_trainer.pt")
+    assert read_megatron_checkpoint(tmp_path, expected)["version"] == 3
+    with pytest.raises(FileNotFoundError, match="has no megatron_trainer.pt"):
+        read_megatron_checkpoint(tmp_path / "none", expected)
+    (tmp_path / "megatron_trainer.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_megatron_checkpoint(tmp_path, expected)
+    torch.save({k: v for k, v in good.items() if k != "optimizer"}, tmp_path / "megatron_trainer.pt")
+    with pytest.raises(ValueError, match="lacks \\['optimizer'\\]"):
+        read_megatron_checkpoint(tmp_path, expected)
+    other = dict(expected, **{"decoder.final_layernorm.weight": torch.ones(64)})
+    del other["output_layer.weight"]
+    torch.save(dict(good, model=other), tmp_path / "megatron_trainer.pt")
+    with pytest.raises(ValueError, match="another model's weights: missing \\['output_layer.weight'\\]; size mismatch"):
+        read_megatron_checkpoint(tmp_path, expected)

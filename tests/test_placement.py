@@ -110,3 +110,18 @@ def test_instances_can_share_a_gpu() -> None:
     assert missing_resources(plan, {"CPU": 2, "GPU": 1}) == []
     with pytest.raises(Exception, match="instances_per_gpu=2 .* needs rollout.gpus_per_instance=1"):
         load_config(overrides=["rollout.gpus_per_instance=2", "rollout.instances_per_gpu=2"])
+
+
+def test_fsdp_ranks_with_gpus_come_first_in_the_plan_and_the_smoke_run_fits_one_gpu() -> None:
+    import subprocess
+    from pathlib import Path
+
+    overrides = ["train.backend=fsdp", "train.world_size=2", "train.gpus=1", "rollout.gpus_per_instance=1"]
+    plan = plan_placement(load_config(overrides=overrides))
+    assert [(a.name, a.gpus) for a in plan.actors] == [("trainer-0", 1), ("trainer-1", 1), ("rollout-0", 1), ("rollout-1", 1)]
+    assert plan.total_gpus == 4
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["bash", "scripts/gpu-smoke.sh", "--plan"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip().endswith("total: 1 CPU, 1 GPU")
+    assert "trainer-0         trainer rank      1 CPU, 0.5 GPU" in out.stdout

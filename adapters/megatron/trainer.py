@@ -29,6 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from staleflow.adapters.megatron.convert import (  # noqa: F401 - re-exported: the trainer's public conversion API
+    build_gpt_model,
+    hf_to_megatron,
+    load_hf_into_megatron,
+    megatron_to_hf,
+    transformer_config_from_hf,
+)
 from staleflow.adapters.torch.algorithms import (
     Correction,
     PackedBatch,
@@ -37,154 +44,10 @@ from staleflow.adapters.torch.algorithms import (
     token_staleness,
 )
 from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
-from staleflow.adapters.torch.trainer import TrainerSettings
+from staleflow.adapters.torch.trainer import TrainerSettings, _check_weights_match, _read_checkpoint_file
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FILE = "megatron_trainer.pt"
-
-
-def transformer_config_from_hf(hf_config: Any, *, bf16: bool = False, use_cpu_initialization: bool = False) -> Any:
-    """A Megatron ``TransformerConfig`` equal to a Hugging Face Qwen2/Llama config."""
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"only SwiGLU (hidden_act=silu) models are supported, got {hf_config.hidden_act!r}")
-    return TransformerConfig(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_attention_heads=hf_config.num_attention_heads,
-        num_query_groups=hf_config.num_key_value_heads,
-        kv_channels=hf_config.hidden_size // hf_config.num_attention_heads,
-        normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=_has_qkv_bias(hf_config),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_cpu_initialization=use_cpu_initialization,
-    )
-
-
-def _has_qkv_bias(hf_config: Any) -> bool:
-    if hf_config.model_type == "qwen2":
-        return True
-    return bool(getattr(hf_config, "attention_bias", False))
-
-
-def _rope_theta(hf_config: Any) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
-    return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))
-
-
-def build_gpt_model(hf_config: Any, transformer_config: Any) -> Any:
-    """A Megatron ``GPTModel`` with the architecture of ``hf_config`` (local, Megatron-only layer spec).
-
-    Needs ``parallel_state.initialize_model_parallel`` to have run.
-    """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return GPTModel(
-        config=transformer_config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=hf_config.vocab_size,
-        max_sequence_length=hf_config.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(_rope_theta(hf_config)),
-        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        parallel_output=False,
-    )
-
-
-# ------------------------------------------------------------------------------ weight conversion
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
-    """Hugging Face Qwen2/Llama weights -> the local-spec GPTModel's state dict (TP = PP = 1).
-
-    Megatron keeps q, k and v in one ``linear_qkv`` whose rows are grouped by key/value head: for
-    each group, its query heads, then its key head, then its value head. ``linear_fc1`` holds the
-    gate projection then the up projection (SwiGLU applies the activation to the first half).
-    """
-    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    head_dim = hf_config.hidden_size // heads
-    per_group = heads // groups
-    out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
-    for i in range(hf_config.num_hidden_layers):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = src + "self_attn."
-        for kind in ("weight", "bias"):
-            if attn + f"q_proj.{kind}" not in hf:
-                continue
-            q = hf[attn + f"q_proj.{kind}"]
-            k = hf[attn + f"k_proj.{kind}"]
-            v = hf[attn + f"v_proj.{kind}"]
-            tail = q.shape[1:]
-            qkv = torch.cat(
-                [
-                    q.reshape(groups, per_group * head_dim, *tail),
-                    k.reshape(groups, head_dim, *tail),
-                    v.reshape(groups, head_dim, *tail),
-                ],
-                dim=1,
-            )
-            out[dst + f"self_attention.linear_qkv.{kind}"] = qkv.reshape(-1, *tail)
-        out[dst + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
-        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0)
-        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if "lm_head.weight" in hf and not getattr(hf_config, "tie_word_embeddings", False):
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    return out
-
-
-def megatron_to_hf(mg: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`hf_to_megatron` (``_extra_state`` entries are ignored)."""
-    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    head_dim = hf_config.hidden_size // heads
-    per_group = heads // groups
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"]}
-    for i in range(hf_config.num_hidden_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        attn = dst + "self_attn."
-        for kind in ("weight", "bias"):
-            key = src + f"self_attention.linear_qkv.{kind}"
-            if key not in mg:
-                continue
-            qkv = mg[key]
-            tail = qkv.shape[1:]
-            grouped = qkv.reshape(groups, (per_group + 2) * head_dim, *tail)
-            q, k, v = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], dim=1)
-            out[attn + f"q_proj.{kind}"] = q.reshape(-1, *tail)
-            out[attn + f"k_proj.{kind}"] = k.reshape(-1, *tail)
-            out[attn + f"v_proj.{kind}"] = v.reshape(-1, *tail)
-        out[attn + "o_proj.weight"] = mg[src + "self_attention.linear_proj.weight"]
-        out[dst + "input_layernorm.weight"] = mg[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = mg[src + "pre_mlp_layernorm.weight"]
-        gate, up = torch.chunk(mg[src + "mlp.linear_fc1.weight"], 2, dim=0)
-        out[dst + "mlp.gate_proj.weight"] = gate
-        out[dst + "mlp.up_proj.weight"] = up
-        out[dst + "mlp.down_proj.weight"] = mg[src + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
-    if "output_layer.weight" in mg:
-        out["lm_head.weight"] = mg["output_layer.weight"]
-    return out
-
-
-def load_hf_into_megatron(model: Any, hf: Mapping[str, torch.Tensor], hf_config: Any) -> None:
-    """Copy Hugging Face weights into a built GPTModel; every parameter must be covered."""
-    converted = hf_to_megatron(hf, hf_config)
-    missing, unexpected = model.load_state_dict(converted, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"weight conversion mismatch: missing {missing}, unexpected {list(unexpected)}")
 
 
 def causal_mask(length: int, device: torch.device) -> torch.Tensor:
@@ -307,12 +170,12 @@ class MegatronTrainer(BackgroundStepTrainer):
         return target
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
-        source = Path(folder) / CHECKPOINT_FILE
-        if not source.is_file():
-            raise FileNotFoundError(f"checkpoint {folder} has no {CHECKPOINT_FILE}")
+        """Restore what :meth:`save_checkpoint` wrote; every key and shape is checked before the model is touched."""
+        if self._running is not None:
+            raise RuntimeError("cannot restore while a training step is running")
+        state = read_megatron_checkpoint(folder, self._model.module.state_dict(), map_location="cuda")
         with self._lock:
-            state = torch.load(source, map_location="cuda", weights_only=False)
-            self._model.module.load_state_dict(state["model"], strict=False)
+            self._model.module.load_state_dict(state["model"], strict=False)  # strict on every tensor: checked above
             self._optimizer.load_state_dict(state["optimizer"])
             self._version = int(state["version"])
             self._steps_taken = int(state["steps_taken"])
@@ -401,6 +264,23 @@ class MegatronTrainer(BackgroundStepTrainer):
         state = {k: v for k, v in self._model.module.state_dict().items() if not k.endswith("_extra_state")}
         state = {k.removeprefix("module."): v for k, v in state.items()}  # Float16Module wraps the model
         return {k: v.detach().float().cpu().clone() for k, v in megatron_to_hf(state, self._hf_config).items()}
+
+
+def read_megatron_checkpoint(folder: str | os.PathLike[str], expected: Mapping[str, Any], map_location: str = "cpu") -> dict[str, Any]:
+    """The Megatron trainer's checkpoint in ``folder``, refused (naming the file and the tensors) if it is
+    missing, unreadable, lacks a part, or holds weights of another model than ``expected`` (a state dict)."""
+    source = Path(folder) / CHECKPOINT_FILE
+    if not source.is_file():
+        raise FileNotFoundError(f"checkpoint {folder} has no {CHECKPOINT_FILE}")
+    state = _read_checkpoint_file(source, lambda path: torch.load(path, map_location=map_location, weights_only=False))
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint file {source} holds a {type(state).__name__}, not a Megatron trainer state")
+    missing = [k for k in ("version", "steps_taken", "model", "optimizer") if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint file {source} lacks {missing}")
+    weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+    _check_weights_match(weights, {k: v for k, v in expected.items() if not k.endswith("_extra_state")}, source)
+    return state
 
 
 def _on(part: PackedBatch, device: torch.device) -> PackedBatch:

@@ -122,6 +122,12 @@ class RayPlacement:
         self._bundles = {actor.name: index for index, actor in enumerate(plan.actors)}
         self._plan = {actor.name: actor for actor in plan.actors}
 
+    @property
+    def placement_group(self) -> Any:
+        """The placement group :meth:`reserve` made (None before), for launchers that place their
+        own actors in its bundles (the FSDP trainer's ranks: bundles ``0 .. world_size - 1``)."""
+        return self._group
+
     def place_reserved(
         self, name: str, factory: Callable[..., Any], *args: Any, env: Mapping[str, str] | None = None, **kwargs: Any
     ) -> ActorProxy:

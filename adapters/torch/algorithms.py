@@ -186,6 +186,96 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
+def policy_terms(
+    logprobs: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    settings: LossSettings,
+    proximal_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss *summed* over the counted tokens, and the sums its diagnostics are made of.
+
+    Every argument is per token and of one shape (``advantages`` broadcast to it), so the same
+    formula serves padded ``[rows, length - 1]`` batches and packed 1-D micro-batches. The caller
+    divides the loss sum by the ``keep`` count of the whole minibatch (which may span micro-batches
+    and ranks): :func:`policy_loss` for one tensor, :func:`metrics_from_sums` for the diagnostics.
+    Sums (no grad): ``keep`` (counted tokens), ``tokens`` (response tokens), ``clipped``,
+    ``weight_sum``, ``weight_max``, ``kl_sum`` (``log mu - log pi``), ``rejected`` (decoupled:
+    tokens masked by the cap), ``truncated`` (tis: tokens whose weight was truncated).
+    """
+    if logprobs.shape != mask.shape:
+        raise ValueError(f"logprobs shape {tuple(logprobs.shape)} != mask shape {tuple(mask.shape)}")
+    adv = advantages.to(logprobs.dtype)
+    eps = settings.clip_eps
+    if settings.correction is Correction.NONE:
+        anchor = behaviour
+        weight = torch.ones_like(mask)
+        keep = mask
+    else:
+        if proximal_logprobs is None:
+            raise ValueError(f"correction {settings.correction.value!r} needs the proximal log-probs")
+        anchor = proximal_logprobs.detach()
+        weight = torch.exp(anchor - behaviour) * mask
+        if settings.correction is Correction.DECOUPLED_PPO:
+            keep = mask * (weight <= settings.weight_cap).to(mask.dtype)
+        else:
+            keep = mask
+            weight = torch.clamp(weight, max=settings.weight_cap)
+
+    ratio = torch.exp(logprobs - anchor)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - eps, 1.0 + eps)
+    per_token = torch.maximum(unclipped, clipped) * weight.detach()
+    loss_sum = (per_token * keep).sum()
+
+    with torch.no_grad():
+        on_mask = mask.bool()
+        raw_weight = torch.exp(anchor - behaviour)[on_mask]
+        zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+        sums = {
+            "loss_sum": loss_sum.detach().float(),
+            "keep": keep.sum().float(),
+            "tokens": mask.sum().float(),
+            "clipped": (((ratio < 1.0 - eps) | (ratio > 1.0 + eps)).to(mask.dtype) * keep).sum().float(),
+            "weight_sum": raw_weight.sum().float() if raw_weight.numel() else zero,
+            "weight_max": raw_weight.max().float() if raw_weight.numel() else zero,
+            "kl_sum": ((behaviour - logprobs) * mask).sum().float(),
+            "rejected": (mask.sum() - keep.sum()).float(),
+            "truncated": (raw_weight > settings.weight_cap).sum().float(),
+        }
+    return loss_sum, sums
+
+
+def metrics_from_sums(sums: dict[str, float], settings: LossSettings) -> dict[str, float]:
+    """:func:`policy_loss`'s metrics from the (added-up) sums of :func:`policy_terms`."""
+    count = max(sums["keep"], 1.0)
+    tokens = max(sums["tokens"], 1.0)
+    metrics = {
+        "loss": sums["loss_sum"] / count,
+        "clip_fraction": sums["clipped"] / count,
+        "behaviour_weight_mean": sums["weight_sum"] / sums["tokens"] if sums["tokens"] else 1.0,
+        "behaviour_weight_max": sums["weight_max"] if sums["tokens"] else 1.0,
+        "behaviour_kl": sums["kl_sum"] / tokens,
+        "tokens": sums["tokens"],
+    }
+    if settings.correction is Correction.DECOUPLED_PPO:
+        metrics["rejected_fraction"] = sums["rejected"] / tokens
+    elif settings.correction is Correction.TIS:
+        metrics["truncated_fraction"] = sums["truncated"] / tokens
+    return metrics
+
+
+def add_sums(total: dict[str, float], sums: dict[str, torch.Tensor] | dict[str, float]) -> None:
+    """Add one micro-batch's :func:`policy_terms` sums into ``total`` (``weight_max`` by max)."""
+    for key, value in sums.items():
+        number = float(value)
+        if key == "weight_max":
+            total[key] = max(total.get(key, 0.0), number)
+        else:
+            total[key] = total.get(key, 0.0) + number
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     packed: PackedBatch,
@@ -207,52 +297,12 @@ def policy_loss(
     ``log mu - log pi``, a k1 estimate of the behaviour/trainer gap), and ``tokens``.
     """
     mask = packed.loss_mask
-    if logprobs.shape != mask.shape:
-        raise ValueError(f"logprobs shape {tuple(logprobs.shape)} != mask shape {tuple(mask.shape)}")
-    behaviour = packed.behaviour_logprobs
-    adv = packed.advantages.unsqueeze(-1).to(logprobs.dtype)
-    eps = settings.clip_eps
-
-    if settings.correction is Correction.NONE:
-        anchor = behaviour
-        weight = torch.ones_like(mask)
-        keep = mask
-    else:
-        if proximal_logprobs is None:
-            raise ValueError(f"correction {settings.correction.value!r} needs the proximal log-probs")
-        anchor = proximal_logprobs.detach()
-        weight = torch.exp(anchor - behaviour) * mask
-        if settings.correction is Correction.DECOUPLED_PPO:
-            keep = mask * (weight <= settings.weight_cap).to(mask.dtype)
-        else:
-            keep = mask
-            weight = torch.clamp(weight, max=settings.weight_cap)
-
-    ratio = torch.exp(logprobs - anchor)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - eps, 1.0 + eps)
-    per_token = torch.maximum(unclipped, clipped) * weight.detach()
-    count = keep.sum().clamp(min=1.0)
-    loss = (per_token * keep).sum() / count
-
-    with torch.no_grad():
-        n_tokens = mask.sum().clamp(min=1.0)
-        is_clipped = ((ratio < 1.0 - eps) | (ratio > 1.0 + eps)).to(mask.dtype) * keep
-        on_mask = mask.bool()
-        raw_weight = torch.exp(anchor - behaviour)[on_mask]
-        metrics = {
-            "loss": float(loss.item()),
-            "clip_fraction": float((is_clipped.sum() / count).item()),
-            "behaviour_weight_mean": float(raw_weight.mean().item()) if raw_weight.numel() else 1.0,
-            "behaviour_weight_max": float(raw_weight.max().item()) if raw_weight.numel() else 1.0,
-            "behaviour_kl": float(((behaviour - logprobs) * mask).sum().item() / n_tokens.item()),
-            "tokens": float(mask.sum().item()),
-        }
-        if settings.correction is Correction.DECOUPLED_PPO:
-            metrics["rejected_fraction"] = float(1.0 - keep.sum().item() / n_tokens.item())
-        elif settings.correction is Correction.TIS:
-            metrics["truncated_fraction"] = float(((raw_weight > settings.weight_cap).float().mean()).item())
-    return loss, metrics
+    adv = packed.advantages.unsqueeze(-1).expand_as(mask) if packed.advantages.dim() == 1 else packed.advantages
+    loss_sum, sums = policy_terms(logprobs, packed.behaviour_logprobs, mask, adv, settings, proximal_logprobs)
+    loss = loss_sum / sums["keep"].clamp(min=1.0)
+    totals: dict[str, float] = {}
+    add_sums(totals, sums)
+    return loss, metrics_from_sums(totals, settings)
 
 
 def token_staleness(packed: PackedBatch, trainer_version: int) -> torch.Tensor:

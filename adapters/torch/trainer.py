@@ -16,8 +16,7 @@ step *are* the proximal policy's: no extra forward pass is needed unless ``minib
 
 from __future__ import annotations
 
-import itertools
-import math
+import contextlib
 import os
 import random
 import time
@@ -27,20 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from staleflow.adapters.torch.algorithms import (
-    Correction,
-    LossSettings,
-    PackedBatch,
-    pack_batch,
-    policy_loss,
-    token_logprobs,
-    token_staleness,
-)
+from staleflow.adapters.torch.algorithms import Correction, LossSettings
+from staleflow.adapters.torch.hf_folder import check_model_folder
+from staleflow.adapters.torch.packed_step import batch_metrics, split_groups, train_minibatches
+from staleflow.adapters.torch.packing import LogProbModel, batch_sequences, enable_activation_checkpointing
 from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_MODEL = "model.safetensors"
 CHECKPOINT_STATE = "trainer_state.pt"
+CHECKPOINT_FORMAT = "staleflow-torch/1"
 
 
 @dataclass(frozen=True)
@@ -56,6 +51,10 @@ class TrainerSettings:
     loss: LossSettings = field(default_factory=LossSettings)
     scale_advantages: bool = True
     temperature: float = 1.0
+    micro_batch_tokens: int = 8192
+    logprob_chunk: int = 1024
+    activation_checkpointing: bool = False
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: the compute dtype
 
     @classmethod
     def from_config(cls, job: Any) -> TrainerSettings:
@@ -71,14 +70,26 @@ class TrainerSettings:
             loss=LossSettings(correction=Correction(t.correction), clip_eps=t.clip_eps, weight_cap=t.weight_cap),
             scale_advantages=t.scale_advantages,
             temperature=job.rollout.temperature,
+            micro_batch_tokens=t.micro_batch_tokens,
+            logprob_chunk=t.logprob_chunk,
+            activation_checkpointing=t.activation_checkpointing,
+            dtype=t.dtype,
         )
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of forward and backward: ``auto`` is bf16 on a GPU and fp32 elsewhere."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
 
 
 def load_causal_lm(path: str | os.PathLike[str]) -> Any:
-    """A local Hugging Face causal LM in float32 (never the hub: a missing folder is an error)."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {folder} has no config.json (refusing to reach for the hub)")
+    """A local Hugging Face causal LM in float32 (never the hub: a missing folder is an error).
+
+    Single-file or sharded safetensors (``model.safetensors.index.json``), tied embeddings or not;
+    the folder is checked first (:func:`~staleflow.adapters.torch.hf_folder.check_model_folder`).
+    """
+    folder = check_model_folder(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
@@ -117,6 +128,10 @@ class TorchTrainer(BackgroundStepTrainer):
         self._device = torch.device(device)
         self._model = load_causal_lm(model_path).to(self._device)
         self._model.eval()  # no dropout: see the module docstring
+        self._dtype = settings.compute_dtype(self._device)
+        if settings.activation_checkpointing:
+            enable_activation_checkpointing(self._model)
+        self._logprob_model = LogProbModel(self._model, chunk=settings.logprob_chunk, temperature=settings.temperature)
         self._optimizer = torch.optim.AdamW(
             self._model.parameters(),
             lr=settings.lr,
@@ -139,6 +154,7 @@ class TorchTrainer(BackgroundStepTrainer):
             save_file({k: v.contiguous() for k, v in self._published.items()}, str(target / CHECKPOINT_MODEL))
             torch.save(
                 {
+                    "format": CHECKPOINT_FORMAT,
                     "version": self._version,
                     "optimizer": self._optimizer.state_dict(),
                     "scheduler": self._scheduler.state_dict(),
@@ -163,6 +179,12 @@ class TorchTrainer(BackgroundStepTrainer):
         weights = _read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
         state = _read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
         _check_weights_match(weights, self._model.state_dict(), source / CHECKPOINT_MODEL)
+        if not isinstance(state, dict) or state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"checkpoint file {source / CHECKPOINT_STATE} is not a torch trainer state ({CHECKPOINT_FORMAT}): {found}")
+        missing = [k for k in ("version", "optimizer", "scheduler", "torch_rng", "python_rng") if k not in state]
+        if missing:
+            raise ValueError(f"checkpoint file {source / CHECKPOINT_STATE} lacks {missing}")
         with self._lock:
             self._model.load_state_dict(weights, strict=True)
             self._optimizer.load_state_dict(state["optimizer"])
@@ -187,61 +209,34 @@ class TorchTrainer(BackgroundStepTrainer):
     def _step(self, batch: TrainingBatch) -> TrainResult:
         started = time.perf_counter()
         settings = self._settings
-        packed = pack_batch(batch, pad_id=self._pad_id, scale_advantages=settings.scale_advantages)
-        group_sizes = [len(group) for group in batch.groups.values()]
-        chunks = _minibatch_rows(group_sizes, settings.minibatches)
+        groups = batch_sequences(batch, scale_advantages=settings.scale_advantages)
+        minibatches = split_groups(groups, settings.minibatches)
         with self._lock:
-            before = [p.detach().clone() for p in self._model.parameters()]
-            proximal = None
-            if settings.minibatches > 1 and settings.loss.correction is not Correction.NONE:
-                with torch.no_grad():
-                    proximal = [self._logprobs(packed.rows(rows)) for rows in chunks]
-            sums: dict[str, float] = {}
-            grad_norms = []
-            for index, rows in enumerate(chunks):
-                part = packed.rows(rows)
-                logp = self._logprobs(part)
-                prox = proximal[index] if proximal is not None else logp.detach()
-                loss, metrics = policy_loss(logp, part, settings.loss, prox)
-                self._optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), settings.grad_clip)))
-                self._optimizer.step()
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value
+            metrics = train_minibatches(
+                self._logprob_model,
+                self._optimizer,
+                list(self._model.parameters()),
+                minibatches,
+                loss=settings.loss,
+                grad_clip=settings.grad_clip,
+                max_tokens=settings.micro_batch_tokens,
+                device=self._device,
+                autocast=self._autocast,
+            )
             lr = self._scheduler.get_last_lr()[0]
             self._scheduler.step()
-            update = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(self._model.parameters(), before)))
             new_version = self._version + 1
             self._published = self._copy_weights()
             self._version = new_version
         seconds = time.perf_counter() - started
-        metrics = {key: value / len(chunks) for key, value in sums.items() if key != "tokens"}
-        staleness = token_staleness(packed, batch.version).float()
-        lengths = packed.loss_mask.sum(dim=1)
-        metrics.update(
-            {
-                "tokens": float(packed.response_tokens),
-                "grad_norm": max(grad_norms),
-                "update_norm": update,
-                "lr": lr,
-                "reward_mean": float(packed.rewards.mean()),
-                "response_len_mean": float(lengths.mean()),
-                "response_len_max": float(lengths.max()),
-                "token_staleness_mean": float(staleness.mean()),
-                "token_staleness_max": float(staleness.max()),
-                "train_s": seconds,
-                "train_tokens_per_s": packed.response_tokens / seconds if seconds > 0 else 0.0,
-            }
-        )
+        metrics.update(batch_metrics(groups, batch.version))
+        metrics.update({"lr": lr, "train_s": seconds, "train_tokens_per_s": metrics["tokens"] / seconds if seconds > 0 else 0.0})
         return TrainResult(version=new_version, metrics=metrics)
 
-    def _logprobs(self, part: PackedBatch) -> torch.Tensor:
-        input_ids = part.input_ids.to(self._device)
-        logits = self._model(input_ids=input_ids, attention_mask=part.attention_mask.to(self._device)).logits
-        if self._settings.temperature != 1.0:
-            logits = logits / self._settings.temperature
-        return token_logprobs(logits, input_ids).cpu()
+    def _autocast(self) -> Any:
+        if self._dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self._device.type, dtype=self._dtype)
 
     def _copy_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self._model.state_dict().items()}
@@ -275,26 +270,6 @@ def _check_weights_match(weights: dict[str, torch.Tensor], expected: dict[str, A
             if part
         )
         raise ValueError(f"checkpoint file {path} holds another model's weights: {details}")
-
-
-def _minibatch_rows(group_sizes: Sequence[int], minibatches: int) -> list[slice]:
-    """Row slices of ``minibatches`` runs of whole groups (as even as the group count allows)."""
-    if minibatches > len(group_sizes):
-        raise ValueError(f"{minibatches} minibatches but only {len(group_sizes)} groups in the batch")
-    bounds = [0]
-    for sizes in _split(list(group_sizes), minibatches):
-        bounds.append(bounds[-1] + sum(sizes))
-    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
-
-
-def _split(items: list[int], parts: int) -> list[list[int]]:
-    base, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append(items[start : start + size])
-        start += size
-    return out
 
 
 def _greedy(

@@ -1,0 +1,198 @@
+"""Hugging Face <-> Megatron-core: the ``TransformerConfig``, the ``GPTModel`` and the weights.
+
+Qwen2 (qkv bias), Qwen3 (``q_norm``/``k_norm`` as ``q_layernorm``/``k_layernorm``, an explicit
+``head_dim``) and Llama-style models, tensor and pipeline parallel size 1. Each direction refuses a
+tensor it has no rule for, so a weight is never silently dropped (``tests/test_megatron_trainer.py``
+checks that every weight of a Qwen2 and a Qwen3 model maps both ways).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def transformer_config_from_hf(hf_config: Any, *, bf16: bool = False, use_cpu_initialization: bool = False) -> Any:
+    """A Megatron ``TransformerConfig`` equal to a Hugging Face Qwen2/Qwen3/Llama config."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"only SwiGLU (hidden_act=silu) models are supported, got {hf_config.hidden_act!r}")
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=_head_dim(hf_config),
+        qk_layernorm=_qk_norm(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_has_qkv_bias(hf_config),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=use_cpu_initialization,
+    )
+
+
+def _head_dim(hf_config: Any) -> int:
+    """Qwen3 states ``head_dim`` (it may differ from hidden / heads); older configs imply it."""
+    return int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def _qk_norm(hf_config: Any) -> bool:
+    """Qwen3 normalises each query and key head (``q_norm``/``k_norm``, RMSNorm over ``head_dim``)."""
+    return str(getattr(hf_config, "model_type", "")) == "qwen3"
+
+
+def _has_qkv_bias(hf_config: Any) -> bool:
+    if hf_config.model_type == "qwen2":
+        return True
+    return bool(getattr(hf_config, "attention_bias", False))
+
+
+def _rope_theta(hf_config: Any) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
+    return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))
+
+
+def build_gpt_model(hf_config: Any, transformer_config: Any) -> Any:
+    """A Megatron ``GPTModel`` with the architecture of ``hf_config`` (local, Megatron-only layer spec).
+
+    Needs ``parallel_state.initialize_model_parallel`` to have run.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=transformer_config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=_qk_norm(hf_config)),
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(_rope_theta(hf_config)),
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        parallel_output=False,
+    )
+
+
+# ------------------------------------------------------------------------------ weight conversion
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """Hugging Face Qwen2/Qwen3/Llama weights -> the local-spec GPTModel's state dict (TP = PP = 1).
+
+    Megatron keeps q, k and v in one ``linear_qkv`` whose rows are grouped by key/value head: for
+    each group, its query heads, then its key head, then its value head. ``linear_fc1`` holds the
+    gate projection then the up projection (SwiGLU applies the activation to the first half).
+    Qwen3's ``q_norm``/``k_norm`` become ``q_layernorm``/``k_layernorm``. A Hugging Face tensor that
+    no rule maps is an error (never silently dropped); a tied ``lm_head.weight`` is the embedding.
+    """
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = _head_dim(hf_config)
+    per_group = heads // groups
+    hf = _Reads(hf)
+    out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
+    for i in range(hf_config.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = src + "self_attn."
+        for kind in ("weight", "bias"):
+            if attn + f"q_proj.{kind}" not in hf:
+                continue
+            q = hf[attn + f"q_proj.{kind}"]
+            k = hf[attn + f"k_proj.{kind}"]
+            v = hf[attn + f"v_proj.{kind}"]
+            tail = q.shape[1:]
+            qkv = torch.cat(
+                [
+                    q.reshape(groups, per_group * head_dim, *tail),
+                    k.reshape(groups, head_dim, *tail),
+                    v.reshape(groups, head_dim, *tail),
+                ],
+                dim=1,
+            )
+            out[dst + f"self_attention.linear_qkv.{kind}"] = qkv.reshape(-1, *tail)
+        out[dst + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
+        for norm, layernorm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+            if attn + f"{norm}.weight" in hf:
+                out[dst + f"self_attention.{layernorm}.weight"] = hf[attn + f"{norm}.weight"]
+        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
+        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0)
+        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if "lm_head.weight" in hf and not getattr(hf_config, "tie_word_embeddings", False):
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    hf.check_all_read("Hugging Face", ignore=("lm_head.weight",))
+    return out
+
+
+class _Reads(dict):  # type: ignore[type-arg]
+    """A state dict that records which tensors a conversion read, to refuse the ones it dropped."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(source)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.read.add(key)
+        return dict.__getitem__(self, key)  # type: ignore[no-any-return]
+
+    def check_all_read(self, kind: str, ignore: tuple[str, ...] = ()) -> None:
+        dropped = sorted(k for k in set(self) - self.read if k not in ignore and not k.endswith("_extra_state"))
+        if dropped:
+            raise ValueError(f"the weight conversion has no rule for these {kind} tensors: {dropped[:5]}")
+
+
+def megatron_to_hf(mg: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`hf_to_megatron` (``_extra_state`` entries are ignored)."""
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = _head_dim(hf_config)
+    per_group = heads // groups
+    mg = _Reads(mg)
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"]}
+    for i in range(hf_config.num_hidden_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = dst + "self_attn."
+        for kind in ("weight", "bias"):
+            key = src + f"self_attention.linear_qkv.{kind}"
+            if key not in mg:
+                continue
+            qkv = mg[key]
+            tail = qkv.shape[1:]
+            grouped = qkv.reshape(groups, (per_group + 2) * head_dim, *tail)
+            q, k, v = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], dim=1)
+            out[attn + f"q_proj.{kind}"] = q.reshape(-1, *tail)
+            out[attn + f"k_proj.{kind}"] = k.reshape(-1, *tail)
+            out[attn + f"v_proj.{kind}"] = v.reshape(-1, *tail)
+        out[attn + "o_proj.weight"] = mg[src + "self_attention.linear_proj.weight"]
+        for norm, layernorm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+            if src + f"self_attention.{layernorm}.weight" in mg:
+                out[attn + f"{norm}.weight"] = mg[src + f"self_attention.{layernorm}.weight"]
+        out[dst + "input_layernorm.weight"] = mg[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = mg[src + "pre_mlp_layernorm.weight"]
+        gate, up = torch.chunk(mg[src + "mlp.linear_fc1.weight"], 2, dim=0)
+        out[dst + "mlp.gate_proj.weight"] = gate
+        out[dst + "mlp.up_proj.weight"] = up
+        out[dst + "mlp.down_proj.weight"] = mg[src + "mlp.linear_fc2.weight"]
+    out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in mg:
+        out["lm_head.weight"] = mg["output_layer.weight"]
+    mg.check_all_read("Megatron")
+    return out
+
+
+def load_hf_into_megatron(model: Any, hf: Mapping[str, torch.Tensor], hf_config: Any) -> None:
+    """Copy Hugging Face weights into a built GPTModel; every parameter must be covered."""
+    converted = hf_to_megatron(hf, hf_config)
+    missing, unexpected = model.load_state_dict(converted, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"weight conversion mismatch: missing {missing}, unexpected {list(unexpected)}")

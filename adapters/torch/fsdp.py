@@ -1,0 +1,268 @@
+"""The :class:`~staleflow.runtime.interfaces.Trainer` seam on FSDP2: ``train.world_size`` ranks.
+
+Each rank (:class:`FSDPRank`, a process of its own: spawned, or a Ray actor with one GPU) loads the
+Hugging Face model, shards it with ``torch.distributed.fsdp.fully_shard`` (each decoder layer, then
+the whole :class:`~staleflow.adapters.torch.packing.LogProbModel`), and runs the same RL step as
+the one-process torch trainer (:func:`~staleflow.adapters.torch.packed_step.train_minibatches`):
+packed token-budget micro-batches, chunked log-probs, gradient accumulation, the per-token average
+taken over the whole minibatch on all ranks. Mixed precision on GPU: parameters computed in bf16
+(``MixedPrecisionPolicy``), gradients reduced and weights kept in fp32; fp32 on CPU (gloo).
+
+The driver side (:class:`FSDPTrainer`) checks and lays out each batch, spreads every minibatch's
+sequences over the ranks with balanced token counts, runs the step on all ranks, and gathers the
+full weights (rank 0, on CPU) as the published version. Checkpoints hold the full weights
+(``model.safetensors``) and the full optimiser state keyed by parameter name, so a checkpoint does
+not depend on the world size; a load checks every file and key before any rank is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from staleflow.adapters.torch.hf_folder import check_model_folder
+from staleflow.adapters.torch.packed_step import DistributedReducer, batch_metrics, split_groups, train_minibatches
+from staleflow.adapters.torch.packing import LogProbModel, batch_sequences, enable_activation_checkpointing, split_across_ranks
+from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
+from staleflow.adapters.torch.trainer import (
+    CHECKPOINT_MODEL,
+    CHECKPOINT_STATE,
+    TrainerSettings,
+    _check_weights_match,
+    _greedy,
+    _read_checkpoint_file,
+    load_causal_lm,
+)
+from staleflow.adapters.torch.worker_group import ProcessWorkers, RayWorkers
+from staleflow.runtime.types import TrainingBatch, TrainResult
+
+CHECKPOINT_FORMAT = "staleflow-fsdp/1"
+_PREFIX = "causal_lm."  # the LogProbModel's name for the Hugging Face model
+
+
+class FSDPRank:
+    """One rank of the FSDP trainer (lives in its own process)."""
+
+    def address(self) -> str:
+        """A ``tcp://`` rendezvous address on this rank's node (asked of rank 0)."""
+        host = "127.0.0.1"
+        ray = sys.modules.get("ray")  # inside a Ray actor: this node's address, reachable from the others
+        if ray is not None and ray.is_initialized():
+            host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"tcp://{host}:{s.getsockname()[1]}"
+
+    def setup(self, rank: int, world_size: int, address: str, model_path: str, settings: TrainerSettings,
+              seed: int, device: str, threads: int) -> dict[str, Any]:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        torch.set_num_threads(threads)
+        if device == "cuda":
+            index = rank % torch.cuda.device_count()  # one visible GPU per Ray actor, or all of them
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
+        else:
+            self.device = torch.device("cpu")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+        self.rank, self.settings = rank, settings
+        torch.manual_seed(seed)
+        model = load_causal_lm(model_path).to(self.device)
+        model.eval()  # no dropout (as the torch trainer)
+        if settings.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        dtype = settings.compute_dtype(self.device)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else MixedPrecisionPolicy()
+        self.model = LogProbModel(model, chunk=settings.logprob_chunk, temperature=settings.temperature)
+        for layer in model.get_decoder().layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(self.model, mp_policy=policy)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+        )
+        warmup = settings.lr_warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.reducer = DistributedReducer(self.device)
+        return {"shapes": shapes, "params": [name for name, _ in self.model.named_parameters()]}
+
+    def step(self, minibatches: list[list[Any]]) -> dict[str, float] | None:
+        s = self.settings
+        metrics = train_minibatches(
+            self.model, self.optimizer, list(self.model.parameters()), minibatches, loss=s.loss, grad_clip=s.grad_clip,
+            max_tokens=s.micro_batch_tokens, device=self.device, reducer=self.reducer,
+        )
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return metrics if self.rank == 0 else None
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full (unsharded) weights on CPU at rank 0 (a collective: every rank calls it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k.removeprefix(_PREFIX): v for k, v in state.items()} if self.rank == 0 else None
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"optimizer": state, "scheduler": self.scheduler.state_dict()} if self.rank == 0 else None
+
+    def load(self, weights: dict[str, torch.Tensor] | None, state: dict[str, Any]) -> None:
+        """Rank 0 passes the full weights and optimiser state; they are broadcast to the others."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        full = {_PREFIX + k: v for k, v in weights.items()} if weights is not None else {}
+        set_model_state_dict(self.model, full, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"] if self.rank == 0 else {}, options=options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class FSDPTrainer(BackgroundStepTrainer):
+    """GRPO training on ``world_size`` FSDP2 ranks (see the module docstring).
+
+    Same constructor arguments and extras (``save_checkpoint``, ``load_checkpoint``,
+    ``generate_greedy``) as :class:`~staleflow.adapters.torch.trainer.TorchTrainer`, plus
+    ``world_size``, ``device`` (``cpu``: gloo; ``cuda``: NCCL, one GPU per rank) and ``launcher``
+    (``process``: spawned processes; ``ray``: Ray actors, ``gpus_per_rank`` GPUs each on CUDA, in
+    bundles ``0 .. world_size - 1`` of ``placement_group`` when one is given).
+    """
+
+    def __init__(self, model_path: str | os.PathLike[str], *, settings: TrainerSettings | None = None, pad_id: int = 0,
+                 version: int = 0, world_size: int = 2, device: str = "cpu", seed: int = 0, threads: int = 1,
+                 launcher: str = "process", gpus_per_rank: float = 1.0, placement_group: Any = None) -> None:
+        self._model_path = check_model_folder(model_path)
+        settings = settings if settings is not None else TrainerSettings()
+        self._settings, self._pad_id, self._world = settings, pad_id, world_size
+        if launcher == "ray":
+            gpus, cpus = (gpus_per_rank, 1) if device == "cuda" else (0, 0)
+            self._workers: Any = RayWorkers(FSDPRank, world_size, num_gpus=gpus, num_cpus=cpus, placement_group=placement_group)
+        elif launcher == "process":
+            self._workers = ProcessWorkers(FSDPRank, world_size)
+        else:
+            raise ValueError(f"launcher must be 'process' or 'ray', got {launcher!r}")
+        try:
+            address = self._workers.call_all("address")[0]
+            args = (world_size, address, str(self._model_path), settings, seed, device, threads)
+            info = self._workers.call_all("setup", [(rank, *args) for rank in range(world_size)])[0]
+            self._shapes: dict[str, tuple[int, ...]] = info["shapes"]
+            self._params: list[str] = info["params"]
+            published = self._gather()
+        except BaseException:
+            self._workers.close()
+            raise
+        self._eval_model: Any = None
+        self._start_background(version, published, "fsdp-trainer")
+
+    def _gather(self) -> dict[str, torch.Tensor]:
+        return self._workers.call_all("full_weights")[0]  # type: ignore[no-any-return]
+
+    # ----------------------------------------------------------------------------------- the step
+    def _step(self, batch: TrainingBatch) -> TrainResult:
+        started = time.perf_counter()
+        groups = batch_sequences(batch, scale_advantages=self._settings.scale_advantages)
+        minibatches = split_groups(groups, self._settings.minibatches)
+        shares: list[list[list[Any]]] = [[[] for _ in minibatches] for _ in range(self._world)]
+        for m, mini in enumerate(minibatches):
+            for rank, indices in enumerate(split_across_ranks([len(s) for s in mini], self._world)):
+                shares[rank][m] = [mini[i] for i in indices]
+        with self._lock:
+            metrics = self._workers.call_all("step", [(share,) for share in shares])[0]
+            gathered = time.perf_counter()
+            self._published = self._gather()
+            self._version += 1
+        seconds = time.perf_counter() - started
+        metrics.update(batch_metrics(groups, batch.version))
+        metrics.update({"train_s": seconds, "gather_s": time.perf_counter() - gathered,
+                        "train_tokens_per_s": metrics["tokens"] / seconds if seconds > 0 else 0.0})
+        return TrainResult(version=self._version, metrics=metrics)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, folder: str | os.PathLike[str]) -> Path:
+        """Full weights, full optimiser state (by parameter name), schedule, version, RNG."""
+        from safetensors.torch import save_file
+
+        target = self._checkpoint_folder(folder)
+        with self._lock:
+            state = self._workers.call_all("optimizer_state")[0]
+            save_file({k: v.contiguous() for k, v in self._published.items()}, str(target / CHECKPOINT_MODEL))
+            torch.save({"format": CHECKPOINT_FORMAT, "version": self._version, "torch_rng": torch.get_rng_state(),
+                        "python_rng": random.getstate(), **state}, target / CHECKPOINT_STATE)
+        return target
+
+    def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
+        """Restore what :meth:`save_checkpoint` wrote (any world size); returns the restored version."""
+        from safetensors.torch import load_file
+
+        if self._running is not None:
+            raise RuntimeError("cannot restore while a training step is running")
+        source = Path(folder)
+        for name in (CHECKPOINT_MODEL, CHECKPOINT_STATE):
+            if not (source / name).is_file():
+                raise FileNotFoundError(f"checkpoint {source} has no {name}")
+        weights = _read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
+        state = _read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
+        expected = {name: torch.empty(shape, device="meta") for name, shape in self._shapes.items()}
+        _check_weights_match(weights, expected, source / CHECKPOINT_MODEL)
+        _check_state(state, self._params, source / CHECKPOINT_STATE)
+        with self._lock:
+            self._workers.call_all("load", [(weights if rank == 0 else None, state) for rank in range(self._world)])
+            random.setstate(state["python_rng"])
+            self._version = int(state["version"])
+            self._published = self._gather()
+        return self._version
+
+    # --------------------------------------------------------------------------------- evaluation
+    def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int = 64) -> list[list[int]]:
+        """Greedy responses of the published weights, on a CPU copy of the model in this process."""
+        outputs: list[list[int]] = []
+        with self._lock, torch.no_grad():
+            if self._eval_model is None:
+                self._eval_model = load_causal_lm(self._model_path).eval()
+            self._eval_model.load_state_dict(self._published)
+            for start in range(0, len(prompts), batch_size):
+                chunk = prompts[start : start + batch_size]
+                outputs.extend(_greedy(self._eval_model, chunk, max_new_tokens, eos_id, self._pad_id, torch.device("cpu")))
+        return outputs
+
+    def close(self) -> None:
+        super().close()
+        try:
+            self._workers.call_all("close")
+        except Exception:  # noqa: S110 - a broken group is stopped already
+            pass
+        self._workers.close()
+
+
+def _check_state(state: Any, params: list[str], path: Path) -> None:
+    """Refuse a trainer state that is not this trainer's (format, keys, parameter names)."""
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        found = state.get("format", "a torch-trainer state") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"checkpoint file {path} is not an FSDP trainer state ({CHECKPOINT_FORMAT}); found {found}")
+    missing = [k for k in ("version", "optimizer", "scheduler", "torch_rng", "python_rng") if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint file {path} lacks {missing}")
+    names = set(state["optimizer"].get("state", {}))
+    unknown = sorted(names - set(params))
+    if unknown:
+        raise ValueError(f"checkpoint file {path} holds optimiser state of parameters this model lacks: {unknown[:3]}")

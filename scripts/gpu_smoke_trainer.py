@@ -1,0 +1,151 @@
+"""Trainer part of the GPU smoke check (issue 9, item 8): run by ``scripts/gpu-smoke.sh``.
+
+Builds a ~100M-parameter Qwen2-shaped model locally (no network: hidden 512, 8 layers, 8 heads / 2
+KV heads, FFN 1408, Qwen2.5's 151,936-token vocabulary, tied embeddings = 100.4M parameters), trains
+it for ``--steps`` steps on synthetic GRPO batches shaped like real ones (16 groups x 8 responses,
+prompts 64-256 tokens, long-tailed responses up to ``--max-response`` tokens) with the FSDP trainer
+(or the torch trainer), then checkpoints, exports a bf16 Hugging Face folder and checks that
+transformers reloads it with the trainer's log-probs. Prints one JSON line of figures: trained
+tokens/s, step and weight-gather seconds, peak GPU memory per rank, export seconds, log-prob gap.
+
+On a CPU (``--size tiny --device cpu``) the same script runs the tiny model as a self-check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def build_model(folder: Path, size: str) -> Path:
+    import torch
+    from staleflow.cli.tiny_model import build_tokenizer, ensure_tiny_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if size == "tiny":
+        return ensure_tiny_model(folder)
+    if (folder / "config.json").is_file():
+        return folder
+    config = Qwen2Config(vocab_size=151_936, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder, max_shard_size="100MB")  # sharded, as real checkpoints are
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def synthetic_batch(version: int, rng: random.Random, groups: int, size: int, max_response: int, vocab: int):  # type: ignore[no-untyped-def]
+    from staleflow.runtime.types import TrainingBatch, Trajectory
+
+    out = {}
+    for g in range(groups):
+        prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(64, 256))]
+        trajs = []
+        for i in range(size):
+            n = max(1, int(math.exp(rng.uniform(0, math.log(max_response)))))  # log-uniform: a long tail
+            trajs.append(Trajectory(
+                request_id=f"{version}-{g}-{i}", group_id=f"{version}-{g}", prompt_ids=prompt,
+                output_ids=[rng.randrange(4, vocab) for _ in range(n)],
+                logprobs=[-math.log(vocab) + rng.uniform(-0.1, 0.1) for _ in range(n)],
+                versions=[version] * n, finish_reason="stop", reward=float(rng.random() < 0.3),
+            ))
+        out[f"{version}-{g}"] = trajs
+    return TrainingBatch(version=version, groups=out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/staleflow-gpu-smoke"))
+    parser.add_argument("--size", choices=("100m", "tiny"), default="100m")
+    parser.add_argument("--backend", choices=("fsdp", "torch"), default="fsdp")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-response", type=int, default=1024)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--logprob-chunk", type=int, default=2048)
+    args = parser.parse_args()
+
+    import torch
+    from staleflow.adapters.torch.algorithms import token_logprobs
+    from staleflow.adapters.torch.packing import LogProbModel, batch_sequences, micro_batches
+    from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings, load_causal_lm
+    from staleflow.cli.export import export
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu-smoke: no CUDA device (use --device cpu --size tiny for the CPU self-check)", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    run = args.out / "run"
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.rmtree(args.out / "export", ignore_errors=True)
+    model_dir = build_model(args.out / f"model-{args.size}", args.size)
+    shutil.copytree(model_dir, run / "model-v0")
+    vocab = 260  # the byte tokenizer's ids; the model's vocabulary (151,936) is what the log-softmax spans
+    settings = TrainerSettings(lr=1e-5, lr_warmup_steps=0, micro_batch_tokens=args.micro_batch_tokens,
+                               logprob_chunk=args.logprob_chunk, activation_checkpointing=True)
+    began = time.perf_counter()
+    if args.backend == "fsdp":
+        from staleflow.adapters.torch.fsdp import FSDPTrainer
+
+        trainer = FSDPTrainer(run / "model-v0", settings=settings, world_size=args.world_size, device=args.device)
+    else:
+        trainer = TorchTrainer(run / "model-v0", settings=settings, device=args.device)
+    startup = time.perf_counter() - began
+    rng = random.Random(0)
+    steps = []
+    try:
+        for step in range(args.steps):
+            trainer.start_step(synthetic_batch(step, rng, args.groups, args.group_size, args.max_response, vocab))
+            result = trainer.wait(timeout=600)
+            steps.append(result.metrics)
+            m = result.metrics
+            print(f"step {step + 1}: {m['packed_tokens']:.0f} tokens in {m['train_s']:.2f} s "
+                  f"({m['packed_tokens'] / m['train_s']:.0f} tok/s), gather {m.get('gather_s', 0):.2f} s, "
+                  f"GPU peak {m.get('gpu_peak_gib', 0):.1f} GiB, loss {m['loss']:.4f}", flush=True)
+        folder = run / "checkpoints" / f"step-{args.steps:06d}"
+        trainer.save_checkpoint(folder / "trainer")
+        (folder / "loop_state.json").write_text("{}")
+        trained = trainer.weights()
+    finally:
+        trainer.close()
+    t0 = time.perf_counter()
+    export(run, args.out / "export", dtype="bf16", max_shard_bytes=100 * 1024**2)
+    export_s = time.perf_counter() - t0
+    seq = [s for g in batch_sequences(synthetic_batch(99, rng, 1, 2, 64, vocab)) for s in g][0]
+    (mb,) = micro_batches([seq], 10**6)
+    reference = load_causal_lm(run / "model-v0")
+    reference.load_state_dict(trained)
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(args.out / "export"), dtype=torch.float32)
+    with torch.no_grad():
+        want = LogProbModel(reference)(mb.input_ids, mb.position_ids, mb.targets)[:-1]
+        got = token_logprobs(exported(input_ids=mb.input_ids).logits, mb.input_ids)[0]
+    timed = steps[1:] or steps  # the first step includes warm-up (kernels, allocator)
+    figures = {
+        "size": args.size, "backend": args.backend, "world_size": args.world_size, "device": args.device,
+        "parameters": sum(p.numel() for p in reference.parameters()), "startup_s": round(startup, 1),
+        "steps": len(steps), "train_tokens_per_s": round(sum(m["packed_tokens"] for m in timed) / sum(m["train_s"] for m in timed)),
+        "step_s_mean": round(sum(m["train_s"] for m in timed) / len(timed), 3),
+        "gather_s_mean": round(sum(m.get("gather_s", 0.0) for m in timed) / len(timed), 3),
+        "gpu_peak_gib_max": round(max(m.get("gpu_peak_gib", 0.0) for m in steps), 2),
+        "export_s": round(export_s, 1), "export_logprob_gap_bf16": float((got - want).abs().max()),
+        "loss_first_last": [round(steps[0]["loss"], 4), round(steps[-1]["loss"], 4)],
+    }
+    print("GPU-SMOKE-TRAINER " + json.dumps(figures))
+    return 0 if figures["export_logprob_gap_bf16"] < 0.5 and all(math.isfinite(m["loss"]) for m in steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The FSDP2 trainer on CPU: 2 ranks over gloo train like the one-process trainer, gather full weights,
+and checkpoint/restore (at any world size) with every file and key checked first."""
+
+from __future__ import annotations
+
+import functools
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from staleflow.adapters.torch.algorithms import Correction, LossSettings
+from staleflow.adapters.torch.fsdp import FSDPTrainer
+from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings
+from staleflow.cli.tiny_model import ensure_tiny_model
+from trainer_batches import make_batch
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_two_gloo_ranks_match_one_process_and_checkpoint(model_dir: Path, tmp_path: Path) -> None:
+    # Two minibatches (the proximal pass and two optimiser steps per batch), tiny micro-batches and chunks.
+    settings = TrainerSettings(lr=1e-3, lr_warmup_steps=2, minibatches=2, micro_batch_tokens=64, logprob_chunk=16,
+                               activation_checkpointing=True, loss=LossSettings(correction=Correction.DECOUPLED_PPO, weight_cap=3.0))
+    fsdp = FSDPTrainer(model_dir, settings=settings, world_size=2, seed=1)
+    single = TorchTrainer(model_dir, settings=settings, seed=1)
+    try:
+        initial = {k: v.clone() for k, v in fsdp.weights().items()}
+        assert set(initial) == set(single.weights()) and all(torch.equal(v, single.weights()[k]) for k, v in initial.items())
+        for step in range(2):
+            batch = make_batch(version=step, groups=4, size=4, seed=step)
+            fsdp.start_step(batch)
+            single.start_step(batch)
+            got, want = fsdp.wait(timeout=300), single.wait(timeout=300)
+            assert got.version == want.version == step + 1
+            for key in ("loss", "grad_norm", "update_norm", "behaviour_kl", "clip_fraction", "rejected_fraction", "lr", "tokens"):
+                assert got.metrics[key] == pytest.approx(want.metrics[key], rel=1e-4, abs=1e-6), key
+            assert got.metrics["update_norm"] > 0
+        worst = max(float((fsdp.weights()[k] - v).abs().max()) for k, v in single.weights().items())
+        assert worst < 5e-5, worst  # fp32, different reduction order: agreement far below the update (lr 1e-3)
+        assert all(not torch.equal(fsdp.weights()[k], v) for k, v in initial.items())
+
+        # A checkpoint restores into a fresh trainer and the next step lands where the original's does.
+        fsdp.save_checkpoint(tmp_path / "ckpt")
+        single.save_checkpoint(tmp_path / "torch-ckpt")
+        with pytest.raises(ValueError, match="is not an FSDP trainer state"):
+            fsdp.load_checkpoint(tmp_path / "torch-ckpt")  # refused before any rank is touched
+        with pytest.raises(ValueError, match="is not a torch trainer state"):
+            single.load_checkpoint(tmp_path / "ckpt")
+        (tmp_path / "bad").mkdir()
+        (tmp_path / "bad" / "model.safetensors").write_bytes(b"\0" * 10)
+        (tmp_path / "bad" / "trainer_state.pt").write_bytes((tmp_path / "ckpt" / "trainer_state.pt").read_bytes())
+        with pytest.raises(ValueError, match="cannot be read"):
+            fsdp.load_checkpoint(tmp_path / "bad")
+        assert fsdp.version == 2
+        saved = {k: v.clone() for k, v in fsdp.weights().items()}
+        batch = make_batch(version=2, groups=4, size=4, seed=7)
+        fsdp.start_step(batch)
+        after = fsdp.wait(timeout=300)
+        assert fsdp.load_checkpoint(tmp_path / "ckpt") == 2
+        assert all(torch.equal(v, fsdp.weights()[k]) for k, v in saved.items())
+        fsdp.start_step(batch)
+        again = fsdp.wait(timeout=300)
+        assert again.metrics["loss"] == pytest.approx(after.metrics["loss"], rel=1e-5)
+        assert again.metrics["lr"] == after.metrics["lr"]
+    finally:
+        fsdp.close()
+        single.close()
+
+
+def test_a_failed_or_dead_rank_stops_the_group_instead_of_hanging() -> None:
+    import time
+
+    from staleflow.adapters.torch.worker_group import ProcessWorkers, WorkerGroupError
+
+    # Each rank holds a namespace whose ``run`` evaluates an expression: rank 0 blocks (as in a collective).
+    workers = ProcessWorkers(functools.partial(types.SimpleNamespace, run=eval), 2, timeout_s=120)
+    assert workers.call_all("run", [("6 * 7",), ("1 + 1",)]) == [42, 2]
+    started = time.monotonic()
+    with pytest.raises(WorkerGroupError, match="rank 1 died during 'run' \\(exit code 3\\)"):
+        workers.call_all("run", [("__import__('time').sleep(300)",), ("__import__('os')._exit(3)",)])
+    assert time.monotonic() - started < 60  # noticed at once; the blocked rank is stopped too
+    with pytest.raises(WorkerGroupError, match="stopped"):
+        workers.call_all("run", [("1",), ("1",)])
+    workers = ProcessWorkers(functools.partial(types.SimpleNamespace, run=eval), 2, timeout_s=120)
+    with pytest.raises(WorkerGroupError, match="(?s)rank 0 failed in 'run':.*ZeroDivisionError"):
+        workers.call_all("run", [("1 / 0",), ("__import__('time').sleep(300)",)])
