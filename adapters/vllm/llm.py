@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Mapping
@@ -37,15 +38,22 @@ def default_weights_dir() -> Path:
 
 
 def weights_file(weights: Any, weights_dir: Path, instance_id: str) -> tuple[Path, bool]:
-    """A safetensors file for ``weights`` (a file, a folder holding ``model.safetensors``, or a
-    state dict written to a temporary file in ``weights_dir``) and whether it is temporary."""
+    """A safetensors file for ``weights`` (a file, a folder holding ``model.safetensors``, a folder
+    of shards with ``model.safetensors.index.json``, or a state dict; the last two are written to a
+    temporary file in ``weights_dir``) and whether it is temporary."""
     if isinstance(weights, (str, os.PathLike)):
         path = Path(weights)
-        if path.is_dir():
-            path = path / "model.safetensors"
-        if not path.is_file():
-            raise FileNotFoundError(f"{instance_id}: no safetensors weights at {path}")
-        return path, False
+        if path.is_dir() and not (path / "model.safetensors").is_file() and (path / "model.safetensors.index.json").is_file():
+            from safetensors.torch import load_file
+
+            shards = sorted({str(name) for name in json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()})
+            weights = {key: tensor for shard in shards for key, tensor in load_file(str(path / shard)).items()}
+        else:
+            if path.is_dir():
+                path = path / "model.safetensors"
+            if not path.is_file():
+                raise FileNotFoundError(f"{instance_id}: no safetensors weights at {path}")
+            return path, False
     if isinstance(weights, Mapping):
         from safetensors.torch import save_file
 
