@@ -125,3 +125,18 @@ def test_fsdp_ranks_with_gpus_come_first_in_the_plan_and_the_smoke_run_fits_one_
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip().endswith("total: 1 CPU, 1 GPU")
     assert "trainer-0         trainer rank      1 CPU, 0.5 GPU" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "actors"),
+    [("qwen2.5-1.5b-gsm8k-8gpu", 8, 10), ("qwen3-30b-a3b-multinode", 64, 30)],
+)
+def test_the_example_gpu_jobs_pass_the_dry_run(name: str, gpus: int, actors: int, capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    from staleflow.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "runtime" / "configs" / "examples" / f"{name}.yaml"
+    assert main(["train", "--config", str(config), "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["placement"]
+    assert (plan["total_gpus"], len(plan["actors"])) == (gpus, actors)
