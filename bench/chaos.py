@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_arguments(args: argparse.Namespace) -> list[str]:
-    from staleflow.verification.faults import FaultKind
+    from staleflow.verification.fault_plan import FaultKind
 
     problems = []
     if args.seed is None and args.seeds < 1:

@@ -163,7 +163,7 @@ def _changed_line(source: str, mutated: str, line: int) -> tuple[str, str]:
 def judge_layers() -> dict[str, Any]:
     """The manager-dependent rows of ``verify --quick``, at that run's bounds, cheapest first."""
     from staleflow.verification import impl_mutants
-    from staleflow.verification.conformance import EXHAUSTIVE_GRID
+    from staleflow.verification.conformance_grid import EXHAUSTIVE_GRID
     from staleflow.verification.model_link import GRID_QUICK
     from staleflow.verification.snapshots import QUICK_COUNT
 

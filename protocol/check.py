@@ -77,9 +77,21 @@ def start_state(header: TraceHeader) -> MirrorState:
     state = MirrorState(version, frozenset(groups))
     if len(state.groups) != len(state.ids()) or any(v > version for _, v, _ in groups):
         raise TraceFormatError("start snapshot: a group appears twice or is ahead of the trainer")
-    if not mirror.invariant(params_of(header), state):
-        raise TraceFormatError("start snapshot violates the invariant Inv")
+    p = params_of(header)
+    if not mirror.invariant(p, state):
+        raise TraceFormatError(f"start snapshot violates Inv ({', '.join(invariant_failures(p, state))})")
     return state
+
+
+def invariant_failures(p: SpecParams, s: MirrorState) -> list[str]:
+    """The conjuncts of Inv that ``s`` breaks: ``deadline`` (a group past its deadline) and
+    ``cap<k>`` (more than ``(k + 1) * B + X`` groups due by buffer ``c + k``)."""
+    deadlines = [v + p.eta for _, v, _ in s.groups]
+    failed = ["deadline"] if any(d < s.version for d in deadlines) else []
+    for k in range(p.eta + 1):
+        if sum(1 for d in deadlines if d <= s.version + k) > (k + 1) * p.batch_size + p.redundancy:
+            failed.append(f"cap{k}")
+    return failed
 
 
 def counters(p: SpecParams, s: MirrorState) -> CounterState:

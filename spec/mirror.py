@@ -6,6 +6,7 @@ mirror is written from the spec, not from the implementation, and is checked aga
 graph (``verification/graph_equivalence.py``).
 """
 
+from staleflow.protocol import check
 from staleflow.protocol.mirror import (
     DONE,
     RUNNING,
@@ -55,12 +56,7 @@ __all__ = [
 
 def invariant_failures(p: SpecParams, s: MirrorState) -> tuple[str, ...]:
     """The conjuncts of Inv that ``s`` violates (empty iff ``invariant(p, s)``)."""
-    deadlines = [v + p.eta for _, v, _ in s.groups]
-    failed = ["deadline"] if any(d < s.version for d in deadlines) else []
-    for k in range(p.eta + 1):
-        if sum(1 for d in deadlines if d <= s.version + k) > (k + 1) * p.batch_size + p.redundancy:
-            failed.append(f"cap{k}")
-    return tuple(failed)
+    return tuple(check.invariant_failures(p, s))
 
 
 def reserve_failures(p: SpecParams, s: MirrorState, version: int) -> tuple[str, ...]:

@@ -20,7 +20,8 @@ import pytest
 from staleflow.bench.chaos import summarise
 from staleflow.runtime.clock import VirtualClock
 from staleflow.verification.chaos import ChaosResult, run_seed
-from staleflow.verification.faults import FaultKind, LaggingClock
+from staleflow.verification.fault_plan import FaultKind
+from staleflow.verification.faults import LaggingClock
 
 #: Seeds run in CI; together they inject every fault kind (checked below).
 CI_SEEDS = range(16)
@@ -108,7 +109,8 @@ def test_results_finished_before_an_interrupt_arrive_before_its_reply() -> None:
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.runtime.cost_model import CostModel
     from staleflow.runtime.types import RolloutRequest
-    from staleflow.verification.faults import FaultPlan, FaultRates, FaultyEngine
+    from staleflow.verification.fault_plan import FaultPlan, FaultRates
+    from staleflow.verification.faults import FaultyEngine
 
     clock = VirtualClock()
     plan = FaultPlan(0, FaultRates(finish_delay=1.0, delay_s_max=5.0), clock)

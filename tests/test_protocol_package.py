@@ -301,7 +301,7 @@ def test_checker_rejects_a_start_snapshot_that_breaks_the_invariant(tmp_path: Pa
     header["start"]["groups"] = [["x", 0, "running"], ["y", 0, "running"]]  # 2 groups due, capacity 1
     path.write_text(json.dumps(header) + "\n")
     done = _check(path)
-    assert done.returncode == 2 and "violates the invariant" in done.stderr
+    assert done.returncode == 2 and "violates Inv (cap0)" in done.stderr
 
 
 # ----------------------------------------------------------------------------- thread safety

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from staleflow.protocol import SNAPSHOT_FORMAT, SnapshotError, StalenessManager
+from staleflow.protocol import SNAPSHOT_FORMAT, SnapshotError, StalenessManager, check
 from staleflow.protocol.trace import TraceFormatError, read_trace
 from staleflow.spec import mirror
 from staleflow.spec.mirror import MirrorState, SpecParams
 from staleflow.verification import impl_mutants, model_link, snapshots
 from staleflow.verification import trace_validation as tv
-from staleflow.verification.conformance import Coverage, exhaustive_conformance
+from staleflow.verification.conformance_grid import Coverage, exhaustive_conformance
 
 
 def snap(eta: int, b: int, x: int, version: int, groups: list[Any]) -> dict[str, Any]:
@@ -111,8 +111,8 @@ def test_mirror_replay_rejects_a_start_state_over_capacity(tmp_path: Path) -> No
 def test_counters_never_wrap_a_negative_offset() -> None:
     p = SpecParams(1, 1, 0)
     with pytest.raises(ValueError, match="deadline offset -1"):
-        tv.counters(p, MirrorState(3, frozenset({("late", 1, "done")})))
-    assert tv.counters(p, MirrorState(3, frozenset({("ok", 2, "done")}))).done == (1, 0)
+        check.counters(p, MirrorState(3, frozenset({("late", 1, "done")})))
+    assert check.counters(p, MirrorState(3, frozenset({("ok", 2, "done")}))).done == (1, 0)
 
 
 # ----------------------------------------------------------------------------- model = code, grid depth

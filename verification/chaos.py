@@ -36,10 +36,8 @@ from typing import Any
 from staleflow.protocol.events import ProtocolEvent
 from staleflow.runtime.clock import VirtualClock
 from staleflow.runtime.types import PromptGroup
+from staleflow.verification.fault_plan import FaultKind, FaultPlan, FaultRates
 from staleflow.verification.faults import (
-    FaultKind,
-    FaultPlan,
-    FaultRates,
     FaultyEngine,
     FaultyParameterServer,
     FaultyTrainer,

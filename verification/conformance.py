@@ -29,11 +29,9 @@ import contextlib
 import io
 import json
 import os
-import random
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from functools import lru_cache
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, event, settings, target
@@ -47,8 +45,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from staleflow.protocol import (
-    SNAPSHOT_FORMAT,
-    ConsumedBatch,
     ConsumeNotReadyError,
     CounterState,
     DuplicateGroupError,
@@ -59,8 +55,20 @@ from staleflow.protocol import (
     UnknownGroupError,
 )
 from staleflow.spec import mirror
-from staleflow.spec.mirror import DONE, RUNNING, ConsumeStep, MirrorState, SpecParams
+from staleflow.spec.mirror import DONE, RUNNING, SpecParams
 from staleflow.verification.checks import CheckResult
+from staleflow.verification.conformance_compare import (
+    assert_consume_conforms,
+    assert_same_queries,
+    assert_same_state,
+    consume_steps,
+)
+from staleflow.verification.conformance_grid import (
+    EXHAUSTIVE_GRID,
+    EXHAUSTIVE_GRID_FULL,
+    Coverage,
+    exhaustive_conformance,
+)
 
 #: Parameter ranges the machine draws from; small enough for the mirror's brute force.
 MAX_ETA = 3
@@ -101,81 +109,20 @@ def load_profile() -> str:
     return name
 
 
-@lru_cache(maxsize=8192)
-def consume_steps(params: SpecParams, state: MirrorState) -> tuple[ConsumeStep, ...]:
-    """Every Consume successor of a mirror state (memoised: the mirror enumerates all choices)."""
-    return tuple(mirror.consume(params, state))
 
 
 def pick_one(items: Sequence[Any], index: int) -> Any:
     return items[index % len(items)]
 
 
-def mirror_slack(params: SpecParams, state: MirrorState, version: int) -> int:
-    """How many fresh groups at ``version`` the mirror admits one after another."""
-    slack = 0
-    while (grown := mirror.reserve(params, state, f"slack-probe-{slack}", version)) is not None:
-        state, slack = grown, slack + 1
-    return slack
 
 
-def mirror_counts(params: SpecParams, state: MirrorState) -> CounterState:
-    running = [0] * (params.eta + 1)
-    done = [0] * (params.eta + 1)
-    for group_id, version, status in state.groups:
-        offset = version + params.eta - state.version
-        assert 0 <= offset <= params.eta, f"{group_id!r} (v{version}) is outside offsets 0..eta at {state.version}"
-        (running if status == RUNNING else done)[offset] += 1
-    return CounterState(state.version, tuple(running), tuple(done))
 
 
-def assert_same_state(impl: StalenessManager, p: SpecParams, spec: MirrorState) -> None:
-    """The refinement mapping: same groups (id, version, status), head buffer and counters."""
-    impl_groups = {(g.group_id, g.version, g.status.value) for g in impl.groups()}
-    assert impl_groups == set(spec.groups), f"groups differ: impl {impl_groups}, spec {set(spec.groups)}"
-    assert len(impl) == len(spec.groups), f"len(impl) = {len(impl)}, spec has {len(spec.groups)}"
-    assert impl.version == spec.version, f"impl version {impl.version}, spec {spec.version}"
-    assert impl.counts() == mirror_counts(p, spec), f"counts {impl.counts()} != spec {mirror_counts(p, spec)}"
-    for group_id, version, status in spec.groups:  # the per-group queries: group() and `in`
-        record = impl.group(group_id)
-        assert (record.group_id, record.version, record.status.value) == (group_id, version, status), (
-            f"group({group_id!r}) = {record}, spec has v{version} {status}")
-        assert group_id in impl, f"{group_id!r} in manager is False for an active group"
 
 
-def assert_same_queries(impl: StalenessManager, p: SpecParams, spec: MirrorState) -> None:
-    """Eager consume (``can_consume``) and exact admission (``reserve_slack``, ``can_reserve``,
-    ``oldest_admissible_version``) agree with the mirror's enabledness."""
-    enabled = bool(consume_steps(p, spec))
-    assert impl.can_consume() == enabled, f"can_consume() is {not enabled}, spec Consume enabled: {enabled}"
-    admissible = []
-    for version in range(max(0, spec.version - p.eta - 1), spec.version + 1):
-        slack = mirror_slack(p, spec, version)
-        got = impl.reserve_slack(version)
-        assert got == slack, f"reserve_slack({version}) = {got}, spec admits {slack}"
-        assert impl.can_reserve(version) == (slack > 0), f"can_reserve({version}) != {slack > 0}"
-        if slack:
-            admissible.append(version)
-    oldest = impl.oldest_admissible_version()
-    expected = min(admissible, default=None)
-    assert oldest == expected, f"oldest_admissible_version() = {oldest}, spec {expected}"
 
 
-def assert_consume_conforms(batch: ConsumedBatch, p: SpecParams, spec: MirrorState) -> ConsumeStep:
-    """S1 and S2 for one batch, and the batch with its drops is a Consume successor of ``spec``."""
-    assert batch.version == spec.version, f"batch tagged {batch.version}, head buffer is {spec.version}"
-    assert len(batch.group_ids) == p.batch_size == len(set(batch.group_ids)), f"batch size: {batch}"
-    for group_id, version in zip(batch.group_ids, batch.group_versions, strict=True):
-        assert (group_id, version, DONE) in spec.groups, f"{group_id!r} (v{version}) was not done"
-        assert version <= batch.version <= version + p.eta, f"S1 broken by {group_id!r}"
-    assert len(batch.dropped) <= p.redundancy, f"{len(batch.dropped)} drops > X: {batch}"
-    matches = [
-        step
-        for step in consume_steps(p, spec)
-        if step.batch == frozenset(batch.group_ids) and step.dropped == frozenset(batch.dropped)
-    ]
-    assert matches, f"batch {batch} is not a Consume successor of the spec"
-    return matches[0]
 
 
 @dataclass
@@ -386,143 +333,18 @@ def conformance_machine(
     return ProtocolConformance
 
 
-# --------------------------------------------------------------------------- exhaustive small scope
-#: (eta, B, X) of the exhaustive layer: every Inv state of each, at every head buffer 0..eta+1.
-#: eta 3 is the least at which a later Consume prefix guard (cap(1) at c + 1) can bind.
-EXHAUSTIVE_GRID = (
-    *((eta, b, x) for eta in range(3) for b in (1, 2) for x in range(2)),
-    (3, 1, 0), (3, 1, 1), (4, 1, 0),
-)
-EXHAUSTIVE_GRID_FULL = (*EXHAUSTIVE_GRID, (2, 1, 2), (2, 2, 2), (3, 1, 2), (3, 2, 0), (4, 1, 1))
 
 
-def inv_counter_states(p: SpecParams) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Every (running, done) count vector over offsets ``0..eta`` that satisfies Inv."""
-
-    def extend(i: int, prefix: int, running: tuple[int, ...], done: tuple[int, ...]) -> Iterator[Any]:
-        if i > p.eta:
-            yield running, done
-            return
-        for size in range((i + 1) * p.batch_size + p.redundancy - prefix + 1):
-            for r in range(size + 1):
-                yield from extend(i + 1, prefix + size, (*running, r), (*done, size - r))
-
-    yield from extend(0, 0, (), ())
 
 
-def heads(eta: int) -> range:
-    """Head buffers checked: 0 (the oldest offsets would need negative versions, so they are
-    empty) up to ``eta + 1`` (version 0 is past its deadline; every later head behaves the same)."""
-    return range(eta + 2)
 
 
-def snapshot_of(
-    p: SpecParams, c: int, running: Sequence[int], done: Sequence[int], rng: random.Random | None = None
-) -> dict[str, Any] | None:
-    """A snapshot with these counters at head ``c``, groups listed in a shuffled arrival order
-    when ``rng`` is given (so arrival order is not deadline order); None if an offset that would
-    need a negative version is not empty."""
-    groups = []
-    for i in range(p.eta + 1):
-        version = c - p.eta + i
-        for status, count in ((RUNNING, running[i]), (DONE, done[i])):
-            if count and version < 0:
-                return None
-            groups += [[f"{status[0]}{i}.{n}", version, status] for n in range(count)]
-    if rng is not None:
-        rng.shuffle(groups)
-    return {"format": SNAPSHOT_FORMAT, "eta": p.eta, "batch_size": p.batch_size,
-            "redundancy": p.redundancy, "version": c, "groups": groups}
 
 
-@dataclass
-class Coverage:
-    """Which conjuncts of Inv and of the Consume guard were the only reason for a refusal, per
-    (eta, B, X); ``missing`` lists the expected ones never seen alone."""
-
-    seen: dict[SpecParams, set[str]] = field(default_factory=dict)
-
-    def add(self, p: SpecParams, state: MirrorState) -> None:
-        self.seen.setdefault(p, set()).update(mirror.sole_refusal_reasons(p, state))
-
-    def missing(self) -> dict[SpecParams, list[str]]:
-        out = {}
-        for p, seen in self.seen.items():
-            absent = [r for r in mirror.refusal_reasons(p) if r not in seen]
-            if absent:
-                out[p] = absent
-        return out
-
-    def describe(self) -> str:
-        reasons = sum(len(v) for v in self.seen.values())
-        return f"{reasons} (config, conjunct) refusal reasons seen alone in {len(self.seen)} configs"
 
 
-def exhaustive_conformance(
-    manager_cls: type[StalenessManager], grid: Sequence[tuple[int, int, int]],
-    coverage: Coverage | None = None, seed: int = 0,
-) -> int:
-    """Check every Inv state of every ``(eta, B, X)`` in ``grid`` at every head ``0..eta+1``: the
-    manager restored into it answers every query as the mirror does, and every action (reserve at
-    each version, occupy and abort at each offset, consume) leads to the mirror's successor.
-    Snapshots list the groups in a seeded shuffled order. Returns the states checked."""
-    rng = random.Random(seed)
-    checked = 0
-    for eta, batch_size, redundancy in grid:
-        p = SpecParams(eta, batch_size, redundancy)
-        for running, done in inv_counter_states(p):
-            for c in heads(eta):
-                snapshot = snapshot_of(p, c, running, done, rng)
-                if snapshot is None:
-                    continue
-                spec = MirrorState(c, frozenset(tuple(g) for g in snapshot["groups"]))
-                where = f"eta={eta} B={batch_size} X={redundancy} c={c} running={running} done={done}"
-                try:
-                    _check_every_action(manager_cls, snapshot, p, spec)
-                except AssertionError as error:
-                    raise AssertionError(f"{where}: {error}") from None
-                if coverage is not None:
-                    coverage.add(p, spec)
-                checked += 1
-    return checked
 
 
-def _check_every_action(
-    manager_cls: type[StalenessManager], snapshot: dict[str, Any], p: SpecParams, spec: MirrorState
-) -> None:
-    impl = manager_cls.restore(snapshot)
-    assert_same_state(impl, p, spec)
-    assert_same_queries(impl, p, spec)
-    for version in range(spec.version + 1):
-        impl = manager_cls.restore(snapshot)
-        successor = mirror.reserve(p, spec, "new", version)
-        accepted = impl.reserve("new", version)
-        assert accepted == (successor is not None), f"reserve at v{version} returned {accepted}"
-        assert_same_state(impl, p, successor or spec)
-    one_per_class = {(v, s): g for g, v, s in sorted(spec.groups, key=repr)}  # same offset+status
-    for group_id in one_per_class.values():
-        for operation in (mirror.occupy, mirror.abort):
-            successor = operation(p, spec, group_id)
-            if successor is None:
-                continue
-            impl = manager_cls.restore(snapshot)
-            getattr(impl, operation.__name__)(group_id)
-            assert_same_state(impl, p, successor)
-    if consume_steps(p, spec):
-        impl = manager_cls.restore(snapshot)
-        step = assert_consume_conforms(impl.consume(), p, spec)
-        assert_same_state(impl, p, step.state)
-    else:
-        impl = manager_cls.restore(snapshot)
-        try:
-            impl.consume()
-        except ConsumeNotReadyError as error:
-            done = sum(1 for g in spec.groups if g[2] == DONE)
-            expected = f"{done} finished groups, {p.batch_size} needed" if done < p.batch_size else "still running"
-            assert expected in str(error), f"consume refused with {str(error)!r}, expected it to say {expected!r}"
-        else:
-            raise AssertionError("consume() succeeded where the spec's Consume is disabled")
-        assert_same_state(impl, p, spec)
 
 
 def run_conformance(

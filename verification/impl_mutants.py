@@ -23,7 +23,8 @@ from unittest import mock
 from staleflow.protocol import StalenessManager
 from staleflow.protocol import manager as manager_module
 from staleflow.verification.checks import CheckResult
-from staleflow.verification.conformance import exhaustive_conformance, run_conformance
+from staleflow.verification.conformance import run_conformance
+from staleflow.verification.conformance_grid import exhaustive_conformance
 
 
 @dataclass(frozen=True)

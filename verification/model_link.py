@@ -29,7 +29,7 @@ from staleflow.protocol import StalenessManager
 from staleflow.spec.mirror import SpecParams
 from staleflow.verification import z3_proofs as zp
 from staleflow.verification.checks import CheckResult
-from staleflow.verification.conformance import heads, inv_counter_states, snapshot_of
+from staleflow.verification.conformance_grid import heads, inv_counter_states, snapshot_of
 from staleflow.verification.snapshots import check_buffers
 
 #: (eta, B, X) grids: every Inv counter state of each, at every head 0..eta+1.

@@ -170,7 +170,7 @@ def fuzz_restore(
 ) -> FuzzStats:
     """Draw ``count`` snapshots and check ``manager_cls.restore`` on each; raises AssertionError
     at the first escape (naming the snapshot)."""
-    from staleflow.verification.conformance import assert_same_state
+    from staleflow.verification.conformance_compare import assert_same_state
 
     rng = random.Random(seed)
     stats = FuzzStats()
