@@ -37,8 +37,8 @@ from staleflow.adapters.torch.trainer import (
     TrainerSettings,
     _check_weights_match,
     _greedy,
-    _read_checkpoint_file,
     load_causal_lm,
+    read_trainer_checkpoint,
 )
 from staleflow.adapters.torch.worker_group import ProcessWorkers, RayWorkers
 from staleflow.runtime.types import TrainingBatch, TrainResult
@@ -212,16 +212,10 @@ class FSDPTrainer(BackgroundStepTrainer):
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
         """Restore what :meth:`save_checkpoint` wrote (any world size); returns the restored version."""
-        from safetensors.torch import load_file
-
         if self._running is not None:
             raise RuntimeError("cannot restore while a training step is running")
         source = Path(folder)
-        for name in (CHECKPOINT_MODEL, CHECKPOINT_STATE):
-            if not (source / name).is_file():
-                raise FileNotFoundError(f"checkpoint {source} has no {name}")
-        weights = _read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
-        state = _read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
+        weights, state = read_trainer_checkpoint(source)
         expected = {name: torch.empty(shape, device="meta") for name, shape in self._shapes.items()}
         _check_weights_match(weights, expected, source / CHECKPOINT_MODEL)
         _check_state(state, self._params, source / CHECKPOINT_STATE)

@@ -167,17 +167,11 @@ class TorchTrainer(BackgroundStepTrainer):
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
         """Restore what :meth:`save_checkpoint` wrote; returns the restored version."""
-        from safetensors.torch import load_file
-
         if self._running is not None:
             raise RuntimeError("cannot restore while a training step is running")
         source = Path(folder)
-        for name in (CHECKPOINT_MODEL, CHECKPOINT_STATE):
-            if not (source / name).is_file():
-                raise FileNotFoundError(f"checkpoint {source} has no {name}")
         # Read and check everything before touching the model: a refused load changes nothing.
-        weights = _read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
-        state = _read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
+        weights, state = read_trainer_checkpoint(source)
         _check_weights_match(weights, self._model.state_dict(), source / CHECKPOINT_MODEL)
         if not isinstance(state, dict) or state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
@@ -240,6 +234,20 @@ class TorchTrainer(BackgroundStepTrainer):
 
     def _copy_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self._model.state_dict().items()}
+
+
+def read_trainer_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """The weights and the training state of a trainer checkpoint folder, read (not yet checked
+    against a model): a missing file is a FileNotFoundError, a damaged one a ValueError, each
+    naming the file."""
+    from safetensors.torch import load_file
+
+    for name in (CHECKPOINT_MODEL, CHECKPOINT_STATE):
+        if not (source / name).is_file():
+            raise FileNotFoundError(f"checkpoint {source} has no {name}")
+    weights = _read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
+    state = _read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
+    return weights, state
 
 
 def _read_checkpoint_file(path: Path, read: Any) -> Any:
