@@ -33,6 +33,13 @@ def pyplot() -> Any:
     return plt
 
 
+def _save(fig: Any, path: Path) -> None:
+    """Write a report figure as a PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
 def moving_mean(values: Sequence[float], window: int) -> list[float]:
     out, total = [], 0.0
     for i, value in enumerate(values):
@@ -64,9 +71,7 @@ def plot_reward(records: list[dict[str, Any]], path: Path, label: str = "") -> N
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_throughput(records: list[dict[str, Any]], path: Path) -> None:
@@ -81,9 +86,7 @@ def plot_throughput(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("tokens/s")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_staleness(records: list[dict[str, Any]], path: Path) -> None:
@@ -102,9 +105,7 @@ def plot_staleness(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_title("staleness of the groups in each buffer")
     if levels:
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def read_timeline(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
@@ -139,9 +140,7 @@ def plot_instances(timeline: dict[str, list[dict[str, Any]]], path: Path) -> Non
     bottom.set_ylabel("requests on instance")
     bottom.set_xlabel("time since the command started (s)")
     bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_report(run_dir: Path) -> Path:
@@ -239,9 +238,7 @@ def compare_runs(run_dirs: Sequence[Path], out_dir: Path) -> Path:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "compare.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out_dir / "compare.png")
     base = summaries[0]["tokens_per_s"]
     lines = [
         "| system | eta | steps | run s | tokens/s | vs first | reward first -> last | eval first -> last | max staleness |",

@@ -103,25 +103,30 @@ def exhaustive_conformance(
     manager restored into it answers every query as the mirror does, and every action (reserve at
     each version, occupy and abort at each offset, consume) leads to the mirror's successor.
     Snapshots list the groups in a seeded shuffled order. Returns the states checked."""
-    rng = random.Random(seed)
     checked = 0
+    for p, where, snapshot in grid_snapshots(grid, seed):
+        spec = MirrorState(snapshot["version"], frozenset(tuple(g) for g in snapshot["groups"]))
+        try:
+            _check_every_action(manager_cls, snapshot, p, spec)
+        except AssertionError as error:
+            raise AssertionError(f"{where}: {error}") from None
+        if coverage is not None:
+            coverage.add(p, spec)
+        checked += 1
+    return checked
+
+
+def grid_snapshots(grid: Sequence[tuple[int, int, int]], seed: int = 0) -> Iterator[tuple[SpecParams, str, dict[str, Any]]]:
+    """``(params, where, snapshot)`` for every Inv state of every ``(eta, B, X)`` in ``grid`` at every
+    head ``0..eta+1``, groups in a shuffled order seeded by ``seed``; ``where`` names the state."""
+    rng = random.Random(seed)
     for eta, batch_size, redundancy in grid:
         p = SpecParams(eta, batch_size, redundancy)
         for running, done in inv_counter_states(p):
             for c in heads(eta):
                 snapshot = snapshot_of(p, c, running, done, rng)
-                if snapshot is None:
-                    continue
-                spec = MirrorState(c, frozenset(tuple(g) for g in snapshot["groups"]))
-                where = f"eta={eta} B={batch_size} X={redundancy} c={c} running={running} done={done}"
-                try:
-                    _check_every_action(manager_cls, snapshot, p, spec)
-                except AssertionError as error:
-                    raise AssertionError(f"{where}: {error}") from None
-                if coverage is not None:
-                    coverage.add(p, spec)
-                checked += 1
-    return checked
+                if snapshot is not None:
+                    yield p, f"eta={eta} B={batch_size} X={redundancy} c={c} running={running} done={done}", snapshot
 
 
 def _check_every_action(

@@ -20,16 +20,14 @@ Without this row the Z3 rows would give the same verdict for any ``manager.py``.
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from staleflow.protocol import StalenessManager
-from staleflow.spec.mirror import SpecParams
 from staleflow.verification import z3_proofs as zp
 from staleflow.verification.checks import CheckResult
-from staleflow.verification.conformance_grid import heads, inv_counter_states, snapshot_of
+from staleflow.verification.conformance_grid import grid_snapshots
 from staleflow.verification.snapshots import check_buffers
 
 #: (eta, B, X) grids: every Inv counter state of each, at every head 0..eta+1.
@@ -87,21 +85,13 @@ def compare_state(manager_cls: type[StalenessManager], snapshot: dict[str, Any])
 
 def compare_grid(manager_cls: type[StalenessManager], grid: Sequence[tuple[int, int, int]], seed: int = 0) -> int:
     """Every Inv state of every grid point, at every head; returns the states compared."""
-    rng = random.Random(seed)
     compared = 0
-    for eta, b, x in grid:
-        p = SpecParams(eta, b, x)
-        for running, done in inv_counter_states(p):
-            for c in heads(eta):
-                snapshot = snapshot_of(p, c, running, done, rng)
-                if snapshot is None:
-                    continue
-                try:
-                    compare_state(manager_cls, snapshot)
-                except AssertionError as error:
-                    raise AssertionError(
-                        f"eta={eta} B={b} X={x} c={c} running={running} done={done}: {error}") from None
-                compared += 1
+    for _, where, snapshot in grid_snapshots(grid, seed):
+        try:
+            compare_state(manager_cls, snapshot)
+        except AssertionError as error:
+            raise AssertionError(f"{where}: {error}") from None
+        compared += 1
     return compared
 
 
