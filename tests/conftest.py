@@ -17,3 +17,19 @@ for _name, _value in {
     "MPLBACKEND": "Agg",
 }.items():
     os.environ.setdefault(_name, _value)
+
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_PARENT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_sibling_packages() -> None:
+    """The repository root holds an ``__init__.py`` (the package is the root itself), so pytest puts the
+    root's parent folder on sys.path when it sets up that package, before the first test; a sibling
+    folder there (another clone, say one named like a library: ``h11``) would shadow real packages."""
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _PARENT]

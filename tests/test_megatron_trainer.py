@@ -177,3 +177,15 @@ def test_megatron_checkpoints_are_checked_before_loading(hf_model, tmp_path: Pat
     torch.save(dict(good, model=other), tmp_path / "megatron_trainer.pt")
     with pytest.raises(ValueError, match="another model's weights: missing \\['output_layer.weight'\\]; size mismatch"):
         read_megatron_checkpoint(tmp_path, expected)
+    # Parts that would fail only while loading (after the model is overwritten) are refused here.
+    for broken, message in (
+        (dict(good, version="3"), "version='3': not a count"),
+        (dict(good, steps_taken=-1), "steps_taken=-1: not a count"),
+        (dict(good, optimizer=None), "no model or optimiser state dict"),
+    ):
+        torch.save(broken, tmp_path / "megatron_trainer.pt")
+        with pytest.raises(ValueError, match=message):
+            read_megatron_checkpoint(tmp_path, expected)
+    torch.save(good, tmp_path / "megatron_trainer.pt")
+    with pytest.raises(ValueError, match="optimiser state with parts \\[\\], this optimiser's are \\['optimizer'\\]"):
+        read_megatron_checkpoint(tmp_path, expected, optimizer={"optimizer": {}})

@@ -173,7 +173,8 @@ class MegatronTrainer(BackgroundStepTrainer):
         """Restore what :meth:`save_checkpoint` wrote; every key and shape is checked before the model is touched."""
         if self._running is not None:
             raise RuntimeError("cannot restore while a training step is running")
-        state = read_megatron_checkpoint(folder, self._model.module.state_dict(), map_location="cuda")
+        expected = self._model.module.state_dict()
+        state = read_megatron_checkpoint(folder, expected, map_location="cuda", optimizer=self._optimizer.state_dict())
         with self._lock:
             self._model.module.load_state_dict(state["model"], strict=False)  # strict on every tensor: checked above
             self._optimizer.load_state_dict(state["optimizer"])
@@ -266,9 +267,13 @@ class MegatronTrainer(BackgroundStepTrainer):
         return {k: v.detach().float().cpu().clone() for k, v in megatron_to_hf(state, self._hf_config).items()}
 
 
-def read_megatron_checkpoint(folder: str | os.PathLike[str], expected: Mapping[str, Any], map_location: str = "cpu") -> dict[str, Any]:
-    """The Megatron trainer's checkpoint in ``folder``, refused (naming the file and the tensors) if it is
-    missing, unreadable, lacks a part, or holds weights of another model than ``expected`` (a state dict)."""
+def read_megatron_checkpoint(
+    folder: str | os.PathLike[str], expected: Mapping[str, Any], map_location: str = "cpu", optimizer: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The Megatron trainer's checkpoint in ``folder``, refused (naming the file and the part) if it is
+    missing, unreadable, lacks a part, holds a version or step count that is not a count, weights of
+    another model than ``expected`` (a state dict), or an optimiser state whose parts differ from
+    ``optimizer`` (this trainer's optimiser state dict, where given)."""
     source = Path(folder) / CHECKPOINT_FILE
     if not source.is_file():
         raise FileNotFoundError(f"checkpoint {folder} has no {CHECKPOINT_FILE}")
@@ -278,6 +283,14 @@ def read_megatron_checkpoint(folder: str | os.PathLike[str], expected: Mapping[s
     missing = [k for k in ("version", "steps_taken", "model", "optimizer") if k not in state]
     if missing:
         raise ValueError(f"checkpoint file {source} lacks {missing}")
+    bad = [k for k in ("version", "steps_taken") if isinstance(state[k], bool) or not isinstance(state[k], int) or state[k] < 0]
+    if bad:
+        raise ValueError(f"checkpoint file {source} holds {', '.join(f'{k}={state[k]!r}' for k in bad)}: not a count >= 0")
+    if not isinstance(state["model"], dict) or not isinstance(state["optimizer"], dict):
+        raise ValueError(f"checkpoint file {source} holds no model or optimiser state dict")
+    if optimizer is not None and set(state["optimizer"]) != set(optimizer):
+        parts = sorted(state["optimizer"])
+        raise ValueError(f"checkpoint file {source} holds optimiser state with parts {parts}, this optimiser's are {sorted(optimizer)}")
     weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
     _check_weights_match(weights, {k: v for k, v in expected.items() if not k.endswith("_extra_state")}, source)
     return state
