@@ -533,9 +533,10 @@ def _trainer_checkpoint(tmp: Path, damage: Callable[[Path], None]) -> Any:
     trainer's model and version must be unchanged by the refused load."""
     from staleflow.adapters.torch.trainer import TorchTrainer
     from staleflow.cli.tiny_model import PAD_ID, ensure_tiny_model
+    from staleflow.runtime.config_sections import default_tiny_model_dir
 
     if not _TRAINER:
-        model_dir = ensure_tiny_model(Path(os.environ.get("STALEFLOW_TINY_MODEL_DIR", "~/.cache/staleflow/tiny-model")).expanduser())
+        model_dir = ensure_tiny_model(Path(default_tiny_model_dir()).expanduser())  # the session's (tests/conftest.py)
         trainer = TorchTrainer(model_dir, pad_id=PAD_ID)
         saved = Path(tempfile.mkdtemp(prefix="staleflow-bad-input-"))
         atexit.register(shutil.rmtree, saved, True)

@@ -164,6 +164,7 @@ def test_tester_catches_token_versions_outside_the_bound(monkeypatch: pytest.Mon
     assert not result.ok and "token versions" in (result.violation or ""), result.violation
 
 
+@pytest.mark.java  # verify --trace replays the trace in TLC
 def test_staleflow_verify_accepts_the_trace_of_a_run_with_crashes_and_restarts(tmp_path: Path) -> None:
     """A simulated run's protocol trace, one segment per coordinator restart, through the CLI
     (mirror and TLC replay), as a user would audit a production run."""
@@ -178,14 +179,14 @@ def test_staleflow_verify_accepts_the_trace_of_a_run_with_crashes_and_restarts(t
 
 
 @pytest.mark.ray
-def test_a_dead_ray_actor_is_a_lost_connection() -> None:
+def test_a_dead_ray_actor_is_a_lost_connection(ray_cluster) -> None:  # type: ignore[no-untyped-def]
     """A killed instance actor raises ConnectionError, the failure the run loop recovers from."""
     import collections
 
     import ray
     from staleflow.adapters.ray.placement import RayPlacement
 
-    placement = RayPlacement(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    placement = RayPlacement()  # on the shared cluster (tests/conftest.py)
     try:
         proxy = placement.place(collections.Counter, "aab")
         assert proxy.most_common(1) == [("a", 2)]
@@ -201,7 +202,7 @@ def test_a_dead_ray_actor_is_a_lost_connection() -> None:
 
 
 @pytest.mark.ray
-def test_run_loop_survives_a_killed_instance_actor() -> None:
+def test_run_loop_survives_a_killed_instance_actor(ray_cluster) -> None:  # type: ignore[no-untyped-def]
     """Real clock, instances as Ray actors: one actor is killed between steps; the run goes on
     with the others, nothing lost or duplicated, staleness within eta."""
     import ray
@@ -215,7 +216,7 @@ def test_run_loop_survives_a_killed_instance_actor() -> None:
     from staleflow.verification.chaos import draw_scenario, workload_for
 
     workload = workload_for(draw_scenario(0))
-    placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    placement = RayPlacement()  # on the shared cluster (tests/conftest.py)
     clock = RealClock()
     engines = [placement.place(SimEngine.from_workload, workload, f"i{i}", clock) for i in range(3)]
     parts = RunParts(engines=engines, trainer=SimTrainer.from_workload(workload, clock), prompts=workload.prompt_groups(0),

@@ -12,13 +12,12 @@ import torch
 from staleflow.adapters.torch.algorithms import Correction, LossSettings
 from staleflow.adapters.torch.fsdp import FSDPTrainer
 from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings
-from staleflow.cli.tiny_model import ensure_tiny_model
 from trainer_batches import make_batch
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model  # the session's (tests/conftest.py)
 
 
 def test_two_gloo_ranks_match_one_process_and_checkpoint(model_dir: Path, tmp_path: Path) -> None:

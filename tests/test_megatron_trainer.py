@@ -29,12 +29,11 @@ from staleflow.adapters.megatron.trainer import (
 )
 from staleflow.adapters.torch.algorithms import token_logprobs
 from staleflow.adapters.torch.trainer import load_causal_lm
-from staleflow.cli.tiny_model import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")
-def hf_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    return load_causal_lm(ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+def hf_model(tiny_model: Path):  # type: ignore[no-untyped-def]
+    return load_causal_lm(tiny_model)
 
 
 class _NoCudaRngTracker:

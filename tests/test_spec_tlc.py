@@ -9,6 +9,8 @@ from staleflow.verification import tlc
 from staleflow.verification.graph_equivalence import compare_graphs, parse_tla_value
 from staleflow.verification.spec_mutants import MUTANTS, check_mutant
 
+pytestmark = pytest.mark.java  # TLC
+
 TINY = SpecParams(eta=1, batch_size=1, redundancy=1)
 
 

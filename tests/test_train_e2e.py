@@ -82,11 +82,14 @@ def test_training_run_keeps_the_bound_and_learns(first_run: tuple[Path, dict]) -
     assert (run_dir / "tensorboard").is_dir()
 
 
-def test_resume_continues_from_the_checkpoint_within_the_bound(first_run: tuple[Path, dict]) -> None:
+def test_resume_continues_from_the_checkpoint_within_the_bound(first_run: tuple[Path, dict], tmp_path: Path) -> None:
+    import shutil
+
     from staleflow.cli.train import latest_checkpoint, train
     from staleflow.runtime.config import load_config
 
-    run_dir, _ = first_run
+    run_dir = tmp_path / "run"  # a copy: the module's run stays as the other tests read it
+    shutil.copytree(first_run[0], run_dir)
     checkpoint = latest_checkpoint(run_dir)
     assert checkpoint is not None and checkpoint.name == "step-000004"  # the final one
     checkpoint = run_dir / "checkpoints" / "step-000002"
