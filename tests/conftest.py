@@ -34,7 +34,6 @@ for _name, _value in {
 }.items():
     os.environ.setdefault(_name, _value)
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -124,16 +123,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
 
 
-_PARENT = Path(__file__).resolve().parents[2]
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _session_environment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The repository root holds an ``__init__.py`` (the package is the root itself), so pytest puts the
-    root's parent folder on sys.path when it sets up that package, before the first test; a sibling
-    folder there (another clone, say one named like a library: ``h11``) would shadow real packages.
-    And the built-in tiny model goes to this session's temporary folder, not to the home directory."""
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _PARENT]
+    """The built-in tiny model goes to this session's temporary folder, not to the home directory."""
     from staleflow.runtime.config_sections import TINY_MODEL_DIR_ENV
 
     before = os.environ.get(TINY_MODEL_DIR_ENV)

@@ -66,6 +66,12 @@ def test_a_seed_replays_identically_in_another_process(tmp_path: Path) -> None:
 # Each seed below broke the runtime (or the tester) before the fix named in the test.
 
 
+def _assert_injected(result: ChaosResult, kinds: list[str]) -> None:
+    """The faults a row is about did happen in its run (else the row tests nothing)."""
+    missing = [kind for kind in kinds if result.faults[kind] == 0]
+    assert not missing, f"{result.command}: {missing} never injected; injected {dict((k, v) for k, v in result.faults.items() if v)}"
+
+
 @pytest.mark.parametrize(
     ("seed", "kinds", "found"),
     [
@@ -84,23 +90,36 @@ def test_a_seed_replays_identically_in_another_process(tmp_path: Path) -> None:
     ],
 )
 def test_regression_fault_kind(seed: int, kinds: list[str], found: str) -> None:
-    _assert_ok(run_seed(seed, kinds=kinds))
+    result = run_seed(seed, kinds=kinds)
+    _assert_ok(result)
+    _assert_injected(result, kinds)
 
 
 @pytest.mark.parametrize(
-    ("seed", "kinds", "found"),
+    ("seed", "kinds", "injected", "found"),
     [
+        # The scenario of the original finding (its fault kinds drawn from these five); it injects no
+        # instance crash: the failed instance is one whose pull failed.
         pytest.param(10, ["instance_crash", "pull_fail", "coordinator_restart", "finish_delay", "snapshot_stale"],
+                     ["pull_fail", "coordinator_restart"],
                      "restart while a failed instance still held requests: RunLoop() refused the instance",
-                     id="restart with requests left on an instance: it starts as failed and is cleaned"),
-        pytest.param(39, None, "start-version-gc cancelled a group whose re-queued requests the same plan routed",
+                     id="restart with requests left on a failed instance: it starts as failed and is cleaned"),
+        pytest.param(30, ["instance_crash", "pull_fail", "coordinator_restart", "finish_delay", "snapshot_stale"],
+                     ["instance_crash", "pull_fail", "coordinator_restart", "finish_delay", "snapshot_stale"],
+                     "the same, with crashed instances: every kind of the row injected",
+                     id="restarts after instance crashes and failed pulls"),
+        pytest.param(39, None, ["coordinator_restart", "pull_fail"],
+                     "start-version-gc cancelled a group whose re-queued requests the same plan routed",
                      id="staleness GC runs before routing"),
-        pytest.param(78, None, "a push still failing at a restart: the new loop never pushed that version (livelock)",
+        pytest.param(78, None, ["push_fail", "coordinator_restart"],
+                     "a push still failing at a restart: the new loop never pushed that version (livelock)",
                      id="pushes are flushed before a checkpoint"),
     ],
 )
-def test_regression_seed(seed: int, kinds: list[str] | None, found: str) -> None:
-    _assert_ok(run_seed(seed, kinds=kinds, steps_healed=1))
+def test_regression_seed(seed: int, kinds: list[str] | None, injected: list[str], found: str) -> None:
+    result = run_seed(seed, kinds=kinds, steps_healed=1)
+    _assert_ok(result)
+    _assert_injected(result, injected)
 
 
 def test_results_finished_before_an_interrupt_arrive_before_its_reply() -> None:
