@@ -110,6 +110,31 @@ def test_resume_continues_from_the_checkpoint_within_the_bound(first_run: tuple[
     assert [r["step"] for r in records if r["kind"] == "step"][-3:] == [3, 4, 5]
 
 
+def test_report_rewrites_a_runs_report_and_compares_runs(first_run: tuple[Path, dict], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    from staleflow.cli import main
+
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        shutil.copytree(first_run[0], run)
+    for name in ("report.md", "reward.png", "throughput.png", "staleness.png", "instances.png"):
+        (runs[0] / name).unlink()
+    assert main(["report", str(runs[0])]) == 0
+    report = (runs[0] / "report.md").read_text()
+    assert report.startswith("# Training run: staleflow (eta 2)") and "| steps | 4 |" in report
+    assert "| audit (lost, duplicated) | 0, 0: ok |" in report
+    assert all((runs[0] / name).stat().st_size > 0 for name in ("reward.png", "throughput.png", "staleness.png", "instances.png"))
+    capsys.readouterr()
+    assert main(["report", *map(str, runs), "--out", str(tmp_path / "compare")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| staleflow | 2 | 4 |")]
+    assert len(rows) == 2 and "| 1.00x |" in rows[0]
+    assert (tmp_path / "compare" / "compare.png").stat().st_size > 0
+    assert main(["report", str(tmp_path / "not-a-run")]) == 2
+    assert "has no summary.json" in capsys.readouterr().err
+
+
 def _ancestors(pid: int) -> set[int]:
     """The parent, grandparent, ... of a process (from /proc)."""
     found: set[int] = set()
