@@ -26,6 +26,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -149,10 +150,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         scales = [_parse_scale(s) for s in args.scales]
     except ValueError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.ticks < 1:
-        print("error: --ticks must be >= 1")
+        print("error: --ticks must be >= 1", file=sys.stderr)
         return 2
     results = [measure(instances, requests, args.ticks, args.seed) for instances, requests in scales]
     command = "staleflow bench coordinator --scales " + " ".join(args.scales) + f" --ticks {args.ticks}"

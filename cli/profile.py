@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from staleflow.runtime.config_sections import default_tiny_model_dir
 from staleflow.runtime.cost_model import (
     CostModel,
     FitReport,
@@ -39,7 +40,6 @@ from staleflow.runtime.types import InstanceSnapshot
 
 DEFAULT_BATCH_SIZES = (1, 4, 16, 48, 96, 160)
 DEFAULT_PROMPT_LENGTHS = (16, 128, 384)
-DEFAULT_TINY_MODEL_DIR = "~/.cache/staleflow/tiny-model"
 POINTS_PER_BATCH = 4
 
 
@@ -197,7 +197,7 @@ class OnlineRefit:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help=f"local model folder (default: the built-in tiny model in {DEFAULT_TINY_MODEL_DIR})")
+    parser.add_argument("--model", help="local model folder (default: the built-in tiny model, see model.tiny_model_dir)")
     parser.add_argument("--out", default="cost_model.json", help="coefficients file to write, .json or .yaml (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the full result (points, fit) as JSON")
     parser.add_argument(
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     if longest > args.max_model_len:
         print(f"error: longest prompt + decode tokens = {longest} exceeds --max-model-len {args.max_model_len}", file=sys.stderr)
         return 2
-    model_dir = Path(args.model) if args.model else ensure_tiny_model(Path(DEFAULT_TINY_MODEL_DIR).expanduser())
+    model_dir = Path(args.model) if args.model else ensure_tiny_model(Path(default_tiny_model_dir()).expanduser())
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     log(f"profiling {model_dir}: n in {list(args.batch_sizes)}, prompt lengths {list(args.prompt_lengths)}")
 

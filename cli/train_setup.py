@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from staleflow.runtime.config_sections import default_tiny_model_dir
+
 if TYPE_CHECKING:
     from staleflow.runtime.config import JobConfig
 
@@ -53,7 +55,7 @@ def base_model(config: JobConfig) -> Path:
         return path
     from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
 
-    folder = Path(config.model.tiny_model_dir).expanduser()
+    folder = Path(config.model.tiny_model_dir or default_tiny_model_dir()).expanduser()
     if config.model.seed != 0:  # one folder per initialisation
         folder = folder.with_name(f"{folder.name}-seed{config.model.seed}")
     return ensure_tiny_model(folder, TinyModelSpec(seed=config.model.seed))

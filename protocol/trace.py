@@ -218,7 +218,9 @@ def read_trace(path: str | Path) -> list[TraceSegment]:
     """The segments of a JSONL trace file, in order; errors name the line.
 
     A file usually holds one segment; a writer opened with ``mode="a"`` (a resumed run, or several
-    runs in one file) starts a new segment with a new header line.
+    runs in one file) starts a new segment with a new header line. A last line without its newline
+    that is not JSON is the event a killed writer was writing (torn): it is ignored, as the writer
+    never finished recording it; a bad line anywhere else is an error.
     """
     segments: list[TraceSegment] = []
     header: TraceHeader | None = None
@@ -232,6 +234,8 @@ def read_trace(path: str | Path) -> list[TraceSegment]:
             try:
                 data = json.loads(line)
             except json.JSONDecodeError as error:
+                if not line.endswith("\n"):
+                    break  # torn: only the last line of a file can lack its newline
                 raise TraceFormatError(f"{where}: not JSON ({error.msg})") from None
             if isinstance(data, dict) and data.get("type") == "header":
                 if header is not None:
@@ -261,6 +265,33 @@ def write_trace(path: str | Path, segments: list[TraceSegment]) -> None:
 _Writer = TypeVar("_Writer", bound="JsonlTraceWriter")
 
 
+def drop_torn_line(path: Path) -> int:
+    """End the file at ``path`` on a whole line before a segment is appended to it: a last line
+    without its newline is cut off if it is not JSON (torn: a writer killed while writing it), else
+    its newline is added. Returns the bytes cut."""
+    if not path.is_file():
+        return 0
+    with open(path, "rb+") as stream:
+        size = stream.seek(0, 2)
+        tail, start = b"", size
+        while start > 0 and b"\n" not in tail:  # the last line, read backwards in blocks
+            block = min(start, 1 << 16)
+            start -= block
+            stream.seek(start)
+            tail = stream.read(block) + tail
+        if not tail or tail.endswith(b"\n"):
+            return 0
+        last = tail[tail.rfind(b"\n") + 1 :]
+        try:
+            json.loads(last)
+        except ValueError:  # not JSON (a decode error is a ValueError too)
+            stream.truncate(size - len(last))
+            return len(last)
+        stream.seek(0, 2)
+        stream.write(b"\n")
+    return 0
+
+
 class JsonlTraceWriter:
     """An event hook that appends every :class:`ProtocolEvent` to a JSONL trace file.
 
@@ -276,6 +307,8 @@ class JsonlTraceWriter:
         if mode not in ("w", "a"):
             raise ValueError(f"mode must be 'w' (new file) or 'a' (append a segment), got {mode!r}")
         self.path = Path(path)
+        if mode == "a":
+            drop_torn_line(self.path)
         # the writer owns the stream until close(); line-buffered so a crash leaves whole lines
         self._stream: IO[str] | None = open(self.path, mode, encoding="utf-8", buffering=1)  # noqa: SIM115
         self._stream.write(json.dumps(header.to_json()) + "\n")

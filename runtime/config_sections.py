@@ -4,6 +4,7 @@ with bounds on every field and cross-field rules that name the keys.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
@@ -18,12 +19,23 @@ class ConfigSection(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
 
 
+#: where the built-in tiny model is built when ``model.tiny_model_dir`` is null (else ~/.cache/staleflow/tiny-model)
+TINY_MODEL_DIR_ENV = "STALEFLOW_TINY_MODEL_DIR"
+
+
+def default_tiny_model_dir() -> str:
+    """``$STALEFLOW_TINY_MODEL_DIR`` if set (the test suite points it at a temporary folder), else
+    ``~/.cache/staleflow/tiny-model`` (not yet expanded)."""
+    return os.environ.get(TINY_MODEL_DIR_ENV) or "~/.cache/staleflow/tiny-model"
+
+
 class ModelConfig(ConfigSection):
     """The policy model. ``path`` null: the built-in tiny model, built locally (no hub) in
-    ``tiny_model_dir`` (``<tiny_model_dir>-seed<seed>`` for a seed other than 0)."""
+    ``tiny_model_dir`` (``<tiny_model_dir>-seed<seed>`` for a seed other than 0); ``tiny_model_dir``
+    null: :func:`default_tiny_model_dir`."""
 
     path: str | None = None
-    tiny_model_dir: str = Field("~/.cache/staleflow/tiny-model", min_length=1)
+    tiny_model_dir: str | None = Field(None, min_length=1)
     seed: StrictInt = Field(0, ge=0)
 
 

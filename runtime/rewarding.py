@@ -261,10 +261,14 @@ class RewardRunner:
     (simulation: every group completes at once with ``rewards=None``).
     """
 
-    def __init__(self, reward_fn: RewardFn | PooledReward | None, timeout_s: float = 30.0, max_workers: int = 4) -> None:
+    def __init__(
+        self, reward_fn: RewardFn | PooledReward | None, timeout_s: float = 30.0, max_workers: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward timeout must be > 0 seconds, got {timeout_s}")
         self._timeout = timeout_s
+        self._now = clock  # the timeout's clock (wall time; a test injects its own)
         self._scorers: ScorerPool | None = None
         self._prepare: Callable[[Trajectory, dict[str, Any]], ScoreInput] | None = None
         self._fn: RewardFn | None = None
@@ -295,7 +299,7 @@ class RewardRunner:
             self._ready.append(RewardOutcome(group_id, None))
             return
         future = self._pool.submit(_reward_group, self._fn, list(trajectories), dict(metadata))
-        self._running[group_id] = (future, time.monotonic())
+        self._running[group_id] = (future, self._now())
 
     def pending(self) -> int:
         scored = self._scorers.pending() if self._scorers is not None else 0
@@ -308,8 +312,8 @@ class RewardRunner:
             return outcomes + self._scorers.poll(block)
         if block and self._running:
             deadline = max(start for _, start in self._running.values()) + self._timeout
-            wait([f for f, _ in self._running.values()], timeout=max(0.0, deadline - time.monotonic()))
-        now = time.monotonic()
+            wait([f for f, _ in self._running.values()], timeout=max(0.0, deadline - self._now()))
+        now = self._now()
         for group_id, (future, start) in list(self._running.items()):
             if future.done():
                 error = future.exception()

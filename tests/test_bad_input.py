@@ -536,9 +536,10 @@ def _trainer_checkpoint(tmp: Path, damage: Callable[[Path], None]) -> Any:
     trainer's model and version must be unchanged by the refused load."""
     from staleflow.adapters.torch.trainer import TorchTrainer
     from staleflow.cli.tiny_model import PAD_ID, ensure_tiny_model
+    from staleflow.runtime.config_sections import default_tiny_model_dir
 
     if not _TRAINER:
-        model_dir = ensure_tiny_model(Path(os.environ.get("STALEFLOW_TINY_MODEL_DIR", "~/.cache/staleflow/tiny-model")).expanduser())
+        model_dir = ensure_tiny_model(Path(default_tiny_model_dir()).expanduser())  # the session's (tests/conftest.py)
         trainer = TorchTrainer(model_dir, pad_id=PAD_ID)
         saved = Path(tempfile.mkdtemp(prefix="staleflow-bad-input-"))
         atexit.register(shutil.rmtree, saved, True)
@@ -560,6 +561,22 @@ def _truncate(name: str) -> Callable[[Path], None]:
     def damage(folder: Path) -> None:
         data = (folder / name).read_bytes()
         (folder / name).write_bytes(data[: len(data) // 2])
+
+    return damage
+
+
+def _state_without(part: str) -> Callable[[Path], None]:
+    """A readable checkpoint whose optimiser state lacks ``part``, with every weight shifted (so that a
+    load that touched the model before refusing would show)."""
+
+    def damage(folder: Path) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        del state["optimizer"][part]
+        torch.save(state, folder / "trainer_state.pt")
+        save_file({k: v + 1.0 for k, v in load_file(str(folder / "model.safetensors")).items()}, str(folder / "model.safetensors"))
 
     return damage
 
@@ -586,22 +603,29 @@ TRAINER_CHECKPOINT_CASES = [
         "checkpoint",
         "trainer checkpoint with a truncated model.safetensors",
         lambda tmp: _trainer_checkpoint(tmp, _truncate("model.safetensors")),
-        Exception,
+        ValueError,
         ("model.safetensors",),
     ),
     Case(
         "checkpoint",
         "trainer checkpoint with a truncated trainer_state.pt",
         lambda tmp: _trainer_checkpoint(tmp, _truncate("trainer_state.pt")),
-        Exception,
+        ValueError,
         ("trainer_state.pt",),
     ),
     Case(
         "checkpoint",
         "trainer checkpoint of another model (a tensor of another shape)",
         lambda tmp: _trainer_checkpoint(tmp, _other_model),
-        Exception,
+        ValueError,
         ("model.safetensors", "size mismatch"),
+    ),
+    Case(
+        "checkpoint",
+        "trainer checkpoint whose state lacks the optimiser's parameter groups (readable, other weights)",
+        lambda tmp: _trainer_checkpoint(tmp, _state_without("param_groups")),
+        ValueError,
+        ("trainer_state.pt", "no optimiser state"),
     ),
 ]
 
@@ -642,7 +666,7 @@ def test_bad_input_is_refused_with_a_clear_error(case: Case, tmp_path: Path) -> 
     error, message = outcome(case, tmp_path)
     assert error is not None, f"accepted: {case.what}"
     assert error is not StateChanged, message
-    assert issubclass(error, case.error), f"{error.__name__}: {message}"
+    assert error is case.error, f"{error.__name__} (expected exactly {case.error.__name__}): {message}"
     missing = [name for name in case.names if name not in message]
     assert not missing, f"the message does not name {missing}: {message}"
 

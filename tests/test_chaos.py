@@ -66,6 +66,12 @@ def test_a_seed_replays_identically_in_another_process(tmp_path: Path) -> None:
 # Each seed below broke the runtime (or the tester) before the fix named in the test.
 
 
+def _assert_injected(result: ChaosResult, kinds: list[str]) -> None:
+    """The faults a row is about did happen in its run (else the row tests nothing)."""
+    missing = [kind for kind in kinds if result.faults[kind] == 0]
+    assert not missing, f"{result.command}: {missing} never injected; injected {dict((k, v) for k, v in result.faults.items() if v)}"
+
+
 @pytest.mark.parametrize(
     ("seed", "kinds", "found"),
     [
@@ -84,23 +90,36 @@ def test_a_seed_replays_identically_in_another_process(tmp_path: Path) -> None:
     ],
 )
 def test_regression_fault_kind(seed: int, kinds: list[str], found: str) -> None:
-    _assert_ok(run_seed(seed, kinds=kinds))
+    result = run_seed(seed, kinds=kinds)
+    _assert_ok(result)
+    _assert_injected(result, kinds)
 
 
 @pytest.mark.parametrize(
-    ("seed", "kinds", "found"),
+    ("seed", "kinds", "injected", "found"),
     [
+        # The scenario of the original finding (its fault kinds drawn from these five); it injects no
+        # instance crash: the failed instance is one whose pull failed.
         pytest.param(10, ["instance_crash", "pull_fail", "coordinator_restart", "finish_delay", "snapshot_stale"],
+                     ["pull_fail", "coordinator_restart"],
                      "restart while a failed instance still held requests: RunLoop() refused the instance",
-                     id="restart with requests left on an instance: it starts as failed and is cleaned"),
-        pytest.param(39, None, "start-version-gc cancelled a group whose re-queued requests the same plan routed",
+                     id="restart with requests left on a failed instance: it starts as failed and is cleaned"),
+        pytest.param(30, ["instance_crash", "pull_fail", "coordinator_restart", "finish_delay", "snapshot_stale"],
+                     ["instance_crash", "pull_fail", "coordinator_restart", "finish_delay", "snapshot_stale"],
+                     "the same, with crashed instances: every kind of the row injected",
+                     id="restarts after instance crashes and failed pulls"),
+        pytest.param(39, None, ["coordinator_restart", "pull_fail"],
+                     "start-version-gc cancelled a group whose re-queued requests the same plan routed",
                      id="staleness GC runs before routing"),
-        pytest.param(78, None, "a push still failing at a restart: the new loop never pushed that version (livelock)",
+        pytest.param(78, None, ["push_fail", "coordinator_restart"],
+                     "a push still failing at a restart: the new loop never pushed that version (livelock)",
                      id="pushes are flushed before a checkpoint"),
     ],
 )
-def test_regression_seed(seed: int, kinds: list[str] | None, found: str) -> None:
-    _assert_ok(run_seed(seed, kinds=kinds, steps_healed=1))
+def test_regression_seed(seed: int, kinds: list[str] | None, injected: list[str], found: str) -> None:
+    result = run_seed(seed, kinds=kinds, steps_healed=1)
+    _assert_ok(result)
+    _assert_injected(result, injected)
 
 
 def test_results_finished_before_an_interrupt_arrive_before_its_reply() -> None:
@@ -164,6 +183,7 @@ def test_tester_catches_token_versions_outside_the_bound(monkeypatch: pytest.Mon
     assert not result.ok and "token versions" in (result.violation or ""), result.violation
 
 
+@pytest.mark.java  # verify --trace replays the trace in TLC
 def test_staleflow_verify_accepts_the_trace_of_a_run_with_crashes_and_restarts(tmp_path: Path) -> None:
     """A simulated run's protocol trace, one segment per coordinator restart, through the CLI
     (mirror and TLC replay), as a user would audit a production run."""
@@ -178,14 +198,14 @@ def test_staleflow_verify_accepts_the_trace_of_a_run_with_crashes_and_restarts(t
 
 
 @pytest.mark.ray
-def test_a_dead_ray_actor_is_a_lost_connection() -> None:
+def test_a_dead_ray_actor_is_a_lost_connection(ray_cluster) -> None:  # type: ignore[no-untyped-def]
     """A killed instance actor raises ConnectionError, the failure the run loop recovers from."""
     import collections
 
     import ray
     from staleflow.adapters.ray.placement import RayPlacement
 
-    placement = RayPlacement(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    placement = RayPlacement()  # on the shared cluster (tests/conftest.py)
     try:
         proxy = placement.place(collections.Counter, "aab")
         assert proxy.most_common(1) == [("a", 2)]
@@ -201,7 +221,7 @@ def test_a_dead_ray_actor_is_a_lost_connection() -> None:
 
 
 @pytest.mark.ray
-def test_run_loop_survives_a_killed_instance_actor() -> None:
+def test_run_loop_survives_a_killed_instance_actor(ray_cluster) -> None:  # type: ignore[no-untyped-def]
     """Real clock, instances as Ray actors: one actor is killed between steps; the run goes on
     with the others, nothing lost or duplicated, staleness within eta."""
     import ray
@@ -215,7 +235,7 @@ def test_run_loop_survives_a_killed_instance_actor() -> None:
     from staleflow.verification.chaos import draw_scenario, workload_for
 
     workload = workload_for(draw_scenario(0))
-    placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    placement = RayPlacement()  # on the shared cluster (tests/conftest.py)
     clock = RealClock()
     engines = [placement.place(SimEngine.from_workload, workload, f"i{i}", clock) for i in range(3)]
     parts = RunParts(engines=engines, trainer=SimTrainer.from_workload(workload, clock), prompts=workload.prompt_groups(0),

@@ -15,13 +15,13 @@ from staleflow.adapters.torch.hf_folder import read_weights
 from staleflow.adapters.torch.packing import LogProbModel, batch_sequences, micro_batches
 from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings, load_causal_lm
 from staleflow.cli import main
-from staleflow.cli.tiny_model import build_tokenizer, ensure_tiny_model
+from staleflow.cli.tiny_model import build_tokenizer
 from trainer_batches import make_batch
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+def tiny(tiny_model: Path) -> Path:
+    return tiny_model  # the session's (tests/conftest.py)
 
 
 def _tied_copy(tiny: Path, target: Path) -> Path:

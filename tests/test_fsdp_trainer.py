@@ -12,13 +12,12 @@ import torch
 from staleflow.adapters.torch.algorithms import Correction, LossSettings
 from staleflow.adapters.torch.fsdp import FSDPTrainer
 from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings
-from staleflow.cli.tiny_model import ensure_tiny_model
 from trainer_batches import make_batch
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model  # the session's (tests/conftest.py)
 
 
 def test_two_gloo_ranks_match_one_process_and_checkpoint(model_dir: Path, tmp_path: Path) -> None:
@@ -55,6 +54,20 @@ def test_two_gloo_ranks_match_one_process_and_checkpoint(model_dir: Path, tmp_pa
         (tmp_path / "bad" / "trainer_state.pt").write_bytes((tmp_path / "ckpt" / "trainer_state.pt").read_bytes())
         with pytest.raises(ValueError, match="cannot be read"):
             fsdp.load_checkpoint(tmp_path / "bad")
+        # A readable state without the optimiser's parameter groups (and shifted weights): refused before any rank loads.
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+        shutil.copytree(tmp_path / "ckpt", tmp_path / "no-groups")
+        state = torch.load(tmp_path / "no-groups" / "trainer_state.pt", weights_only=False)
+        del state["optimizer"]["param_groups"]
+        torch.save(state, tmp_path / "no-groups" / "trainer_state.pt")
+        shifted = {k: v + 1.0 for k, v in load_file(str(tmp_path / "no-groups" / "model.safetensors")).items()}
+        save_file(shifted, str(tmp_path / "no-groups" / "model.safetensors"))
+        kept = {k: v.clone() for k, v in fsdp.weights().items()}
+        with pytest.raises(ValueError, match="holds no optimiser state"):
+            fsdp.load_checkpoint(tmp_path / "no-groups")
+        assert all(torch.equal(v, fsdp.weights()[k]) for k, v in kept.items())
         assert fsdp.version == 2
         saved = {k: v.clone() for k, v in fsdp.weights().items()}
         batch = make_batch(version=2, groups=4, size=4, seed=7)

@@ -30,12 +30,11 @@ from staleflow.adapters.megatron.trainer import (
 )
 from staleflow.adapters.torch.algorithms import token_logprobs
 from staleflow.adapters.torch.trainer import load_causal_lm
-from staleflow.cli.tiny_model import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")
-def hf_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    return load_causal_lm(ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+def hf_model(tiny_model: Path):  # type: ignore[no-untyped-def]
+    return load_causal_lm(tiny_model)
 
 
 class _NoCudaRngTracker:
@@ -104,12 +103,11 @@ def test_conversion_refuses_an_incomplete_checkpoint(hf_model, megatron_on_cpu) 
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-def test_trainer_refuses_to_start_without_cuda(tmp_path: Path) -> None:
+def test_trainer_refuses_to_start_without_cuda(tmp_path: Path, tiny_model: Path) -> None:
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         MegatronTrainer(tmp_path)
-    ensure_tiny_model(tmp_path / "model")
     with pytest.raises(RuntimeError, match="needs CUDA GPUs"):
-        MegatronTrainer(tmp_path / "model")
+        MegatronTrainer(tiny_model)
 
 
 # ------------------------------------------------------------------------------------------ Qwen3
@@ -181,3 +179,13 @@ def test_megatron_checkpoints_are_checked_before_loading(hf_model, tmp_path: Pat
     torch.save(dict(good, model=other), tmp_path / "megatron_trainer.pt")
     with pytest.raises(ValueError, match="another model's weights: missing \\['output_layer.weight'\\]; size mismatch"):
         read_megatron_checkpoint(tmp_path, expected)
+    # Parts that would fail only while loading (after the model is overwritten) are refused here.
+    for broken, message in (
+        (dict(good, version="3"), "version='3': not a count"),
+        (dict(good, steps_taken=-1), "steps_taken=-1: not a count"),
+        (dict(good, model=None), "no model state dict"),
+    ):
+        torch.save(broken, tmp_path / "megatron_trainer.pt")
+        with pytest.raises(ValueError, match=message):
+            read_megatron_checkpoint(tmp_path, expected)
+

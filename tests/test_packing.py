@@ -21,7 +21,7 @@ from staleflow.adapters.torch.packing import (
     split_across_ranks,
 )
 from staleflow.adapters.torch.trainer import load_causal_lm
-from staleflow.cli.tiny_model import build_tokenizer, ensure_tiny_model
+from staleflow.cli.tiny_model import build_tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainer_batches import make_batch
 
@@ -29,8 +29,8 @@ VOCAB, HIDDEN = 320, 128
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model  # the session's (tests/conftest.py)
 
 
 def test_micro_batch_plans_respect_the_budget_and_keep_every_sequence() -> None:

@@ -64,12 +64,11 @@ def test_rw_lock_writer_excludes_readers_and_waits_for_them():
     reader_in, writer_done = threading.Event(), threading.Event()
     release_reader = threading.Event()
 
-    def reader():
+    def reader():  # no assert here: a failure in a thread would not fail the test; the log shows it
         with lock.reading():
             log.append("read-start")
             reader_in.set()
-            assert release_reader.wait(10)
-            log.append("read-end")
+            log.append("read-end" if release_reader.wait(10) else "reader never released")
 
     def writer():
         with lock.writing():

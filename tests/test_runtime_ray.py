@@ -19,16 +19,21 @@ from staleflow.runtime.trajectory_server import TrajectoryServer
 
 
 def test_in_process_placement_builds_the_part_itself():
-    ts = InProcessPlacement().place(TrajectoryServer)
-    assert isinstance(ts, TrajectoryServer)
+    import collections
+
+    placement = InProcessPlacement()
+    counter = placement.place(collections.Counter, "aab")  # the arguments reach the constructor
+    assert type(counter) is collections.Counter and counter.most_common(1) == [("a", 2)]
+    ts = placement.place(TrajectoryServer)
+    assert type(ts) is TrajectoryServer and ts.queued_count() == 0  # the part itself, not a proxy
 
 
 @pytest.mark.ray
-def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing(monkeypatch):
+def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing(monkeypatch, ray_cluster):
     """Every part in its own actor; weights go from the parameter server's actor straight to the
     engine's: the driver only passes references (fetching one in the driver would raise here)."""
     ray.cloudpickle.register_pickle_by_value(runtime_fakes)  # workers cannot import the tests folder
-    placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    placement = RayPlacement()  # on the shared cluster (tests/conftest.py)
     try:
         clock = RealClock()  # monotonic time: the same origin in every local actor
         # one engine: each actor is a worker process, and starting one takes seconds on a loaded CPU
@@ -59,11 +64,11 @@ def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing(monkeypatch):
         loop.close()
     finally:
         placement.close()
-    assert not ray.is_initialized()
+    assert not placement._actors  # every actor it placed is gone (the shared cluster stays up)
 
 
 @pytest.mark.ray
-def test_a_parameter_server_actor_broadcasts_a_version_to_a_receiver_in_another_process():
+def test_a_parameter_server_actor_broadcasts_a_version_to_a_receiver_in_another_process(ray_cluster):
     """Pulls from a Ray-placed broadcasting parameter server hand out broadcast references; the
     receiver (here the driver, in a real run an engine's workers) gets every tensor over gloo,
     in buckets, from the server's process."""
@@ -71,7 +76,7 @@ def test_a_parameter_server_actor_broadcasts_a_version_to_a_receiver_in_another_
     from staleflow.adapters.torch.weight_broadcast import BroadcastWeights, receive
 
     weights = {f"layer{i}.weight": torch.randn(64, 32) for i in range(5)} | {"norm.weight": torch.ones(32)}
-    placement = RayPlacement(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    placement = RayPlacement()  # on the shared cluster (tests/conftest.py)
     try:
         server = RemoteParameterServer.place(placement, broadcast={"wire_dtype": "float32", "bucket_bytes": 16 << 10})
         server.push(0, weights)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from staleflow.runtime.rewarding import RewardRunner
 from staleflow.runtime.types import Trajectory
@@ -32,14 +33,25 @@ def test_exception_non_number_and_timeout_mark_the_group():
         release.wait(10)
         return 1.0
 
-    runner = RewardRunner(reward, timeout_s=0.1)
+    now = [0.0]  # the timeout's clock, moved by the test: no wall-clock budget
+    runner = RewardRunner(reward, timeout_s=5.0, clock=lambda: now[0])
     for gid in ("boom", "text", "hang"):
         runner.submit(gid, _trajectories(gid, [1]), {})
-    outcomes = {o.group_id: o for o in runner.poll(block=True)}
+    outcomes = {}
+    for _ in range(3000):  # the two quick groups finish in their threads (at most 30 s of wall time)
+        outcomes.update((o.group_id, o) for o in runner.poll())
+        if {"boom", "text"} <= outcomes.keys():
+            break
+        time.sleep(0.01)
+    assert outcomes.keys() == {"boom", "text"}  # "hang" is neither done nor past its timeout yet
+    now[0] = 4.9
+    assert runner.poll() == [] and runner.pending() == 1
+    now[0] = 5.0
+    outcomes.update((o.group_id, o) for o in runner.poll())
     release.set()
     assert outcomes["boom"].rewards is None and outcomes["boom"].error.startswith("KeyError")
     assert "returned str, not a number" in outcomes["text"].error
-    assert outcomes["hang"].error == "reward timed out after 0.1 s"
+    assert outcomes["hang"].error == "reward timed out after 5.0 s"
     assert runner.pending() == 0
     runner.close()
 

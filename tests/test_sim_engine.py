@@ -37,7 +37,16 @@ def expected_time(steps: int, n: int, kv: int) -> float:
 
 
 def test_is_a_rollout_engine() -> None:
-    assert isinstance(SimEngine("i", VirtualClock(), COST, 1000), RolloutEngine)
+    """Every method of the seam, with the seam's parameters (isinstance on a Protocol checks names only)."""
+    import inspect
+
+    engine = SimEngine("i", VirtualClock(), COST, 1000)
+    assert isinstance(engine, RolloutEngine)
+    members = [n for n, v in vars(RolloutEngine).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert members, "the seam has methods"
+    for name in members:
+        wanted = list(inspect.signature(getattr(RolloutEngine, name)).parameters)[1:]
+        assert list(inspect.signature(getattr(engine, name)).parameters) == wanted, name
 
 
 def test_step_latency_follows_the_cost_model() -> None:

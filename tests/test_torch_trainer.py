@@ -17,7 +17,6 @@ from staleflow.cli.tiny_model import (
     EOS_ID,
     PAD_ID,
     build_tokenizer,
-    ensure_tiny_model,
 )
 from staleflow.cli.warmup import warm_up
 from staleflow.runtime.tasks import repeat_letter_prompts
@@ -25,8 +24,8 @@ from staleflow.runtime.types import TrainingBatch, Trajectory
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model  # the session's (tests/conftest.py)
 
 
 def _behaviour(model_path: Path, prompt: list[int], output: list[int]) -> list[float]:

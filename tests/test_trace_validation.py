@@ -56,6 +56,7 @@ def test_trace_errors_name_the_line(tmp_path: Path) -> None:
         JsonlTraceWriter(tmp_path / "x.jsonl", header, mode="r")
 
 
+@pytest.mark.java
 def test_real_trace_with_resume_is_accepted_by_mirror_and_tlc(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     written = tv.record_workload_trace(path, eta=2, batch_size=3, redundancy=1, ops=1100, seed=7, resume_at=1000)
@@ -72,6 +73,7 @@ def test_real_trace_with_resume_is_accepted_by_mirror_and_tlc(tmp_path: Path) ->
     assert "segment 1 (line 1) TLC: 1,001 distinct states" in result.detail
 
 
+@pytest.mark.java
 def test_corrupted_trace_is_rejected_at_the_offending_event(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     tv.record_workload_trace(path, eta=2, batch_size=3, redundancy=1, ops=300, seed=3)

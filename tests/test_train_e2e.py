@@ -82,11 +82,14 @@ def test_training_run_keeps_the_bound_and_learns(first_run: tuple[Path, dict]) -
     assert (run_dir / "tensorboard").is_dir()
 
 
-def test_resume_continues_from_the_checkpoint_within_the_bound(first_run: tuple[Path, dict]) -> None:
+def test_resume_continues_from_the_checkpoint_within_the_bound(first_run: tuple[Path, dict], tmp_path: Path) -> None:
+    import shutil
+
     from staleflow.cli.train import latest_checkpoint, train
     from staleflow.runtime.config import load_config
 
-    run_dir, _ = first_run
+    run_dir = tmp_path / "run"  # a copy: the module's run stays as the other tests read it
+    shutil.copytree(first_run[0], run_dir)
     checkpoint = latest_checkpoint(run_dir)
     assert checkpoint is not None and checkpoint.name == "step-000004"  # the final one
     checkpoint = run_dir / "checkpoints" / "step-000002"
@@ -105,6 +108,31 @@ def test_resume_continues_from_the_checkpoint_within_the_bound(first_run: tuple[
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(r["kind"] == "resumed" and r["step"] == 2 for r in records)
     assert [r["step"] for r in records if r["kind"] == "step"][-3:] == [3, 4, 5]
+
+
+def test_report_rewrites_a_runs_report_and_compares_runs(first_run: tuple[Path, dict], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    from staleflow.cli import main
+
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        shutil.copytree(first_run[0], run)
+    for name in ("report.md", "reward.png", "throughput.png", "staleness.png", "instances.png"):
+        (runs[0] / name).unlink()
+    assert main(["report", str(runs[0])]) == 0
+    report = (runs[0] / "report.md").read_text()
+    assert report.startswith("# Training run: staleflow (eta 2)") and "| steps | 4 |" in report
+    assert "| audit (lost, duplicated) | 0, 0: ok |" in report
+    assert all((runs[0] / name).stat().st_size > 0 for name in ("reward.png", "throughput.png", "staleness.png", "instances.png"))
+    capsys.readouterr()
+    assert main(["report", *map(str, runs), "--out", str(tmp_path / "compare")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| staleflow | 2 | 4 |")]
+    assert len(rows) == 2 and "| 1.00x |" in rows[0]
+    assert (tmp_path / "compare" / "compare.png").stat().st_size > 0
+    assert main(["report", str(tmp_path / "not-a-run")]) == 2
+    assert "has no summary.json" in capsys.readouterr().err
 
 
 def _ancestors(pid: int) -> set[int]:

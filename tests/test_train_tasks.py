@@ -5,7 +5,6 @@ rendering with the tiny model's template, and W&B logging (offline)."""
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 import time
 from pathlib import Path
@@ -181,12 +180,11 @@ def test_scorer_arguments_carry_the_row_not_the_run_keys() -> None:
     assert scorer_arguments("#### 7", metadata) == ([{"role": "user", "content": "q"}], "#### 7", "7", {"data_source": "d"})
 
 
-def test_chat_rendering_with_the_tiny_models_template(tmp_path: Path) -> None:
+def test_chat_rendering_with_the_tiny_models_template(tmp_path: Path, tiny_model: Path) -> None:
     pytest.importorskip("transformers")
-    from staleflow.cli.tiny_model import ensure_tiny_model
     from staleflow.cli.train_setup import TaskData, Tokens
 
-    model = ensure_tiny_model(Path(os.environ.get("STALEFLOW_TINY_MODEL_DIR", "~/.cache/staleflow/tiny-model")).expanduser())
+    model = tiny_model
     row = {
         "prompt": [{"role": "user", "content": "Ann has 2 pens and buys 3 more. How many pens now?"}],
         "reward_model": {"ground_truth": "5"},

@@ -63,10 +63,8 @@ def _torch_logprobs(model_dir, state_dict, prompt, output):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from staleflow.cli.tiny_model import ensure_tiny_model
-
-    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+def model_dir(tiny_model):
+    return tiny_model  # the session's (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,12 @@ pytestmark = [
 ]
 
 
-def test_a_crashed_engine_thread_is_an_instance_failure_the_run_loop_recovers_from(tmp_path):
+def test_a_crashed_engine_thread_is_an_instance_failure_the_run_loop_recovers_from(tiny_model):
     """The vLLM binding raises only the seam's failure contract: when its engine thread dies, every
     call raises ``EngineFailed`` (an ``InstanceLostError``), and the run loop re-queues the requests
     it had placed there and finishes on the other instance."""
     from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
     from staleflow.adapters.vllm.engine import EngineFailed, SamplingConfig, VLLMEngine
-    from staleflow.cli.tiny_model import ensure_tiny_model
     from staleflow.runtime.assembly import RunSpec, assemble_run
     from staleflow.runtime.clock import RealClock
     from staleflow.runtime.cost_model import CostModel
@@ -39,7 +38,7 @@ def test_a_crashed_engine_thread_is_an_instance_failure_the_run_loop_recovers_fr
         def weights(self) -> str:
             return str(model_dir)
 
-    model_dir = ensure_tiny_model(tmp_path / "model")
+    model_dir = tiny_model  # the session's (read only)
     engine = VLLMEngine("local", model_dir, sampling=SamplingConfig(temperature=0.0))
     engine._llm.step = crash  # the engine thread calls it as soon as it has a request
     clock = RealClock()

@@ -217,6 +217,11 @@ def read_megatron_checkpoint(folder: str | os.PathLike[str], expected: Mapping[s
         raise ValueError(f"checkpoint file {source} lacks {missing}")
     if state["format"] != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint file {source} is in format {state['format']!r}, not {CHECKPOINT_FORMAT!r}")
+    bad = [k for k in ("version", "steps_taken") if isinstance(state[k], bool) or not isinstance(state[k], int) or state[k] < 0]
+    if bad:
+        raise ValueError(f"checkpoint file {source} holds {', '.join(f'{k}={state[k]!r}' for k in bad)}: not a count >= 0")
+    if not isinstance(state["model"], dict):
+        raise ValueError(f"checkpoint file {source} holds no model state dict")
     weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
     _check_weights_match(weights, {k: v for k, v in expected.items() if not k.endswith("_extra_state")}, source)
     if layout is not None:

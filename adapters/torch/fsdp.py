@@ -35,6 +35,7 @@ from staleflow.adapters.torch.trainer import (
     PublishedWeightsDecoder,
     TrainerSettings,
     _check_weights_match,
+    check_trainer_state,
     load_causal_lm,
     read_trainer_checkpoint,
 )
@@ -210,7 +211,7 @@ class FSDPTrainer(BackgroundStepTrainer):
         weights, state = read_trainer_checkpoint(source)
         expected = {name: torch.empty(shape, device="meta") for name, shape in self._shapes.items()}
         _check_weights_match(weights, expected, source / CHECKPOINT_MODEL)
-        _check_state(state, self._params, source / CHECKPOINT_STATE)
+        _check_state(state, self._params, self._shapes, source / CHECKPOINT_STATE)
         with self._lock:
             self._workers.call_all("load", [(weights if rank == 0 else None, state) for rank in range(self._world)])
             random.setstate(state["python_rng"])
@@ -233,15 +234,10 @@ class FSDPTrainer(BackgroundStepTrainer):
         self._workers.close()
 
 
-def _check_state(state: Any, params: list[str], path: Path) -> None:
-    """Refuse a trainer state that is not this trainer's (format, keys, parameter names)."""
+def _check_state(state: Any, params: list[str], shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Refuse a trainer state that is not this trainer's (format, then every part: :func:`check_trainer_state`)."""
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         found = state.get("format", "a torch-trainer state") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"checkpoint file {path} is not an FSDP trainer state ({CHECKPOINT_FORMAT}); found {found}")
-    missing = [k for k in ("version", "optimizer", "scheduler", "torch_rng", "python_rng") if k not in state]
-    if missing:
-        raise ValueError(f"checkpoint file {path} lacks {missing}")
-    names = set(state["optimizer"].get("state", {}))
-    unknown = sorted(names - set(params))
-    if unknown:
-        raise ValueError(f"checkpoint file {path} holds optimiser state of parameters this model lacks: {unknown[:3]}")
+    known = {name: shapes[name.removeprefix(_PREFIX)] for name in params if name.removeprefix(_PREFIX) in shapes}
+    check_trainer_state(state, path, [params], known)

@@ -176,9 +176,9 @@ class TorchTrainer(BackgroundStepTrainer):
         if not isinstance(state, dict) or state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"checkpoint file {source / CHECKPOINT_STATE} is not a torch trainer state ({CHECKPOINT_FORMAT}): {found}")
-        missing = [k for k in ("version", "optimizer", "scheduler", "torch_rng", "python_rng") if k not in state]
-        if missing:
-            raise ValueError(f"checkpoint file {source / CHECKPOINT_STATE} lacks {missing}")
+        groups = [group["params"] for group in self._optimizer.state_dict()["param_groups"]]
+        shapes = dict(enumerate(tuple(p.shape) for p in self._model.parameters()))
+        check_trainer_state(state, source / CHECKPOINT_STATE, groups, shapes)
         with self._lock:
             self._model.load_state_dict(weights, strict=True)
             self._optimizer.load_state_dict(state["optimizer"])
@@ -248,6 +248,50 @@ def read_trainer_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], Any]
     weights = _read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
     state = _read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
     return weights, state
+
+
+def check_trainer_state(state: dict[str, Any], path: Path, groups: Sequence[Sequence[Any]], shapes: Mapping[Any, tuple[int, ...]]) -> None:
+    """Refuse a trainer state (``trainer_state.pt``) that cannot be restored whole, naming the file and
+    the part: a missing part, a version that is not a count, an optimiser state of other parameter
+    groups (``groups``: the parameter keys of each group) or of other shapes (``shapes``: by key, where known), a
+    scheduler or RNG state that does not load. Checked before anything is loaded: a refused load
+    changes nothing."""
+    missing = [k for k in ("version", "optimizer", "scheduler", "torch_rng", "python_rng") if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint file {path} lacks {missing}")
+    version = state["version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"checkpoint file {path} holds version {version!r}, not a count >= 0")
+    optimizer = state["optimizer"]
+    found = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(found, list) or not isinstance(optimizer.get("state"), dict) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in found
+    ):
+        raise ValueError(f"checkpoint file {path} holds no optimiser state (state and param_groups)")
+    if [sorted(map(str, g["params"])) for g in found] != [sorted(map(str, g)) for g in groups]:
+        raise ValueError(
+            f"checkpoint file {path} holds optimiser state of other parameters: groups of "
+            f"{[len(g['params']) for g in found]} parameters, this model's optimiser has {[len(g) for g in groups]}"
+        )
+    wrong = [
+        f"{key}.{name}: {tuple(value.shape)} in the file, {shapes[key]} in the model"
+        for key, entry in optimizer["state"].items()
+        for name, value in (entry.items() if isinstance(entry, dict) else ())
+        if key in shapes and isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(shapes[key])
+    ]
+    unknown = sorted(set(map(str, optimizer["state"])) - {str(key) for group in groups for key in group})
+    if wrong or unknown:
+        raise ValueError(f"checkpoint file {path} holds optimiser state of another model: {(wrong + unknown)[:3]}")
+    scheduler = state["scheduler"]
+    if not isinstance(scheduler, dict) or not {"last_epoch", "base_lrs", "lr_lambdas"} <= set(scheduler):
+        raise ValueError(f"checkpoint file {path} holds no learning-rate schedule state (last_epoch, base_lrs, lr_lambdas)")
+    rng = state["torch_rng"]
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
+        raise ValueError(f"checkpoint file {path} holds no torch RNG state (a uint8 tensor of {tuple(torch.get_rng_state().shape)})")
+    try:
+        random.Random().setstate(state["python_rng"])
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"checkpoint file {path} holds no Python RNG state ({error})") from error
 
 
 def _read_checkpoint_file(path: Path, read: Any) -> Any:

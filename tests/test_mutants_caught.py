@@ -1,0 +1,104 @@
+"""Every seeded bug is caught by the layer named for it, at the smallest configuration that catches it.
+
+Goal: each verification layer has teeth against the bugs it exists for, independently of the order
+in which ``staleflow verify`` tries the layers (which stops at the first catch). Method: one case
+per mutant of the implementation (``verification/impl_mutants.py``) and of the spec
+(``verification/spec_mutants.py``); each runs only the named layer on the mutant. The unmutated
+code and spec pass these layers (the baseline rows of ``verify --quick``, tests/test_verify_real.py,
+and the small-grid baseline below), so a catch is the bug's doing. A mutant added without a row
+here fails :func:`test_every_mutant_has_a_row`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from staleflow.verification import impl_mutants, spec_mutants
+from staleflow.verification.conformance_grid import exhaustive_conformance
+
+#: implementation mutant -> (layer of impl_mutants.LAYERS, the (eta, B, X) grid cell that catches it for "exhaustive")
+IMPL_LAYER: dict[str, tuple[str, tuple[int, int, int] | None]] = {
+    "reserve-checks-own-offset-only": ("exhaustive", (3, 1, 0)),
+    "reserve-admits-at-zero-slack": ("exhaustive", (3, 1, 0)),
+    "reserve-past-deadline": ("exhaustive", (3, 1, 0)),
+    "reserve-slack-off-by-one": ("exhaustive", (3, 1, 0)),
+    "oldest-admissible-skips-oldest": ("exhaustive", (3, 1, 0)),
+    "reserve-refusal-not-emitted": ("conformance", None),
+    "occupy-skips-status-check": ("conformance", None),
+    "occupy-keeps-running-copy": ("exhaustive", (3, 1, 0)),
+    "abort-leaves-done-group": ("exhaustive", (3, 1, 0)),
+    "abort-keeps-index": ("exhaustive", (3, 1, 0)),
+    "consume-waits-for-all-running": ("exhaustive", (3, 1, 0)),
+    "consume-drops-one-too-many": ("exhaustive", (3, 1, 0)),
+    "consume-prefix-capacity-off-by-one": ("exhaustive", (3, 1, 0)),
+    "consume-takes-from-wrong-buckets": ("exhaustive", (3, 1, 0)),
+    "consume-forgets-running-drops": ("exhaustive", (0, 1, 1)),
+    "consume-prefix-not-cumulative": ("exhaustive", (3, 1, 0)),
+    "consume-guard-next-buffer-only": ("exhaustive", (3, 1, 0)),
+    "restore-skips-invariant": ("restore", None),
+    "restore-wraps-past-deadline": ("restore", None),
+    "buffers-index-off-by-one": ("restore", None),
+    "buffers-redundancy-in-every-buffer": ("restore", None),
+    "snapshot-loses-status": ("restore", None),
+}
+
+#: spec mutant -> the layer of spec_mutants.LAYERS that catches it
+SPEC_LAYER: dict[str, str] = {
+    "reserve-no-guard": "TLC safety",
+    "reserve-capacity-plus-one": "TLC safety",
+    "reserve-checks-head-only": "TLC safety",
+    "reserve-checks-first-two-buffers": "TLC safety",
+    "reserve-ahead-of-trainer": "TLC safety",
+    "occupy-done-or-idle": "TLC safety",
+    "abort-leaves-group": "graph equivalence",  # every state it reaches is a legal one: only the edges differ
+    "consume-ignores-drop-bound": "TLC safety",
+    "consume-running": "TLC safety",
+    "consume-no-inv-guard": "TLC safety",
+    "consume-needs-extra-group": "TLC safety",
+    "no-rollout-fairness": "TLC liveness",
+}
+
+
+def test_every_mutant_has_a_row() -> None:
+    assert sorted(m.name for m in impl_mutants.MUTANTS) == sorted(IMPL_LAYER)
+    assert sorted(m.name for m in spec_mutants.MUTANTS) == sorted(SPEC_LAYER)
+
+
+def _exhaustive_at(cell: tuple[int, int, int]) -> impl_mutants.Layer:
+    """The exhaustive layer on one grid cell: why it rejects a manager class, or None."""
+
+    def layer(cls: type) -> str | None:
+        try:
+            exhaustive_conformance(cls, [cell])
+        except Exception as error:  # noqa: BLE001 - any failure of the checked code is a catch
+            return f"{type(error).__name__}: {str(error)[:200]}"
+        return None
+
+    return layer
+
+
+def _impl_layer(name: str, cell: tuple[int, int, int] | None) -> impl_mutants.Layer:
+    return _exhaustive_at(cell) if cell is not None else impl_mutants.LAYERS[name]
+
+
+def test_the_small_exhaustive_cells_pass_the_unmutated_manager() -> None:
+    baseline = impl_mutants.mutant_class(None)
+    for cell in sorted({cell for _, cell in IMPL_LAYER.values() if cell is not None}):
+        assert _impl_layer("exhaustive", cell)(baseline) is None, cell
+
+
+@pytest.mark.parametrize("mutant", impl_mutants.MUTANTS, ids=[m.name for m in impl_mutants.MUTANTS])
+def test_implementation_mutant_is_caught_by_its_layer(mutant: impl_mutants.Mutant) -> None:
+    layer, cell = IMPL_LAYER[mutant.name]
+    why = _impl_layer(layer, cell)(impl_mutants.mutant_class(mutant))
+    assert why is not None, f"{mutant.name} ({mutant.bug}) survived the {layer} layer{f' at {cell}' if cell else ''}"
+
+
+@pytest.mark.java
+@pytest.mark.parametrize("mutant", spec_mutants.MUTANTS, ids=[m.name for m in spec_mutants.MUTANTS])
+def test_spec_mutant_is_caught_by_its_layer(mutant: spec_mutants.SpecMutant) -> None:
+    layers = {name: (reads, run) for name, reads, run in spec_mutants.LAYERS}
+    reads, run = layers[SPEC_LAYER[mutant.name]]
+    files = mutant.apply()
+    assert reads & files.keys(), f"{mutant.name} edits no file the {SPEC_LAYER[mutant.name]} layer reads"
+    why = run(files)
+    assert why is not None, f"{mutant.name} ({mutant.description}) survived {SPEC_LAYER[mutant.name]}"

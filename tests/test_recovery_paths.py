@@ -1,0 +1,258 @@
+"""Fault injection into each recovery path of the run loop, on fake engines in virtual time.
+
+Goal: every way the loop recovers from a failing part is exercised by a part that fails exactly
+there: an instance that fails its first snapshot, keeps failing its re-probes, or fails while the
+loop quiesces for a checkpoint; a parameter server whose pushes keep failing (the retries run out
+with an error naming the version and who needed it); a trace whose last line a killed writer tore.
+Each run must still end with nothing lost or duplicated and every group within the bound, or fail
+with the error the contract promises. (A dying vLLM engine thread: tests/test_vllm_engine_failure.py;
+a killed instance actor: tests/test_chaos.py; a killed driver resumed: tests/test_train_e2e.py.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
+from staleflow.protocol.trace import JsonlTraceWriter, drop_torn_line, read_trace
+from staleflow.runtime.assembly import RunSpec, assemble_run
+from staleflow.runtime.clock import VirtualClock
+from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.loop import RunParts
+from staleflow.runtime.parameter_server import ParameterServer
+from staleflow.runtime.policies import make_policy
+from staleflow.runtime.weight_sync import PUSH_ATTEMPTS, PushFailedError
+
+MODEL = CostModel(0.0064, 0.0027, 1.231e-4, 0.0028, 3.35e-8)
+
+
+class FlakyEngine(FakeEngine):
+    """A fake engine whose named methods raise ConnectionError (the failure contract) while
+    ``failing[method] > 0``, counting down one per call; every call is counted in ``calls``."""
+
+    def __init__(self, *args: Any, failing: dict[str, int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failing = dict(failing or {})
+        self.calls: dict[str, int] = {}
+
+    def _maybe_fail(self, method: str) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+        if self.failing.get(method, 0) > 0:
+            self.failing[method] -= 1
+            raise ConnectionError(f"{self.instance_id}.{method}(): the instance is unreachable")
+
+    def snapshot(self) -> Any:
+        self._maybe_fail("snapshot")
+        return super().snapshot()
+
+    def collect(self) -> Any:
+        self._maybe_fail("collect")
+        return super().collect()
+
+    def interrupt(self, request_ids: Any) -> Any:
+        self._maybe_fail("interrupt")
+        return super().interrupt(request_ids)
+
+
+def _loop(engines: list[FakeEngine], clock: VirtualClock, trainer: FakeTrainer | None = None, eta: int = 1,
+          parameter_server: Any = None, trace: Path | None = None, skip_prompts: int = 0) -> tuple[Any, FakeTrainer]:
+    trainer = trainer or FakeTrainer(clock, 1.0)
+    prompts = itertools.islice(prompt_groups(2), skip_prompts, None)  # a resumed run draws on where it stopped
+    parts = RunParts(engines=engines, trainer=trainer, prompts=prompts, cost_model=MODEL, clock=clock,
+                     parameter_server=parameter_server)
+    return assemble_run(RunSpec(make_policy("staleflow"), eta=eta, batch_size=2, tick_s=0.5), parts, trace_path=trace), trainer
+
+
+def _assert_clean(loop: Any, metrics: Any, trainer: FakeTrainer, steps: int, eta: int = 1) -> None:
+    assert metrics.steps == steps and [b.version for b in trainer.batches] == list(range(steps))
+    assert (metrics.lost, metrics.duplicated, metrics.audit_ok) == (0, 0, True)
+    assert metrics.max_staleness <= eta
+    for batch in trainer.batches:
+        for group in batch.groups.values():
+            assert all(batch.version - eta <= min(t.versions) and max(t.versions) <= batch.version for t in group)
+
+
+@pytest.fixture
+def clock() -> Iterator[VirtualClock]:
+    yield VirtualClock()
+
+
+def test_an_instance_failing_its_first_snapshot_starts_down_and_is_probed_back(clock: VirtualClock) -> None:
+    flaky = FlakyEngine("i1", clock, failing={"snapshot": 1})
+    loop, trainer = _loop([FakeEngine("i0", clock), flaky], clock)
+    assert loop.instances.down == {"i1"}  # its state is unknown: no work until a probe finds it empty
+    metrics = loop.run(4)
+    assert loop.instances.down == set() and flaky.calls["snapshot"] >= 3  # probed, answered, used
+    assert any(v.instance_id == "i1" and v.version >= 1 for v in loop.coordinator.views)  # it pulled weights: back in the fleet
+    _assert_clean(loop, metrics, trainer, 4)
+    loop.close()
+
+
+def test_an_instance_failing_its_re_probes_stays_down_until_one_succeeds(clock: VirtualClock) -> None:
+    """The first snapshot fails, then five probes fail in turn (collect, then snapshot): each failed
+    probe leaves it down; the run trains on the other instance meanwhile."""
+    flaky = FlakyEngine("i1", clock, failing={"snapshot": 4, "collect": 2})
+    loop, trainer = _loop([FakeEngine("i0", clock), flaky], clock)
+    assert loop.instances.down == {"i1"}
+    metrics = loop.run(5)
+    # six probes: two failed collecting, three failed the snapshot, the sixth took it back
+    assert loop.instances.down == set() and flaky.failing == {"snapshot": 0, "collect": 0}
+    assert flaky.calls["collect"] >= 6 and flaky.calls["snapshot"] >= 6
+    _assert_clean(loop, metrics, trainer, 5)
+    loop.close()
+
+
+def test_a_probe_aborts_what_a_down_instance_still_holds_before_taking_it_back(clock: VirtualClock) -> None:
+    """An instance that answers but holds requests this run did not route (left from before a
+    restart) starts down; a probe aborts them and a later one takes it back empty."""
+    from staleflow.runtime.types import RolloutRequest
+
+    stale = FakeEngine("i1", clock)
+    stale.submit([RolloutRequest("old/0", "old", [1, 2], 50, 0)])
+    loop, trainer = _loop([FakeEngine("i0", clock), stale], clock)
+    assert loop.instances.down == {"i1"}
+    metrics = loop.run(3)
+    assert loop.instances.down == set() and "old/0" not in stale.snapshot().running
+    _assert_clean(loop, metrics, trainer, 3)
+    loop.close()
+
+
+def test_an_instance_failing_while_the_loop_quiesces_for_a_checkpoint(clock: VirtualClock) -> None:
+    """state_dict() interrupts every running request; an instance that fails there is marked down,
+    its requests go back to the queue from their last partial, and the checkpoint resumes cleanly."""
+    engines = [FlakyEngine(f"i{k}", clock, max_running=2) for k in range(2)]
+    loop, trainer = _loop(list(engines), clock, eta=2)
+    for _ in range(6):  # to a step boundary where some instance is generating
+        loop.run(1)
+        busy = [e for e in engines if e.snapshot().running]
+        if busy:
+            break
+    assert busy, "an instance runs requests at the checkpoint"
+    flaky = busy[0]
+    flaky.failing["interrupt"] = 1
+    state = json.loads(json.dumps(loop.state_dict()))  # no error: the checkpoint is taken anyway
+    assert flaky.instance_id in loop.instances.down and flaky.calls["interrupt"] >= 1
+    report = loop.audit()
+    assert report.ok and not report.lost, report
+    loop.close()
+    # Resume from that checkpoint on fresh instances: nothing lost, bound kept.
+    clock2 = VirtualClock()
+    trainer2 = FakeTrainer(clock2, 1.0)
+    trainer2.version = trainer.version
+    resumed, _ = _loop([FakeEngine("i0", clock2), FakeEngine("i1", clock2)], clock2, trainer=trainer2, eta=2,
+                       skip_prompts=state["prompts_drawn"])
+    resumed.load_state_dict(state)
+    done = state["steps_done"]
+    metrics = resumed.run(2)
+    assert metrics.steps == done + 2 and (metrics.lost, metrics.duplicated, metrics.audit_ok) == (0, 0, True)
+    assert [b.version for b in trainer2.batches] == [done, done + 1]
+    resumed.close()
+
+
+class FailingPushes(ParameterServer):
+    """A parameter server whose pushes fail (ConnectionError) ``fail`` times, then succeed."""
+
+    def __init__(self, fail: int) -> None:
+        super().__init__()
+        self.fail = fail
+        self.attempts = 0
+
+    def push(self, version: int, weights: Any) -> None:
+        self.attempts += 1
+        if self.fail > 0:
+            self.fail -= 1
+            raise ConnectionError(f"push of version {version}: the parameter server is unreachable")
+        super().push(version, weights)
+
+
+def test_push_retries_run_out_with_an_error_naming_the_version(clock: VirtualClock) -> None:
+    server = FailingPushes(fail=PUSH_ATTEMPTS)
+    loop, _ = _loop([FakeEngine("i0", clock)], clock, parameter_server=server)
+    message = f"version 0 could not be pushed in {PUSH_ATTEMPTS} attempts \\(the initial weights needs it\\)"
+    with pytest.raises(PushFailedError, match=message):
+        loop.run(1)
+    assert server.attempts == PUSH_ATTEMPTS and loop.stats.counters["push_failures"] == PUSH_ATTEMPTS
+    loop.close()
+
+
+def test_push_retries_that_succeed_in_time_lose_nothing(clock: VirtualClock) -> None:
+    server = FailingPushes(fail=PUSH_ATTEMPTS - 1)
+    loop, trainer = _loop([FakeEngine("i0", clock)], clock, parameter_server=server)
+    metrics = loop.run(3)
+    assert loop.stats.counters["push_failures"] == PUSH_ATTEMPTS - 1 and server.latest_version() == 3
+    _assert_clean(loop, metrics, trainer, 3)
+    loop.close()
+
+
+def test_a_push_failing_at_a_checkpoint_runs_out_naming_the_checkpoint(clock: VirtualClock) -> None:
+    server = FailingPushes(fail=0)
+    loop, _ = _loop([FakeEngine("i0", clock)], clock, parameter_server=server)
+    loop.run(1)
+    server.fail = 10 * PUSH_ATTEMPTS
+    loop.run(1)  # version 2's push fails; it is kept for a retry and the run goes on
+    assert loop.weights.behind
+    with pytest.raises(PushFailedError, match="version 2 could not be pushed .* \\(a checkpoint needs it\\)"):
+        loop.state_dict()
+    loop.close()
+
+
+# ----------------------------------------------------------------------------- a torn trace
+
+
+def _traced_run(path: Path, steps: int) -> None:
+    clock = VirtualClock()
+    loop, _ = _loop([FakeEngine("i0", clock), FakeEngine("i1", clock)], clock, trace=path)
+    loop.run(steps)
+    loop.close()
+
+
+def test_a_torn_last_trace_line_is_ignored_by_the_reader_and_cut_before_an_append(tmp_path: Path) -> None:
+    from staleflow.verification.trace_validation import validate_trace
+
+    path = tmp_path / "trace.jsonl"
+    _traced_run(path, 3)
+    whole = read_trace(path)
+    events = len(whole[0].events)
+    last = path.read_text().splitlines()[-1]
+    with open(path, "a", encoding="utf-8") as stream:
+        stream.write(last[: len(last) // 2])  # the writer was killed inside its last write
+    assert len(read_trace(path)[0].events) == events  # the torn event is not one
+    assert validate_trace(path, use_tlc=False).ok
+    # A resumed writer appends a segment on a line of its own: the torn bytes are cut first.
+    from staleflow.protocol import StalenessManager
+
+    manager = StalenessManager(eta=1, batch_size=2)
+    with JsonlTraceWriter.attach(manager, path, mode="a"):
+        assert manager.reserve("g", 0)
+    segments = read_trace(path)
+    assert len(segments) == 2 and len(segments[0].events) == events and len(segments[1].events) == 1
+    assert validate_trace(path, use_tlc=False).ok
+
+
+def test_drop_torn_line_cuts_only_a_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    assert drop_torn_line(path) == 0  # no file
+    path.write_bytes(b'{"a": 1}\n{"b": 2')
+    assert drop_torn_line(path) == len(b'{"b": 2') and path.read_bytes() == b'{"a": 1}\n'
+    path.write_bytes(b'{"a": 1}\n{"b": 2}')  # whole but unterminated: kept, terminated
+    assert drop_torn_line(path) == 0 and path.read_bytes() == b'{"a": 1}\n{"b": 2}\n'
+    assert drop_torn_line(path) == 0 and path.read_bytes() == b'{"a": 1}\n{"b": 2}\n'
+    path.write_bytes(b"x" * 100_000)  # one long torn line, longer than a read block
+    assert drop_torn_line(path) == 100_000 and path.read_bytes() == b""
+
+
+def test_a_bad_line_that_is_not_the_last_is_still_an_error(tmp_path: Path) -> None:
+    from staleflow.protocol.trace import TraceFormatError
+
+    path = tmp_path / "trace.jsonl"
+    _traced_run(path, 1)
+    lines = path.read_text().splitlines(keepends=True)
+    lines[1] = lines[1][:10] + "\n"
+    path.write_text("".join(lines))
+    with pytest.raises(TraceFormatError, match=":2: not JSON"):
+        read_trace(path)

@@ -1,0 +1,66 @@
+"""The real ``staleflow verify --quick --json`` (the CI subset of every layer), not stand-in layers:
+exit 0, ``ok`` true, and the rows each layer owes: the Z3 obligations, TLC's safety and liveness,
+graph equivalence, conformance, trace validation, the spec-mutant and implementation-mutant rows
+(with their baselines), each passed, with the columns a reader and a machine rely on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from staleflow.cli import main
+from staleflow.verification import impl_mutants, spec_mutants
+
+pytestmark = [pytest.mark.slow, pytest.mark.java, pytest.mark.timeout(900)]
+
+KEYS = ["name", "property", "method", "bounds", "explored", "result", "seconds", "detail"]
+#: a row of each kind: (what, a prefix of its row names)
+ROW_KINDS = [
+    ("Z3 obligations on the counter state", "z3 "),
+    ("TLC safety", "tlc-safety"),
+    ("TLC liveness", "tlc-liveness"),
+    ("graph equivalence", "graph-equivalence"),
+    ("exhaustive conformance", "conformance-exhaustive"),
+    ("Hypothesis conformance", "conformance"),
+    ("trace validation", "trace-validation"),
+    ("spec-mutant baseline", "spec-mutant-baseline"),
+    ("implementation-mutant baseline", "mutant baseline"),
+]
+
+
+@pytest.fixture(scope="module")
+def document() -> tuple[int, dict]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["verify", "--quick", "--json"])
+    return code, json.loads(out.getvalue())
+
+
+def test_verify_quick_passes_every_row(document: tuple[int, dict]) -> None:
+    code, doc = document
+    failed = [(c["name"], c["result"], c["detail"][:200]) for c in doc["checks"] if c["result"] != "pass"]
+    assert (code, doc["ok"], failed) == (0, True, [])
+    for check in doc["checks"]:
+        assert list(check) == KEYS, check["name"]
+        assert check["seconds"] >= 0 and check["explored"] and check["method"] and check["bounds"], check["name"]
+    names = [c["name"] for c in doc["checks"]]
+    assert len(names) == len(set(names)), "row names are unique"
+
+
+@pytest.mark.parametrize(("what", "prefix"), ROW_KINDS, ids=[w for w, _ in ROW_KINDS])
+def test_verify_quick_has_the_rows_of_each_layer(document: tuple[int, dict], what: str, prefix: str) -> None:
+    _, doc = document
+    assert any(c["name"].startswith(prefix) for c in doc["checks"]), f"no {what} row ({prefix}...)"
+
+
+def test_verify_quick_runs_every_implementation_mutant_and_the_quick_spec_mutants(document: tuple[int, dict]) -> None:
+    _, doc = document
+    rows = {c["name"]: c for c in doc["checks"]}
+    for mutant in impl_mutants.MUTANTS:
+        row = rows[f"mutant {mutant.name}"]
+        assert row["explored"].startswith("caught by "), row
+    for name in spec_mutants.QUICK_MUTANTS:
+        assert rows[f"spec-mutant-{name}"]["detail"].startswith("caught by "), rows[f"spec-mutant-{name}"]
