@@ -48,16 +48,15 @@ from staleflow.adapters.megatron.rank import (  # noqa: F401 - re-exported
 )
 from staleflow.adapters.torch.algorithms import pack_batch, token_staleness
 from staleflow.adapters.torch.hf_folder import check_model_folder
-from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
 from staleflow.adapters.torch.trainer import PublishedWeightsDecoder, TrainerSettings, _check_weights_match, _read_checkpoint_file
-from staleflow.adapters.torch.worker_group import ProcessWorkers, RayWorkers
+from staleflow.adapters.torch.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FILE = "megatron_trainer.pt"
 CHECKPOINT_FORMAT = "staleflow-megatron/2"
 
 
-class MegatronTrainer(BackgroundStepTrainer):
+class MegatronTrainer(WorkerGroupTrainer):
     """GRPO training on Megatron-core ranks, one CUDA GPU each (see the module docstring).
 
     Same constructor and extras (``save_checkpoint``, ``load_checkpoint``, ``generate_greedy``) as
@@ -168,19 +167,6 @@ class MegatronTrainer(BackgroundStepTrainer):
             self._steps_taken = int(state["steps_taken"])
             self._published = self._gather()[0]
         return self._version
-
-    def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int = 64) -> list[list[int]]:
-        """Greedy responses of the published weights, on a CPU copy of the model in this process."""
-        with self._lock:
-            return self._decoder.generate(self._published, prompts, max_new_tokens, eos_id, batch_size)
-
-    def close(self) -> None:
-        super().close()
-        try:
-            self._workers.call_all("close")
-        except Exception:  # noqa: S110 - a broken group is stopped already
-            pass
-        self._workers.close()
 
 
 def replica_shares(packed: Any, minibatches: int, replicas: int) -> list[list[Any]]:

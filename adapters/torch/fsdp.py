@@ -28,7 +28,6 @@ import torch
 from staleflow.adapters.torch.hf_folder import check_model_folder
 from staleflow.adapters.torch.packed_step import DistributedReducer, batch_metrics, split_groups, train_minibatches
 from staleflow.adapters.torch.packing import LogProbModel, batch_sequences, enable_activation_checkpointing, split_across_ranks
-from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
 from staleflow.adapters.torch.trainer import (
     CHECKPOINT_MODEL,
     CHECKPOINT_STATE,
@@ -39,7 +38,7 @@ from staleflow.adapters.torch.trainer import (
     load_causal_lm,
     read_trainer_checkpoint,
 )
-from staleflow.adapters.torch.worker_group import ProcessWorkers, RayWorkers, rank_address
+from staleflow.adapters.torch.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer, rank_address
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FORMAT = "staleflow-fsdp/1"
@@ -131,7 +130,7 @@ class FSDPRank:
             dist.destroy_process_group()
 
 
-class FSDPTrainer(BackgroundStepTrainer):
+class FSDPTrainer(WorkerGroupTrainer):
     """GRPO training on ``world_size`` FSDP2 ranks (see the module docstring).
 
     Same constructor arguments and extras (``save_checkpoint``, ``load_checkpoint``,
@@ -218,20 +217,6 @@ class FSDPTrainer(BackgroundStepTrainer):
             self._version = int(state["version"])
             self._published = self._gather()
         return self._version
-
-    # --------------------------------------------------------------------------------- evaluation
-    def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int = 64) -> list[list[int]]:
-        """Greedy responses of the published weights, on a CPU copy of the model in this process."""
-        with self._lock:
-            return self._decoder.generate(self._published, prompts, max_new_tokens, eos_id, batch_size)
-
-    def close(self) -> None:
-        super().close()
-        try:
-            self._workers.call_all("close")
-        except Exception:  # noqa: S110 - a broken group is stopped already
-            pass
-        self._workers.close()
 
 
 def _check_state(state: Any, params: list[str], shapes: dict[str, tuple[int, ...]], path: Path) -> None:

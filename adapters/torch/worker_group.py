@@ -15,6 +15,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
+
 
 class WorkerGroupError(RuntimeError):
     """A rank failed or died; the group is stopped."""
@@ -208,3 +210,27 @@ class RayWorkers:
             ray.kill(actor)
         self._actors = []
         self._broken = self._broken or "closed"
+
+
+class WorkerGroupTrainer(BackgroundStepTrainer):
+    """A trainer whose ranks are a worker group (FSDP, Megatron): the shared evaluation and shutdown.
+
+    Subclasses set ``self._workers`` (:class:`ProcessWorkers` or :class:`RayWorkers`) and
+    ``self._decoder`` (a :class:`~staleflow.adapters.torch.trainer.PublishedWeightsDecoder`).
+    """
+
+    _workers: Any
+    _decoder: Any
+
+    def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int = 64) -> list[list[int]]:
+        """Greedy responses of the published weights, on a CPU copy of the model in this process."""
+        with self._lock:
+            return self._decoder.generate(self._published, prompts, max_new_tokens, eos_id, batch_size)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        super().close()
+        try:
+            self._workers.call_all("close")
+        except Exception:  # noqa: S110 - a broken group is stopped already
+            pass
+        self._workers.close()
