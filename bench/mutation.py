@@ -47,20 +47,14 @@ _LAST_GUARD = (
     "Q(eta) <= cap(eta - 1), never refuses (what remains after taking B is at most cap(eta) - B = "
     "cap(eta - 1)): proved for every eta by the z3-all-eta consume row"
 )
-_ANNOTATION = ("an annotation only: manager.py has `from __future__ import annotations`, so annotations are "
-               "strings that are never evaluated at run time (mypy --strict would reject the text)")
+_ANNOTATION = ("an annotation only (the module's code, annotations removed, is unchanged): manager.py has "
+               "`from __future__ import annotations` and defines no dataclass, ClassVar or get_type_hints use, so "
+               "annotations are strings never evaluated at run time (mypy --strict would reject the text)")
 _SLACK_NONNEGATIVE = ("slack is never negative (0 for a passed deadline, else min over k of cap(k) - P(k) >= 0 "
                       "under Inv, proved inductive), so `!= 0` and `> 0` agree")
 _LAST_VIEW = ("slot may pass eta only when the last view is full; under Inv the views hold cap(eta) >= all "
               "active groups, so every later (bucket, field) has count 0 and views[slot] is never read again")
 EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
-    ("core/ReplaceBinaryOperator_BitOr_Add", 0): ("on_event: EventHook + None = None,", _ANNOTATION),
-    ("core/ReplaceBinaryOperator_BitOr_Add", 1): ("def oldest_admissible_version(self) -> int + None:", _ANNOTATION),
-    ("core/ReplaceBinaryOperator_BitOr_Add", 2): (
-        "cls, snapshot: Mapping[str, Any], on_event: EventHook + None = None", _ANNOTATION),
-    ("core/ReplaceBinaryOperator_BitOr_Add", 3): ("def _consume_plan(self) -> list[int] + None:", _ANNOTATION),
-    ("core/ReplaceBinaryOperator_BitOr_Add", 4): ("group_id: GroupId + None,", _ANNOTATION),
-    ("core/ReplaceBinaryOperator_BitOr_Add", 5): ("version: int + None,", _ANNOTATION),
     ("core/ReplaceBinaryOperator_Sub_RShift", 3): (
         "for version in range(max(0, self._version >> self._eta), self._version + 1):",
         ("c >> eta <= max(0, c - eta) for all c, eta >= 0, so the loop only starts earlier, at versions past "
@@ -251,15 +245,40 @@ def calibrate(source: str, factor: float, floor: float) -> dict[str, float]:
     return limits
 
 
+def annotation_only(source: str, mutated: str) -> bool:
+    """True if the two texts differ only in annotations (parameters, returns, annotated assignments):
+    equivalent where annotations are never evaluated (``from __future__ import annotations``)."""
+    import ast
+
+    def code(text: str) -> str:
+        tree = ast.parse(text)
+        if not any(isinstance(node, ast.ImportFrom) and node.module == "__future__"
+                   and any(alias.name == "annotations" for alias in node.names) for node in tree.body):
+            return text  # annotations are evaluated: compare the whole text
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg):
+                node.annotation = None
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                node.returns = None
+            elif isinstance(node, ast.AnnAssign):
+                node.annotation = ast.Constant(None)
+        return ast.dump(tree)
+
+    return code(source) == code(mutated)
+
+
 def judge_site(source: str, operator: str, occurrence: int, line: int,
                timeout: float | Mapping[str, float]) -> Outcome | None:
-    """Judge one mutation site (None if the mutation changes nothing); applies :data:`EQUIVALENT`."""
+    """Judge one mutation site (None if the mutation changes nothing). An annotation-only mutant is
+    ``equivalent`` without running the layers; a survivor listed in :data:`EQUIVALENT` too."""
     t0 = time.perf_counter()
     mutated = mutated_text(source, operator, occurrence)
     if mutated is None:
         return None
-    outcome, layer, why = judge(mutated, f"{operator.split('/')[-1]}-{occurrence}", timeout)
     original, changed = _changed_line(source, mutated, line)
+    if annotation_only(source, mutated):
+        return Outcome(operator, occurrence, line, original, changed, "equivalent", "", 0.0, _ANNOTATION)
+    outcome, layer, why = judge(mutated, f"{operator.split('/')[-1]}-{occurrence}", timeout)
     if outcome == "survived" and (operator, occurrence) in EQUIVALENT:
         recorded, argument = EQUIVALENT[(operator, occurrence)]
         if recorded == changed:
@@ -292,6 +311,16 @@ def _judge_all(source: str, sites: list[tuple[str, int, int]], timeout: Mapping[
             for future in as_completed(futures):
                 report(futures[future], future.result())
     return [found[index] for index in sorted(found)]
+
+
+#: The fields of each mutant in the report's ``outcomes`` list (survivors, equivalents and timeouts are
+#: also listed in full, with the mutated line and why).
+COMPACT_FIELDS = ("operator", "occurrence", "line", "outcome", "layer", "seconds")
+
+
+def compact(outcome: dict[str, Any]) -> list[Any]:
+    """One mutant's outcome as a row of :data:`COMPACT_FIELDS`."""
+    return [outcome[field] for field in COMPACT_FIELDS]
 
 
 def _cpu_seconds() -> float:
@@ -332,7 +361,9 @@ def run(args: argparse.Namespace) -> int:
         "layer_cpu_limits": limits,
         "survivors": [asdict(o) for o in outcomes if o.outcome == "survived"],
         "equivalent": [asdict(o) for o in outcomes if o.outcome == "equivalent"],
-        "outcomes": [asdict(o) for o in outcomes],
+        "timeouts": [asdict(o) for o in outcomes if o.outcome == "timeout"],
+        "outcome_fields": list(COMPACT_FIELDS),
+        "outcomes": [compact(asdict(o)) for o in outcomes],
         "command": "staleflow bench mutation " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "mutation"]
         else "staleflow bench mutation",
     }
