@@ -5,8 +5,9 @@ operators can make in ``protocol/manager.py`` (binary, comparison and unary oper
 ``not`` insertion, and/or, loops that run zero times, exception types, decorators) and produces
 each mutated text with ``cosmic_ray.mutating.mutate_code``. Each mutant is compiled into a fresh
 module (never written to disk) and judged by the rows of ``staleflow verify --quick`` that depend on
-``manager.py``, run in this process on the mutant class, cheapest first, stopping at the first
-failure:
+``manager.py``, run on the mutant class in ``--jobs`` forked worker processes (warm: imports and
+module state are reused from one mutant to the next), cheapest first, stopping at the first
+failure (a survivor has therefore passed every one of them):
 
   restore (restore-fuzz, quick count) -> exhaustive (conformance-exhaustive, quick grid) -> model
   (z3-model = manager.py, quick grid) -> conformance (the Hypothesis machine, ci settings without
@@ -15,12 +16,14 @@ failure:
 The other rows of ``verify --quick`` (Z3 proofs, TLC, graph equivalence, spec mutants) read only the
 spec, the mirror and the model, never ``manager.py``, so a mutant cannot change their verdict.
 
-Outcomes: ``killed`` (a layer failed), ``timeout`` (a layer ran past ``--timeout``: a hang, counted as
-killed), ``incompetent`` (the mutant does not compile or import), ``survived``, and ``equivalent``
-for survivors listed in :data:`EQUIVALENT` with the argument why no behaviour changes.
+Outcomes: ``killed`` (a layer failed), ``timeout`` (a layer used more than ``--timeout-factor`` times
+the CPU time it needs on the unmutated file, measured at the start, and at least ``--timeout`` CPU
+seconds: a hang, counted as killed), ``incompetent`` (the mutant does not compile or import),
+``survived``, and ``equivalent`` for survivors listed in :data:`EQUIVALENT` with the argument why no behaviour changes.
 ``docs/verification.md`` lists the last full run.
 
-Reproduce: ``staleflow bench mutation [--operators PREFIX,...] [--limit N] [--shard K/N] [--json]``.
+Reproduce: ``staleflow bench mutation [--jobs N] [--operators PREFIX,...] [--limit N] [--shard K/N] [--json]
+[--out FILE]``; the report records the command and the per-layer CPU limits.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
@@ -43,20 +47,14 @@ _LAST_GUARD = (
     "Q(eta) <= cap(eta - 1), never refuses (what remains after taking B is at most cap(eta) - B = "
     "cap(eta - 1)): proved for every eta by the z3-all-eta consume row"
 )
-_ANNOTATION = ("an annotation only: manager.py has `from __future__ import annotations`, so annotations are "
-               "strings that are never evaluated at run time (mypy --strict would reject the text)")
+_ANNOTATION = ("an annotation only (the module's code, annotations removed, is unchanged): manager.py has "
+               "`from __future__ import annotations` and defines no dataclass, ClassVar or get_type_hints use, so "
+               "annotations are strings never evaluated at run time (mypy --strict would reject the text)")
 _SLACK_NONNEGATIVE = ("slack is never negative (0 for a passed deadline, else min over k of cap(k) - P(k) >= 0 "
                       "under Inv, proved inductive), so `!= 0` and `> 0` agree")
 _LAST_VIEW = ("slot may pass eta only when the last view is full; under Inv the views hold cap(eta) >= all "
               "active groups, so every later (bucket, field) has count 0 and views[slot] is never read again")
 EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
-    ("core/ReplaceBinaryOperator_BitOr_Add", 0): ("on_event: EventHook + None = None,", _ANNOTATION),
-    ("core/ReplaceBinaryOperator_BitOr_Add", 1): ("def oldest_admissible_version(self) -> int + None:", _ANNOTATION),
-    ("core/ReplaceBinaryOperator_BitOr_Add", 2): (
-        "cls, snapshot: Mapping[str, Any], on_event: EventHook + None = None", _ANNOTATION),
-    ("core/ReplaceBinaryOperator_BitOr_Add", 3): ("def _consume_plan(self) -> list[int] + None:", _ANNOTATION),
-    ("core/ReplaceBinaryOperator_BitOr_Add", 4): ("group_id: GroupId + None,", _ANNOTATION),
-    ("core/ReplaceBinaryOperator_BitOr_Add", 5): ("version: int + None,", _ANNOTATION),
     ("core/ReplaceBinaryOperator_Sub_RShift", 3): (
         "for version in range(max(0, self._version >> self._eta), self._version + 1):",
         ("c >> eta <= max(0, c - eta) for all c, eta >= 0, so the loop only starts earlier, at versions past "
@@ -123,17 +121,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", type=int, default=0, help="skip the first N mutants (resume a run)")
     parser.add_argument("--limit", type=int, default=0, help="judge only the first N mutants (0: all)")
     parser.add_argument("--shard", default="1/1", help="K/N: judge every N-th mutant starting at the K-th")
-    parser.add_argument("--timeout", type=float, default=30.0,
-                        help="CPU seconds per layer before the mutant counts as a hang (unmutated: each layer < 10 s)")
+    parser.add_argument("--timeout-factor", type=float, default=4.0,
+                        help="a layer that uses more than this many times the CPU time it needs on the unmutated "
+                        "manager.py (measured at the start of the run) counts as a hang (default 4)")
+    parser.add_argument("--timeout", type=float, default=2.0,
+                        help="the least CPU seconds any layer is allowed before it counts as a hang (default 2)")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes judging mutants in parallel (default 2)")
     parser.add_argument("--json", action="store_true", help="print the outcomes as JSON")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON report to this file")
 
 
-def enumerate_mutants(source: str, prefixes: list[str]) -> list[tuple[str, int, int, str]]:
-    """(operator, occurrence, line, mutated source) for every mutation Cosmic Ray can make."""
+def mutation_sites(source: str, prefixes: list[str]) -> list[tuple[str, int, int]]:
+    """(operator, occurrence, line) of every mutation Cosmic Ray can make, without producing the
+    mutated texts (one parse of the source; :func:`mutated_text` makes one text when needed)."""
     from cosmic_ray import plugins
     from cosmic_ray.ast import ast_nodes, get_ast
-    from cosmic_ray.mutating import mutate_code
 
     nodes = list(ast_nodes(get_ast(source)))
     out = []
@@ -145,10 +147,26 @@ def enumerate_mutants(source: str, prefixes: list[str]) -> list[tuple[str, int, 
             continue
         operator = operator_class()
         positions = [start for node in nodes for start, _ in operator.mutation_positions(node)]
-        for occurrence, (line, _) in enumerate(positions):
-            mutated = mutate_code(source, operator, occurrence)
-            if mutated is not None and mutated != source:
-                out.append((name, occurrence, line, mutated))
+        out += [(name, occurrence, line) for occurrence, (line, _) in enumerate(positions)]
+    return out
+
+
+def mutated_text(source: str, operator_name: str, occurrence: int) -> str | None:
+    """The source with that one mutation applied (None if it changes nothing)."""
+    from cosmic_ray import plugins
+    from cosmic_ray.mutating import mutate_code
+
+    mutated = mutate_code(source, plugins.get_operator(operator_name)(), occurrence)
+    return mutated if mutated is not None and mutated != source else None
+
+
+def enumerate_mutants(source: str, prefixes: list[str]) -> list[tuple[str, int, int, str]]:
+    """(operator, occurrence, line, mutated source) for every mutation Cosmic Ray can make."""
+    out = []
+    for name, occurrence, line in mutation_sites(source, prefixes):
+        mutated = mutated_text(source, name, occurrence)
+        if mutated is not None:
+            out.append((name, occurrence, line, mutated))
     return out
 
 
@@ -170,8 +188,9 @@ def judge_layers() -> dict[str, Any]:
     return impl_mutants.make_layers(EXHAUSTIVE_GRID, GRID_QUICK, QUICK_COUNT)
 
 
-def judge(source: str, name: str, timeout: float) -> tuple[str, str, str]:
-    """(outcome, layer, why) for one mutated text of manager.py."""
+def judge(source: str, name: str, timeout: float | Mapping[str, float]) -> tuple[str, str, str]:
+    """(outcome, layer, why) for one mutated text of manager.py; ``timeout`` is the CPU-second limit
+    of every layer, or of each layer by name (:func:`calibrate`)."""
     import builtins
 
     from cosmic_ray.exceptions import CosmicRayTestingException
@@ -194,17 +213,122 @@ def judge(source: str, name: str, timeout: float) -> tuple[str, str, str]:
     try:
         for layer, check in judge_layers().items():
             # per layer; then every second, so that a re-run (Hypothesis replaying) cannot hang
-            signal.setitimer(signal.ITIMER_VIRTUAL, timeout, 1.0)
+            limit = timeout[layer] if isinstance(timeout, Mapping) else timeout
+            signal.setitimer(signal.ITIMER_VIRTUAL, limit, 1.0)
             why = check(cls)
             signal.setitimer(signal.ITIMER_VIRTUAL, 0)
             if why is not None:
                 return "killed", layer, why[:200]
         return "survived", "", ""
     except MutantTimeout:
-        return "timeout", layer, f"{layer} ran past {timeout:.0f} s of CPU time"
+        limit = timeout[layer] if isinstance(timeout, Mapping) else timeout
+        return "timeout", layer, f"{layer} ran past {limit:.1f} s of CPU time"
     finally:
         signal.setitimer(signal.ITIMER_VIRTUAL, 0)
         signal.signal(signal.SIGVTALRM, previous)
+
+
+def calibrate(source: str, factor: float, floor: float) -> dict[str, float]:
+    """Each layer's CPU-second limit: ``factor`` times the CPU time it takes on the unmutated
+    source (compiled as the mutants are), at least ``floor``. The unmutated source must pass every
+    layer, else no verdict would mean anything (RuntimeError)."""
+    from staleflow.verification import impl_mutants
+
+    cls = impl_mutants.compile_manager(source, "baseline")
+    limits = {}
+    for layer, check in judge_layers().items():
+        started = time.process_time()
+        why = check(cls)
+        if why is not None:
+            raise RuntimeError(f"the unmutated manager.py fails the {layer} layer: {why}")
+        limits[layer] = round(max(floor, factor * (time.process_time() - started)), 1)
+    return limits
+
+
+def annotation_only(source: str, mutated: str) -> bool:
+    """True if the two texts differ only in annotations (parameters, returns, annotated assignments):
+    equivalent where annotations are never evaluated (``from __future__ import annotations``)."""
+    import ast
+
+    def code(text: str) -> str:
+        tree = ast.parse(text)
+        if not any(isinstance(node, ast.ImportFrom) and node.module == "__future__"
+                   and any(alias.name == "annotations" for alias in node.names) for node in tree.body):
+            return text  # annotations are evaluated: compare the whole text
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg):
+                node.annotation = None
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                node.returns = None
+            elif isinstance(node, ast.AnnAssign):
+                node.annotation = ast.Constant(None)
+        return ast.dump(tree)
+
+    return code(source) == code(mutated)
+
+
+def judge_site(source: str, operator: str, occurrence: int, line: int,
+               timeout: float | Mapping[str, float]) -> Outcome | None:
+    """Judge one mutation site (None if the mutation changes nothing). An annotation-only mutant is
+    ``equivalent`` without running the layers; a survivor listed in :data:`EQUIVALENT` too."""
+    t0 = time.perf_counter()
+    mutated = mutated_text(source, operator, occurrence)
+    if mutated is None:
+        return None
+    original, changed = _changed_line(source, mutated, line)
+    if annotation_only(source, mutated):
+        return Outcome(operator, occurrence, line, original, changed, "equivalent", "", 0.0, _ANNOTATION)
+    outcome, layer, why = judge(mutated, f"{operator.split('/')[-1]}-{occurrence}", timeout)
+    if outcome == "survived" and (operator, occurrence) in EQUIVALENT:
+        recorded, argument = EQUIVALENT[(operator, occurrence)]
+        if recorded == changed:
+            outcome, why = "equivalent", argument
+    return Outcome(operator, occurrence, line, original, changed, outcome, layer, round(time.perf_counter() - t0, 2), why)
+
+
+def _judge_all(source: str, sites: list[tuple[str, int, int]], timeout: Mapping[str, float], jobs: int) -> list[Outcome]:
+    """Judge every site, in ``jobs`` worker processes (each stays warm: its imports and the layers'
+    module state are reused from one mutant to the next); outcomes in the order of ``sites``."""
+    found: dict[int, Outcome] = {}
+
+    def report(index: int, outcome: Outcome | None) -> None:
+        if outcome is None:
+            return
+        found[index] = outcome
+        print(f"[{len(found)}] {outcome.outcome:11} {outcome.operator} #{outcome.occurrence} line {outcome.line}: "
+              f"{outcome.mutated[:90]}", file=sys.stderr, flush=True)
+
+    if jobs <= 1:
+        for index, site in enumerate(sites):
+            report(index, judge_site(source, *site, timeout))
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # fork: the workers start with this process's imports (no z3, Java or Hypothesis state yet)
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {pool.submit(judge_site, source, *site, timeout): index for index, site in enumerate(sites)}
+            for future in as_completed(futures):
+                report(futures[future], future.result())
+    return [found[index] for index in sorted(found)]
+
+
+#: The fields of each mutant in the report's ``outcomes`` list (survivors, equivalents and timeouts are
+#: also listed in full, with the mutated line and why).
+COMPACT_FIELDS = ("operator", "occurrence", "line", "outcome", "layer", "seconds")
+
+
+def compact(outcome: dict[str, Any]) -> list[Any]:
+    """One mutant's outcome as a row of :data:`COMPACT_FIELDS`."""
+    return [outcome[field] for field in COMPACT_FIELDS]
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process and its finished workers."""
+    import resource
+
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,24 +342,14 @@ def run(args: argparse.Namespace) -> int:
     chosen = {(m.rsplit("#", 1)[0], int(m.rsplit("#", 1)[1])) for m in args.mutants.split(",") if m}
     if chosen:
         prefixes = sorted({operator for operator, _ in chosen})
-    mutants = [m for m in enumerate_mutants(source, prefixes) if not chosen or (m[0], m[1]) in chosen][k - 1 :: n]
-    mutants = mutants[args.skip :]
+    sites = [m for m in mutation_sites(source, prefixes) if not chosen or (m[0], m[1]) in chosen][k - 1 :: n]
+    sites = sites[args.skip :]
     if args.limit:
-        mutants = mutants[: args.limit]
-    print(f"bench mutation: {len(mutants)} mutants of {path.name}", file=sys.stderr, flush=True)
-    outcomes: list[Outcome] = []
-    for index, (operator, occurrence, line, mutated) in enumerate(mutants):
-        t0 = time.perf_counter()
-        outcome, layer, why = judge(mutated, f"{operator.split('/')[-1]}-{occurrence}", args.timeout)
-        original, changed = _changed_line(source, mutated, line)
-        if outcome == "survived" and (operator, occurrence) in EQUIVALENT:
-            recorded, argument = EQUIVALENT[(operator, occurrence)]
-            if recorded == changed:
-                outcome, why = "equivalent", argument
-        outcomes.append(Outcome(operator, occurrence, line, original, changed, outcome, layer,
-                                round(time.perf_counter() - t0, 2), why))
-        print(f"[{index + 1}/{len(mutants)}] {outcome:11} {operator} #{occurrence} line {line}: {changed[:90]}",
-              file=sys.stderr, flush=True)
+        sites = sites[: args.limit]
+    limits = calibrate(source, args.timeout_factor, args.timeout)
+    print(f"bench mutation: {len(sites)} mutation sites in {path.name}, {args.jobs} worker(s); CPU-second limits "
+          f"per layer (the unmutated file passes each): {limits}", file=sys.stderr, flush=True)
+    outcomes = _judge_all(source, sites, limits, args.jobs)
     counts = Counter(o.outcome for o in outcomes)
     report: dict[str, Any] = {
         "file": str(path),
@@ -243,9 +357,13 @@ def run(args: argparse.Namespace) -> int:
         "counts": dict(counts),
         "killed_by_layer": dict(Counter(o.layer for o in outcomes if o.outcome == "killed")),
         "seconds": round(time.perf_counter() - started, 1),
+        "cpu_seconds": round(_cpu_seconds(), 1),
+        "layer_cpu_limits": limits,
         "survivors": [asdict(o) for o in outcomes if o.outcome == "survived"],
         "equivalent": [asdict(o) for o in outcomes if o.outcome == "equivalent"],
-        "outcomes": [asdict(o) for o in outcomes],
+        "timeouts": [asdict(o) for o in outcomes if o.outcome == "timeout"],
+        "outcome_fields": list(COMPACT_FIELDS),
+        "outcomes": [compact(asdict(o)) for o in outcomes],
         "command": "staleflow bench mutation " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "mutation"]
         else "staleflow bench mutation",
     }
@@ -255,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(f"{len(outcomes)} mutants: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-              + f" in {report['seconds']} s; killed by layer: {report['killed_by_layer']}")
+              + f" in {report['seconds']} s ({report['cpu_seconds']} s CPU); killed by layer: {report['killed_by_layer']}")
         for o in outcomes:
             if o.outcome == "survived":
                 print(f"SURVIVED {o.operator} #{o.occurrence} line {o.line}: {o.original}  ->  {o.mutated}")

@@ -35,6 +35,20 @@ def test_a_wrong_comparison_is_killed_and_a_hang_is_a_timeout() -> None:
     assert outcome == "timeout" and "ran past" in why
 
 
+def test_each_layer_has_its_own_cpu_limit() -> None:
+    limits = {"restore": 60.0, "exhaustive": 0.2, "model": 60.0, "conformance": 60.0, "trace validation": 60.0}
+    outcome, layer, why = mutation.judge(SOURCE, "test-limits", limits)
+    assert (outcome, layer) == ("timeout", "exhaustive") and "0.2 s of CPU" in why, why
+
+
+def test_mutation_sites_match_the_mutants() -> None:
+    sites = mutation.mutation_sites(SOURCE, ["core/ReplaceUnaryOperator"])
+    mutants = mutation.enumerate_mutants(SOURCE, ["core/ReplaceUnaryOperator"])
+    assert [m[:3] for m in mutants] == [s for s in sites if mutation.mutated_text(SOURCE, s[0], s[1]) is not None]
+    outcome = mutation.judge_site(SOURCE, *sites[0], timeout=60)
+    assert outcome is not None and outcome.outcome == "killed" and outcome.original != outcome.mutated
+
+
 def test_a_mutant_that_does_not_compile_is_incompetent() -> None:
     outcome, layer, _ = mutation.judge(SOURCE.replace("def consume(self)", "def consume(self"), "x", 10)
     assert (outcome, layer) == ("incompetent", "compile")

@@ -188,6 +188,19 @@ def test_checked_in_tlc_configurations_let_later_buffers_bind() -> None:
     for name in ("liveness.cfg", "liveness_x0.cfg", "liveness_quick.cfg"):
         assert "Eta = 2" in (tlc.SPEC_DIR / name).read_text()
     assert "X = 0" in (tlc.SPEC_DIR / "liveness_x0.cfg").read_text()
+    for name in ("liveness_quick.cfg", "liveness_x0.cfg", "liveness_eta3.cfg"):  # X = 0, every cap(k < Eta) binds
+        cfg = (tlc.SPEC_DIR / name).read_text()
+        assert tlc.binding_conjuncts(cfg).startswith("Reserve conjuncts that can bind: cap0, cap1, cap2"), name
+        assert tlc.config_bounds(cfg).endswith("B=1 X=0 |Groups|=4"), name
+    assert tlc.config_bounds((tlc.SPEC_DIR / "liveness_eta3.cfg").read_text()).startswith("Eta=3 ")
+
+
+def test_trainer_progress_is_refuted_when_consume_can_block_forever() -> None:
+    """Non-vacuity of the L1 model check: a Consume guard that is safe but can stall the trainer."""
+    from staleflow.verification.liveness import MUTANTS, check_mutant
+
+    row = check_mutant(next(m for m in MUTANTS if m.name == "consume-guard-keeps-batch"))
+    assert row.result == "pass" and row.detail.startswith("rc 13 (liveness violation)"), row.detail
 
 
 def test_a_reserve_checking_only_the_first_two_buffers_is_caught() -> None:

@@ -56,7 +56,7 @@ def test_verify_is_registered_with_the_staleflow_cli() -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [["--quick", "--nightly"], ["--quick", "--trace", "t.jsonl"], ["--bogus"], ["--trace"]]
+    "argv", [["--quick", "--nightly"], ["--quick", "--trace", "t.jsonl"], ["--bogus"], ["--trace"], ["--jobs", "0"]]
 )
 def test_bad_arguments_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -79,6 +79,17 @@ def test_json_document_holds_every_row_and_nothing_else_on_stdout(
     assert [c["name"] for c in document["checks"]] == ["a", "b"]
     assert all(list(c) == KEYS for c in document["checks"])
     assert "noise from one" in err and "noise" not in out
+
+
+@pytest.mark.parametrize("jobs", ["1", "3"])
+def test_rows_come_in_layer_order_in_process_and_in_workers(
+    fake_layers: dict[str, list[CheckResult]], capfd: pytest.CaptureFixture[str], jobs: str
+) -> None:
+    fake_layers["one"] = [row("a1", "pass"), row("a2", "fail")]
+    assert cli.run(parse("--json", "--jobs", jobs)) == 1
+    out, err = capfd.readouterr()
+    assert [c["name"] for c in json.loads(out)["checks"]] == ["a1", "a2", "b"]
+    assert "verify: one done: 2 rows" in err and "noise from two" in err
 
 
 def test_a_failing_row_exits_1_and_sets_ok_false(
