@@ -36,7 +36,7 @@ from staleflow.adapters.torch.trainer import (
     CHECKPOINT_STATE,
     TrainerSettings,
     _check_weights_match,
-    _greedy,
+    greedy_decode,
     load_causal_lm,
     read_trainer_checkpoint,
 )
@@ -236,7 +236,7 @@ class FSDPTrainer(BackgroundStepTrainer):
             self._eval_model.load_state_dict(self._published)
             for start in range(0, len(prompts), batch_size):
                 chunk = prompts[start : start + batch_size]
-                outputs.extend(_greedy(self._eval_model, chunk, max_new_tokens, eos_id, self._pad_id, torch.device("cpu")))
+                outputs.extend(greedy_decode(self._eval_model, chunk, max_new_tokens, eos_id, self._pad_id, torch.device("cpu")))
         return outputs
 
     def close(self) -> None:
