@@ -211,5 +211,6 @@ class Evaluator:
         return {
             "eval_reward": sum(rewards) / len(rewards),
             "eval_exact": sum(1 for r in rewards if r == 1.0) / len(rewards),
+            "eval_response_tokens": sum(len(o) for o in outputs) / len(outputs),
             "eval_s": time.perf_counter() - begin,
         }
