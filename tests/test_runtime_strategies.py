@@ -374,7 +374,9 @@ def test_freshness_lowers_staleness_when_the_trainer_is_the_bottleneck_and_costs
         return sum(int(s) * n for s, n in histogram.items()) / sum(histogram.values())
 
     workload = load_workload("small-ci")
-    slow_trainer = workload.model_copy(update={"training": workload.training.model_copy(update={"base_s": 20.0})})
+    slow_trainer = load_workload("small-ci-trainer-bound")
+    assert slow_trainer.training.base_s == 20.0
+    assert slow_trainer.model_copy(update={"training": workload.training, "name": "small-ci"}) == workload  # nothing else differs
     plain, fresh = (simulate_system(slow_trainer, s, 2, 20, 0) for s in ("staleflow", "staleflow-fresh"))
     assert plain["trainer_busy"] > 0.95 and mean(plain["staleness_histogram"]) > 1.8
     assert mean(fresh["staleness_histogram"]) < 1.3 and fresh["max_staleness"] <= 2
