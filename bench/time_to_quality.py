@@ -255,8 +255,11 @@ def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float]) -> st
     for name, f in figures.items():
         cols = []
         for t in map(str, thresholds):
-            c, speedup = f["time_to"][t], f["speedup"][t]
-            reached = "" if c["reached"] == len(f["seeds"]) else f", {c['reached']}/{len(f['seeds'])} reached"
+            c, speedup, seeds = f["time_to"][t], f["speedup"][t], len(f["seeds"])
+            if c["reached"] == 0:
+                cols.append(f"not reached (0/{seeds})")
+                continue
+            reached = "" if c["reached"] == seeds else f", {c['reached']}/{seeds} reached"
             cols.append(
                 f"{_seconds(c['median'])} ({_seconds(c['min'])}-{_seconds(c['max'])}{reached})"
                 + (f" [{speedup:.2f}x]" if speedup is not None else "")
