@@ -21,8 +21,9 @@ table) and ``.png`` (eval reward against run-loop time, one line per run). Per c
 threshold, the median, min and max over seeds of the time to reach it (a seed that never reaches
 it counts as infinite, so the median is "not reached" once half the seeds miss it) and the speed-up
 against ``sync`` (sync's median over the cell's); trained tokens/s; the staleness histogram of all
-trained groups and its mean; the trainer's busy fraction (training seconds over run-loop seconds)
-and the rollout instances' utilisation. Exit 1 if a run's staleness exceeds its bound.
+trained groups and its mean; where the time goes: run-loop seconds per step, training seconds per
+step, the trainer's busy fraction (training seconds over run-loop seconds), the rollout instances'
+utilisation and their weight-reload seconds per step (summed over instances). Exit 1 if a run's staleness exceeds its bound.
 
 Reproduce: ``staleflow bench time-to-quality [--config YAML] [--systems sync one-step-off staleflow staleflow-fresh]
 [--etas 2] [--seeds 0 1 2] [--steps 70] [--eval-every 10] [--thresholds 0.18 0.22 0.26] [--out runs/ttq] [--json]``.
@@ -79,7 +80,8 @@ class RunFigures:
     staleness: dict[int, int]  # trained groups per staleness, over every step
     train_s: float  # the trainer's busy seconds
     utilisation: float  # the rollout instances' mean busy fraction
-    weight_sync_s: float
+    weight_sync_s: float  # the instances' weight reloads, summed over instances
+    steps: int
 
     @property
     def mean_staleness(self) -> float:
@@ -130,6 +132,7 @@ def read_run(records: Sequence[dict[str, Any]], system: str, eta: int, seed: int
         train_s=sum(float(r.get("train_s", 0.0)) for r in steps),
         utilisation=float(last.get("utilisation", 0.0)),
         weight_sync_s=float(last.get("sync_seconds", 0.0)),
+        steps=len(steps),
     )
 
 
@@ -216,7 +219,9 @@ def summarise_cell(runs: Sequence[RunFigures], thresholds: Sequence[float]) -> d
         "max_staleness": max(staleness, default=0),
         "trainer_busy": statistics.median(run.train_s / run.loop_s for run in runs),
         "rollout_utilisation": statistics.median(run.utilisation for run in runs),
-        "weight_sync_s_per_step": statistics.median(run.weight_sync_s / run.loop_s for run in runs),
+        "step_s": statistics.median(run.loop_s / run.steps for run in runs),
+        "train_s_per_step": statistics.median(run.train_s / run.steps for run in runs),
+        "weight_sync_s_per_step": statistics.median(run.weight_sync_s / run.steps for run in runs),
     }
 
 
@@ -249,8 +254,9 @@ def _seconds(value: float) -> str:
 def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float]) -> str:
     heads = " | ".join(f"to {t:g}: median (min-max) [speed-up vs sync]" for t in thresholds)
     lines = [
-        f"| system (eta) | seeds | {heads} | trained tokens/s | final eval | staleness histogram (mean) | trainer busy | rollout busy |",
-        "|---|---|" + "---|" * len(thresholds) + "---|---|---|---|---|",
+        f"| system (eta) | seeds | {heads} | trained tokens/s | final eval | staleness histogram (mean) | s per step (training) "
+        "| trainer busy | rollout busy | weight reloads s per step |",
+        "|---|---|" + "---|" * len(thresholds) + "---|---|---|---|---|---|---|",
     ]
     for name, f in figures.items():
         cols = []
@@ -268,7 +274,8 @@ def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float]) -> st
         lines.append(
             f"| {name} | {len(f['seeds'])} | {' | '.join(cols)} | {f['tokens_per_s']:.0f} "
             f"({f['tokens_per_s_range'][0]:.0f}-{f['tokens_per_s_range'][1]:.0f}) | {f['eval_final']:.3f} | "
-            f"{{{histogram}}} ({f['mean_staleness']:.2f}) | {f['trainer_busy']:.0%} | {f['rollout_utilisation']:.0%} |"
+            f"{{{histogram}}} ({f['mean_staleness']:.2f}) | {f['step_s']:.2f} ({f['train_s_per_step']:.2f}) | "
+            f"{f['trainer_busy']:.0%} | {f['rollout_utilisation']:.0%} | {f['weight_sync_s_per_step']:.2f} |"
         )
     return "\n".join(lines)
 

@@ -40,7 +40,7 @@ def test_read_run_times_each_evaluation_by_the_run_loop() -> None:
     assert run.time_to(0.31) == math.inf and run.time_to(0.05) == 0.0
     assert run.loop_s == 4.0 and run.tokens_per_s == 100.0
     assert run.staleness == {1: 4, 2: 12} and run.mean_staleness == pytest.approx(1.75)
-    assert run.train_s == 2.0 and run.utilisation == 0.9 and run.weight_sync_s == pytest.approx(0.4)
+    assert run.train_s == 2.0 and run.utilisation == 0.9 and run.weight_sync_s == pytest.approx(0.4) and run.steps == 4
 
 
 def test_inline_evaluations_are_taken_out_of_the_run_loop_time() -> None:
@@ -79,6 +79,7 @@ def test_median_spread_not_reached_and_speedup_against_sync() -> None:
     assert f["staleness"] == {1: 12, 2: 36} and f["mean_staleness"] == pytest.approx(1.75) and f["max_staleness"] == 2
     assert f["tokens_per_s"] == pytest.approx(100.0) and s["tokens_per_s"] == pytest.approx(50.0)
     assert f["trainer_busy"] == pytest.approx(0.5)  # 4 steps x 0.5 s over 4 s
+    assert (f["step_s"], f["train_s_per_step"], f["weight_sync_s_per_step"]) == pytest.approx((1.0, 0.5, 0.1))
     # half the seeds missing a threshold: the median is "not reached", and so is the speed-up
     worse = summarise_cell([sync[2], _run("sync", 3, {0: 0.1, 2: 0.2, 4: 0.2}, 2.0)], [0.3])
     assert worse["time_to"]["0.3"]["median"] == math.inf
