@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, str] = {
     "chaos": "staleflow.bench.chaos",
     "load": "staleflow.bench.load",
     "convergence": "staleflow.bench.convergence",
+    "time-to-quality": "staleflow.bench.time_to_quality",
     "weight-sync": "staleflow.bench.weight_sync",
     "mutation": "staleflow.bench.mutation",
 }

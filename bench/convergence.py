@@ -117,17 +117,23 @@ def train_command(eta: int, seed: int, steps: int, run_dir: Path) -> list[str]:
 
 def train_one(eta: int, seed: int, steps: int, out: Path, quiet: bool) -> bool:
     """Run (or keep) one training run; True if a finished run of ``steps`` steps is there after."""
-    run_dir = out / run_dir_name(eta, seed)
+    name = run_dir_name(eta, seed)
+    return run_train(train_command(eta, seed, steps, out / name), out / name, steps, out / "logs" / f"{name}.log", quiet)
+
+
+def run_train(command: list[str], run_dir: Path, steps: int, log: Path, quiet: bool) -> bool:
+    """Run ``command`` (``staleflow train ... --run-dir run_dir``) unless ``run_dir`` already holds a
+    finished run of ``steps`` steps; its output goes to ``log``. A started but unfinished run is
+    deleted first (train refuses a non-empty folder); a finished run of other steps is an error.
+    True if a finished run of ``steps`` steps is there after."""
     done = finished_steps(run_dir)
     if done == steps:
         return True
     if done is not None:
         raise ValueError(f"{run_dir} holds a finished run of {done} steps, not {steps}; move it away or use another --out")
-    if run_dir.exists():  # started but unfinished: train refuses a non-empty folder
+    if run_dir.exists():
         shutil.rmtree(run_dir)
-    log = out / "logs" / f"{run_dir_name(eta, seed)}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    command = train_command(eta, seed, steps, run_dir)
     # the same interpreter's CLI, so the study runs without the console script on PATH
     argv = [sys.executable, "-m", "staleflow.cli", *command[1:]]
     if not quiet:

@@ -304,6 +304,18 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
 
     if not resuming and evaluator.enabled:
         log.eval(0, evaluate())
+    deferred = None  # task.eval_timing=deferred: weights saved now, evaluated after the run loop
+    if evaluator.enabled and config.task.eval_timing == "deferred":
+        from staleflow.cli.train_eval import DeferredEvaluation
+
+        saved_eval = evaluator.run_saved if isinstance(evaluator, Evaluator) else evaluator.run
+        deferred = DeferredEvaluation(run_dir / ".eval-snapshots", saved_eval)
+
+    def evaluate_at(step: int) -> None:
+        if deferred is not None:
+            deferred.save(step, trainer.version, trainer.weights())
+        else:
+            log.eval(step, evaluate())
 
     deadline = None if config.train.max_time_s is None else time.perf_counter() + config.train.max_time_s
     metrics = None
@@ -313,7 +325,7 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
             record = step_record(metrics, ledger, reward_seconds[0], trained_before)
             log.step(step, record, versions=ledger.versions())
             if evaluator.enabled and config.task.eval_every and step % config.task.eval_every == 0 and step < config.train.steps:
-                log.eval(step, evaluate())
+                evaluate_at(step)
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.train.steps:
                 folder = save_checkpoint(loop, trainer, run_dir, step, config.checkpoint.keep)
                 log.event("checkpoint", step=step, path=str(folder))
@@ -323,9 +335,10 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
         if metrics is None:
             metrics = loop.metrics()
         final_step = metrics.steps
-        final_eval = evaluate() if evaluator.enabled else {}
-        if final_eval:
-            log.eval(final_step, final_eval)
+        if evaluator.enabled:
+            evaluate_at(final_step)
+        if deferred is not None:
+            deferred.run(log)
         # Interrupt every running request (its partial goes to the trajectory server) so that the
         # final audit is exact, and keep that state as the last checkpoint (--resume extends a run).
         if config.checkpoint.every:
@@ -358,6 +371,7 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1), encoding="utf-8")
     shutil.rmtree(run_dir / ".weights", ignore_errors=True)
     shutil.rmtree(run_dir / ".eval-weights", ignore_errors=True)
+    shutil.rmtree(run_dir / ".eval-snapshots", ignore_errors=True)
     if config.metrics.report:
         from staleflow.cli.report import write_report
 
@@ -369,7 +383,7 @@ def _evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement: Any
     """The trainer's greedy evaluator for the built-in stream (as before); for prompts from files, an
     :class:`~staleflow.cli.train_eval.EngineEvaluator` on its own rollout engine (a Ray actor)."""
     if data.train is None and data.held_out is None:
-        return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data)
+        return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data, model_dir=base)
     if config.task.eval_prompts == 0:
         return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data)  # disabled
     from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine

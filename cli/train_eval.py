@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from staleflow.runtime.rewarding import PooledReward, RewardRunner
@@ -137,3 +138,39 @@ class EngineEvaluator:
 
     def close(self) -> None:
         self._rewards.close()
+
+
+class DeferredEvaluation:
+    """Evaluation after the run loop (``task.eval_timing=deferred``).
+
+    At each evaluation step :meth:`save` writes the trainer's weights to ``folder`` (a safetensors
+    file: milliseconds for small models); :meth:`run` evaluates every saved version in step order
+    once the run loop has finished and logs each as a ``kind: eval`` record of its step, marked
+    ``eval_deferred: true``. So the run loop's wall time holds no evaluation for any system, and
+    rollout instances do not get free generation time while the trainer waits for an evaluation.
+
+    Args:
+        folder: where the weights go (created).
+        evaluate: ``evaluate(version, weights_file)`` -> the eval figures (an evaluator's ``run``
+            or ``run_saved``).
+    """
+
+    def __init__(self, folder: Path, evaluate: Callable[[int, str], dict[str, Any]]) -> None:
+        self._folder = folder
+        self._evaluate = evaluate
+        self._saved: list[tuple[int, int, Path]] = []
+
+    def save(self, step: int, version: int, weights: Any) -> None:
+        """Keep ``weights`` (a state dict, or a safetensors file path) of model ``version`` for step ``step``."""
+        from safetensors.torch import save_file
+
+        self._folder.mkdir(parents=True, exist_ok=True)
+        path = self._folder / f"step-{step}.safetensors"
+        save_file({name: tensor.detach().contiguous() for name, tensor in weights.items()}, str(path))
+        self._saved.append((step, version, path))
+
+    def run(self, log: Any) -> None:
+        """Evaluate every saved version and log its figures (``log.eval``)."""
+        for step, version, path in self._saved:
+            log.eval(step, {**self._evaluate(version, str(path)), "eval_deferred": True})
+        self._saved = []

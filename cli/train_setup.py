@@ -171,10 +171,14 @@ def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_g
 class Evaluator:
     """Greedy reward of the trainer's current weights on a fixed, seeded prompt set."""
 
-    def __init__(self, config: JobConfig, tokens: Tokens, prompt_seed: int, data: TaskData | None = None) -> None:
+    def __init__(
+        self, config: JobConfig, tokens: Tokens, prompt_seed: int, data: TaskData | None = None, model_dir: Path | None = None
+    ) -> None:
         from staleflow.runtime.tasks import reward_fn
 
         self.enabled = config.task.eval_prompts > 0
+        self._model_dir = model_dir  # the architecture of :meth:`run_saved` (the base model's folder)
+        self._decoder: Any = None
         self._tokens = tokens
         self._score = reward_fn(config.task.reward)
         self._max_new = config.rollout.max_new_tokens
@@ -183,9 +187,28 @@ class Evaluator:
     def run(self, trainer: Any) -> dict[str, float]:
         begin = time.perf_counter()
         outputs = trainer.generate_greedy([self._tokens.encode(p.text) for p in self._prompts], self._max_new, self._tokens.eos_id)
+        return self._figures(outputs, begin)
+
+    def run_saved(self, version: int, weights_file: str) -> dict[str, float]:
+        """The same figures for weights saved to a safetensors file (``version``: for the record), decoded
+        by a model of the base model's architecture (the deferred evaluation, after the run loop)."""
+        from safetensors.torch import load_file
+        from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
+
+        begin = time.perf_counter()
+        if self._model_dir is None:
+            raise ValueError("Evaluator.run_saved needs the evaluator built with model_dir")
+        if self._decoder is None:
+            self._decoder = PublishedWeightsDecoder(self._model_dir, self._tokens.pad_id)
+        prompts = [self._tokens.encode(p.text) for p in self._prompts]
+        outputs = self._decoder.generate(load_file(weights_file), prompts, self._max_new, self._tokens.eos_id)
+        return {**self._figures(outputs, begin), "eval_version": version}
+
+    def _figures(self, outputs: list[list[int]], begin: float) -> dict[str, float]:
         rewards = [self._score(self._tokens.decode(o), p.answer) for o, p in zip(outputs, self._prompts)]
         return {
             "eval_reward": sum(rewards) / len(rewards),
             "eval_exact": sum(1 for r in rewards if r == 1.0) / len(rewards),
+            "eval_response_tokens": sum(len(o) for o in outputs) / len(outputs),
             "eval_s": time.perf_counter() - begin,
         }

@@ -47,6 +47,9 @@ class TaskConfig(ConfigSection):
     (``chat_template: auto``) or as their contents one per line (``none``). ``reward``: a built-in
     scorer (``repeat_letter``, ``exact_match``, ``gsm8k``, ``math``) or ``module:function``.
     ``eval_file``: a held-out set evaluated through a rollout engine (greedy or sampled).
+    ``eval_timing``: ``inline`` evaluates between steps (the run loop waits, rollout instances go
+    on generating); ``deferred`` only saves the weights at each evaluation step and evaluates them
+    after the run loop, so evaluation takes no time from it (time-to-quality benchmarks).
     """
 
     name: Literal["repeat_letter"] = "repeat_letter"
@@ -66,6 +69,7 @@ class TaskConfig(ConfigSection):
     eval_file: str | None = None
     eval_sampling: Literal["greedy", "sampled"] = "greedy"
     eval_samples: StrictInt = Field(1, ge=1, le=1024)
+    eval_timing: Literal["inline", "deferred"] = "inline"
 
     @field_validator("reward")
     @classmethod

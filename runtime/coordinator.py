@@ -96,8 +96,9 @@ class Coordinator:
         self._admitting = False  # the decision in progress may admit groups
         self._ps_version: int | None = None
         #: freshness-aware admission: buffers beyond the head that admission may fill
-        self.lookahead = 1
+        self.lookahead = groups.manager.eta  # as wide as the protocol at first; narrowed while the trainer does not wait
         self._steps_without_wait = 0
+        self._hold_left_room = False  # since the step started, a freshness hold kept work from an instance with room
         self.stats: Counter[str] = Counter()
         self.decision_seconds = 0.0
 
@@ -154,7 +155,8 @@ class Coordinator:
         started = time.perf_counter()
         commands: list[Command] = []
         pulls = plan_pulls(
-            self.policy.sync, self.views, ps_version, self.manager, self.policy.sync_kv_fraction, self._starved
+            self.policy.sync, self.views, ps_version, self.manager, self.policy.sync_kv_fraction, self._starved,
+            eager=self.policy.freshness and self.lookahead < self.manager.eta,
         )
         for i in pulls:
             assert ps_version is not None
@@ -247,26 +249,50 @@ class Coordinator:
             cap = (self.manager.eta + (ps_version or 0) + 1) * self.manager.batch_size
             if self.groups.live >= cap:
                 return []
-        if self.policy.freshness and len(self.manager) >= (self.lookahead + 1) * self.manager.batch_size + self.manager.redundancy:
-            self.stats["admission_held_for_freshness"] += 1
-            return []
         versions = [v for v in set(self._fleet.version.tolist()) if self.manager.can_reserve(v)]
         if not versions:
             self.stats["admission_blocked_by_protocol"] += 1
+            return versions
+        if self.policy.freshness and len(self.manager) >= (self.lookahead + 1) * self.manager.batch_size + self.manager.redundancy:
+            self.stats["admission_held_for_freshness"] += 1
+            if not self._hold_left_room:
+                self._hold_left_room = self._room_at(versions)
+            return []
         return versions
+
+    def _room_at(self, versions: list[int]) -> bool:
+        """Whether the router would place the next pending group's first request on an instance at one of ``versions``."""
+        group = self.ts.next_pending()
+        if group is None:
+            return False
+        if self.router.has_room(self._fleet, len(group.prompt_ids), np.isin(self._fleet.version, versions)):
+            self.stats["freshness_hold_left_room"] += 1
+            return True
+        return False
 
     def step_started(self, trainer_waited: bool) -> None:
         """A training step started; ``trainer_waited``: the trainer sat idle for data before it.
-        Adapts the freshness-aware admission's lookahead (see :class:`SystemPolicy`)."""
+
+        Adapts the freshness-aware admission's lookahead (see :class:`SystemPolicy`): it widens by
+        one when the trainer waited *and* a freshness hold since the last step kept work from an
+        instance that had room (the hold cost generation; when the instances were full anyway, a
+        wider lookahead would only add staleness), and narrows by one after
+        ``freshness_patience`` steps in a row the trainer did not wait for, down to 0 (only the
+        head buffer: lag 1 when the trainer is the bottleneck). A wait without such a hold leaves
+        it as it is.
+        """
         if not self.policy.freshness:
             return
+        costly, self._hold_left_room = trainer_waited and self._hold_left_room, False
         if trainer_waited:
-            self.lookahead = min(self.lookahead + 1, max(self.manager.eta, 1))
             self._steps_without_wait = 0
+            if costly:
+                self.lookahead = min(self.lookahead + 1, self.manager.eta)
+                self.stats["freshness_widened"] += 1
             return
         self._steps_without_wait += 1
         if self._steps_without_wait >= self.policy.freshness_patience:
-            self.lookahead = max(self.lookahead - 1, 1)
+            self.lookahead = max(self.lookahead - 1, 0)
             self._steps_without_wait = 0
 
     def next_admission(self) -> Admission | None:

@@ -304,7 +304,9 @@ class RunLoop:
             self.stats.step_finished(now, result.metrics)
             progress = True
         if self.stats.steps_done < target and self.manager.can_consume():
-            waited = now - self.stats.last_step_end > (0.0 if self.clock.simulated else 2 * self.settings.tick_s)
+            # the first step of a run always waits for its batch: no sign that the lookahead is short
+            idle = now - self.stats.last_step_end
+            waited = self.stats.steps_done > 0 and idle > (0.0 if self.clock.simulated else 2 * self.settings.tick_s)
             self.coordinator.step_started(trainer_waited=waited)
             consumed = self.groups.consume()
             self.stats.batch_consumed(consumed.protocol, consumed.batch, len(consumed.cancel))

@@ -66,12 +66,14 @@ class SystemPolicy:
         max_running: least-loaded routing's per-instance cap on requests.
         freshness: freshness-aware admission: admit work for later buffers only when the trainer
             would otherwise wait. Admission stops once the active groups fill the head buffer and
-            ``lookahead`` more (the protocol may allow up to ``eta``); the lookahead grows by one
-            after a step the trainer had to wait for, and shrinks by one after
-            ``freshness_patience`` steps in a row it did not; new groups go first to instances at
+            ``lookahead`` more (starting at ``eta``, the protocol's own limit, and never above it); the lookahead
+            grows by one after a step the trainer waited for when the hold kept work from an
+            instance with room (see :meth:`Coordinator.step_started`), and shrinks by one after
+            ``freshness_patience`` steps in a row without that; instances pull a new version as soon
+            as it is pushed (``per_instance`` sync made eager) and new groups go first to instances at
             the newest admissible version. It only chooses when to reserve, never what the
             protocol allows.
-        freshness_patience: steps without a wait before the lookahead shrinks.
+        freshness_patience: steps without a costly wait before the lookahead shrinks.
         pull_keeps_requests: an instance that pulls keeps its running requests, which go on with
             the new weights (in-place reload, vLLM ``pause_generation(mode="keep")``); by default
             they are interrupted first and re-routed as partials (abort-and-resubmit, as the

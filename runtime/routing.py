@@ -35,15 +35,12 @@ class ThroughputRouter:
     def choose(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1) -> list[int]:
         """Instances for up to ``count`` requests of ``tokens`` tokens each, one decision per request
         (the fleet is updated after each); stops at the first request that stays queued."""
-        candidates = np.flatnonzero(eligible & ~fleet.loading & (fleet.waiting == 0))
+        candidates, score = self._scores(fleet, tokens, eligible)
         if candidates.size == 0:
             return []
         model = self.cost_model
         n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
-        gain = fleet_throughput(model, n + 1, kv + tokens) - fleet_throughput(model, n, kv)
         threshold = self.mu / model.step_latency(1, tokens)
-        # score: the gain where the instance qualifies (mu, KV room), else -inf
-        score = np.where((gain >= threshold) & (kv + tokens <= cap), gain, -np.inf)
         versions = fleet.version[candidates]
         newest_first = sorted(set(versions.tolist()), reverse=True)
         tiers = [np.flatnonzero(versions == v) for v in newest_first] if len(newest_first) > 1 else None
@@ -62,6 +59,20 @@ class ThroughputRouter:
             fits = new_gain >= threshold and resident + tokens <= cap[pick]
             score[pick] = new_gain if fits else -np.inf
         return chosen
+
+    def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
+        """Whether :meth:`choose` would place one request of ``tokens`` tokens now (the fleet is not changed)."""
+        candidates, score = self._scores(fleet, tokens, eligible)
+        return bool(candidates.size) and bool(np.any(score > -np.inf))
+
+    def _scores(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The candidate instances and each one's score: the marginal gain where it qualifies (mu, KV room), else -inf."""
+        candidates = np.flatnonzero(eligible & ~fleet.loading & (fleet.waiting == 0))
+        n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
+        model = self.cost_model
+        gain = fleet_throughput(model, n + 1, kv + tokens) - fleet_throughput(model, n, kv)
+        threshold = self.mu / model.step_latency(1, tokens)
+        return candidates, np.where((gain >= threshold) & (kv + tokens <= cap), gain, -np.inf)
 
     @staticmethod
     def _best(score: np.ndarray, tiers: list[np.ndarray] | None) -> int | None:
@@ -82,6 +93,10 @@ class LeastLoadedRouter:
 
     def __init__(self, max_running: int) -> None:
         self.max_running = max_running
+
+    def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
+        """Whether :meth:`choose` would place one request now (the fleet is not changed)."""
+        return bool(np.any(fleet.n[np.flatnonzero(eligible & ~fleet.loading)] < self.max_running))
 
     def choose(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1) -> list[int]:
         """Instances for up to ``count`` requests, the least loaded first (the fleet is updated)."""

@@ -32,10 +32,14 @@ def plan_pulls(
     manager: StalenessManager,
     kv_fraction: float,
     starved: bool = False,
+    eager: bool = False,
 ) -> list[int]:
     """Indices of the instances that should pull ``latest`` now.
 
     ``starved``: the last decision left admissible groups unplaced for want of an instance.
+    ``eager`` (freshness-aware admission, ``per_instance`` only): every instance behind pulls as
+    soon as a newer version is pushed, so the groups it admits next start at the newest version
+    (with in-place reloads its running requests go on; otherwise they are interrupted and re-routed).
     """
     behind = [i for i, v in enumerate(views) if latest is not None and v.version < latest and not v.loading]
     if not behind:
@@ -47,6 +51,8 @@ def plan_pulls(
     if mode != "per_instance":
         raise ValueError(f"unknown sync mode {mode!r}")
     assert latest is not None
+    if eager:
+        return behind
     pulls = [i for i in behind if views[i].kv_tokens <= kv_fraction * views[i].kv_capacity]
     if not pulls and starved and manager.reserve_slack(latest) > 0:
         pulls = [min(behind, key=lambda i: views[i].kv_tokens)]

@@ -295,24 +295,92 @@ def test_policies_and_their_errors():
         make_policy("staleflow", routing="random")
 
 
-def test_freshness_aware_admission_holds_later_buffers_until_the_trainer_waits():
-    """With freshness on, admission stops once the head buffer and ``lookahead`` more are full
-    (the protocol alone would admit up to eta buffers ahead); a step the trainer waited for widens
-    the lookahead, ``freshness_patience`` steps without a wait narrow it again."""
+def test_freshness_aware_admission_narrows_while_the_trainer_does_not_wait():
+    """With freshness on, the lookahead starts at eta (the protocol's own limit), narrows by one
+    after ``freshness_patience`` steps the trainer did not wait for, down to 0 (only the head
+    buffer); admission then stops once the active groups fill the head buffer and ``lookahead``
+    more. A wait widens it only when a hold kept work from an instance with room."""
     plain, plain_manager, _ = _coordinator("staleflow", eta=3, batch=2, instances=4)
     _decide(plain, 0, True)
     assert len(plain_manager) == 8  # (eta + 1) * B: the protocol's limit
-    fresh, manager, _ = _coordinator("staleflow-fresh", eta=3, batch=2, instances=4)
-    _decide(fresh, 0, True)
-    assert fresh.lookahead == 1 and len(manager) == 4  # (1 + 1) * B
-    assert fresh.stats["admission_held_for_freshness"] >= 1
-    fresh.step_started(trainer_waited=True)
-    assert fresh.lookahead == 2
-    _decide(fresh, 0, True)
-    assert len(manager) == 6
-    for _ in range(fresh.policy.freshness_patience):
+    fresh, manager, ts = _coordinator("staleflow-fresh", eta=3, batch=2, instances=4)
+    assert fresh.lookahead == 3
+    patience = fresh.policy.freshness_patience
+    for _ in range(3 * patience):
         fresh.step_started(trainer_waited=False)
+    assert fresh.lookahead == 0
+    def decide_and_route() -> None:
+        for cmd in _decide(fresh, 0, True):
+            if isinstance(cmd, Route):
+                ts.mark_routed(cmd.request_ids, cmd.instance_id)
+
+    decide_and_route()
+    assert len(manager) == 2  # only the head buffer
+    assert fresh.stats["admission_held_for_freshness"] >= 1 and fresh.stats["freshness_hold_left_room"] == 1
+    fresh.step_started(trainer_waited=True)  # the hold kept work from empty instances: widen
     assert fresh.lookahead == 1
+    decide_and_route()
+    assert len(manager) == 4 and fresh.stats["freshness_hold_left_room"] == 2  # held again, room left again
+    fresh.step_started(trainer_waited=False)
+    # the instances report full KV caches: a hold now costs nothing, and a wait does not widen
+    for v in fresh.views:
+        assert fresh.observe(snap(v.instance_id, running=tuple(v.requests), kv=100_000))
+    decide_and_route()
+    assert len(manager) == 4 and fresh.stats["freshness_hold_left_room"] == 2
+    fresh.step_started(trainer_waited=True)
+    assert fresh.lookahead == 1
+    for _ in range(patience):
+        fresh.step_started(trainer_waited=False)
+    assert fresh.lookahead == 0
     for _ in range(5):
+        fresh._hold_left_room = True  # as if each step's hold had left room
         fresh.step_started(trainer_waited=True)
     assert fresh.lookahead == 3  # never beyond eta
+
+
+def test_freshness_pulls_new_weights_at_once_while_it_holds_admission():
+    """Below its widest lookahead the fresh policy pulls every instance behind as soon as a
+    version is pushed (they keep their requests); at eta it syncs as plain StaleFlow does."""
+    m = StalenessManager(eta=2, batch_size=2)
+    busy = [view("a", n=12, tokens=5_000), view("b", n=10, tokens=5_000)]
+    assert plan_pulls("per_instance", busy, 1, m, 0.1) == []
+    assert plan_pulls("per_instance", busy, 1, m, 0.1, eager=True) == [0, 1]
+    for narrowed in (False, True):
+        c, manager, ts = _coordinator("staleflow-fresh", eta=2, batch=2, instances=2)
+        if narrowed:
+            for _ in range(c.policy.freshness_patience):
+                c.step_started(trainer_waited=False)
+        for cmd in _decide(c, 0, True):
+            if isinstance(cmd, Route):
+                ts.mark_routed(cmd.request_ids, cmd.instance_id)
+        for g in [g.group_id for g in manager.groups()][:2]:
+            manager.occupy(g)
+        manager.consume()  # version 1 pushed; both instances busy
+        for v in c.views:
+            assert c.observe(snap(v.instance_id, running=tuple(v.requests), kv=100_000))
+        pulls = [cmd for cmd in _decide(c, 1, False) if isinstance(cmd, Pull)]
+        interrupts = [cmd for cmd in _decide(c, 1, False) if isinstance(cmd, Interrupt)]
+        assert len(pulls) == (2 if narrowed else 0) and interrupts == []
+
+
+def test_freshness_lowers_staleness_when_the_trainer_is_the_bottleneck_and_costs_no_throughput():
+    """Simulated, eta 2, 20 steps: trainer-bound (a step takes 20 s), the fresh policy trains most
+    groups at lag 1 at the same throughput; rollout-bound (small-ci as shipped) it keeps the full
+    lookahead and matches StaleFlow exactly."""
+    from staleflow.cli.simulate import simulate_system
+    from staleflow.runtime.workload import load_workload
+
+    def mean(histogram: dict[str, int]) -> float:
+        return sum(int(s) * n for s, n in histogram.items()) / sum(histogram.values())
+
+    workload = load_workload("small-ci")
+    slow_trainer = load_workload("small-ci-trainer-bound")
+    assert slow_trainer.training.base_s == 20.0
+    assert slow_trainer.model_copy(update={"training": workload.training, "name": "small-ci"}) == workload  # nothing else differs
+    plain, fresh = (simulate_system(slow_trainer, s, 2, 20, 0) for s in ("staleflow", "staleflow-fresh"))
+    assert plain["trainer_busy"] > 0.95 and mean(plain["staleness_histogram"]) > 1.8
+    assert mean(fresh["staleness_histogram"]) < 1.3 and fresh["max_staleness"] <= 2
+    assert fresh["tokens_per_s"] >= 0.97 * plain["tokens_per_s"]
+    plain, fresh = (simulate_system(workload, s, 2, 20, 0) for s in ("staleflow", "staleflow-fresh"))
+    assert plain["trainer_busy"] < 0.2
+    assert fresh["tokens_per_s"] == plain["tokens_per_s"] and fresh["staleness_histogram"] == plain["staleness_histogram"]

@@ -196,7 +196,7 @@ class TorchTrainer(BackgroundStepTrainer):
         with self._lock, torch.no_grad():
             for start in range(0, len(prompts), batch_size):
                 chunk = prompts[start : start + batch_size]
-                outputs.extend(_greedy(self._model, chunk, max_new_tokens, eos_id, self._pad_id, self._device))
+                outputs.extend(greedy_decode(self._model, chunk, max_new_tokens, eos_id, self._pad_id, self._device))
         return outputs
 
     # ----------------------------------------------------------------------------------- the step
@@ -344,11 +344,11 @@ class PublishedWeightsDecoder:
                 raise ValueError(f"published weights do not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
             for start in range(0, len(prompts), batch_size):
                 chunk = prompts[start : start + batch_size]
-                outputs.extend(_greedy(self._model, chunk, max_new_tokens, eos_id, self._pad_id, torch.device("cpu")))
+                outputs.extend(greedy_decode(self._model, chunk, max_new_tokens, eos_id, self._pad_id, torch.device("cpu")))
         return outputs
 
 
-def _greedy(
+def greedy_decode(
     model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int, pad_id: int, device: torch.device
 ) -> list[list[int]]:
     """Greedy decoding of left-padded prompts with Hugging Face ``generate``."""
