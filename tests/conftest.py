@@ -80,7 +80,6 @@ TIERS = {
     "test_protocol_package.py": INTEGRATION,
     "test_readme.py": INTEGRATION,
     "test_recovery_paths.py": INTEGRATION,
-    "test_report_command.py": INTEGRATION,
     "test_sim_bench_coordinator.py": INTEGRATION,
     "test_simulate_cli.py": INTEGRATION,
     "test_spec_tlc.py": INTEGRATION,
