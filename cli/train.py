@@ -153,10 +153,10 @@ def _check_installed(config: JobConfig) -> None:
         raise ImportError("the rollout instances need vLLM: pip install -e '.[cpu-infer]' (CPU) or '.[gpu]' (CUDA)")
     if config.train.backend == "megatron" and importlib.util.find_spec("megatron") is None:
         raise ImportError("train.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
-    if config.train.gpus > 0 and config.train.backend != "fsdp":
+    if config.train.gpus > 0 and config.train.backend == "torch":
         raise ValueError(
-            f"train.gpus={config.train.gpus} places trainer ranks as Ray actors: it needs train.backend=fsdp "
-            f"(train.backend={config.train.backend} trains in the driver process)"
+            f"train.gpus={config.train.gpus} places trainer ranks as Ray actors: it needs train.backend=fsdp or megatron "
+            "(train.backend=torch trains in the driver process)"
         )
     if config.metrics.wandb.project is not None and importlib.util.find_spec("wandb") is None:
         raise ImportError("metrics.wandb.project needs wandb: pip install -e '.[tracking]'")

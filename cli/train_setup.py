@@ -150,17 +150,18 @@ def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_g
 
     settings = TrainerSettings.from_config(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    ray = sys.modules.get("ray")  # on GPUs, multi-process trainers' ranks are Ray actors with a GPU each (placed by Ray)
+    launcher = "ray" if device == "cuda" and ray is not None and ray.is_initialized() else "process"
     if config.train.backend == "megatron":
         from staleflow.adapters.megatron.trainer import MegatronTrainer
 
-        return MegatronTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed)
+        t = config.train
+        return MegatronTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, tensor_parallel=t.tensor_parallel,
+                               pipeline_parallel=t.pipeline_parallel, world_size=t.world_size, launcher=launcher,
+                               gpus_per_rank=t.gpus or 1.0, placement_group=placement_group if t.gpus else None)
     if config.train.backend == "fsdp":
-        import sys
-
         from staleflow.adapters.torch.fsdp import FSDPTrainer
 
-        ray = sys.modules.get("ray")  # on GPUs, ranks are Ray actors with a GPU each (placed by Ray)
-        launcher = "ray" if device == "cuda" and ray is not None and ray.is_initialized() else "process"
         return FSDPTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads,
                            world_size=config.train.world_size, device=device, launcher=launcher,
                            gpus_per_rank=config.train.gpus or 1.0, placement_group=placement_group if config.train.gpus else None)

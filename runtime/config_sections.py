@@ -256,14 +256,34 @@ class TrainConfig(ConfigSection):
     activation_checkpointing: StrictBool = False
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     gpus: StrictFloat = Field(0, ge=0, le=1)
-    """GPUs of each trainer rank (``fsdp``: Ray actors, one rank per bundle; a share below 1 lets
-    a rank share a GPU with rollout instances); 0: the trainer runs on CPU."""
+    """GPUs of each trainer rank (``fsdp``, ``megatron``: Ray actors, one rank per bundle; a share
+    below 1 lets a rank share a GPU with rollout instances); 0: the trainer runs on CPU."""
+    tensor_parallel: StrictInt = Field(1, ge=1, le=1024)
+    """``megatron`` only: ranks that split each layer (Megatron TP); ``world_size`` is
+    ``tensor_parallel x pipeline_parallel x`` the data-parallel size."""
+    pipeline_parallel: StrictInt = Field(1, ge=1, le=1024)
+    """``megatron`` only: pipeline stages (Megatron PP), each holding ``layers / pipeline_parallel`` layers."""
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:
         for i, beta in enumerate(self.betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"train.betas[{i}] = {beta} is out of range; allowed: 0 <= beta < 1")
+        return self
+
+    @model_validator(mode="after")
+    def _model_parallel_fits(self) -> TrainConfig:
+        split = self.tensor_parallel * self.pipeline_parallel
+        if split > 1 and self.backend != "megatron":
+            raise ValueError(
+                f"train.tensor_parallel / train.pipeline_parallel need train.backend=megatron (got backend={self.backend!r}); "
+                "the torch and fsdp trainers are data parallel only"
+            )
+        if self.world_size % split:
+            raise ValueError(
+                f"train.world_size={self.world_size} is not a multiple of train.tensor_parallel x train.pipeline_parallel = "
+                f"{self.tensor_parallel} x {self.pipeline_parallel}"
+            )
         return self
 
 

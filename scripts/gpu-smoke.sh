@@ -9,6 +9,7 @@
 #                                    prints GPU-SMOKE-RUN {json} (tokens/s, seconds per weight sync)
 #   scripts/gpu-smoke.sh --plan   on any machine: the whole run's resolved config and placement plan
 #   scripts/gpu-smoke.sh --trainer-only --device cpu --size tiny --world-size 2 --steps 3   part 1 on a CPU
+#   scripts/gpu-smoke.sh --trainer-only --backend megatron [--world-size 2 --tensor-parallel 2]   part 1 on Megatron (GPUs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"

@@ -65,7 +65,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/staleflow-gpu-smoke"))
     parser.add_argument("--size", choices=("100m", "tiny"), default="100m")
-    parser.add_argument("--backend", choices=("fsdp", "torch"), default="fsdp")
+    parser.add_argument("--backend", choices=("fsdp", "torch", "megatron"), default="fsdp")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="megatron only")
+    parser.add_argument("--pipeline-parallel", type=int, default=1, help="megatron only")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
@@ -99,6 +101,11 @@ def main() -> int:
         from staleflow.adapters.torch.fsdp import FSDPTrainer
 
         trainer = FSDPTrainer(run / "model-v0", settings=settings, world_size=args.world_size, device=args.device)
+    elif args.backend == "megatron":
+        from staleflow.adapters.megatron.trainer import MegatronTrainer
+
+        trainer = MegatronTrainer(run / "model-v0", settings=settings, world_size=args.world_size,
+                                  tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel)
     else:
         trainer = TorchTrainer(run / "model-v0", settings=settings, device=args.device)
     startup = time.perf_counter() - began

@@ -153,6 +153,9 @@ def _config_cases() -> list[Case]:
         ("answers longer than max_new_tokens", {"task": {"max_count": 100}}, ("task.max_count", "rollout.max_new_tokens")),
         ("evaluation every 5 steps of 0 prompts", {"task": {"eval_every": 5, "eval_prompts": 0}}, ("task.eval_every", "task.eval_prompts")),
         ("betas [1.0, 0.9]", {"train": {"betas": [1.0, 0.9]}}, ("train.betas",)),
+        ("tensor parallel on the torch trainer", {"train": {"tensor_parallel": 2}}, ("train.tensor_parallel", "backend=megatron")),
+        ("3 Megatron ranks over tensor parallel 2", {"train": {"backend": "megatron", "tensor_parallel": 2, "world_size": 3}},
+         ("train.world_size=3", "train.tensor_parallel x train.pipeline_parallel")),
         ("unknown key protocol.bound", {"protocol": {"bound": 2}}, ("protocol.bound", "allowed keys")),
         ("unknown section engine", {"engine": {}}, ("engine", "unknown key")),
     ]

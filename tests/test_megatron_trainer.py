@@ -18,6 +18,7 @@ import torch
 megatron = pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
 
 from staleflow.adapters.megatron.trainer import (
+    CHECKPOINT_FORMAT,
     MegatronTrainer,
     build_gpt_model,
     hf_to_megatron,
@@ -102,9 +103,11 @@ def test_conversion_refuses_an_incomplete_checkpoint(hf_model, megatron_on_cpu) 
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-def test_trainer_refuses_to_start_without_cuda(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+def test_trainer_refuses_to_start_without_cuda(tmp_path: Path, tiny_model: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
         MegatronTrainer(tmp_path)
+    with pytest.raises(RuntimeError, match="needs CUDA GPUs"):
+        MegatronTrainer(tiny_model)
 
 
 # ------------------------------------------------------------------------------------------ Qwen3
@@ -160,7 +163,7 @@ def test_conversion_refuses_tensors_it_has_no_rule_for() -> None:
 
 def test_megatron_checkpoints_are_checked_before_loading(hf_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     expected = hf_to_megatron(hf_model.state_dict(), hf_model.config)
-    good = {"version": 3, "steps_taken": 3, "model": dict(expected), "optimizer": {}}
+    good = {"format": CHECKPOINT_FORMAT, "version": 3, "steps_taken": 3, "layout": (1, 1, 1), "model": dict(expected)}
     torch.save(good, tmp_path / "megatron_trainer.pt")
     assert read_megatron_checkpoint(tmp_path, expected)["version"] == 3
     with pytest.raises(FileNotFoundError, match="has no megatron_trainer.pt"):
@@ -168,23 +171,17 @@ def test_megatron_checkpoints_are_checked_before_loading(hf_model, tmp_path: Pat
     (tmp_path / "megatron_trainer.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="cannot be read"):
         read_megatron_checkpoint(tmp_path, expected)
-    torch.save({k: v for k, v in good.items() if k != "optimizer"}, tmp_path / "megatron_trainer.pt")
-    with pytest.raises(ValueError, match="lacks \\['optimizer'\\]"):
+    torch.save({k: v for k, v in good.items() if k != "steps_taken"}, tmp_path / "megatron_trainer.pt")
+    with pytest.raises(ValueError, match="lacks \\['steps_taken'\\]"):
         read_megatron_checkpoint(tmp_path, expected)
     other = dict(expected, **{"decoder.final_layernorm.weight": torch.ones(64)})
     del other["output_layer.weight"]
     torch.save(dict(good, model=other), tmp_path / "megatron_trainer.pt")
     with pytest.raises(ValueError, match="another model's weights: missing \\['output_layer.weight'\\]; size mismatch"):
         read_megatron_checkpoint(tmp_path, expected)
-    # Parts that would fail only while loading (after the model is overwritten) are refused here.
-    for broken, message in (
-        (dict(good, version="3"), "version='3': not a count"),
-        (dict(good, steps_taken=-1), "steps_taken=-1: not a count"),
-        (dict(good, optimizer=None), "no model or optimiser state dict"),
-    ):
+    # Counts that would fail only while loading (after the ranks are overwritten) are refused here.
+    broken_counts = ((dict(good, version="3"), "version='3': not a count"), (dict(good, steps_taken=-1), "steps_taken=-1: not a count"))
+    for broken, message in broken_counts:
         torch.save(broken, tmp_path / "megatron_trainer.pt")
         with pytest.raises(ValueError, match=message):
             read_megatron_checkpoint(tmp_path, expected)
-    torch.save(good, tmp_path / "megatron_trainer.pt")
-    with pytest.raises(ValueError, match="optimiser state with parts \\[\\], this optimiser's are \\['optimizer'\\]"):
-        read_megatron_checkpoint(tmp_path, expected, optimizer={"optimizer": {}})

@@ -140,3 +140,10 @@ def test_the_example_gpu_jobs_pass_the_dry_run(name: str, gpus: int, actors: int
     assert main(["train", "--config", str(config), "--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["placement"]
     assert (plan["total_gpus"], len(plan["actors"])) == (gpus, actors)
+
+
+def test_megatron_ranks_are_planned_like_fsdp_ranks() -> None:
+    overrides = ["train.backend=megatron", "train.world_size=4", "train.tensor_parallel=2", "train.pipeline_parallel=2", "train.gpus=1"]
+    plan = plan_placement(load_config(overrides=overrides))
+    assert [a.name for a in plan.actors][:4] == ["trainer-0", "trainer-1", "trainer-2", "trainer-3"]
+    assert plan.total_gpus == 4  # + the rollout instances, on CPU here

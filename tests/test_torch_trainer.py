@@ -186,3 +186,29 @@ def test_warm_up_teaches_the_answer_format(model_dir: Path, tmp_path: Path) -> N
     texts = [tokenizer.decode(o) for o, p in zip(outputs, prompts)]
     right_letter = sum(1 for t, p in zip(texts, prompts) if t and set(t) == {p.answer[0]})
     assert right_letter >= 16
+
+
+def test_published_weights_decoder_matches_the_model_and_refuses_weights_that_do_not_fit(tmp_path: Path) -> None:
+    """The CPU decoder of the multi-process trainers (FSDP, Megatron): tied heads may be left out, nothing else."""
+    from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "base")  # the decoder's starting weights: replaced below
+    trained = Qwen2ForCausalLM(config).eval()
+    published = {k: v for k, v in trained.state_dict().items() if k != "lm_head.weight"}  # as megatron_to_hf publishes a tied model
+    prompts = [[5, 9, 11], [7]]
+    decoder = PublishedWeightsDecoder(tmp_path / "base", pad_id=0)
+    ours = decoder.generate(published, prompts, max_new_tokens=6, eos_id=1)
+    theirs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = trained.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=1, pad_token_id=0)
+            out = out[0, len(prompt):]
+            theirs.append(list(itertools.takewhile(lambda token: token != 1, out.tolist())))
+    assert ours == theirs and any(ours)
+    without_layer = {k: v for k, v in published.items() if not k.startswith("model.layers.0.mlp")}
+    with pytest.raises(ValueError, match="missing \\['model.layers.0.mlp.down_proj.weight'"):
+        decoder.generate(without_layer, prompts, max_new_tokens=2, eos_id=1)

@@ -1,7 +1,7 @@
 """Hugging Face <-> Megatron-core: the ``TransformerConfig``, the ``GPTModel`` and the weights.
 
 Qwen2 (qkv bias), Qwen3 (``q_norm``/``k_norm`` as ``q_layernorm``/``k_layernorm``, an explicit
-``head_dim``) and Llama-style models, tensor and pipeline parallel size 1. Each direction refuses a
+``head_dim``) and Llama-style models, as full (TP = PP = 1) state dicts (``parallel.py`` splits them). Each direction refuses a
 tensor it has no rule for, so a weight is never silently dropped (``tests/test_megatron_trainer.py``
 checks that every weight of a Qwen2 and a Qwen3 model maps both ways).
 """
@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 
-def transformer_config_from_hf(hf_config: Any, *, bf16: bool = False, use_cpu_initialization: bool = False) -> Any:
-    """A Megatron ``TransformerConfig`` equal to a Hugging Face Qwen2/Qwen3/Llama config."""
+def transformer_config_from_hf(hf_config: Any, *, bf16: bool = False, use_cpu_initialization: bool = False,
+                               tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Any:
+    """A Megatron ``TransformerConfig`` equal to a Hugging Face Qwen2/Qwen3/Llama config, split over
+    ``tensor_parallel x pipeline_parallel`` ranks."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -40,6 +42,9 @@ def transformer_config_from_hf(hf_config: Any, *, bf16: bool = False, use_cpu_in
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=use_cpu_initialization,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
 
 
@@ -66,10 +71,13 @@ def _rope_theta(hf_config: Any) -> float:
 
 
 def build_gpt_model(hf_config: Any, transformer_config: Any) -> Any:
-    """A Megatron ``GPTModel`` with the architecture of ``hf_config`` (local, Megatron-only layer spec).
+    """A Megatron ``GPTModel`` with the architecture of ``hf_config`` (local, Megatron-only layer spec):
+    this rank's part of it when the model is split (:mod:`~staleflow.adapters.megatron.parallel`).
 
-    Needs ``parallel_state.initialize_model_parallel`` to have run.
+    Needs ``parallel_state.initialize_model_parallel`` to have run. The logits stay split over the
+    tensor-parallel ranks (``parallel_output``): :func:`vocab_parallel_cross_entropy` reads them so.
     """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -81,7 +89,9 @@ def build_gpt_model(hf_config: Any, transformer_config: Any) -> Any:
         position_embedding_type="rope",
         rotary_base=int(_rope_theta(hf_config)),
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        parallel_output=False,
+        parallel_output=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -34,14 +32,14 @@ from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
 from staleflow.adapters.torch.trainer import (
     CHECKPOINT_MODEL,
     CHECKPOINT_STATE,
+    PublishedWeightsDecoder,
     TrainerSettings,
     _check_weights_match,
-    _greedy,
     check_trainer_state,
     load_causal_lm,
     read_trainer_checkpoint,
 )
-from staleflow.adapters.torch.worker_group import ProcessWorkers, RayWorkers
+from staleflow.adapters.torch.worker_group import ProcessWorkers, RayWorkers, rank_address
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FORMAT = "staleflow-fsdp/1"
@@ -53,13 +51,7 @@ class FSDPRank:
 
     def address(self) -> str:
         """A ``tcp://`` rendezvous address on this rank's node (asked of rank 0)."""
-        host = "127.0.0.1"
-        ray = sys.modules.get("ray")  # inside a Ray actor: this node's address, reachable from the others
-        if ray is not None and ray.is_initialized():
-            host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return f"tcp://{host}:{s.getsockname()[1]}"
+        return rank_address()
 
     def setup(self, rank: int, world_size: int, address: str, model_path: str, settings: TrainerSettings,
               seed: int, device: str, threads: int) -> dict[str, Any]:
@@ -172,7 +164,7 @@ class FSDPTrainer(BackgroundStepTrainer):
         except BaseException:
             self._workers.close()
             raise
-        self._eval_model: Any = None
+        self._decoder = PublishedWeightsDecoder(self._model_path, pad_id)
         self._start_background(version, published, "fsdp-trainer")
 
     def _gather(self) -> dict[str, torch.Tensor]:
@@ -230,15 +222,8 @@ class FSDPTrainer(BackgroundStepTrainer):
     # --------------------------------------------------------------------------------- evaluation
     def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int = 64) -> list[list[int]]:
         """Greedy responses of the published weights, on a CPU copy of the model in this process."""
-        outputs: list[list[int]] = []
-        with self._lock, torch.no_grad():
-            if self._eval_model is None:
-                self._eval_model = load_causal_lm(self._model_path).eval()
-            self._eval_model.load_state_dict(self._published)
-            for start in range(0, len(prompts), batch_size):
-                chunk = prompts[start : start + batch_size]
-                outputs.extend(_greedy(self._eval_model, chunk, max_new_tokens, eos_id, self._pad_id, torch.device("cpu")))
-        return outputs
+        with self._lock:
+            return self._decoder.generate(self._published, prompts, max_new_tokens, eos_id, batch_size)
 
     def close(self) -> None:
         super().close()

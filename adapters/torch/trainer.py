@@ -324,6 +324,30 @@ def _check_weights_match(weights: dict[str, torch.Tensor], expected: dict[str, A
         raise ValueError(f"checkpoint file {path} holds another model's weights: {details}")
 
 
+class PublishedWeightsDecoder:
+    """Greedy decoding of a multi-process trainer's published weights on a CPU copy of the model, in
+    the driver (evaluation only; rollout is vLLM's). The copy is built on first use."""
+
+    def __init__(self, model_path: str | os.PathLike[str], pad_id: int) -> None:
+        self._model_path, self._pad_id = model_path, pad_id
+        self._model: Any = None
+
+    def generate(self, published: Mapping[str, torch.Tensor], prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int,
+                 batch_size: int = 64) -> list[list[int]]:
+        outputs: list[list[int]] = []
+        with torch.no_grad():
+            if self._model is None:
+                self._model = load_causal_lm(self._model_path).eval()
+            missing, unexpected = self._model.load_state_dict(published, strict=False)
+            tied = {"lm_head.weight"} if getattr(self._model.config, "tie_word_embeddings", False) else set()
+            if set(missing) - tied or unexpected:  # a tied lm_head is the embedding, published or not
+                raise ValueError(f"published weights do not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+            for start in range(0, len(prompts), batch_size):
+                chunk = prompts[start : start + batch_size]
+                outputs.extend(_greedy(self._model, chunk, max_new_tokens, eos_id, self._pad_id, torch.device("cpu")))
+        return outputs
+
+
 def _greedy(
     model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int, pad_id: int, device: torch.device
 ) -> list[list[int]]:

@@ -27,6 +27,20 @@ def free_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def rank_address() -> str:
+    """A ``tcp://`` rendezvous address on the calling rank's node (asked of rank 0): inside a Ray
+    actor the node's address, reachable from the other nodes; otherwise loopback."""
+    import sys
+
+    host = "127.0.0.1"
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        host = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
 def _serve(rank: int, conn: Any, factory: Callable[[], Any]) -> None:
     """A rank's process: build the object, then run calls until ``None`` (or the pipe closes)."""
     try:
