@@ -189,8 +189,9 @@ def replica_shares(packed: Any, minibatches: int, replicas: int) -> list[list[An
 def read_megatron_checkpoint(folder: str | os.PathLike[str], expected: Mapping[str, Any], layout: MegatronLayout | None = None,
                              map_location: str = "cpu") -> dict[str, Any]:
     """The Megatron trainer's checkpoint in ``folder``, refused (naming the file and the tensors) if it is
-    missing, unreadable, of another format, lacks a part, holds weights of another model than
-    ``expected`` (a full state dict, or shapes on the ``meta`` device), or, when ``layout`` is given,
+    missing, unreadable, of another format, lacks a part, holds a version or step count that is not a
+    count, holds weights of another model than ``expected`` (a full state dict, or shapes on the
+    ``meta`` device), or, when ``layout`` is given,
     was saved by another layout or lacks a readable optimiser file of one of the layout's ranks."""
     source = Path(folder) / CHECKPOINT_FILE
     if not source.is_file():
