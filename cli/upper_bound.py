@@ -53,7 +53,7 @@ def upper_bound(workload: Workload, seed: int = 0, samples: int = 200_000) -> Up
     """Compute :class:`UpperBound` for ``workload`` (see the module docstring for the formula)."""
     import numpy as np
 
-    draws = workload.response_tokens.sample(np.random.default_rng(seed), samples).astype(float)
+    draws = workload.response_tokens.sample(np.random.default_rng(seed), samples, shared=False).astype(float)
     mean_r = float(draws.mean())
     mean_kv = workload.prompt_tokens + float((draws**2).mean()) / (2 * mean_r)
     cost = workload.build_cost_model()

@@ -94,7 +94,10 @@ def test_regression_fault_kind(seed: int, kinds: list[str], found: str) -> None:
                      "restart while a failed instance still held requests: RunLoop() refused the instance",
                      id="restart with requests left on an instance: it starts as failed and is cleaned"),
         pytest.param(39, None, "start-version-gc cancelled a group whose re-queued requests the same plan routed",
-                     id="staleness GC runs before routing"),
+                     id="staleness GC runs before routing (now roll-flash, which aborts nothing)"),
+        pytest.param(100051, None, "start-version-gc reserved and GC-aborted four head-buffer groups 25,000 times over "
+                     "while a push was slow (50,000 protocol events, no step)",
+                     id="roll-flash waits for the oldest groups: no abort churn"),
         pytest.param(78, None, "a push still failing at a restart: the new loop never pushed that version (livelock)",
                      id="pushes are flushed before a checkpoint"),
     ],

@@ -197,9 +197,9 @@ def _coordinator(policy="staleflow", eta=1, batch=2, instances=2, **knobs):
     return c, m, ts
 
 
-def _decide(c, ps_version, full, gc=False):
+def _decide(c, ps_version, full, trainer_waits=False):
     """One whole decision, as the run loop makes it."""
-    return decide(c, c.groups, ps_version, full, gc)
+    return decide(c, c.groups, ps_version, full, trainer_waits)
 
 
 def test_coordinator_admits_up_to_the_protocol_and_routes_groups():
@@ -236,15 +236,53 @@ def test_inflight_cap_bounds_admission():
     assert c.groups.live == 4 == (1 + 0 + 1) * 2
 
 
-def test_stale_group_gc_aborts_groups_due_in_the_head_buffer():
-    c, m, ts = _coordinator("start-version-gc", eta=0, batch=2)
+def _head_straggler(proactive_abort: int, finished_in_head: tuple[str, ...]):
+    """eta 1, B 2: g0..g3 reserved at version 0 and routed; g2, g3 trained in batch 0, so g0, g1 are
+    due in the head buffer 1; ``finished_in_head`` of them finish, and two groups reserved at
+    version 1 finish (enough to fill the batch without the head's stragglers)."""
+    c, m, ts = _coordinator("staleflow", eta=1, batch=2, instances=1, proactive_abort=proactive_abort)
     for cmd in _decide(c, 0, True):
         ts.mark_routed(cmd.request_ids, cmd.instance_id)
-    assert len(m) == 2
-    aborts = c.cancel(c.groups.abort(c.stale_groups()))  # the GC step of a decision
-    assert len(m) == 0 and c.stats["gc_aborted_groups"] == 2
-    assert sorted(r for a in aborts for r in a.request_ids) == ["g0/0", "g0/1", "g1/0", "g1/1"]
-    assert all(not v.requests for v in c.views)
+    for group_id in ("g2", "g3"):
+        m.occupy(group_id)
+    m.consume()
+    for group_id in finished_in_head:
+        m.occupy(group_id)
+    for group_id in ("g4", "g5"):
+        c.groups.admit(group_id, 1)
+        m.occupy(group_id)
+    assert not m.can_consume()
+    return c, m, ts
+
+
+def test_proactive_abort_requeues_the_last_stragglers_of_the_head_buffer_and_keeps_the_bound():
+    """One group due in the head buffer is still generating (threshold 2): it is aborted, its prompt
+    re-queued as a new pending group, and a batch of finished groups within the bound is ready."""
+    c, m, ts = _head_straggler(2, ("g1",))
+    pending = ts.pending_count()
+    commands = _decide(c, 1, False, trainer_waits=True)
+    assert c.stats["proactive_aborted_groups"] == 1 and c.groups.requeued == 1
+    assert "g0" not in m and ts.pending_count() == pending + 1
+    assert ts.group_state("g0").value == "aborted" and ts.group("g0~r1").prompt_ids == ts.group("g0").prompt_ids
+    assert sorted(r for cmd in commands if type(cmd).__name__ == "Abort" for r in cmd.request_ids) == ["g0/0", "g0/1"]
+    batch = m.consume()
+    assert batch.version == 1 and all(batch.version - v <= 1 for v in batch.group_versions)
+    # more groups missing than the threshold: nothing is aborted, the trainer waits
+    c2, m2, _ = _head_straggler(1, ())
+    _decide(c2, 1, False, trainer_waits=True)
+    assert c2.stats["proactive_aborted_groups"] == 0 and "g0" in m2 and "g1" in m2
+
+
+def test_requeued_prompt_takes_its_next_length_set():
+    ts = TrajectoryServer()
+    meta = {"response_lengths": [5, 6], "retry_lengths": [[7, 8], [9, 10]], "max_new_tokens": 50}
+    ts.add_groups([PromptGroup("g0", [1] * 4, 2, 0, meta)])
+    life = GroupLife(StalenessManager(1, 1), ts)
+    life.admit("g0", 0)
+    life.requeue(["g0"])
+    again = ts.group("g0~r1")
+    assert again.metadata["response_lengths"] == [7, 8] and again.metadata["retry_lengths"] == [[9, 10]]
+    assert life.live == 0 and life.running == 0
 
 
 def test_pull_interrupts_requests_unless_the_policy_keeps_them():
@@ -281,7 +319,8 @@ def test_coordinator_migrates_on_full_ticks_only():
 
 # ----------------------------------------------------------------------------- policies
 def test_policies_and_their_errors():
-    assert set(POLICIES) >= {"staleflow", "sync", "one-step-off", "inflight-cap", "start-version-gc"}
+    assert set(POLICIES) >= {"staleflow", "sync", "one-step-off", "inflight-cap", "roll-flash", "areal", "verl-async", "verl-sync"}
+    assert make_policy("start-version-gc").name == "roll-flash"  # the old name runs ROLL Flash's behaviour
     assert make_policy("sync").protocol_eta(3) == 0
     assert make_policy("one-step-off").protocol_eta(3) == 1
     assert make_policy("one-step-off").protocol_eta(0) == 0
