@@ -60,7 +60,8 @@ def upper_bound(workload: Workload, seed: int = 0, samples: int = 200_000) -> Up
     spec = workload.instance
     best_n = min(float(spec.max_running), spec.kv_capacity_tokens / mean_kv)
     decode = cost.throughput(best_n, best_n * mean_kv)
-    prefill_per_token = spec.prefill_s_per_token * workload.prompt_tokens / mean_r
+    prompt = workload.prompt_tokens
+    prefill_per_token = (spec.prefill_s_per_token * prompt + spec.prefill_attn_s_per_token2 * prompt * prompt / 2) / mean_r
     per_instance = 1.0 / (1.0 / decode + prefill_per_token)
     rollout = per_instance * workload.cluster.rollout_instances
 

@@ -355,3 +355,26 @@ def test_freshness_aware_admission_holds_later_buffers_until_the_trainer_waits()
     for _ in range(5):
         fresh.step_started(trainer_waited=True)
     assert fresh.lookahead == 3  # never beyond eta
+
+
+def test_round_robin_goes_around_eligible_instances_and_oldest_tier_first_for_reserved_groups():
+    from staleflow.runtime.routing import RoundRobinRouter
+
+    fleet = FleetArrays.of([view("a"), view("b"), view("c")])
+    router = RoundRobinRouter(max_running=2)
+    assert router.choose(fleet, 10, np.ones(3, bool), count=4) == [0, 1, 2, 0]
+    assert router.choose(fleet, 10, np.array([True, False, True]), count=3) == [2]  # a is full (2), b not eligible
+    # the waterfall: a new group tries the newest tier, a reserved group's requests the oldest
+    views = [view("old", version=0), view("new", version=1)]
+    assert ThroughputRouter(MODEL, 0.3).choose(FleetArrays.of(views), 100, np.ones(2, bool)) == [1]
+    assert ThroughputRouter(MODEL, 0.3).choose(FleetArrays.of(views), 100, np.ones(2, bool), oldest_first=True) == [0]
+
+
+def test_planning_cost_model_has_a_seeded_estimation_error():
+    off = MODEL.with_error(0.1, seed=3)
+    assert off == MODEL.with_error(0.1, seed=3) and off != MODEL.with_error(0.1, seed=4)
+    ratios = [getattr(off, k) / getattr(MODEL, k) for k in ("thr", "o_b", "o_k", "a_b", "a_k")]
+    assert all(0.8 <= r <= 1.2 for r in ratios) and any(abs(r - 1) > 0.01 for r in ratios)
+    assert MODEL.with_error(0.0, seed=3) is MODEL
+    with pytest.raises(ValueError, match="estimation error must be in"):
+        MODEL.with_error(0.6, seed=0)
