@@ -51,7 +51,6 @@ class Admission:
     group_id: str
     version: int
     instance_index: int
-    prompt_tokens: int
 
 
 class Coordinator:
@@ -215,25 +214,34 @@ class Coordinator:
         return Pull(instance_id, version)
 
     def _route_queue(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        """Place queued requests in order; False if one could not be placed."""
+        """Place queued requests in order; False if one could not be placed. Requests of one group
+        version and one token budget (:meth:`_budget`) are placed by one router call."""
         if self.ts.queued_count() == 0:
             return True
         batch: list[RolloutRequest] = []
+        key: tuple[int, int] | None = None
         for request in self.ts.queued():
-            if batch and (request.group_version, _tokens(request)) != (batch[0].group_version, _tokens(batch[0])):
+            request_key = (request.group_version, self._budget(_tokens(request)))
+            if batch and request_key != key:
                 if not self._place(batch, fleet, routes):
                     return False
                 batch = []
             batch.append(request)
+            key = request_key
         return self._place(batch, fleet, routes)
 
+    def _budget(self, tokens: int) -> int:
+        """``tokens`` rounded up to the policy's ``request_budget`` (the router's estimate)."""
+        budget = self.policy.request_budget
+        return tokens if budget <= 1 else -(-tokens // budget) * budget
+
     def _place(self, requests: list[RolloutRequest], fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        """Route requests that share a group version and a size; False if some stay queued."""
+        """Route requests that share a group version and a token budget; False if some stay queued."""
         if not requests:
             return True
         first = requests[0]
         chosen = self.router.choose(
-            fleet, _tokens(first), fleet.version >= first.group_version, len(requests), oldest_first=True
+            fleet, self._budget(_tokens(first)), fleet.version >= first.group_version, len(requests), oldest_first=True
         )
         for i, request in zip(chosen, requests):
             self._assign(i, request.request_id, _tokens(request), request.group_version, routes)
@@ -293,7 +301,7 @@ class Coordinator:
             if group is None or not admissible:
                 self._admitting = False
                 return None
-            tokens = len(group.prompt_ids)
+            tokens = self._budget(len(group.prompt_ids))
             fleet = self._fleet
             chosen = []
             if self.policy.freshness:  # the newest version first: its groups start freshest
@@ -304,14 +312,14 @@ class Coordinator:
                 self._admitting = False
                 self._starved = True
                 return None
-            return Admission(group.group_id, int(fleet.version[chosen[0]]), chosen[0], tokens)
+            return Admission(group.group_id, int(fleet.version[chosen[0]]), chosen[0])
         finally:
             self.decision_seconds += time.perf_counter() - started
 
     def place_admitted(self, admission: Admission, requests: Sequence[RolloutRequest]) -> None:
         """Route the requests of a group just reserved as ``admission`` decided."""
         self.stats["groups_admitted"] += 1
-        self._assign(admission.instance_index, requests[0].request_id, admission.prompt_tokens, admission.version, self._routes)
+        self._assign(admission.instance_index, requests[0].request_id, len(requests[0].prompt_ids), admission.version, self._routes)
         if not self._place(list(requests[1:]), self._fleet, self._routes):
             self._admitting = False
 

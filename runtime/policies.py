@@ -107,6 +107,10 @@ class SystemPolicy:
             the newest admissible version. It only chooses when to reserve, never what the
             protocol allows.
         freshness_patience: steps without a wait before the lookahead shrinks.
+        request_budget: the router plans a request's KV tokens rounded up to a multiple of this
+            (the reference's ``request_budget``, 1024 in the authors' script), so queued requests
+            of one version and budget are placed in one decision (0: exact tokens, one decision
+            per distinct size).
         pull_keeps_requests: an instance that pulls keeps its running requests, which go on with
             the new weights (in-place reload, vLLM ``pause_generation(mode="keep")``); by default
             they are interrupted first and re-routed as partials (abort-and-resubmit, as the
@@ -136,6 +140,7 @@ class SystemPolicy:
     freshness: bool = False
     freshness_patience: int = 3
     pull_keeps_requests: bool = False
+    request_budget: int = 1024
 
     def __post_init__(self) -> None:
         _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin"))
@@ -143,7 +148,7 @@ class SystemPolicy:
         _choice("weight_transfer", self.weight_transfer, ("ps_pull", "broadcast", "colocated"))
         _choice("sync", self.sync, ("per_instance", "global_immediate", "global_drained"))
         _choice("admission", self.admission, ("protocol", "inflight_cap"))
-        for name in ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort"):
+        for name in ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort", "request_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"policy {self.name!r}: {name} must be an int >= 0, got {value!r}")
