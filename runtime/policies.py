@@ -148,7 +148,9 @@ class SystemPolicy:
         _choice("weight_transfer", self.weight_transfer, ("ps_pull", "broadcast", "colocated"))
         _choice("sync", self.sync, ("per_instance", "global_immediate", "global_drained"))
         _choice("admission", self.admission, ("protocol", "inflight_cap"))
-        for name in ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort", "request_budget"):
+        counts = ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort",
+                  "request_budget")
+        for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"policy {self.name!r}: {name} must be an int >= 0, got {value!r}")
