@@ -378,3 +378,41 @@ def test_planning_cost_model_has_a_seeded_estimation_error():
     assert MODEL.with_error(0.0, seed=3) is MODEL
     with pytest.raises(ValueError, match="estimation error must be in"):
         MODEL.with_error(0.6, seed=0)
+
+
+def test_request_budget_batches_partials_into_one_router_call_and_exact_budget_routes_as_before():
+    """Queued partials of many sizes: with the exact budget (1) every size is its own router call
+    and the routes are those of routing the queue one request at a time (the code before
+    batching); with the reference's 1024, one call places them all, each on an instance with room."""
+    from dataclasses import replace as dc_replace
+
+    def partials_queued(budget):
+        c, _, ts = _coordinator("staleflow", eta=1, batch=2, instances=4, request_budget=budget)
+        for cmd in _decide(c, 0, True):
+            ts.mark_routed(cmd.request_ids, cmd.instance_id)
+        for k, v in enumerate(c.views):
+            rids = tuple(v.requests)
+            c.forget(v.instance_id, rids)
+            ts.requeue([dc_replace(ts.request(r), output_ids=[0] * (37 * k + 5 * i)) for i, r in enumerate(rids)], v.instance_id)
+        return c, ts
+
+    calls = []
+    c, ts = partials_queued(1)
+    queue = ts.queued()
+    original = c.router.choose
+    c.router.choose = lambda *a, **k: calls.append(a[3]) or original(*a, **k)
+    routes = {r: cmd.instance_id for cmd in _decide(c, 0, False) for r in cmd.request_ids}
+    assert len(calls) == len({len(r.output_ids) for r in queue}) and len(routes) == len(queue) == 8
+    replay, tsr = partials_queued(1)
+    fleet = replay._synced_fleet()
+    expected = {}
+    for request in tsr.queued():  # one request at a time, as before batching
+        tokens = len(request.prompt_ids) + len(request.output_ids)
+        [index] = replay.router.choose(fleet, tokens, fleet.version >= request.group_version, 1, oldest_first=True)
+        expected[request.request_id] = replay.views[index].instance_id
+    assert routes == expected
+    calls.clear()
+    c, ts = partials_queued(1024)
+    original = c.router.choose
+    c.router.choose = lambda *a, **k: calls.append(a[3]) or original(*a, **k)
+    assert sum(len(cmd.request_ids) for cmd in _decide(c, 0, False)) == 8 and calls == [8]
