@@ -416,3 +416,33 @@ def test_request_budget_batches_partials_into_one_router_call_and_exact_budget_r
     original = c.router.choose
     c.router.choose = lambda *a, **k: calls.append(a[3]) or original(*a, **k)
     assert sum(len(cmd.request_ids) for cmd in _decide(c, 0, False)) == 8 and calls == [8]
+
+
+def test_completion_ledger_consumes_in_the_peers_orders_without_a_bound():
+    """AReaL takes the oldest-admitted finished groups, VeRL's queue the first finished; neither
+    waits for a straggler; with the filter, finished groups past eta are dropped at consume."""
+    from staleflow.runtime.group_life import CompletionLedger
+
+    for order, expected in (("oldest_finished", ("a", "b")), ("finish_order", ("c", "b"))):
+        ledger = CompletionLedger(eta=1, batch_size=2, order=order)
+        for group_id in ("s", "a", "b", "c"):
+            assert ledger.reserve(group_id, 0)
+        for group_id in ("c", "b", "a"):  # s straggles
+            ledger.occupy(group_id)
+        batch = ledger.consume()
+        assert batch.group_ids == expected and batch.version == 0 and batch.dropped == ()
+    ledger = CompletionLedger(eta=1, batch_size=1, order="oldest_finished", filter_stale=True)
+    for group_id in ("old", "x", "y", "z"):
+        ledger.reserve(group_id, 0)
+    ledger.occupy("x")
+    ledger.occupy("y")
+    assert ledger.consume().group_ids == ("x",) and ledger.consume().group_ids == ("y",)  # versions 0, 1
+    ledger.occupy("old")
+    ledger.occupy("z")
+    assert ledger.version == 2 and not ledger.can_consume()  # both are 2 versions old: past eta 1
+    ledger.reserve("new", 2)
+    ledger.occupy("new")
+    batch = ledger.consume()
+    assert batch.group_ids == ("new",) and set(batch.dropped) == {"old", "z"}
+    with pytest.raises(ValueError, match="no protocol events"):
+        ledger.add_event_hook(print)
