@@ -394,6 +394,9 @@ def run(args: argparse.Namespace) -> int:
                 exit_code = 1
             report["by_eta"][str(eta)] = {"systems": results, "staleflow_ratio": _ratios(results, bound.tokens_per_s, eta)}
 
+    if args.out is not None:  # first: a long grid's results survive a failure to print or plot
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         if len(args.eta) == 1:
             only = report["by_eta"][str(args.eta[0])]
@@ -409,8 +412,6 @@ def run(args: argparse.Namespace) -> int:
             out = Console(width=170)  # a file or pipe: keep each row on one line
         _print_tables(report, out)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
         written = _plot(report, args.out) if any(r["systems"] for r in report["by_eta"].values()) else []
         err.print(f"wrote {args.out / 'results.json'} and {len(written)} plots into {args.out}", highlight=False)
     return exit_code
