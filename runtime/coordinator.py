@@ -215,13 +215,13 @@ class Coordinator:
 
     def _route_queue(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
         """Place queued requests in order; False if one could not be placed. Requests of one group
-        version and one token budget (:meth:`_budget`) are placed by one router call."""
+        version whose tokens fall in one ``request_budget`` bucket are placed by one router call."""
         if self.ts.queued_count() == 0:
             return True
         batch: list[RolloutRequest] = []
         key: tuple[int, int] | None = None
         for request in self.ts.queued():
-            request_key = (request.group_version, self._budget(_tokens(request)))
+            request_key = (request.group_version, self._bucket(_tokens(request)))
             if batch and request_key != key:
                 if not self._place(batch, fleet, routes):
                     return False
@@ -230,18 +230,19 @@ class Coordinator:
             key = request_key
         return self._place(batch, fleet, routes)
 
-    def _budget(self, tokens: int) -> int:
-        """``tokens`` rounded up to the policy's ``request_budget`` (the router's estimate)."""
+    def _bucket(self, tokens: int) -> int:
+        """Which ``request_budget`` bucket ``tokens`` fall in (exact sizes with a budget of 0 or 1)."""
         budget = self.policy.request_budget
-        return tokens if budget <= 1 else -(-tokens // budget) * budget
+        return tokens if budget <= 1 else -(-tokens // budget)
 
     def _place(self, requests: list[RolloutRequest], fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        """Route requests that share a group version and a token budget; False if some stay queued."""
+        """Route requests of one group version and budget bucket, each planned as the largest of
+        them (the router's estimate errs on the safe side); False if some stay queued."""
         if not requests:
             return True
-        first = requests[0]
+        tokens = max(_tokens(r) for r in requests)
         chosen = self.router.choose(
-            fleet, self._budget(_tokens(first)), fleet.version >= first.group_version, len(requests), oldest_first=True
+            fleet, tokens, fleet.version >= requests[0].group_version, len(requests), oldest_first=True
         )
         for i, request in zip(chosen, requests):
             self._assign(i, request.request_id, _tokens(request), request.group_version, routes)
@@ -301,7 +302,7 @@ class Coordinator:
             if group is None or not admissible:
                 self._admitting = False
                 return None
-            tokens = self._budget(len(group.prompt_ids))
+            tokens = len(group.prompt_ids)
             fleet = self._fleet
             chosen = []
             if self.policy.freshness:  # the newest version first: its groups start freshest

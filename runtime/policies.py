@@ -107,10 +107,10 @@ class SystemPolicy:
             the newest admissible version. It only chooses when to reserve, never what the
             protocol allows.
         freshness_patience: steps without a wait before the lookahead shrinks.
-        request_budget: the router plans a request's KV tokens rounded up to a multiple of this
-            (the reference's ``request_budget``, 1024 in the authors' script), so queued requests
-            of one version and budget are placed in one decision (0: exact tokens, one decision
-            per distinct size).
+        request_budget: queued requests of one version whose KV tokens fall in the same bucket of
+            this many tokens (the reference's ``request_budget``, 1024 in the authors' script) are
+            placed by one router call, each planned as the largest of them (0 or 1: one call per
+            distinct size).
         pull_keeps_requests: an instance that pulls keeps its running requests, which go on with
             the new weights (in-place reload, vLLM ``pause_generation(mode="keep")``); by default
             they are interrupted first and re-routed as partials (abort-and-resubmit, as the
