@@ -106,11 +106,12 @@ def test_regression_seed(seed: int, kinds: list[str] | None, found: str) -> None
     _assert_ok(run_seed(seed, kinds=kinds, steps_healed=1))
 
 
-@pytest.mark.xfail(strict=True, reason="known gap, open: found by `staleflow bench chaos --seeds 30 --first 200000 "
-                   "--system staleflow-fresh`; a trajectory is delivered by an instance that no longer holds its request "
-                   "after a coordinator restart with failed pulls (also without proactive abort; not with the old knobs "
-                   "mu 0.3, sync_kv_fraction 0.1)")
-def test_regression_seed_200027_staleflow_fresh_restart_with_failed_pulls() -> None:
+def test_regression_seed_200027_results_left_on_a_failed_instance_are_dropped_at_a_restart() -> None:
+    """Found by ``staleflow bench chaos --seeds 30 --first 200000 --system staleflow-fresh``: an
+    instance whose Pull failed was down (its requests re-queued and routed elsewhere) when the
+    coordinator restarted; it finished one of them meanwhile, so the new loop found it empty, took
+    it as up, and collected that result: the request finished twice. The new loop now drops results
+    an instance holds from before it started."""
     _assert_ok(run_seed(200027, system="staleflow-fresh"))
 
 
