@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--healed-steps", type=int, default=4, help="training steps after faults stop (default: 4)")
     parser.add_argument("--faults", nargs="+", default=None, metavar="KIND",
                         help="only these fault kinds (default: all); e.g. instance_crash push_fail")
+    parser.add_argument("--system", default=None,
+                        help="run every seed with this system instead of the drawn one (one that keeps the bound)")
     parser.add_argument("--tlc", action="store_true", help="also replay every trace through TLC (slower)")
     parser.add_argument("--trace-dir", type=Path, default=None, help="keep each seed's protocol trace here")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
@@ -44,6 +46,11 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
         problems.append(f"--seeds must be >= 1, got {args.seeds}")
     if args.steps < 1 or args.healed_steps < 0:
         problems.append("--steps must be >= 1 and --healed-steps >= 0")
+    from staleflow.runtime.policies import POLICIES
+
+    if args.system is not None and (args.system not in POLICIES or not POLICIES[args.system].keeps_bound):
+        bounded = ", ".join(name for name, policy in POLICIES.items() if policy.keeps_bound)
+        problems.append(f"--system: {args.system!r} is not a system that keeps the bound; known: {bounded}")
     known = [kind.value for kind in FaultKind]
     problems += [f"--faults: unknown kind {kind!r}; known: {', '.join(known)}" for kind in args.faults or () if kind not in known]
     return problems
@@ -80,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     started = time.perf_counter()
     for seed in seeds:
-        result = run_seed(seed, args.trace_dir, args.tlc, args.steps, args.healed_steps, args.faults)
+        result = run_seed(seed, args.trace_dir, args.tlc, args.steps, args.healed_steps, args.faults, args.system)
         results.append(result)
         if not args.json and not result.ok:
             print(f"seed {seed}: {result.violation}\n  reproduce: {result.command}", flush=True)
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         f"({time.perf_counter() - started:.1f} s)"
     )
     faults = "" if args.faults is None else " --faults " + " ".join(args.faults)
+    faults += "" if args.system is None else f" --system {args.system}"
     if args.seed is None:
         print(f"Reproduce: staleflow bench chaos --seeds {args.seeds} --first {args.first}{faults}")
     return 1 if summary["violations"] else 0

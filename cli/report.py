@@ -176,7 +176,7 @@ def write_report(run_dir: Path) -> Path:
         f"| mean step time | {summary['step_time_s']:.3f} s |",
         f"| staleness histogram (groups) | {summary['staleness_histogram']} |",
         f"| max staleness <= eta | {summary['max_staleness']} <= {summary['eta']}: {summary['bound_ok']} |",
-        f"| dropped / reward failures / GC-aborted | {summary['dropped']} / {summary['reward_failures']} / {summary['gc_aborted']} |",
+        f"| dropped / reward failures / re-queued | {summary['dropped']} / {summary['reward_failures']} / {summary['proactive_aborted']} |",
         f"| audit (lost, duplicated) | {summary['lost']}, {summary['duplicated']}: {'ok' if summary['audit_ok'] else 'FAILED'} |",
         f"| instance busy fraction | {', '.join(f'{k} {v:.2f}' for k, v in summary['instance_busy_fraction'].items())} |",
         f"| max version spread between instances | {inst['max_version_spread']:.0f} |",

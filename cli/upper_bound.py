@@ -53,14 +53,15 @@ def upper_bound(workload: Workload, seed: int = 0, samples: int = 200_000) -> Up
     """Compute :class:`UpperBound` for ``workload`` (see the module docstring for the formula)."""
     import numpy as np
 
-    draws = workload.response_tokens.sample(np.random.default_rng(seed), samples).astype(float)
+    draws = workload.response_tokens.sample(np.random.default_rng(seed), samples, shared=False).astype(float)
     mean_r = float(draws.mean())
     mean_kv = workload.prompt_tokens + float((draws**2).mean()) / (2 * mean_r)
     cost = workload.build_cost_model()
     spec = workload.instance
     best_n = min(float(spec.max_running), spec.kv_capacity_tokens / mean_kv)
     decode = cost.throughput(best_n, best_n * mean_kv)
-    prefill_per_token = spec.prefill_s_per_token * workload.prompt_tokens / mean_r
+    prompt = workload.prompt_tokens
+    prefill_per_token = (spec.prefill_s_per_token * prompt + spec.prefill_attn_s_per_token2 * prompt * prompt / 2) / mean_r
     per_instance = 1.0 / (1.0 / decode + prefill_per_token)
     rollout = per_instance * workload.cluster.rollout_instances
 

@@ -218,9 +218,9 @@ class CoordinatorConfig(ConfigSection):
     """The coordinator's knobs (design section 3.2). Ablations are systems (``staleflow-no-routing``...).
 
     The strategy knobs are defined once, by the system's policy
-    (:class:`~staleflow.runtime.policies.SystemPolicy`: the paper's ``mu`` 0.3, ``phi_wait`` 3,
-    ``phi_throughput`` 5, ``sync_kv_fraction`` 0.1); left out or null, a knob takes the chosen
-    system's value. The built-in CPU job sets ``mu`` 0.02: with the CPU cost model, 0.3 stopped
+    (:class:`~staleflow.runtime.policies.SystemPolicy`: the authors' script's ``mu`` 0.2,
+    ``phi_wait`` 3, ``phi_throughput`` 5, ``sync_kv_fraction`` 0.6); left out or null, a knob takes
+    the chosen system's value. The built-in CPU job sets ``mu`` 0.02: with the CPU cost model, 0.3 stopped
     routing at about 14 requests per instance, where vLLM-CPU still gains throughput from bigger
     batches.
     """

@@ -17,9 +17,9 @@ that agree with it, and decides commands with the policy's strategies:
    hands its requests back (:meth:`Coordinator.place_admitted`), which routes them.
 
 The coordinator reads the protocol and the trajectory server and changes neither: its own state is
-the speculative view of the fleet and its counters. Staleness GC is a decision too
-(:meth:`Coordinator.stale_groups`); the caller aborts the groups and the coordinator cancels
-their requests (:meth:`Coordinator.cancel`).
+the speculative view of the fleet and its counters. Proactive abort is a decision too
+(:meth:`Coordinator.proactive_aborts`); the group owner re-queues the groups and the coordinator
+cancels their requests (:meth:`Coordinator.cancel`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from staleflow.runtime.fleet import FleetArrays, InstanceView
 from staleflow.runtime.group_life import GroupLife
 from staleflow.runtime.migration import plan_migration
 from staleflow.runtime.policies import SystemPolicy
-from staleflow.runtime.routing import LeastLoadedRouter, ThroughputRouter
+from staleflow.runtime.routing import LeastLoadedRouter, RoundRobinRouter, ThroughputRouter
 from staleflow.runtime.sync import plan_pulls
 from staleflow.runtime.trajectory_server import TrajectoryServer
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest
@@ -51,7 +51,6 @@ class Admission:
     group_id: str
     version: int
     instance_index: int
-    prompt_tokens: int
 
 
 class Coordinator:
@@ -84,9 +83,11 @@ class Coordinator:
         self._index = {v.instance_id: i for i, v in enumerate(self.views)}
         if len(self._index) != len(self.views):
             raise ValueError("instance ids must be unique")
-        self.router: ThroughputRouter | LeastLoadedRouter = (
+        self.router: ThroughputRouter | LeastLoadedRouter | RoundRobinRouter = (
             ThroughputRouter(cost_model, policy.mu)
             if policy.routing == "throughput"
+            else RoundRobinRouter(policy.max_running)
+            if policy.routing == "round_robin"
             else LeastLoadedRouter(policy.max_running)
         )
         self._fleet = FleetArrays.of(self.views)
@@ -215,24 +216,36 @@ class Coordinator:
         return Pull(instance_id, version)
 
     def _route_queue(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        """Place queued requests in order; False if one could not be placed."""
+        """Place queued requests in order; False if one could not be placed. Requests of one group
+        version whose tokens fall in one ``request_budget`` bucket are placed by one router call."""
         if self.ts.queued_count() == 0:
             return True
         batch: list[RolloutRequest] = []
+        key: tuple[int, int] | None = None
         for request in self.ts.queued():
-            if batch and (request.group_version, _tokens(request)) != (batch[0].group_version, _tokens(batch[0])):
+            request_key = (request.group_version, self._bucket(_tokens(request)))
+            if batch and request_key != key:
                 if not self._place(batch, fleet, routes):
                     return False
                 batch = []
             batch.append(request)
+            key = request_key
         return self._place(batch, fleet, routes)
 
+    def _bucket(self, tokens: int) -> int:
+        """Which ``request_budget`` bucket ``tokens`` fall in (exact sizes with a budget of 0 or 1)."""
+        budget = self.policy.request_budget
+        return tokens if budget <= 1 else -(-tokens // budget)
+
     def _place(self, requests: list[RolloutRequest], fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        """Route requests that share a group version and a size; False if some stay queued."""
+        """Route requests of one group version and budget bucket, each planned as the largest of
+        them (the router's estimate errs on the safe side); False if some stay queued."""
         if not requests:
             return True
-        first = requests[0]
-        chosen = self.router.choose(fleet, _tokens(first), fleet.version >= first.group_version, len(requests))
+        tokens = max(_tokens(r) for r in requests)
+        chosen = self.router.choose(
+            fleet, tokens, fleet.version >= requests[0].group_version, len(requests), oldest_first=True
+        )
         for i, request in zip(chosen, requests):
             self._assign(i, request.request_id, _tokens(request), request.group_version, routes)
         return len(chosen) == len(requests)
@@ -249,6 +262,9 @@ class Coordinator:
             cap = (self.manager.eta + (ps_version or 0) + 1) * self.manager.batch_size
             if self.groups.live >= cap:
                 return []
+        concurrency = self.policy.rollout_concurrency * self.manager.batch_size
+        if concurrency and self.groups.running >= concurrency:
+            return []
         versions = [v for v in set(self._fleet.version.tolist()) if self.manager.can_reserve(v)]
         if not versions:
             self.stats["admission_blocked_by_protocol"] += 1
@@ -323,14 +339,14 @@ class Coordinator:
                 self._admitting = False
                 self._starved = True
                 return None
-            return Admission(group.group_id, int(fleet.version[chosen[0]]), chosen[0], tokens)
+            return Admission(group.group_id, int(fleet.version[chosen[0]]), chosen[0])
         finally:
             self.decision_seconds += time.perf_counter() - started
 
     def place_admitted(self, admission: Admission, requests: Sequence[RolloutRequest]) -> None:
         """Route the requests of a group just reserved as ``admission`` decided."""
         self.stats["groups_admitted"] += 1
-        self._assign(admission.instance_index, requests[0].request_id, admission.prompt_tokens, admission.version, self._routes)
+        self._assign(admission.instance_index, requests[0].request_id, len(requests[0].prompt_ids), admission.version, self._routes)
         if not self._place(list(requests[1:]), self._fleet, self._routes):
             self._admitting = False
 
@@ -373,11 +389,19 @@ class Coordinator:
                 commands.append(Interrupt(view.instance_id, rids))
         return commands
 
-    def stale_groups(self) -> list[str]:
-        """Staleness GC (ROLL style): the generating groups due in the head buffer, to abort."""
-        stale = self.groups.generating_due(self.manager.version)
-        self.stats["gc_aborted_groups"] += len(stale)
-        return stale
+    def proactive_aborts(self) -> list[str]:
+        """Proactive abort (the authors' ``abort_and_truncate_strategy``): while the trainer waits
+        for the head buffer, if at most ``proactive_abort`` groups due in it are still generating
+        and enough finished groups wait to fill the batch without them, those groups, to re-queue."""
+        threshold = self.policy.proactive_abort
+        counts = self.manager.counts()
+        if not threshold or not 0 < counts.running[0] <= threshold or sum(counts.done) < self.manager.batch_size:
+            return []
+        due = self.groups.generating_due(self.manager.version)
+        if len(due) != counts.running[0]:  # some are being rewarded: they are about to be done
+            return []
+        self.stats["proactive_aborted_groups"] += len(due)
+        return due
 
 
 def _tokens(request: RolloutRequest) -> int:
@@ -385,15 +409,18 @@ def _tokens(request: RolloutRequest) -> int:
     return len(request.prompt_ids) + len(request.output_ids)
 
 
-def decide(coordinator: Coordinator, groups: GroupLife, ps_version: int | None, full: bool, gc: bool = False) -> list[Command]:
+def decide(
+    coordinator: Coordinator, groups: GroupLife, ps_version: int | None, full: bool, trainer_waits: bool = False
+) -> list[Command]:
     """One whole decision: the coordinator decides, ``groups`` makes every group change it implies.
 
-    ``gc``: abort the generating groups due in the head buffer first (staleness GC), so that no
-    route goes to a cancelled request. Returns the commands to carry out, in order.
+    ``trainer_waits``: the trainer is idle and cannot consume; proactive abort (if the policy has
+    it) re-queues the last stragglers first, so that no route goes to a cancelled request. Returns
+    the commands to carry out, in order.
     """
     commands: list[Command] = []
-    if gc:
-        commands += coordinator.cancel(groups.abort(coordinator.stale_groups()))
+    if trainer_waits and coordinator.policy.proactive_abort:
+        commands += coordinator.cancel(groups.requeue(coordinator.proactive_aborts()))
     commands += coordinator.plan(ps_version, full)
     while (admission := coordinator.next_admission()) is not None:
         coordinator.place_admitted(admission, groups.admit(admission.group_id, admission.version))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +53,18 @@ class CostModel:
                 raise ValueError(f"cost model coefficient {name} must be >= 0, got {value}")
         if self.step_latency(1, 0) <= 0:
             raise ValueError("cost model gives a zero step latency: set thr, o_b, o_k or a_b above 0")
+
+    def with_error(self, error: float, seed: int) -> CostModel:
+        """This model as a planner would know it: each coefficient off by a seeded factor
+        ``1 + error * z`` (``z`` standard normal, clipped to +-2), e.g. ``error=0.1`` for the ~10%
+        estimation error the paper measured. ``error=0`` returns the model unchanged."""
+        if not 0 <= error < 0.5:
+            raise ValueError(f"estimation error must be in [0, 0.5), got {error}")
+        if error == 0:
+            return self
+        rng = random.Random(f"staleflow-cost-error/{seed}")
+        factors = {name: 1 + error * max(-2.0, min(2.0, rng.gauss(0.0, 1.0))) for name in COEFFICIENTS}
+        return CostModel(**{name: getattr(self, name) * factors[name] for name in COEFFICIENTS})
 
     def step_latency(self, n_running: float, kv_tokens: float) -> float:
         """Seconds per decode step of ``n_running`` requests holding ``kv_tokens`` KV-cache tokens."""

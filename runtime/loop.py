@@ -36,7 +36,7 @@ from staleflow.protocol.events import EventHook
 from staleflow.protocol.trace import JsonlTraceWriter
 from staleflow.runtime.coordinator import Coordinator, decide
 from staleflow.runtime.cost_model import CostModel
-from staleflow.runtime.group_life import GroupLife
+from staleflow.runtime.group_life import CompletionLedger, GroupLife
 from staleflow.runtime.instance_driver import InstanceDriver
 from staleflow.runtime.interfaces import INSTANCE_FAILURES, Clock, RolloutEngine, Trainer
 from staleflow.runtime.parameter_server import ParameterServer
@@ -131,7 +131,14 @@ class RunLoop:
         self._trace_path = trace_path
         self._trace: JsonlTraceWriter | None = None
         self._resumed = False
-        manager = StalenessManager(policy.protocol_eta(settings.eta), settings.batch_size, policy.batch_redundancy)
+        eta = policy.protocol_eta(settings.eta)
+        manager: StalenessManager | CompletionLedger
+        if policy.keeps_bound:
+            manager = StalenessManager(eta, settings.batch_size, policy.batch_redundancy)
+        else:
+            if trace_path is not None:
+                raise ValueError(f"system {policy.name!r} does not keep the bound: it has no protocol trace to write")
+            manager = CompletionLedger(eta, settings.batch_size, policy.consumption, policy.filter_stale)
         for hook in self._event_hooks:
             manager.add_event_hook(hook)
         self.groups = GroupLife(manager, self.ts)
@@ -149,8 +156,8 @@ class RunLoop:
         self._same_time = 0
 
     @property
-    def manager(self) -> StalenessManager:
-        """The staleness protocol (replaced when a checkpoint is loaded)."""
+    def manager(self) -> StalenessManager | CompletionLedger:
+        """The staleness protocol (replaced when a checkpoint is loaded), or a peer system's ledger."""
         return self.groups.manager
 
     @property
@@ -186,7 +193,7 @@ class RunLoop:
             self._refill()  # 5
             commands = decide(  # 6
                 self.coordinator, self.groups, self.ps.latest_version(), full,
-                gc=self.policy.gc_stale and self._training is None and not self.manager.can_consume(),
+                trainer_waits=self._training is None and not self.manager.can_consume(),
             )
             self.instances.execute(commands)
             self.stats.instances_busy(now, self.instances.busy_changes())
@@ -345,7 +352,7 @@ class RunLoop:
         coordinator["decision_seconds"] = self.coordinator.decision_seconds
         return self.stats.metrics(
             now, self.policy.name, self.instances.engines, report, coordinator,
-            gc_aborted=int(self.coordinator.stats["gc_aborted_groups"]), late_discards=self.ts.late_discards(),
+            late_discards=self.ts.late_discards(), groups=self.groups, eta=self.settings.eta,
         )
 
     # ----------------------------------------------------------------- checkpoints

@@ -1,10 +1,15 @@
 """Routing strategies: where a request goes (design 3.2; paper section 5, "waterfall").
 
 :class:`ThroughputRouter` (StaleFlow): among eligible instances whose KV cache can hold the request
-and that have no waiting queue, go through them by priority (newest model version first) and pick,
-in the first tier where one qualifies, the instance with the largest marginal throughput gain
+and that have no waiting queue, go through them by version tier and pick, in the first tier where
+one qualifies, the instance with the largest marginal throughput gain
 ``T_i(S + r) - T_i(S)``; it qualifies if the gain is at least ``mu`` times the throughput of an
-empty instance running the request alone. Otherwise the request stays queued.
+empty instance running the request alone. Otherwise the request stays queued. Requests of groups
+already reserved (partials, a group's members) try the *oldest* version tier first, which keeps the
+newest instances for new groups; a new group tries the newest first (the reference router orders
+candidates by ``(reserve indicator, version)``, which gives exactly these two orders).
+
+:class:`RoundRobinRouter` (AReaL's only policy): the next eligible instance in turn.
 
 :class:`LeastLoadedRouter` (the vanilla counterpart and the baselines): the eligible instance with
 the fewest requests, up to ``max_running``, preferring instances with no waiting queue; the engine
@@ -32,9 +37,12 @@ class ThroughputRouter:
         self.cost_model = cost_model
         self.mu = mu
 
-    def choose(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1) -> list[int]:
+    def choose(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+    ) -> list[int]:
         """Instances for up to ``count`` requests of ``tokens`` tokens each, one decision per request
-        (the fleet is updated after each); stops at the first request that stays queued."""
+        (the fleet is updated after each); stops at the first request that stays queued.
+        ``oldest_first``: the waterfall goes from the oldest version tier up (reserved groups)."""
         candidates, score = self._scores(fleet, tokens, eligible)
         if candidates.size == 0:
             return []
@@ -42,8 +50,8 @@ class ThroughputRouter:
         n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
         threshold = self.mu / model.step_latency(1, tokens)
         versions = fleet.version[candidates]
-        newest_first = sorted(set(versions.tolist()), reverse=True)
-        tiers = [np.flatnonzero(versions == v) for v in newest_first] if len(newest_first) > 1 else None
+        order = sorted(set(versions.tolist()), reverse=not oldest_first)
+        tiers = [np.flatnonzero(versions == v) for v in order] if len(order) > 1 else None
         chosen: list[int] = []
         for _ in range(count):
             pick = self._best(score, tiers)
@@ -98,7 +106,9 @@ class LeastLoadedRouter:
         """Whether :meth:`choose` would place one request now (the fleet is not changed)."""
         return bool(np.any(fleet.n[np.flatnonzero(eligible & ~fleet.loading)] < self.max_running))
 
-    def choose(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1) -> list[int]:
+    def choose(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+    ) -> list[int]:
         """Instances for up to ``count`` requests, the least loaded first (the fleet is updated)."""
         candidates = np.flatnonzero(eligible & ~fleet.loading)
         chosen: list[int] = []
@@ -115,4 +125,37 @@ class LeastLoadedRouter:
             chosen.append(index)
             n[pick] += 1
             load[pick] += 1
+        return chosen
+
+
+class RoundRobinRouter:
+    """The next eligible instance in turn, up to ``max_running`` requests each (AReaL's
+    ``round_robin``, ``areal/core/remote_inf_engine.py``)."""
+
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+        self._next = 0
+
+    def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
+        """Whether :meth:`choose` would place one request now (the fleet is not changed)."""
+        return bool(np.any(eligible & ~fleet.loading & (fleet.n < self.max_running)))
+
+    def choose(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+    ) -> list[int]:
+        """Instances for up to ``count`` requests, each the next eligible one after the last chosen."""
+        open_ = eligible & ~fleet.loading & (fleet.n < self.max_running)
+        chosen: list[int] = []
+        size = len(open_)
+        for _ in range(count):
+            candidates = np.flatnonzero(open_)
+            if candidates.size == 0:
+                break
+            after = candidates[candidates >= self._next % size]
+            index = int(after[0] if after.size else candidates[0])
+            fleet.add(index, tokens)
+            chosen.append(index)
+            self._next = index + 1
+            if fleet.n[index] >= self.max_running:
+                open_[index] = False
         return chosen

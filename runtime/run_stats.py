@@ -24,8 +24,12 @@ class RunMetrics:
     ``tokens_trained``: response tokens of the trajectories in consumed batches; ``tokens_per_s``:
     trained tokens per second of the run. ``staleness_per_buffer[b][s]``: groups of batch ``b``
     generated ``s`` versions before it; ``staleness_histogram`` sums them over batches.
-    ``dropped``: groups dropped by the protocol as redundancy waste; ``gc_aborted``: groups the
-    staleness GC aborted; ``reward_failures``: groups whose reward raised or timed out;
+    ``staleness_p99``: the 99th percentile of the trained groups' staleness; ``past_eta_share``: the
+    share of trained groups older than the bound ``eta`` the run was asked for (only systems that do
+    not keep the bound have any). ``dropped``: groups dropped at consume (redundancy waste, or a
+    peer system's staleness filter); ``proactive_aborted``: groups proactive abort re-queued;
+    ``wasted_tokens``: response tokens of finished trajectories of groups dropped or aborted;
+    ``reward_failures``: groups whose reward raised or timed out;
     ``cancelled_requests``: group-level redundancy siblings cancelled. ``lost`` and ``duplicated``
     come from the trajectory-server audit at the end of the run and must be zero.
     """
@@ -43,8 +47,11 @@ class RunMetrics:
     staleness_per_buffer: dict[int, dict[int, int]]
     staleness_histogram: dict[int, int]
     max_staleness: int
+    staleness_p99: int
+    past_eta_share: float
     dropped: int
-    gc_aborted: int
+    proactive_aborted: int
+    wasted_tokens: int
     reward_failures: int
     cancelled_requests: int
     late_discards: int
@@ -56,6 +63,17 @@ class RunMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def staleness_quantile(histogram: Mapping[int, int], q: float) -> int:
+    """The smallest staleness ``s`` with at least a share ``q`` of the groups at ``s`` or below."""
+    total = sum(histogram.values())
+    seen = 0
+    for staleness in sorted(histogram):
+        seen += histogram[staleness]
+        if seen >= q * total:
+            return staleness
+    return 0
 
 
 class RunStats:
@@ -111,9 +129,11 @@ class RunStats:
         instance_ids: Iterable[str],
         audit: AuditReport,
         coordinator: dict[str, float],
-        gc_aborted: int,
         late_discards: int,
+        groups: Any,
+        eta: int,
     ) -> RunMetrics:
+        """``groups``: the run's :class:`~staleflow.runtime.group_life.GroupLife`; ``eta``: the bound asked for."""
         elapsed = max(now - self.run_start, 1e-12)
         busy = dict(self._busy_total)
         for iid, since in self._busy_since.items():
@@ -137,8 +157,11 @@ class RunStats:
             staleness_per_buffer={b: dict(sorted(c.items())) for b, c in sorted(self.staleness.items())},
             staleness_histogram=dict(sorted(histogram.items())),
             max_staleness=max(histogram, default=0),
+            staleness_p99=staleness_quantile(histogram, 0.99),
+            past_eta_share=sum(n for s, n in histogram.items() if s > eta) / max(1, sum(histogram.values())),
             dropped=counters["dropped"],
-            gc_aborted=gc_aborted,
+            proactive_aborted=groups.requeued,
+            wasted_tokens=groups.wasted_tokens,
             reward_failures=counters["reward_failures"],
             cancelled_requests=counters["cancelled_requests"],
             late_discards=late_discards,

@@ -6,7 +6,13 @@ without a path (``--workload qwen3-30b-a3b-128gpu``).
 
 Response lengths are long-tailed: a log-normal clipped at the maximum response length (a response
 that reaches the maximum is truncated there, as in RL post-training). The log-normal's location is
-solved so that the *clipped* mean equals ``mean``.
+solved so that the *clipped* mean equals ``mean``. A prompt's difficulty is shared by its group:
+``prompt_sigma`` of the log-scale spread is drawn once per prompt, the rest per response (the
+marginal distribution stays the same), so the long responses of a batch cluster in a few groups.
+
+An instance's KV capacity is either given (``instance.kv_capacity_tokens``) or derived from its GPU
+memory (``instance.memory``): ``(gpus * gpu_gb * utilization - weights_gb - reserved_gb * gpus) /
+kv_bytes_per_token``, vLLM's own accounting (weights and activations out of the memory it may use).
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ WORKLOAD_DIR = Path(__file__).parent / "workloads"
 
 #: ``PromptGroup.metadata`` key: the response lengths (tokens) drawn for the samples of the group.
 GROUP_LENGTHS_KEY = "response_lengths"
+#: ``PromptGroup.metadata`` key: further length sets of the same prompt (same difficulty), taken in
+#: turn when the prompt is sampled again (proactive abort re-queues it: ``GroupLife.requeue``).
+RETRY_LENGTHS_KEY = "retry_lengths"
+#: Length sets drawn per prompt for re-sampling.
+RETRIES = 2
 #: ``RolloutRequest.metadata`` key: the response length of that one request (an int), which the
 #: simulated engine generates before it finishes the request (the trajectory server copies it).
 REQUEST_LENGTH_KEY = "response_length"
@@ -57,10 +68,28 @@ class ClusterSpec(_Strict):
     trainer_gpus: int = Field(ge=0, description="GPUs of the trainer (reported; the step time is the training model)")
 
 
+class MemorySpec(_Strict):
+    """Where an instance's KV capacity comes from (GB = 1e9 bytes)."""
+
+    gpu_gb: float = Field(gt=0, description="memory of one GPU")
+    utilization: float = Field(default=0.9, gt=0, le=1, description="share vLLM may use (gpu_memory_utilization)")
+    weights_gb: float = Field(ge=0, description="model weights of the whole instance (split over its GPUs)")
+    reserved_gb: float = Field(default=3.0, ge=0, description="activations, CUDA graphs, per GPU")
+    kv_bytes_per_token: int = Field(ge=1, description="2 x layers x KV heads x head dim x bytes, whole instance")
+
+    def kv_tokens(self, gpus: int) -> int:
+        free = gpus * (self.gpu_gb * self.utilization - self.reserved_gb) - self.weights_gb
+        return max(0, int(free * 1e9 // self.kv_bytes_per_token))
+
+
 class InstanceSpec(_Strict):
     kv_capacity_tokens: int = Field(ge=1, description="KV-cache capacity of one instance, in tokens")
     max_running: int = Field(default=256, ge=1, description="most requests decoding at once (vLLM max_num_seqs)")
     prefill_s_per_token: float = Field(default=0.0, ge=0, description="seconds per token to (re)build the KV cache of an admitted request")
+    prefill_attn_s_per_token2: float = Field(
+        default=0.0, ge=0,
+        description="attention cost of a prefill per (token, earlier token) pair: c tokens cost c^2/2 times this on top",
+    )
     weight_load_s: float = Field(default=0.0, ge=0, description="seconds a Pull blocks the instance")
     reload_recomputes_kv: bool = Field(
         default=True, description="a Pull also rebuilds the KV cache of the requests that stay (prefill of their tokens)"
@@ -75,12 +104,19 @@ class LognormalLengths(_Strict):
     sigma: float = Field(gt=0, le=4)
     max: int = Field(ge=1)
     min: int = Field(default=1, ge=1)
+    prompt_sigma: float = Field(default=0.0, ge=0, description="log-scale spread shared by a prompt's group")
 
     @model_validator(mode="after")
     def _check(self) -> LognormalLengths:
         if not self.min < self.mean < self.max:
             raise ValueError(f"need min < mean < max, got min={self.min}, mean={self.mean}, max={self.max}")
+        if self.prompt_sigma >= self.sigma:
+            raise ValueError(f"need prompt_sigma < sigma, got prompt_sigma={self.prompt_sigma}, sigma={self.sigma}")
         return self
+
+    def truncated_share(self) -> float:
+        """The share of responses that reach ``max`` (truncated there)."""
+        return 0.5 * math.erfc((math.log(self.max) - self.mu) / (self.sigma * math.sqrt(2)))
 
     @cached_property
     def mu(self) -> float:
@@ -105,10 +141,16 @@ class LognormalLengths(_Strict):
                 high = mid
         return (low + high) / 2
 
-    def sample(self, rng: Any, size: int) -> Any:
+    def sample(self, rng: Any, size: int, shared: bool = True) -> Any:
+        """``size`` lengths; with ``prompt_sigma`` and ``shared`` they are one group's (one shared
+        difficulty); ``shared=False`` draws from the marginal (statistics over many prompts)."""
         import numpy as np
 
-        draws = rng.lognormal(self.mu, self.sigma, size)
+        if self.prompt_sigma and shared:
+            difficulty = rng.normal(0.0, self.prompt_sigma)
+            draws = np.exp(self.mu + difficulty + rng.normal(0.0, math.sqrt(self.sigma**2 - self.prompt_sigma**2), size))
+        else:
+            draws = rng.lognormal(self.mu, self.sigma, size)
         return np.clip(np.rint(draws), self.min, self.max).astype(np.int64)
 
 
@@ -123,7 +165,8 @@ class UniformLengths(_Strict):
             raise ValueError(f"need min <= max, got min={self.min}, max={self.max}")
         return self
 
-    def sample(self, rng: Any, size: int) -> Any:
+    def sample(self, rng: Any, size: int, shared: bool = True) -> Any:
+        """``size`` independent lengths (no per-prompt difficulty: ``shared`` changes nothing)."""
         return rng.integers(self.min, self.max + 1, size)
 
 
@@ -135,7 +178,8 @@ class FixedLengths(_Strict):
     def max(self) -> int:
         return self.tokens
 
-    def sample(self, rng: Any, size: int) -> Any:
+    def sample(self, rng: Any, size: int, shared: bool = True) -> Any:
+        """``size`` equal lengths (``shared`` changes nothing)."""
         import numpy as np
 
         return np.full(size, self.tokens, dtype=np.int64)
@@ -147,6 +191,18 @@ LengthSpec = Annotated[LognormalLengths | UniformLengths | FixedLengths, Field(d
 class BatchSpec(_Strict):
     groups_per_step: int = Field(ge=1, description="prompt groups per training batch (B)")
     group_size: int = Field(ge=1, description="responses per prompt (N)")
+
+
+class NetworkSpec(_Strict):
+    """Weight transfer (GB = 1e9 bytes; defaults: free). A parameter-server pull takes
+    ``weights_gb / min(link_gb_per_s, ps_gb_per_s / pulls in flight)`` on top of
+    ``instance.weight_load_s``; a global broadcast takes ``weights_gb / broadcast_gb_per_s`` and
+    blocks the trainer and every instance."""
+
+    weights_gb: float = Field(default=0.0, ge=0, description="bytes of one model version")
+    ps_gb_per_s: float = Field(default=1e9, gt=0, description="the parameter server's total egress")
+    link_gb_per_s: float = Field(default=1e9, gt=0, description="one instance's link")
+    broadcast_gb_per_s: float = Field(default=1e9, gt=0, description="a global NCCL broadcast, end to end")
 
 
 class TrainingSpec(_Strict):
@@ -179,7 +235,22 @@ class Workload(_Strict):
     response_tokens: LengthSpec
     batch: BatchSpec
     training: TrainingSpec
+    network: NetworkSpec = NetworkSpec()
     simulation: SimulationSpec = SimulationSpec()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_kv(cls, data: Any) -> Any:
+        """``instance.memory`` -> ``instance.kv_capacity_tokens`` (one of the two, not both)."""
+        if not isinstance(data, dict) or not isinstance(data.get("instance"), dict) or "memory" not in data["instance"]:
+            return data
+        instance = dict(data["instance"])
+        if "kv_capacity_tokens" in instance:
+            raise ValueError("instance: give kv_capacity_tokens or memory, not both")
+        memory = MemorySpec.model_validate(instance.pop("memory"))
+        gpus = data.get("cluster", {}).get("gpus_per_instance", 1) if isinstance(data.get("cluster"), dict) else 1
+        instance["kv_capacity_tokens"] = memory.kv_tokens(int(gpus))
+        return {**data, "instance": instance}
 
     @model_validator(mode="after")
     def _fits_kv(self) -> Workload:
@@ -201,21 +272,24 @@ class Workload(_Strict):
     def prompt_groups(self, seed: int, start: int = 0, n_extra: int = 0) -> Iterator[PromptGroup]:
         """An endless stream of prompt groups ``g{start}, g{start+1}, ...`` with drawn response lengths
         in ``metadata[GROUP_LENGTHS_KEY]`` (one per sample, ``group_size + n_extra`` of them: extras
-        for group-level redundancy) and ``metadata["max_new_tokens"]`` the maximum response length.
+        for group-level redundancy; ``RETRIES`` more sets of the same difficulty in
+        ``metadata[RETRY_LENGTHS_KEY]``) and ``metadata["max_new_tokens"]`` the maximum response length.
         Deterministic for a given seed: every system of a comparison gets the same lengths."""
         import numpy as np
 
         rng = np.random.default_rng(seed)
         prompt = [1] * self.prompt_tokens
         index = start
+        size = self.batch.group_size + n_extra
         while True:
-            lengths = self.response_tokens.sample(rng, self.batch.group_size + n_extra)
+            draws = [int(x) for x in self.response_tokens.sample(rng, size * (1 + RETRIES))]
+            sets = [draws[i * size:(i + 1) * size] for i in range(1 + RETRIES)]
             yield PromptGroup(
                 group_id=f"g{index}",
                 prompt_ids=prompt,  # one shared (read-only) list: prompts are all alike here
                 n_samples=self.batch.group_size,
                 n_extra=n_extra,
-                metadata={GROUP_LENGTHS_KEY: [int(x) for x in lengths], "max_new_tokens": self.response_tokens.max},
+                metadata={GROUP_LENGTHS_KEY: sets[0], RETRY_LENGTHS_KEY: sets[1:], "max_new_tokens": self.response_tokens.max},
             )
             index += 1
 
@@ -223,12 +297,13 @@ class Workload(_Strict):
         """Mean, max and percentiles of ``samples`` drawn response lengths (what the docs report)."""
         import numpy as np
 
-        draws = self.response_tokens.sample(np.random.default_rng(seed), samples)
+        draws = self.response_tokens.sample(np.random.default_rng(seed), samples, shared=False)
         return {
             "mean": float(draws.mean()),
             "p50": float(np.percentile(draws, 50)),
             "p99": float(np.percentile(draws, 99)),
             "max": float(draws.max()),
+            "truncated": float((draws >= self.response_tokens.max).mean()),
             "mean_sq_over_mean": float((draws.astype(float) ** 2).mean() / draws.mean()),
         }
 

@@ -27,7 +27,7 @@ def build(policy="staleflow", eta=2, batch=4, instances=4, n_samples=4, n_extra=
     spec = RunSpec(policy, eta=eta, batch_size=batch, tick_s=tick_s, reward_timeout_s=reward_timeout_s)
     parts = RunParts(engines=engines, trainer=trainer, prompts=prompts or prompt_groups(n_samples, n_extra),
                      cost_model=MODEL, clock=clock, reward_fn=reward_fn)
-    loop = assemble_run(spec, parts, event_hooks=[events.append], trace_path=trace_path)
+    loop = assemble_run(spec, parts, event_hooks=[events.append] if policy.keeps_bound else [], trace_path=trace_path)
     return loop, trainer, engines, events
 
 
@@ -40,7 +40,11 @@ def check_bound(trainer: FakeTrainer, eta: int) -> None:
             assert all(max(t.versions) <= batch.version for t in group)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+BOUNDED = sorted(name for name, policy in POLICIES.items() if policy.keeps_bound)
+UNBOUNDED = sorted(set(POLICIES) - set(BOUNDED))
+
+
+@pytest.mark.parametrize("name", BOUNDED)
 def test_every_policy_keeps_the_bound_and_loses_nothing(name):
     loop, trainer, _, events = build(name, eta=2)
     metrics = loop.run(8)
@@ -106,12 +110,44 @@ def test_batch_redundancy_drops_are_reported_and_bounded():
     check_bound(trainer, 1)
 
 
-def test_start_version_gc_aborts_stragglers():
+def test_roll_flash_waits_for_stragglers_instead_of_aborting_them():
+    """ROLL Flash (old name start-version-gc) waits for the oldest start step: nothing is aborted,
+    nothing churns, the bound holds."""
     lengths = (10, 10, 10, 10, 10, 10, 10, 900)
-    loop, trainer, _, _ = build("start-version-gc", eta=1, n_samples=1, prompts=prompt_groups(1, lengths=lengths))
+    loop, trainer, _, events = build("start-version-gc", eta=1, n_samples=1, prompts=prompt_groups(1, lengths=lengths))
     metrics = loop.run(6)
-    assert metrics.gc_aborted > 0 and metrics.audit_ok
+    assert loop.policy.name == "roll-flash" and metrics.audit_ok
+    assert not [e for e in events if e.op == "abort"] and metrics.proactive_aborted == 0
     check_bound(trainer, 1)
+
+
+@pytest.mark.parametrize("name", UNBOUNDED)
+def test_completion_order_peers_lose_nothing_and_report_their_staleness(name):
+    loop, trainer, _, _ = build(name, eta=1, n_samples=1, prompts=prompt_groups(1, lengths=(10, 10, 10, 10, 10, 10, 10, 900)))
+    metrics = loop.run(8)
+    assert [b.version for b in trainer.batches] == list(range(8))
+    assert metrics.audit_ok and metrics.lost == 0 and metrics.duplicated == 0
+    assert sum(metrics.staleness_histogram.values()) == 32
+    with pytest.raises(ValueError, match="does not keep the bound"):
+        build(name, trace_path="unused.jsonl")
+
+
+def test_areal_trains_a_straggler_past_eta_and_reports_it_and_the_filter_drops_it():
+    """Every eighth response takes 900 tokens: AReaL trains the finished groups first, so the
+    straggler's group is trained more than eta = 1 versions after its start, and the run reports it;
+    AReaL with the filter drops such groups at consume and counts their tokens as wasted."""
+    lengths = (10, 10, 10, 10, 10, 10, 10, 900)
+    loop, trainer, _, _ = build("areal", eta=1, n_samples=1, prompts=prompt_groups(1, lengths=lengths))
+    metrics = loop.run(10)
+    assert metrics.max_staleness > 1 and metrics.past_eta_share > 0 and metrics.staleness_p99 >= 2
+    stale = [b.version - min(t.versions[0] for t in g) for b in trainer.batches for g in b.groups.values()]
+    assert max(stale) == metrics.max_staleness
+    assert metrics.dropped == 0 and metrics.wasted_tokens == 0
+    loop, trainer, _, _ = build("areal-filter", eta=1, n_samples=1, prompts=prompt_groups(1, lengths=lengths))
+    metrics = loop.run(10)
+    assert metrics.max_staleness <= 1 and metrics.past_eta_share == 0
+    check_bound(trainer, 1)
+    assert metrics.dropped > 0 and metrics.wasted_tokens >= 900 * metrics.dropped // 2
 
 
 def test_failing_and_hanging_rewards_mark_groups_and_the_run_goes_on():

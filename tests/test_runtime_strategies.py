@@ -197,9 +197,9 @@ def _coordinator(policy="staleflow", eta=1, batch=2, instances=2, **knobs):
     return c, m, ts
 
 
-def _decide(c, ps_version, full, gc=False):
+def _decide(c, ps_version, full, trainer_waits=False):
     """One whole decision, as the run loop makes it."""
-    return decide(c, c.groups, ps_version, full, gc)
+    return decide(c, c.groups, ps_version, full, trainer_waits)
 
 
 def test_coordinator_admits_up_to_the_protocol_and_routes_groups():
@@ -236,15 +236,53 @@ def test_inflight_cap_bounds_admission():
     assert c.groups.live == 4 == (1 + 0 + 1) * 2
 
 
-def test_stale_group_gc_aborts_groups_due_in_the_head_buffer():
-    c, m, ts = _coordinator("start-version-gc", eta=0, batch=2)
+def _head_straggler(proactive_abort: int, finished_in_head: tuple[str, ...]):
+    """eta 1, B 2: g0..g3 reserved at version 0 and routed; g2, g3 trained in batch 0, so g0, g1 are
+    due in the head buffer 1; ``finished_in_head`` of them finish, and two groups reserved at
+    version 1 finish (enough to fill the batch without the head's stragglers)."""
+    c, m, ts = _coordinator("staleflow", eta=1, batch=2, instances=1, proactive_abort=proactive_abort)
     for cmd in _decide(c, 0, True):
         ts.mark_routed(cmd.request_ids, cmd.instance_id)
-    assert len(m) == 2
-    aborts = c.cancel(c.groups.abort(c.stale_groups()))  # the GC step of a decision
-    assert len(m) == 0 and c.stats["gc_aborted_groups"] == 2
-    assert sorted(r for a in aborts for r in a.request_ids) == ["g0/0", "g0/1", "g1/0", "g1/1"]
-    assert all(not v.requests for v in c.views)
+    for group_id in ("g2", "g3"):
+        m.occupy(group_id)
+    m.consume()
+    for group_id in finished_in_head:
+        m.occupy(group_id)
+    for group_id in ("g4", "g5"):
+        c.groups.admit(group_id, 1)
+        m.occupy(group_id)
+    assert not m.can_consume()
+    return c, m, ts
+
+
+def test_proactive_abort_requeues_the_last_stragglers_of_the_head_buffer_and_keeps_the_bound():
+    """One group due in the head buffer is still generating (threshold 2): it is aborted, its prompt
+    re-queued as a new pending group, and a batch of finished groups within the bound is ready."""
+    c, m, ts = _head_straggler(2, ("g1",))
+    pending = ts.pending_count()
+    commands = _decide(c, 1, False, trainer_waits=True)
+    assert c.stats["proactive_aborted_groups"] == 1 and c.groups.requeued == 1
+    assert "g0" not in m and ts.pending_count() == pending + 1
+    assert ts.group_state("g0").value == "aborted" and ts.group("g0~r1").prompt_ids == ts.group("g0").prompt_ids
+    assert sorted(r for cmd in commands if type(cmd).__name__ == "Abort" for r in cmd.request_ids) == ["g0/0", "g0/1"]
+    batch = m.consume()
+    assert batch.version == 1 and all(batch.version - v <= 1 for v in batch.group_versions)
+    # more groups missing than the threshold: nothing is aborted, the trainer waits
+    c2, m2, _ = _head_straggler(1, ())
+    _decide(c2, 1, False, trainer_waits=True)
+    assert c2.stats["proactive_aborted_groups"] == 0 and "g0" in m2 and "g1" in m2
+
+
+def test_requeued_prompt_takes_its_next_length_set():
+    ts = TrajectoryServer()
+    meta = {"response_lengths": [5, 6], "retry_lengths": [[7, 8], [9, 10]], "max_new_tokens": 50}
+    ts.add_groups([PromptGroup("g0", [1] * 4, 2, 0, meta)])
+    life = GroupLife(StalenessManager(1, 1), ts)
+    life.admit("g0", 0)
+    life.requeue(["g0"])
+    again = ts.group("g0~r1")
+    assert again.metadata["response_lengths"] == [7, 8] and again.metadata["retry_lengths"] == [[9, 10]]
+    assert life.live == 0 and life.running == 0
 
 
 def test_pull_interrupts_requests_unless_the_policy_keeps_them():
@@ -281,7 +319,8 @@ def test_coordinator_migrates_on_full_ticks_only():
 
 # ----------------------------------------------------------------------------- policies
 def test_policies_and_their_errors():
-    assert set(POLICIES) >= {"staleflow", "sync", "one-step-off", "inflight-cap", "start-version-gc"}
+    assert set(POLICIES) >= {"staleflow", "sync", "one-step-off", "inflight-cap", "roll-flash", "areal", "verl-async", "verl-sync"}
+    assert make_policy("start-version-gc").name == "roll-flash"  # the old name runs ROLL Flash's behaviour
     assert make_policy("sync").protocol_eta(3) == 0
     assert make_policy("one-step-off").protocol_eta(3) == 1
     assert make_policy("one-step-off").protocol_eta(0) == 0
@@ -384,3 +423,94 @@ def test_freshness_lowers_staleness_when_the_trainer_is_the_bottleneck_and_costs
     plain, fresh = (simulate_system(workload, s, 2, 20, 0) for s in ("staleflow", "staleflow-fresh"))
     assert plain["trainer_busy"] < 0.2
     assert fresh["tokens_per_s"] == plain["tokens_per_s"] and fresh["staleness_histogram"] == plain["staleness_histogram"]
+
+
+def test_round_robin_goes_around_eligible_instances_and_oldest_tier_first_for_reserved_groups():
+    from staleflow.runtime.routing import RoundRobinRouter
+
+    fleet = FleetArrays.of([view("a"), view("b"), view("c")])
+    router = RoundRobinRouter(max_running=2)
+    assert router.choose(fleet, 10, np.ones(3, bool), count=4) == [0, 1, 2, 0]
+    assert router.choose(fleet, 10, np.array([True, False, True]), count=3) == [2]  # a is full (2), b not eligible
+    # the waterfall: a new group tries the newest tier, a reserved group's requests the oldest
+    views = [view("old", version=0), view("new", version=1)]
+    assert ThroughputRouter(MODEL, 0.3).choose(FleetArrays.of(views), 100, np.ones(2, bool)) == [1]
+    assert ThroughputRouter(MODEL, 0.3).choose(FleetArrays.of(views), 100, np.ones(2, bool), oldest_first=True) == [0]
+
+
+def test_planning_cost_model_has_a_seeded_estimation_error():
+    off = MODEL.with_error(0.1, seed=3)
+    assert off == MODEL.with_error(0.1, seed=3) and off != MODEL.with_error(0.1, seed=4)
+    ratios = [getattr(off, k) / getattr(MODEL, k) for k in ("thr", "o_b", "o_k", "a_b", "a_k")]
+    assert all(0.8 <= r <= 1.2 for r in ratios) and any(abs(r - 1) > 0.01 for r in ratios)
+    assert MODEL.with_error(0.0, seed=3) is MODEL
+    with pytest.raises(ValueError, match="estimation error must be in"):
+        MODEL.with_error(0.6, seed=0)
+
+
+def test_request_budget_batches_partials_into_one_router_call_and_exact_budget_routes_as_before():
+    """Queued partials of many sizes: with the exact budget (1) every size is its own router call
+    and the routes are those of routing the queue one request at a time (the code before
+    batching); with the reference's 1024, one call places them all, each on an instance with room."""
+    from dataclasses import replace as dc_replace
+
+    def partials_queued(budget):
+        c, _, ts = _coordinator("staleflow", eta=1, batch=2, instances=4, request_budget=budget)
+        for cmd in _decide(c, 0, True):
+            ts.mark_routed(cmd.request_ids, cmd.instance_id)
+        for k, v in enumerate(c.views):
+            rids = tuple(v.requests)
+            c.forget(v.instance_id, rids)
+            ts.requeue([dc_replace(ts.request(r), output_ids=[0] * (37 * k + 5 * i)) for i, r in enumerate(rids)], v.instance_id)
+        return c, ts
+
+    calls = []
+    c, ts = partials_queued(1)
+    queue = ts.queued()
+    original = c.router.choose
+    c.router.choose = lambda *a, **k: calls.append(a[3]) or original(*a, **k)
+    routes = {r: cmd.instance_id for cmd in _decide(c, 0, False) for r in cmd.request_ids}
+    assert len(calls) == len({len(r.output_ids) for r in queue}) and len(routes) == len(queue) == 8
+    replay, tsr = partials_queued(1)
+    fleet = replay._synced_fleet()
+    expected = {}
+    for request in tsr.queued():  # one request at a time, as before batching
+        tokens = len(request.prompt_ids) + len(request.output_ids)
+        [index] = replay.router.choose(fleet, tokens, fleet.version >= request.group_version, 1, oldest_first=True)
+        expected[request.request_id] = replay.views[index].instance_id
+    assert routes == expected
+    calls.clear()
+    c, ts = partials_queued(1024)
+    original = c.router.choose
+    c.router.choose = lambda *a, **k: calls.append(a[3]) or original(*a, **k)
+    assert sum(len(cmd.request_ids) for cmd in _decide(c, 0, False)) == 8 and calls == [8]
+
+
+def test_completion_ledger_consumes_in_the_peers_orders_without_a_bound():
+    """AReaL takes the oldest-admitted finished groups, VeRL's queue the first finished; neither
+    waits for a straggler; with the filter, finished groups past eta are dropped at consume."""
+    from staleflow.runtime.group_life import CompletionLedger
+
+    for order, expected in (("oldest_finished", ("a", "b")), ("finish_order", ("c", "b"))):
+        ledger = CompletionLedger(eta=1, batch_size=2, order=order)
+        for group_id in ("s", "a", "b", "c"):
+            assert ledger.reserve(group_id, 0)
+        for group_id in ("c", "b", "a"):  # s straggles
+            ledger.occupy(group_id)
+        batch = ledger.consume()
+        assert batch.group_ids == expected and batch.version == 0 and batch.dropped == ()
+    ledger = CompletionLedger(eta=1, batch_size=1, order="oldest_finished", filter_stale=True)
+    for group_id in ("old", "x", "y", "z"):
+        ledger.reserve(group_id, 0)
+    ledger.occupy("x")
+    ledger.occupy("y")
+    assert ledger.consume().group_ids == ("x",) and ledger.consume().group_ids == ("y",)  # versions 0, 1
+    ledger.occupy("old")
+    ledger.occupy("z")
+    assert ledger.version == 2 and not ledger.can_consume()  # both are 2 versions old: past eta 1
+    ledger.reserve("new", 2)
+    ledger.occupy("new")
+    batch = ledger.consume()
+    assert batch.group_ids == ("new",) and set(batch.dropped) == {"old", "z"}
+    with pytest.raises(ValueError, match="no protocol events"):
+        ledger.add_event_hook(print)

@@ -233,3 +233,32 @@ def test_many_requests_take_events_not_tokens() -> None:
         events += 1
     assert engine.tokens_generated == sum(20 * (i + 1) for i in range(1000))
     assert events == 1000
+
+
+def test_a_long_partial_pays_the_attention_term_of_its_re_prefill() -> None:
+    """Chunked prefill of c context tokens: c * per_token + attn * c^2 / 2."""
+    from staleflow.adapters.sim.network import prefill_seconds
+
+    assert prefill_seconds(30_000, 8.9e-5, 1.06e-8) == pytest.approx(30_000 * 8.9e-5 + 1.06e-8 * 30_000**2 / 2)
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000, prefill_s_per_token=1e-4, prefill_attn_s_per_token2=1e-8)
+    engine.submit([request("a", 1, prompt=20_000)])
+    done = run_to_idle(engine, clock)
+    assert done["a"][0] == pytest.approx(20_000 * 1e-4 + 1e-8 * 20_000**2 / 2 + expected_time(1, 1, 20_000))
+
+
+def test_parameter_server_pulls_share_its_bandwidth_and_a_broadcast_does_not() -> None:
+    from staleflow.adapters.sim.network import Broadcast, ParameterServerLink
+    from staleflow.runtime.workload import NetworkSpec
+
+    net = NetworkSpec(weights_gb=60.0, ps_gb_per_s=100.0, link_gb_per_s=25.0, broadcast_gb_per_s=20.0)
+    link = ParameterServerLink(net)
+    assert link.transfer_s(0.0) == pytest.approx(60 / 25)  # alone: the instance's link limits
+    times = [link.transfer_s(0.1) for _ in range(7)]  # 8 in flight: 100 GB/s shared
+    assert times[-1] == pytest.approx(60 / (100 / 8)) and link.in_flight == 8
+    assert link.transfer_s(100.0) == pytest.approx(60 / 25) and link.in_flight == 1  # the others finished
+    assert Broadcast(net).transfer_s(0.0) == Broadcast(net).transfer_s(5.0) == pytest.approx(3.0)
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, COST, 100_000, weight_load_s=1.0, weight_link=Broadcast(net))
+    engine.load_weights(1)
+    assert engine.snapshot().loading and engine.next_event_time() == pytest.approx(4.0)

@@ -26,7 +26,46 @@ def test_shipped_workloads_load_with_their_gpu_counts() -> None:
     gpus = {name: load_workload(name).gpus for name in PAPER}
     assert gpus == {PAPER[0]: 64, PAPER[1]: 128, PAPER[2]: 128, PAPER[3]: 128}
     qwen3 = load_workload("qwen3-30b-a3b-128gpu").build_cost_model()
-    assert (qwen3.a_k, qwen3.a_b, qwen3.o_k, qwen3.thr) == (7.28e-8, 1.72e-3, 1.25e-4, 1.07e-2)
+    # the authors' qwen_moe_30b.json, TP1_PP1; the paper's Table 4 is k2 = thr - o_b, k4 = o_b + a_b
+    assert (qwen3.thr, qwen3.o_b, qwen3.o_k, qwen3.a_b, qwen3.a_k) == (0.0115108, 0.0097899, 1.249e-4, 8.671926e-4, 7.28e-8)
+    assert qwen3.thr - qwen3.o_b == pytest.approx(1.72e-3, rel=0.01) and qwen3.o_b + qwen3.a_b == pytest.approx(1.07e-2, rel=0.01)
+
+
+def test_kv_capacity_is_derived_from_gpu_memory_minus_weights(tmp_path) -> None:
+    """Qwen3-30B-A3B on one H20: 0.9 x 96 GB - 3 GB - 61.1 GB = 22.3 GB at 98,304 B/token (the
+    reference note's ~224k); the 32B models on two GPUs: 2 x 83.4 - 65.5 = 101.3 GB at 262,144 B/token."""
+    qwen3 = load_workload("qwen3-30b-a3b-128gpu")
+    assert qwen3.cluster.gpus_per_instance == 1 and qwen3.cluster.rollout_instances == 96
+    assert qwen3.instance.kv_capacity_tokens == int(22.3e9 // 98304) == 226_847
+    assert load_workload("deepseek-r1-distill-qwen-32b-128gpu").instance.kv_capacity_tokens == int(101.3e9 // 262144)
+    assert load_workload("deepseek-r1-distill-qwen-14b-64gpu").instance.kv_capacity_tokens == int(53.9e9 // 196608)
+    data = yaml.safe_load(resolve_workload_path("qwen3-30b-a3b-128gpu").read_text())
+    data["instance"]["kv_capacity_tokens"] = 1000
+    path = tmp_path / "both.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(WorkloadError, match="kv_capacity_tokens or memory, not both"):
+        load_workload(path)
+    data["instance"].pop("kv_capacity_tokens")
+    data["instance"]["memory"]["weights_gb"] = 80.0  # nothing left for the KV cache
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(WorkloadError, match="cannot hold the longest request"):
+        load_workload(path)
+
+
+def test_a_prompts_difficulty_is_shared_by_its_group() -> None:
+    """With prompt_sigma, lengths correlate within a group (log-length variance between groups is
+    prompt_sigma^2 of the total), while the marginal keeps its mean and its truncation share."""
+    import numpy as np
+
+    workload = load_workload("qwen3-30b-a3b-128gpu")
+    spec = workload.response_tokens
+    groups = workload.prompt_groups(seed=3)
+    logs = np.log([next(groups).metadata[GROUP_LENGTHS_KEY] for _ in range(3000)])
+    between = logs.mean(axis=1).var()
+    assert between == pytest.approx(spec.prompt_sigma**2 + (spec.sigma**2 - spec.prompt_sigma**2) / 16, rel=0.15)
+    stats = workload.length_stats(seed=1)
+    assert stats["mean"] == pytest.approx(9700, rel=0.02)
+    assert stats["truncated"] == pytest.approx(spec.truncated_share(), abs=0.002) and 0.01 < stats["truncated"] < 0.02
 
 
 def test_paper_like_lengths_have_mean_9700_and_max_40960() -> None:

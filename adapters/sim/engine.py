@@ -13,28 +13,25 @@ Model of execution:
 * Admission is first-come first-served from the waiting queue: a request starts when fewer than
   ``max_running`` requests run and its context (prompt + tokens already generated) plus one more
   token for every running request fits in ``kv_capacity``. Admitted requests first (re)build their
-  KV cache: the instance stalls ``prefill_s_per_token`` per context token. When the next step would
+  KV cache: the instance stalls for a chunked prefill of their context, linear plus an attention
+  term (:func:`~staleflow.adapters.sim.network.prefill_seconds`). When the next step would
   overflow the KV cache, the most recently admitted request is preempted back to the head of the
   queue (it keeps its tokens), as vLLM does.
 * A request finishes after generating ``metadata[REQUEST_LENGTH_KEY]`` tokens, capped by
   ``max_new_tokens`` (finish reason ``"length"`` then; without the key it runs to the cap).
-* ``load_weights`` switches the version at once and blocks this instance for ``weight_load_s``;
-  running requests keep their tokens and continue on the new weights (their per-token versions show
-  it). With ``reload_recomputes_kv`` their KV cache is rebuilt with the new weights first (a prefill
-  of every resident token), as when a sync interrupts and resumes the instance's requests (the
-  reference implementation) or an engine discards stale KV (AReaL); without it the stale KV is kept
-  (vLLM's in-place reload). A Pull then costs more the fuller the instance is.
+* ``load_weights`` switches the version at once and blocks this instance for ``weight_load_s`` plus
+  the transfer (``weight_link``: a parameter-server pull sharing its bandwidth, or a broadcast);
+  running requests keep their tokens and go on with the new weights. With ``reload_recomputes_kv``
+  their KV cache is rebuilt first (a prefill of every resident request), as when a sync interrupts
+  and resumes them (the reference) or an engine discards stale KV (AReaL); without it the stale KV
+  is kept (vLLM's in-place reload).
 
 Between two events (a finish, a KV overflow, a command) the running set is fixed, so ``s`` steps
 take ``s*(a_b + a_k*K + M(n)) + a_k*n*s*(s-1)/2`` seconds: the engine jumps over them in closed
-form. Work is O(events * log n), independent of the number of tokens: token lists are
-:class:`~staleflow.adapters.sim.tokens.RunLengthList` runs. Token ids are ``0`` and behaviour
-log-probs a constant ``FAKE_LOGPROB``: the simulator models time, not text.
-
-``event_quantum_s`` > 0 makes :meth:`SimEngine.next_event_time` round up to a multiple of it: the
-run loop then collects finished requests at that granularity (like a loop that polls its engines
-every ``event_quantum_s``), so that events of many instances share one loop iteration. The state
-itself stays exact; each trajectory's ``metadata["finish_time"]`` is its true finish time.
+form, O(events * log n) (token lists are :class:`~staleflow.adapters.sim.tokens.RunLengthList`
+runs; token ids are ``0``, log-probs ``FAKE_LOGPROB``: the simulator models time, not text).
+``event_quantum_s`` > 0 rounds the announced event times up to its multiples, so that events of
+many instances share one loop iteration; the state and each ``metadata["finish_time"]`` stay exact.
 """
 
 from __future__ import annotations
@@ -47,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from staleflow.adapters.sim.network import WeightTransfer, prefill_seconds
 from staleflow.adapters.sim.tokens import RunLengthList
 from staleflow.runtime.cost_model import CostModel
 from staleflow.runtime.interfaces import Clock
@@ -83,6 +81,8 @@ class SimEngine:
         version: the model version it starts with.
         event_quantum_s: granularity of the event times it announces (0: exact).
         reload_recomputes_kv: a weight load also re-prefills the resident KV cache.
+        prefill_attn_s_per_token2: the attention term of a prefill (per token pair).
+        weight_link: what a weight load spends receiving the weights (None: nothing).
     """
 
     def __init__(
@@ -98,13 +98,12 @@ class SimEngine:
         version: int = 0,
         event_quantum_s: float = 0.0,
         reload_recomputes_kv: bool = False,
+        prefill_attn_s_per_token2: float = 0.0,
+        weight_link: WeightTransfer | None = None,
     ) -> None:
-        if kv_capacity < 2:
-            raise ValueError(f"kv_capacity must be >= 2 tokens, got {kv_capacity}")
-        if max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {max_running}")
-        if event_quantum_s < 0:
-            raise ValueError(f"event_quantum_s must be >= 0, got {event_quantum_s}")
+        for name, value, low in (("kv_capacity", kv_capacity, 2), ("max_running", max_running, 1), ("event_quantum_s", event_quantum_s, 0)):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
         self._quantum = event_quantum_s
         self.instance_id = instance_id
         self._clock = clock
@@ -112,6 +111,8 @@ class SimEngine:
         self._capacity = kv_capacity
         self._max_running = max_running
         self._prefill = prefill_s_per_token
+        self._prefill_attn = prefill_attn_s_per_token2
+        self._link = weight_link
         self._load_s = weight_load_s
         self._reload_recomputes_kv = reload_recomputes_kv
         self._version = version
@@ -137,7 +138,8 @@ class SimEngine:
 
     @classmethod
     def from_workload(
-        cls, workload: Workload, instance_id: str, clock: Clock, version: int = 0, event_quantum_s: float = 0.0
+        cls, workload: Workload, instance_id: str, clock: Clock, version: int = 0, event_quantum_s: float = 0.0,
+        weight_link: WeightTransfer | None = None,
     ) -> SimEngine:
         spec = workload.instance
         return cls(
@@ -151,6 +153,8 @@ class SimEngine:
             version=version,
             event_quantum_s=event_quantum_s,
             reload_recomputes_kv=spec.reload_recomputes_kv,
+            prefill_attn_s_per_token2=spec.prefill_attn_s_per_token2,
+            weight_link=weight_link,
         )
 
     # ------------------------------------------------------------------ the RolloutEngine seam
@@ -198,7 +202,9 @@ class SimEngine:
         self._version = version
         self._version_marks.append((self._steps, version))
         start = max(self._t, self._busy_until)
-        stall = self._load_s + (self._prefill * self._kv if self._reload_recomputes_kv else 0.0)
+        stall = self._load_s + (self._link.transfer_s(start) if self._link is not None else 0.0)
+        if self._reload_recomputes_kv:
+            stall += sum(self._prefill_s(live.context + self._steps - live.base_step) for live in self._running.values())
         self._busy_until = self._load_until = start + stall
         self._advance(self._clock.now())
 
@@ -362,7 +368,7 @@ class SimEngine:
             self._finished.append(self._trajectory(live))
 
     def _admit(self) -> None:
-        stall_tokens = 0
+        stall = 0.0
         while self._waiting and len(self._running) < self._max_running:
             request_id, live = next(iter(self._waiting.items()))
             if self._kv + live.context + len(self._running) + 1 > self._capacity:
@@ -375,10 +381,12 @@ class SimEngine:
             self._kv += live.context
             self._seq += 1
             heapq.heappush(self._finish_heap, (self._steps + live.target - live.produced, self._seq, request_id))
-            stall_tokens += live.context
-        if stall_tokens and self._prefill > 0:
-            stall = stall_tokens * self._prefill
+            stall += self._prefill_s(live.context)
+        if stall > 0:
             self._busy_until = self._t + stall
+
+    def _prefill_s(self, context: int) -> float:
+        return prefill_seconds(context, self._prefill, self._prefill_attn)
 
     def _stop(self, request_id: str) -> _Live:
         """Take a running request out of the batch, folding the tokens it generated into its record."""

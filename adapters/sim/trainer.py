@@ -3,6 +3,8 @@
 Step time is ``base_s + per_token_s * tokens`` where ``tokens`` counts the prompt and response
 tokens of every trajectory in the batch (:class:`~staleflow.runtime.workload.TrainingSpec`).
 Weights are a version token (:class:`SimWeights`): the simulator moves versions, not tensors.
+``scale`` multiplies the step time (a colocated system trains on every GPU: ``trainer_gpus / gpus``);
+``after_step_s`` keeps the trainer busy after each step (a blocking weight broadcast).
 """
 
 from __future__ import annotations
@@ -40,15 +42,23 @@ class SimTrainer:
     the trainer's current version is refused (it would skip or repeat a version).
     """
 
-    def __init__(self, clock: Clock, training: TrainingSpec, version: int = 0) -> None:
+    def __init__(
+        self, clock: Clock, training: TrainingSpec, version: int = 0, scale: float = 1.0, after_step_s: float = 0.0
+    ) -> None:
+        if scale <= 0 or after_step_s < 0:
+            raise ValueError(f"need scale > 0 and after_step_s >= 0, got {scale} and {after_step_s}")
         self._clock = clock
         self._training = training
+        self._scale = scale
+        self._after = after_step_s
         self._version = version
         self._step: _Step | None = None
 
     @classmethod
-    def from_workload(cls, workload: Workload, clock: Clock, version: int = 0) -> SimTrainer:
-        return cls(clock, workload.training, version)
+    def from_workload(
+        cls, workload: Workload, clock: Clock, version: int = 0, scale: float = 1.0, after_step_s: float = 0.0
+    ) -> SimTrainer:
+        return cls(clock, workload.training, version, scale, after_step_s)
 
     @property
     def version(self) -> int:
@@ -69,7 +79,7 @@ class SimTrainer:
         self._step = _Step(
             version=batch.version,
             start=start,
-            end=start + self._training.step_time(prompt + response),
+            end=start + self._scale * self._training.step_time(prompt + response) + self._after,
             tokens=prompt + response,
             response_tokens=response,
             groups=len(batch.groups),

@@ -1,0 +1,61 @@
+"""Costs of moving data on a simulated cluster: weight transfers and KV-cache rebuilds.
+
+* :class:`ParameterServerLink`: instances pull a new version from the parameter server one by one
+  (StaleFlow). One pull takes ``weights_gb / min(link_gb_per_s, ps_gb_per_s / k)`` where ``k`` is the
+  number of pulls in flight when it starts, itself included: the server's egress is shared, and a
+  pull that starts while many others run is slower (the share is fixed at its start, a
+  simplification of fair sharing).
+* :class:`Broadcast`: a global NCCL broadcast (the peers): every instance receives the version at
+  once in ``weights_gb / broadcast_gb_per_s``; the trainer is blocked as long (``SimTrainer``'s
+  ``after_step_s``).
+* :func:`prefill_seconds`: rebuilding the KV cache of ``c`` context tokens (a new request's prompt, or
+  a resubmitted partial's prompt and tokens so far) with chunked prefill costs a linear term
+  ``per_token * c`` (the matmuls) and an attention term: chunk after chunk attends to every earlier
+  token, ``attn_per_token2 * c^2 / 2`` in all, which dominates for long partials.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from staleflow.runtime.workload import NetworkSpec
+
+
+class WeightTransfer(Protocol):
+    def transfer_s(self, start: float) -> float:
+        """Seconds a weight load that starts at ``start`` spends receiving the weights."""
+        ...
+
+
+class ParameterServerLink:
+    """Pulls from a parameter server whose egress the pulls in flight share (module docstring)."""
+
+    def __init__(self, network: NetworkSpec) -> None:
+        self._network = network
+        self._ends: list[float] = []
+
+    def transfer_s(self, start: float) -> float:
+        self._ends = [end for end in self._ends if end > start]
+        net = self._network
+        seconds = net.weights_gb / min(net.link_gb_per_s, net.ps_gb_per_s / (len(self._ends) + 1))
+        self._ends.append(start + seconds)
+        return seconds
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._ends)
+
+
+class Broadcast:
+    """A global broadcast: the same time for every instance, whatever the others do."""
+
+    def __init__(self, network: NetworkSpec) -> None:
+        self.seconds = network.weights_gb / network.broadcast_gb_per_s
+
+    def transfer_s(self, start: float) -> float:
+        return self.seconds
+
+
+def prefill_seconds(context: int, per_token: float, attn_per_token2: float) -> float:
+    """Seconds to rebuild the KV cache of ``context`` tokens (module docstring)."""
+    return context * per_token + attn_per_token2 * context * context / 2
