@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from staleflow.protocol import SNAPSHOT_FORMAT, InvalidVersionError, SnapshotError, StalenessManager
+from staleflow.protocol import SNAPSHOT_FORMAT, InvalidVersionError, SnapshotError, StalenessManager, UnknownGroupError
 from staleflow.spec import mirror
 from staleflow.spec.mirror import DONE, RUNNING, MirrorState, SpecParams
 from staleflow.verification.checks import CheckResult
@@ -222,8 +222,17 @@ BAD_VERSIONS: tuple[Any, ...] = (True, 1.0, "0", None, -1)
 
 def check_bad_arguments(manager: StalenessManager) -> None:
     """``reserve`` refuses a bad group id with TypeError; ``reserve``, ``reserve_slack`` and
-    ``can_reserve`` refuse a bad version with InvalidVersionError; the state does not change."""
+    ``can_reserve`` refuse a bad version with InvalidVersionError; ``occupy``, ``abort`` and
+    ``group`` refuse an unknown or unhashable id with UnknownGroupError; the state does not change."""
     before = manager.snapshot()
+    for group_id in ("fuzz-unknown", [1]):
+        for call in (manager.occupy, manager.abort, manager.group):
+            try:
+                call(group_id)
+            except UnknownGroupError:
+                pass
+            else:
+                raise AssertionError(f"{call.__name__}({group_id!r}) was not refused with UnknownGroupError")
     for group_id in BAD_GROUP_IDS:
         try:
             manager.reserve(group_id, manager.version)
