@@ -172,6 +172,8 @@ def fuzz_restore(
     at the first escape (naming the snapshot)."""
     from staleflow.verification.conformance_compare import assert_same_state
 
+    default = manager_cls(1, 2)
+    assert (default.redundancy, default.capacity(0)) == (0, 2), "the default redundancy is not 0"
     rng = random.Random(seed)
     stats = FuzzStats()
     for _ in range(count):
