@@ -85,6 +85,7 @@ EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
     ("core/ReplaceComparisonOperator_Lt_NotEq", 1): ("if view.free == 0 and slot != self._eta:", _LAST_VIEW),
     ("core/ReplaceComparisonOperator_Lt_IsNot", 1): ("if view.free == 0 and slot is not self._eta:", _LAST_VIEW),
     ("core/ReplaceBinaryOperator_Add_Mul", 11): ("for k in range(1, self._eta * 1):", _LAST_GUARD),
+    ("core/NumberReplacer", 63): ("for k in range(1, self._eta + 0):", _LAST_GUARD),
     ("core/ReplaceBinaryOperator_Add_FloorDiv", 11): ("for k in range(1, self._eta // 1):", _LAST_GUARD),
     ("core/ReplaceBinaryOperator_Add_Pow", 11): ("for k in range(1, self._eta ** 1):", _LAST_GUARD),
     ("core/ReplaceBinaryOperator_Add_BitOr", 11): (

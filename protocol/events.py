@@ -62,7 +62,8 @@ class ProtocolEvent:
 
     ``op`` is one of ``"reserve"``, ``"occupy"``, ``"abort"``, ``"consume"``. For ``reserve``,
     ``accepted`` tells whether the group was admitted (a refused reserve still emits an event, with
-    ``before == after``). For ``consume``, ``batch`` holds the batch.
+    ``before == after``). For ``consume``, ``batch`` holds the batch. ``seq`` numbers the events
+    one manager object emitted, from 0 (a restored manager starts again at 0).
     """
 
     seq: int

@@ -49,6 +49,17 @@ def test_mutation_sites_match_the_mutants() -> None:
     assert outcome is not None and outcome.outcome == "killed" and outcome.original != outcome.mutated
 
 
+def test_an_annotation_only_mutant_is_equivalent_without_running_the_layers() -> None:
+    annotation = SOURCE.replace("def _consume_plan(self) -> list[int] | None:", "def _consume_plan(self) -> list[int] - None:")
+    code = SOURCE.replace("if len(self._buckets[0]) - plan[0] > self._redundancy:",
+                          "if len(self._buckets[0]) - plan[0] >= self._redundancy:")
+    assert annotation != SOURCE and code != SOURCE
+    assert mutation.annotation_only(SOURCE, annotation) and not mutation.annotation_only(SOURCE, code)
+    # without `from __future__ import annotations` an annotation is evaluated: not equivalent
+    evaluated = SOURCE.replace("from __future__ import annotations\n", "")
+    assert not mutation.annotation_only(evaluated, evaluated.replace("list[int] | None:", "list[int] - None:", 1))
+
+
 def test_a_mutant_that_does_not_compile_is_incompetent() -> None:
     outcome, layer, _ = mutation.judge(SOURCE.replace("def consume(self)", "def consume(self"), "x", 10)
     assert (outcome, layer) == ("incompetent", "compile")

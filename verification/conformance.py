@@ -174,6 +174,8 @@ def conformance_machine(
             self.seen += 1
             last = self.events[-1]
             assert last.op == op and last.group_id == group_id, last
+            # seq numbers the events of one manager object (since its construction or restore) from 0
+            assert last.seq == self.seen - 1 - self.impl_start, f"event seq {last.seq}, expected {self.seen - 1 - self.impl_start}"
             assert last.before == before and last.after == self.impl.counts(), last
             return last
 
@@ -197,6 +199,7 @@ def conformance_machine(
         def setup(self, eta: int, batch_size: int, redundancy: int) -> None:
             self.params = SpecParams(eta, batch_size, redundancy)
             self.impl = manager_cls(eta, batch_size, redundancy, on_event=self.events.append)
+            self.impl_start = 0
             self.spec = mirror.init()
             self.seen = 0
             event(f"eta={eta} B={batch_size} X={redundancy}")
@@ -305,6 +308,7 @@ def conformance_machine(
             assert restored.counts() == self.impl.counts(), "restored counters differ"
             assert list(restored.groups()) == list(self.impl.groups()), "restored groups differ"
             self.impl = restored
+            self.impl_start = self.seen
 
         # ------------------------------------------------------------ invariants
         @invariant()

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from staleflow.protocol import SNAPSHOT_FORMAT, SnapshotError, StalenessManager
+from staleflow.protocol import SNAPSHOT_FORMAT, InvalidVersionError, SnapshotError, StalenessManager, UnknownGroupError
 from staleflow.spec import mirror
 from staleflow.spec.mirror import DONE, RUNNING, MirrorState, SpecParams
 from staleflow.verification.checks import CheckResult
@@ -172,6 +172,8 @@ def fuzz_restore(
     at the first escape (naming the snapshot)."""
     from staleflow.verification.conformance_compare import assert_same_state
 
+    default = manager_cls(1, 2)
+    assert (default.redundancy, default.capacity(0)) == (0, 2), "the default redundancy is not 0"
     rng = random.Random(seed)
     stats = FuzzStats()
     for _ in range(count):
@@ -208,9 +210,47 @@ def fuzz_restore(
         assert_same_state(again, ps, state)
         assert list(again.groups()) == list(manager.groups()), "restore(snapshot()) reorders groups"
         check_buffers(manager)
+        check_bad_arguments(manager)
     missing = [k for k in KINDS if not stats.kinds[k]]
     assert not missing, f"the fuzzer never produced {missing}"
     return stats
+
+
+#: Arguments a restored manager must refuse: group ids that are not a str or an int (a bool is
+#: not an id), and versions that are not an int, negative, or ahead of the head buffer.
+BAD_GROUP_IDS: tuple[Any, ...] = (True, 1.5, None, [1])
+BAD_VERSIONS: tuple[Any, ...] = (True, 1.0, "0", None, -1)
+
+
+def check_bad_arguments(manager: StalenessManager) -> None:
+    """``reserve`` refuses a bad group id with TypeError; ``reserve``, ``reserve_slack`` and
+    ``can_reserve`` refuse a bad version with InvalidVersionError; ``occupy``, ``abort`` and
+    ``group`` refuse an unknown or unhashable id with UnknownGroupError; the state does not change."""
+    before = manager.snapshot()
+    for group_id in ("fuzz-unknown", [1]):
+        for call in (manager.occupy, manager.abort, manager.group):
+            try:
+                call(group_id)
+            except UnknownGroupError:
+                pass
+            else:
+                raise AssertionError(f"{call.__name__}({group_id!r}) was not refused with UnknownGroupError")
+    for group_id in BAD_GROUP_IDS:
+        try:
+            manager.reserve(group_id, manager.version)
+        except TypeError:
+            pass
+        else:
+            raise AssertionError(f"reserve accepted the group id {group_id!r}")
+    for version in (*BAD_VERSIONS, manager.version + 1):
+        for call in (lambda v: manager.reserve("fuzz-new", v), manager.reserve_slack, manager.can_reserve):
+            try:
+                call(version)
+            except InvalidVersionError:
+                pass
+            else:
+                raise AssertionError(f"a version of {version!r} was not refused with InvalidVersionError")
+    assert manager.snapshot() == before, "a refused call changed the state"
 
 
 def checks(quick: bool) -> list[CheckResult]:
@@ -224,7 +264,7 @@ def checks(quick: bool) -> list[CheckResult]:
     return [CheckResult(
         name="restore-fuzz",
         property="restore refuses every invalid snapshot with SnapshotError; valid ones round-trip; "
-                 "buffers() = the proved EDF placement",
+                 "buffers() = the proved EDF placement; bad group ids and versions are refused",
         method="seeded fuzzing against an independent oracle (field checks + mirror Inv)",
         bounds=f"eta 0..3, B 1..3, X 0..2, head 0..7, {len(KINDS) - 1} defect kinds, seed 0",
         explored=explored,
