@@ -38,6 +38,7 @@ def test_read_run_times_each_evaluation_by_the_run_loop() -> None:
     assert run.eval_t == [0.0, 2.0, 4.0] and run.eval_reward == [0.1, 0.2, 0.3]
     assert (run.time_to(0.15), run.time_to(0.2), run.time_to(0.3)) == (2.0, 2.0, 4.0)
     assert run.time_to(0.31) == math.inf and run.time_to(0.05) == 0.0
+    assert (run.time_to(0.1, gain=True), run.time_to(0.2, gain=True), run.time_to(0.25, gain=True)) == (2.0, 4.0, math.inf)
     assert run.loop_s == 4.0 and run.tokens_per_s == 100.0
     assert run.staleness == {1: 4, 2: 12} and run.mean_staleness == pytest.approx(1.75)
     assert run.train_s == 2.0 and run.utilisation == 0.9 and run.weight_sync_s == pytest.approx(0.4) and run.steps == 4
@@ -87,6 +88,8 @@ def test_median_spread_not_reached_and_speedup_against_sync() -> None:
     speedups(figures, [0.3])
     assert figures["staleflow-eta2"]["speedup"] == {"0.3": None}
     assert "not reached" in ttq.table(figures, [0.3])
+    assert "to +0.3: median" in ttq.table(figures, [0.3], gain=True)
+    assert summarise_cell(sync, [0.15], gain=True)["time_to"]["0.15"]["per_seed"] == [8.0, 8.0, 8.0]  # 0.1 + 0.15 reached at step 4
     assert ttq.json_safe({"a": [math.inf, 1.0]}) == {"a": [None, 1.0]}
 
 
