@@ -21,7 +21,8 @@ table) and ``.png`` (eval reward against run-loop time, one line per run). Per c
 threshold (with ``--gains``: a gain over each run's evaluation at step 0, since seeds start from
 different warm-ups), the median, min and max over seeds of the time to reach it (a seed that never reaches
 it counts as infinite, so the median is "not reached" once half the seeds miss it) and the speed-up
-against ``sync`` (sync's median over the cell's); trained tokens/s; the staleness histogram of all
+against ``sync`` (sync's median over the cell's, and paired: the median over seeds of sync's time
+over the cell's for the same seed); trained tokens/s; the staleness histogram of all
 trained groups and its mean; where the time goes: run-loop seconds per step, training seconds per
 step, the trainer's busy fraction (training seconds over run-loop seconds), the rollout instances'
 utilisation and their weight-reload seconds per step (summed over instances). Exit 1 if a run's staleness exceeds its bound.
@@ -238,11 +239,22 @@ def speedups(figures: dict[str, dict[str, Any]], thresholds: Sequence[float], ba
     """Adds ``speedup`` per threshold: the baseline's median time over the cell's (None if either is not reached)."""
     base = figures.get(baseline)
     for cell in figures.values():
-        cell["speedup"] = {}
+        cell["speedup"], cell["speedup_paired"] = {}, {}
         for threshold in map(str, thresholds):
             mine = cell["time_to"][threshold]["median"]
             theirs = base["time_to"][threshold]["median"] if base else math.inf
             cell["speedup"][threshold] = theirs / mine if math.isfinite(mine) and math.isfinite(theirs) else None
+            cell["speedup_paired"][threshold] = _paired(cell, base, threshold) if base else None
+
+
+def _paired(cell: dict[str, Any], base: dict[str, Any], threshold: str) -> float | None:
+    """Median over the seeds both cells ran of the baseline's time over the cell's (None if a seed
+    misses the threshold in either, or they share no seed): the seeds' different starts cancel."""
+    mine = dict(zip(cell["seeds"], cell["time_to"][threshold]["per_seed"]))
+    theirs = dict(zip(base["seeds"], base["time_to"][threshold]["per_seed"]))
+    ratios = [theirs[s] / mine[s] for s in mine if s in theirs and math.isfinite(mine[s]) and math.isfinite(theirs[s]) and mine[s] > 0]
+    shared = [s for s in mine if s in theirs]
+    return statistics.median(ratios) if shared and len(ratios) == len(shared) else None
 
 
 def json_safe(value: Any) -> Any:
@@ -261,7 +273,7 @@ def _seconds(value: float) -> str:
 
 
 def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float], gain: bool = False) -> str:
-    heads = " | ".join(f"to {'+' if gain else ''}{t:g}: median (min-max) [speed-up vs sync]" for t in thresholds)
+    heads = " | ".join(f"to {'+' if gain else ''}{t:g}: median (min-max) [speed-up vs sync; paired by seed]" for t in thresholds)
     lines = [
         f"| system (eta) | seeds | {heads} | trained tokens/s | eval start -> end | staleness histogram (mean) | s per step (training) "
         "| trainer busy | rollout busy | weight reloads s per step |",
@@ -275,9 +287,11 @@ def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float], gain:
                 cols.append(f"not reached (0/{seeds})")
                 continue
             reached = "" if c["reached"] == seeds else f", {c['reached']}/{seeds} reached"
+            paired = f["speedup_paired"][t]
             cols.append(
                 f"{_seconds(c['median'])} ({_seconds(c['min'])}-{_seconds(c['max'])}{reached})"
-                + (f" [{speedup:.2f}x]" if speedup is not None else "")
+                + (f" [{speedup:.2f}x" if speedup is not None else " [-")
+                + (f"; paired {paired:.2f}x]" if paired is not None else "]")
             )
         histogram = ", ".join(f"{s}: {n}" for s, n in f["staleness"].items())
         lines.append(

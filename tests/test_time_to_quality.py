@@ -76,6 +76,7 @@ def test_median_spread_not_reached_and_speedup_against_sync() -> None:
     assert s["time_to"]["0.3"]["median"] == 8.0 and s["time_to"]["0.3"]["reached"] == 2  # one seed never reached it
     assert f["time_to"]["0.2"]["per_seed"] == [2.0, 4.0, 2.0] and f["time_to"]["0.2"]["median"] == 2.0
     assert f["speedup"] == {"0.2": 2.0, "0.3": 2.0}
+    assert f["speedup_paired"] == {"0.2": 2.0, "0.3": None}  # per seed 4/2, 4/4, 4/2; sync seed 2 never reached 0.3
     assert s["speedup"] == {"0.2": 1.0, "0.3": 1.0}
     assert f["staleness"] == {1: 12, 2: 36} and f["mean_staleness"] == pytest.approx(1.75) and f["max_staleness"] == 2
     assert f["tokens_per_s"] == pytest.approx(100.0) and s["tokens_per_s"] == pytest.approx(50.0)
@@ -124,7 +125,7 @@ def test_the_study_writes_its_table_plot_and_json(tmp_path: Path, capsys: pytest
     figures = json.loads((tmp_path / "time-to-quality.json").read_text())
     assert figures["cells"]["staleflow-eta2"]["speedup"] == {"0.2": 2.0, "0.3": 2.0}
     assert [r["seed"] for r in figures["runs"]] == [0, 0, 1, 1]
-    assert "| staleflow-eta2 | 2 | 2 s (2 s-2 s) [2.00x]" in (tmp_path / "time-to-quality.md").read_text()
+    assert "| staleflow-eta2 | 2 | 2 s (2 s-2 s) [2.00x; paired 2.00x]" in (tmp_path / "time-to-quality.md").read_text()
     assert (tmp_path / "time-to-quality.png").stat().st_size > 10_000
     assert "reproduce: staleflow bench time-to-quality --systems sync staleflow" in capsys.readouterr().out
     # a run over its bound fails the study
