@@ -243,7 +243,8 @@ def speedups(figures: dict[str, dict[str, Any]], thresholds: Sequence[float], ba
         for threshold in map(str, thresholds):
             mine = cell["time_to"][threshold]["median"]
             theirs = base["time_to"][threshold]["median"] if base else math.inf
-            cell["speedup"][threshold] = theirs / mine if math.isfinite(mine) and math.isfinite(theirs) else None
+            usable = 0 < mine < math.inf and math.isfinite(theirs)  # 0: reached before the first step, nothing to compare
+            cell["speedup"][threshold] = theirs / mine if usable else None
             cell["speedup_paired"][threshold] = _paired(cell, base, threshold) if base else None
 
 
@@ -252,7 +253,7 @@ def _paired(cell: dict[str, Any], base: dict[str, Any], threshold: str) -> float
     misses the threshold in either, or they share no seed): the seeds' different starts cancel."""
     mine = dict(zip(cell["seeds"], cell["time_to"][threshold]["per_seed"]))
     theirs = dict(zip(base["seeds"], base["time_to"][threshold]["per_seed"]))
-    ratios = [theirs[s] / mine[s] for s in mine if s in theirs and math.isfinite(mine[s]) and math.isfinite(theirs[s]) and mine[s] > 0]
+    ratios = [theirs[s] / mine[s] for s in mine if s in theirs and 0 < mine[s] < math.inf and math.isfinite(theirs[s])]
     shared = [s for s in mine if s in theirs]
     return statistics.median(ratios) if shared and len(ratios) == len(shared) else None
 

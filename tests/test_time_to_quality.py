@@ -92,6 +92,11 @@ def test_median_spread_not_reached_and_speedup_against_sync() -> None:
     assert "to +0.3: median" in ttq.table(figures, [0.3], gain=True)
     assert summarise_cell(sync, [0.15], gain=True)["time_to"]["0.15"]["per_seed"] == [8.0, 8.0, 8.0]  # 0.1 + 0.15 reached at step 4
     assert ttq.json_safe({"a": [math.inf, 1.0]}) == {"a": [None, 1.0]}
+    # a threshold every run met before the first step: no speed-up, and no division by zero
+    figures = {"sync-eta0": summarise_cell(sync, [0.05]), "staleflow-eta2": summarise_cell(fast, [0.05])}
+    speedups(figures, [0.05])
+    assert figures["staleflow-eta2"]["time_to"]["0.05"]["median"] == 0.0
+    assert figures["staleflow-eta2"]["speedup"] == {"0.05": None} and figures["staleflow-eta2"]["speedup_paired"] == {"0.05": None}
 
 
 def test_cells_and_the_rotated_order() -> None:
