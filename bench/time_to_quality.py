@@ -18,15 +18,17 @@ command and its wall time. A finished run of STEPS steps is kept, so a study con
 
 It writes into DIR: ``time-to-quality.json`` (every run's figures and each cell's), ``.md`` (the
 table) and ``.png`` (eval reward against run-loop time, one line per run). Per cell: for each
-threshold, the median, min and max over seeds of the time to reach it (a seed that never reaches
+threshold (with ``--gains``: a gain over each run's evaluation at step 0, since seeds start from
+different warm-ups), the median, min and max over seeds of the time to reach it (a seed that never reaches
 it counts as infinite, so the median is "not reached" once half the seeds miss it) and the speed-up
-against ``sync`` (sync's median over the cell's); trained tokens/s; the staleness histogram of all
+against ``sync`` (sync's median over the cell's, and paired: the median over seeds of sync's time
+over the cell's for the same seed); trained tokens/s; the staleness histogram of all
 trained groups and its mean; where the time goes: run-loop seconds per step, training seconds per
 step, the trainer's busy fraction (training seconds over run-loop seconds), the rollout instances'
 utilisation and their weight-reload seconds per step (summed over instances). Exit 1 if a run's staleness exceeds its bound.
 
 Reproduce: ``staleflow bench time-to-quality [--config YAML] [--systems sync one-step-off staleflow staleflow-fresh]
-[--etas 2] [--seeds 0 1 2] [--steps 70] [--eval-every 10] [--thresholds 0.18 0.22 0.26] [--out runs/ttq] [--json]``.
+[--etas 2] [--seeds 0 1 2] [--steps 70] [--eval-every 10] [--thresholds 0.18 0.22 0.26] [--gains] [--out runs/ttq] [--json]``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--thresholds", type=float, nargs="+", default=list(DEFAULT_THRESHOLDS), help="eval reward thresholds (default: %(default)s)"
     )
+    parser.add_argument(
+        "--gains",
+        action="store_true",
+        help="thresholds are gains over each run's evaluation at step 0 (seeds start from different warm-ups)",
+    )
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for every run")
     parser.add_argument("--out", type=Path, default=Path("runs/ttq"), help="study folder (default: runs/ttq)")
     parser.add_argument("--no-train", action="store_true", help="only aggregate the runs already finished in --out")
@@ -88,9 +95,11 @@ class RunFigures:
         groups = sum(self.staleness.values())
         return sum(s * n for s, n in self.staleness.items()) / groups if groups else 0.0
 
-    def time_to(self, threshold: float) -> float:
-        """Run-loop seconds at the first evaluation with reward >= ``threshold`` (inf: never)."""
-        return next((t for t, r in zip(self.eval_t, self.eval_reward) if r >= threshold), math.inf)
+    def time_to(self, threshold: float, gain: bool = False) -> float:
+        """Run-loop seconds at the first evaluation with reward >= ``threshold`` (inf: never); with
+        ``gain``, reward >= the run's first evaluation + ``threshold``."""
+        target = threshold + (self.eval_reward[0] if gain else 0.0)
+        return next((t for t, r in zip(self.eval_t, self.eval_reward) if r >= target - 1e-12), math.inf)
 
 
 def read_run(records: Sequence[dict[str, Any]], system: str, eta: int, seed: int) -> RunFigures:
@@ -191,7 +200,7 @@ def _train(args: argparse.Namespace, system: str, eta: int, seed: int) -> bool:
 
 
 # -------------------------------------------------------------------------------- aggregation
-def summarise_cell(runs: Sequence[RunFigures], thresholds: Sequence[float]) -> dict[str, Any]:
+def summarise_cell(runs: Sequence[RunFigures], thresholds: Sequence[float], gain: bool = False) -> dict[str, Any]:
     """Median, min and max over seeds of each threshold's time, and the cell's throughput and staleness."""
     staleness: Counter[int] = Counter()
     for run in runs:
@@ -199,7 +208,7 @@ def summarise_cell(runs: Sequence[RunFigures], thresholds: Sequence[float]) -> d
     groups = sum(staleness.values())
     times = {}
     for threshold in thresholds:
-        seeds = [run.time_to(threshold) for run in runs]
+        seeds = [run.time_to(threshold, gain) for run in runs]
         times[str(threshold)] = {
             "median": statistics.median(seeds),
             "min": min(seeds),
@@ -212,6 +221,7 @@ def summarise_cell(runs: Sequence[RunFigures], thresholds: Sequence[float]) -> d
         "time_to": times,
         "tokens_per_s": statistics.median(run.tokens_per_s for run in runs),
         "tokens_per_s_range": [min(r.tokens_per_s for r in runs), max(r.tokens_per_s for r in runs)],
+        "eval_start": statistics.median(run.eval_reward[0] for run in runs),
         "eval_final": statistics.median(run.eval_reward[-1] for run in runs),
         "loop_s": statistics.median(run.loop_s for run in runs),
         "staleness": dict(sorted(staleness.items())),
@@ -229,11 +239,23 @@ def speedups(figures: dict[str, dict[str, Any]], thresholds: Sequence[float], ba
     """Adds ``speedup`` per threshold: the baseline's median time over the cell's (None if either is not reached)."""
     base = figures.get(baseline)
     for cell in figures.values():
-        cell["speedup"] = {}
+        cell["speedup"], cell["speedup_paired"] = {}, {}
         for threshold in map(str, thresholds):
             mine = cell["time_to"][threshold]["median"]
             theirs = base["time_to"][threshold]["median"] if base else math.inf
-            cell["speedup"][threshold] = theirs / mine if math.isfinite(mine) and math.isfinite(theirs) else None
+            usable = 0 < mine < math.inf and math.isfinite(theirs)  # 0: reached before the first step, nothing to compare
+            cell["speedup"][threshold] = theirs / mine if usable else None
+            cell["speedup_paired"][threshold] = _paired(cell, base, threshold) if base else None
+
+
+def _paired(cell: dict[str, Any], base: dict[str, Any], threshold: str) -> float | None:
+    """Median over the seeds both cells ran of the baseline's time over the cell's (None if a seed
+    misses the threshold in either, or they share no seed): the seeds' different starts cancel."""
+    mine = dict(zip(cell["seeds"], cell["time_to"][threshold]["per_seed"]))
+    theirs = dict(zip(base["seeds"], base["time_to"][threshold]["per_seed"]))
+    ratios = [theirs[s] / mine[s] for s in mine if s in theirs and 0 < mine[s] < math.inf and math.isfinite(theirs[s])]
+    shared = [s for s in mine if s in theirs]
+    return statistics.median(ratios) if shared and len(ratios) == len(shared) else None
 
 
 def json_safe(value: Any) -> Any:
@@ -251,10 +273,10 @@ def _seconds(value: float) -> str:
     return f"{value:.0f} s" if math.isfinite(value) else "not reached"
 
 
-def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float]) -> str:
-    heads = " | ".join(f"to {t:g}: median (min-max) [speed-up vs sync]" for t in thresholds)
+def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float], gain: bool = False) -> str:
+    heads = " | ".join(f"to {'+' if gain else ''}{t:g}: median (min-max) [speed-up vs sync; paired by seed]" for t in thresholds)
     lines = [
-        f"| system (eta) | seeds | {heads} | trained tokens/s | final eval | staleness histogram (mean) | s per step (training) "
+        f"| system (eta) | seeds | {heads} | trained tokens/s | eval start -> end | staleness histogram (mean) | s per step (training) "
         "| trainer busy | rollout busy | weight reloads s per step |",
         "|---|---|" + "---|" * len(thresholds) + "---|---|---|---|---|---|---|",
     ]
@@ -266,21 +288,23 @@ def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float]) -> st
                 cols.append(f"not reached (0/{seeds})")
                 continue
             reached = "" if c["reached"] == seeds else f", {c['reached']}/{seeds} reached"
+            paired = f["speedup_paired"][t]
             cols.append(
                 f"{_seconds(c['median'])} ({_seconds(c['min'])}-{_seconds(c['max'])}{reached})"
-                + (f" [{speedup:.2f}x]" if speedup is not None else "")
+                + (f" [{speedup:.2f}x" if speedup is not None else " [-")
+                + (f"; paired {paired:.2f}x]" if paired is not None else "]")
             )
         histogram = ", ".join(f"{s}: {n}" for s, n in f["staleness"].items())
         lines.append(
             f"| {name} | {len(f['seeds'])} | {' | '.join(cols)} | {f['tokens_per_s']:.0f} "
-            f"({f['tokens_per_s_range'][0]:.0f}-{f['tokens_per_s_range'][1]:.0f}) | {f['eval_final']:.3f} | "
+            f"({f['tokens_per_s_range'][0]:.0f}-{f['tokens_per_s_range'][1]:.0f}) | {f['eval_start']:.3f} -> {f['eval_final']:.3f} | "
             f"{{{histogram}}} ({f['mean_staleness']:.2f}) | {f['step_s']:.2f} ({f['train_s_per_step']:.2f}) | "
             f"{f['trainer_busy']:.0%} | {f['rollout_utilisation']:.0%} | {f['weight_sync_s_per_step']:.2f} |"
         )
     return "\n".join(lines)
 
 
-def plot(runs: Sequence[RunFigures], names: Sequence[str], thresholds: Sequence[float], path: Path, title: str) -> None:
+def plot(runs: Sequence[RunFigures], names: Sequence[str], thresholds: Sequence[float], path: Path, title: str, gain: bool) -> None:
     from staleflow.cli.report import pyplot
 
     plt = pyplot()
@@ -288,11 +312,12 @@ def plot(runs: Sequence[RunFigures], names: Sequence[str], thresholds: Sequence[
     for i, name in enumerate(names):
         mine = [r for r in runs if f"{r.system}-eta{r.eta}" == name]
         for k, run in enumerate(mine):
-            ax.plot(run.eval_t, run.eval_reward, marker="o", ms=3, color=f"C{i}", alpha=0.8, label=name if k == 0 else None)
+            rewards = [r - run.eval_reward[0] for r in run.eval_reward] if gain else run.eval_reward
+            ax.plot(run.eval_t, rewards, marker="o", ms=3, color=f"C{i}", alpha=0.8, label=name if k == 0 else None)
     for threshold in thresholds:
         ax.axhline(threshold, color="grey", ls="--", lw=0.8)
     ax.set_xlabel("run-loop time (s; start-up and evaluation excluded)")
-    ax.set_ylabel("held-out eval reward (greedy)")
+    ax.set_ylabel("held-out eval reward" + (" gain over step 0" if gain else ""))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title)
@@ -307,7 +332,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
     return (
         f"staleflow bench time-to-quality{config} --systems {' '.join(args.systems)} --etas {' '.join(map(str, args.etas))} "
         f"--seeds {' '.join(map(str, args.seeds))} --steps {args.steps} --eval-every {args.eval_every} "
-        f"--thresholds {' '.join(f'{t:g}' for t in args.thresholds)}{extra} --out {args.out}"
+        f"--thresholds {' '.join(f'{t:g}' for t in args.thresholds)}{' --gains' if args.gains else ''}{extra} --out {args.out}"
     )
 
 
@@ -351,16 +376,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     names = [f"{s}-eta{e}" for s, e in cell_list if any(r.system == s and r.eta == e for r in runs)]
     figures = {
-        n: summarise_cell(sorted((r for r in runs if f"{r.system}-eta{r.eta}" == n), key=lambda r: r.seed), args.thresholds) for n in names
+        n: summarise_cell(sorted((r for r in runs if f"{r.system}-eta{r.eta}" == n), key=lambda r: r.seed), args.thresholds, args.gains)
+        for n in names
     }
     speedups(figures, args.thresholds)
     job = args.config.name if args.config else "built-in job"
-    plot(runs, names, args.thresholds, args.out / f"{FILE}.png", f"{job}, {args.steps} steps: held-out eval reward per run")
+    plot(runs, names, args.thresholds, args.out / f"{FILE}.png", f"{job}, {args.steps} steps: held-out eval per run", args.gains)
     command = reproduce_command(args)
-    text = table(figures, args.thresholds)
+    text = table(figures, args.thresholds, args.gains)
     (args.out / f"{FILE}.md").write_text(f"{text}\n\n![time to quality]({FILE}.png)\n\nReproduce: `{command}`\n", encoding="utf-8")
-    payload = json_safe({"job": job, "steps": args.steps, "eval_every": args.eval_every, "thresholds": args.thresholds, "failed": failed,
-               "command": command, "cells": figures, "runs": [asdict(r) for r in runs]})  # fmt: skip
+    payload = json_safe({"job": job, "steps": args.steps, "eval_every": args.eval_every, "thresholds": args.thresholds,
+               "gains": args.gains, "failed": failed, "command": command, "cells": figures, "runs": [asdict(r) for r in runs]})  # fmt: skip
     (args.out / f"{FILE}.json").write_text(json.dumps(payload, indent=1), encoding="utf-8")
     if args.json:
         print(json.dumps({k: v for k, v in payload.items() if k != "runs"}, indent=1))

@@ -38,6 +38,7 @@ def test_read_run_times_each_evaluation_by_the_run_loop() -> None:
     assert run.eval_t == [0.0, 2.0, 4.0] and run.eval_reward == [0.1, 0.2, 0.3]
     assert (run.time_to(0.15), run.time_to(0.2), run.time_to(0.3)) == (2.0, 2.0, 4.0)
     assert run.time_to(0.31) == math.inf and run.time_to(0.05) == 0.0
+    assert (run.time_to(0.1, gain=True), run.time_to(0.2, gain=True), run.time_to(0.25, gain=True)) == (2.0, 4.0, math.inf)
     assert run.loop_s == 4.0 and run.tokens_per_s == 100.0
     assert run.staleness == {1: 4, 2: 12} and run.mean_staleness == pytest.approx(1.75)
     assert run.train_s == 2.0 and run.utilisation == 0.9 and run.weight_sync_s == pytest.approx(0.4) and run.steps == 4
@@ -75,6 +76,7 @@ def test_median_spread_not_reached_and_speedup_against_sync() -> None:
     assert s["time_to"]["0.3"]["median"] == 8.0 and s["time_to"]["0.3"]["reached"] == 2  # one seed never reached it
     assert f["time_to"]["0.2"]["per_seed"] == [2.0, 4.0, 2.0] and f["time_to"]["0.2"]["median"] == 2.0
     assert f["speedup"] == {"0.2": 2.0, "0.3": 2.0}
+    assert f["speedup_paired"] == {"0.2": 2.0, "0.3": None}  # per seed 4/2, 4/4, 4/2; sync seed 2 never reached 0.3
     assert s["speedup"] == {"0.2": 1.0, "0.3": 1.0}
     assert f["staleness"] == {1: 12, 2: 36} and f["mean_staleness"] == pytest.approx(1.75) and f["max_staleness"] == 2
     assert f["tokens_per_s"] == pytest.approx(100.0) and s["tokens_per_s"] == pytest.approx(50.0)
@@ -87,7 +89,14 @@ def test_median_spread_not_reached_and_speedup_against_sync() -> None:
     speedups(figures, [0.3])
     assert figures["staleflow-eta2"]["speedup"] == {"0.3": None}
     assert "not reached" in ttq.table(figures, [0.3])
+    assert "to +0.3: median" in ttq.table(figures, [0.3], gain=True)
+    assert summarise_cell(sync, [0.15], gain=True)["time_to"]["0.15"]["per_seed"] == [8.0, 8.0, 8.0]  # 0.1 + 0.15 reached at step 4
     assert ttq.json_safe({"a": [math.inf, 1.0]}) == {"a": [None, 1.0]}
+    # a threshold every run met before the first step: no speed-up, and no division by zero
+    figures = {"sync-eta0": summarise_cell(sync, [0.05]), "staleflow-eta2": summarise_cell(fast, [0.05])}
+    speedups(figures, [0.05])
+    assert figures["staleflow-eta2"]["time_to"]["0.05"]["median"] == 0.0
+    assert figures["staleflow-eta2"]["speedup"] == {"0.05": None} and figures["staleflow-eta2"]["speedup_paired"] == {"0.05": None}
 
 
 def test_cells_and_the_rotated_order() -> None:
@@ -121,7 +130,7 @@ def test_the_study_writes_its_table_plot_and_json(tmp_path: Path, capsys: pytest
     figures = json.loads((tmp_path / "time-to-quality.json").read_text())
     assert figures["cells"]["staleflow-eta2"]["speedup"] == {"0.2": 2.0, "0.3": 2.0}
     assert [r["seed"] for r in figures["runs"]] == [0, 0, 1, 1]
-    assert "| staleflow-eta2 | 2 | 2 s (2 s-2 s) [2.00x]" in (tmp_path / "time-to-quality.md").read_text()
+    assert "| staleflow-eta2 | 2 | 2 s (2 s-2 s) [2.00x; paired 2.00x]" in (tmp_path / "time-to-quality.md").read_text()
     assert (tmp_path / "time-to-quality.png").stat().st_size > 10_000
     assert "reproduce: staleflow bench time-to-quality --systems sync staleflow" in capsys.readouterr().out
     # a run over its bound fails the study
