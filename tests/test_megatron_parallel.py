@@ -216,9 +216,11 @@ def _rank_main(rank: int, world: int, port: int, kind: str, tp: int, pp: int, an
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("kind", "tp", "pp"), [("qwen2", 2, 1), ("qwen3", 2, 2)])
+@pytest.mark.parametrize(("kind", "tp", "pp"), [("qwen3", 2, 2)])
 def test_a_split_model_gives_the_hugging_face_logprobs(kind: str, tp: int, pp: int) -> None:
-    """Qwen2 (qkv bias) over TP = 2; Qwen3 (q/k norms, tied embeddings: the last stage's copy) over TP = 2 x PP = 2."""
+    """Qwen3 (q/k norms, tied embeddings: the last stage's copy) over TP = 2 x PP = 2: every split
+    rule but the qkv bias's, which is the same row split as its weight (checked exactly above;
+    ``("qwen2", 2, 1)`` runs it too, left out of CI for time)."""
     world = tp * pp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
