@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from staleflow.spec import mirror
 from staleflow.spec.mirror import SpecParams
@@ -26,6 +28,16 @@ def test_tlc_checks_trainer_progress_on_lag_model() -> None:
     run = tlc.run_tlc("MCLag", (tlc.SPEC_DIR / "liveness_quick.cfg").read_text())
     assert run.ok, run.output[-2000:]
     assert "Checking temporal properties" in run.output and run.distinct > 100
+
+
+def test_concurrent_runs_do_not_share_the_tools_module_copies() -> None:
+    """TLC and SANY copy each standard module to ``<java.io.tmpdir>/<name>`` and delete it at exit;
+    with a shared ``/tmp``, 5 of 30 concurrent SANY parses failed here (a CI run of ``verify`` failed
+    that way). Each run now has its own tmpdir: eight concurrent parses, twice, all pass."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        runs = list(pool.map(lambda _: tlc.sany_parse(("MCStalenessBuffer", "MCLag")), range(16)))
+    assert [run.outcome for run in runs] == ["ok"] * 16, next(run.output for run in runs if not run.ok)
+    assert all("Parsing file /tmp/Naturals.tla" not in run.output for run in runs)
 
 
 def test_graph_equivalence_absolute_and_lag() -> None:

@@ -161,7 +161,7 @@ def run_tlc(
     java, jar = find_java(), find_jar()
     with _spec_workdir("staleflow-tlc-", overrides) as work:
         (work / "model.cfg").write_text(cfg)
-        command = [java, "-XX:+UseParallelGC", "-cp", str(jar), "tlc2.TLC", "-workers", str(workers),
+        command = [java, "-XX:+UseParallelGC", *_private_tmpdir(work), "-cp", str(jar), "tlc2.TLC", "-workers", str(workers),
                    "-config", "model.cfg", "-metadir", str(work / "meta")]
         if dump_dot is not None:
             command += ["-dump", "dot,actionlabels", str(work / "graph")]
@@ -202,12 +202,24 @@ def _spec_workdir(prefix: str, overrides: Mapping[str, str] | None) -> Iterator[
             (work / name).write_text(text)
         yield work
 
+
+def _private_tmpdir(work: Path) -> list[str]:
+    """JVM flags giving one run its own ``java.io.tmpdir``. These tools copy each standard module
+    they read (``Naturals.tla``...) out of the jar to ``<tmpdir>/<name>`` and delete it at exit, so
+    two runs sharing ``/tmp`` (verify's parallel layers) can parse each other's half-written or
+    deleted copy: TLC then fails with a parse error (rc 150, "Module-Table lookup failure")."""
+    tmp = work / "java-tmp"
+    tmp.mkdir(exist_ok=True)
+    return [f"-Djava.io.tmpdir={tmp}"]
+
+
 def sany_parse(modules: Sequence[str], overrides: Mapping[str, str] | None = None) -> TlcRun:
     """Parse and semantically check ``modules`` with SANY; ``returncode`` 0 means all are well formed."""
     java, jar = find_java(), find_jar()
     with _spec_workdir("staleflow-sany-", overrides) as work:
         started = time.perf_counter()
-        proc = subprocess.run([java, "-cp", str(jar), "tla2sany.SANY", *(f"{m}.tla" for m in modules)],
+        proc = subprocess.run([java, *_private_tmpdir(work), "-cp", str(jar), "tla2sany.SANY",
+                               *(f"{m}.tla" for m in modules)],
                               cwd=work, capture_output=True, text=True, timeout=120, check=False)
         text = proc.stdout + proc.stderr
     # This SANY exits 0 even on some semantic errors: look at its report too.
