@@ -244,7 +244,7 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> JobConfig:
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as err:
-        lines = [_describe(error) for error in err.errors()]
+        lines = list(dict.fromkeys(_describe(error) for error in _one_per_union(err.errors())))
         raise ConfigError(f"invalid {source}:\n  " + "\n  ".join(lines)) from None
 
 
@@ -266,6 +266,27 @@ def _describe(error: Any) -> str:
     allowed = _allowed(loc)
     text = f"{key}: {message} (got {got!r})"
     return f"{text}; allowed: {allowed}" if allowed else text
+
+
+def _one_per_union(errors: list[Any]) -> list[Any]:
+    """Pydantic reports a value that fits no arm of a union (``auto`` or a bounded int) once per arm,
+    its loc ending in the arm's tag; keep one error per field, the first arm that is not a literal,
+    at the field's own loc (:func:`_allowed` names every arm)."""
+    kept: dict[tuple[str, ...], tuple[bool, Any]] = {}
+    for error in errors:
+        loc = tuple(str(part) for part in error["loc"])
+        if _is_union_arm(loc):
+            literal = loc[-1].startswith("literal")
+            if loc[:-1] not in kept or (kept[loc[:-1]][0] and not literal):
+                kept[loc[:-1]] = (literal, {**error, "loc": loc[:-1]})
+        else:
+            kept[loc] = (False, error)
+    return [error for _, error in kept.values()]
+
+
+def _is_union_arm(loc: tuple[str, ...]) -> bool:
+    parent = _field(loc[:-1]) if len(loc) > 1 and _field(loc) is None else None
+    return parent is not None and typing.get_origin(parent.annotation) in (typing.Union, types.UnionType)
 
 
 def _field(loc: tuple[str, ...]) -> FieldInfo | None:
@@ -291,12 +312,19 @@ def _allowed(loc: tuple[str, ...]) -> str:
     info = _field(loc)
     if info is None:
         return ""
-    annotation = info.annotation
+    return _describe_type(info.annotation, info.metadata)
+
+
+def _describe_type(annotation: Any, metadata: list[Any]) -> str:
+    arms = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    if any(typing.get_origin(arm) is Literal for arm in arms):  # e.g. "auto" or a bounded int
+        return " or ".join(", ".join(_choices(arm)) if typing.get_origin(arm) is Literal else _describe_type(*_unwrap(arm))
+                           for arm in arms)
     choices = _choices(annotation)
     if choices:
         return "one of " + ", ".join(choices)
     bounds = []
-    for meta in info.metadata:
+    for meta in metadata:
         for name, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
             value = getattr(meta, name, None)
             if value is not None:
@@ -307,6 +335,14 @@ def _allowed(loc: tuple[str, ...]) -> str:
     if bounds:
         return f"{type_name} " + " and ".join(bounds)
     return type_name
+
+
+def _unwrap(annotation: Any) -> tuple[Any, list[Any]]:
+    """``Annotated[int, Field(ge=16)]`` -> ``(int, [its constraints])``; other types as they are."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        base, *extra = typing.get_args(annotation)
+        return base, [m for meta in extra for m in getattr(meta, "metadata", [meta])]
+    return annotation, []
 
 
 def _type_name(annotation: Any) -> str:

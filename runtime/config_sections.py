@@ -5,7 +5,7 @@ with bounds on every field and cross-field rules that name the keys.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
@@ -255,7 +255,9 @@ class TrainConfig(ConfigSection):
     scale_advantages: StrictBool = True
     threads: StrictInt = Field(1, ge=1, le=1024)  # torch intra-op threads of the trainer
     world_size: StrictInt = Field(1, ge=1, le=4096)  # trainer processes (fsdp: one per GPU, or gloo ranks on CPU)
-    micro_batch_tokens: StrictInt = Field(8192, ge=16, le=10_000_000)  # packed tokens per forward/backward
+    # packed tokens per forward/backward; auto: 8,192 with flash-attention, 512 where attention builds a
+    # dense [T, T] mask (sdpa/eager, so on CPU), whose cost grows with the square of the budget
+    micro_batch_tokens: Literal["auto"] | Annotated[int, Field(strict=True, ge=16, le=10_000_000)] = "auto"
     logprob_chunk: StrictInt = Field(1024, ge=1, le=1_000_000)  # positions per [chunk, vocab] log-softmax
     activation_checkpointing: StrictBool = False
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import tempfile
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,8 @@ def _wrong_type(info: Any) -> Any:
     annotation = str(info.annotation)
     if annotation.startswith("dict"):
         return ["a", "list"]
+    if "Literal" in annotation:  # a choice, or a choice or a number ("auto" or a bounded int)
+        return "lots"
     if "str" in annotation and "float" not in annotation:
         return {"not": "a string"}
     return "lots"
@@ -114,9 +117,10 @@ def _wrong_type(info: Any) -> Any:
 def _out_of_range(info: Any) -> list[Any]:
     """Values just outside each bound of the field."""
     values = []
-    integer = info.annotation is int
+    arms = [typing.get_args(arm) for arm in typing.get_args(info.annotation) if typing.get_origin(arm) is typing.Annotated]
+    integer = info.annotation is int or any(arm[0] is int for arm in arms)
     step = 1 if integer else 0.5
-    for meta in info.metadata:
+    for meta in [*info.metadata, *(m for arm in arms for field in arm[1:] for m in getattr(field, "metadata", [field]))]:
         if getattr(meta, "ge", None) is not None:
             values.append(meta.ge - step)
         if getattr(meta, "gt", None) is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,14 +14,17 @@ from staleflow.adapters.torch.algorithms import Correction, LossSettings, pack_b
 from staleflow.adapters.torch.hf_folder import read_weights, write_hf_folder
 from staleflow.adapters.torch.packed_step import split_groups, train_minibatches
 from staleflow.adapters.torch.packing import (
+    DENSE_MASK_MICRO_BATCH_TOKENS,
+    VARLEN_MICRO_BATCH_TOKENS,
     LogProbModel,
     batch_sequences,
     enable_activation_checkpointing,
     micro_batches,
     plan_micro_batches,
+    resolve_micro_batch_tokens,
     split_across_ranks,
 )
-from staleflow.adapters.torch.trainer import load_causal_lm
+from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings, load_causal_lm
 from staleflow.cli.tiny_model import build_tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainer_batches import make_batch
@@ -43,6 +47,29 @@ def test_micro_batch_plans_respect_the_budget_and_keep_every_sequence() -> None:
     shares = split_across_ranks(lengths, 2)
     loads = [sum(lengths[i] for i in s) for s in shares]
     assert sorted(i for s in shares for i in s) == list(range(len(lengths))) and abs(loads[0] - loads[1]) <= 5
+
+
+def test_the_auto_budget_follows_the_attention_kernel(model_dir: Path) -> None:
+    """A dense block-diagonal mask (sdpa/eager, on CPU) costs T^2 per micro-batch, so ``auto`` packs
+    small micro-batches there and large ones only for flash-attention's variable-length kernel."""
+    model = load_causal_lm(model_dir)
+    assert model.config._attn_implementation == "sdpa"
+    assert resolve_micro_batch_tokens(model, None) == DENSE_MASK_MICRO_BATCH_TOKENS == 512
+    assert resolve_micro_batch_tokens(model, 4096) == 4096  # an explicit budget is kept
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    assert resolve_micro_batch_tokens(flash, None) == VARLEN_MICRO_BATCH_TOKENS == 8192
+    # The trainer applies it: 12 groups of 4 (about 1,100 tokens) become several micro-batches.
+    batch = make_batch(version=0, groups=12, size=4, seed=3)
+    tokens = sum(len(t.prompt_ids) + len(t.output_ids) for g in batch.groups.values() for t in g)
+    trainer = TorchTrainer(model_dir, settings=TrainerSettings(lr_warmup_steps=0), pad_id=0)
+    try:
+        trainer.start_step(batch)
+        metrics = trainer.wait(timeout=120).metrics
+    finally:
+        trainer.close()
+    assert tokens > 2 * DENSE_MASK_MICRO_BATCH_TOKENS
+    assert metrics["micro_batches"] == len(plan_micro_batches(
+        [len(s) for g in batch_sequences(batch) for s in g], DENSE_MASK_MICRO_BATCH_TOKENS)) >= 3
 
 
 @pytest.mark.parametrize("correction", [Correction.DECOUPLED_PPO, Correction.TIS, Correction.NONE])

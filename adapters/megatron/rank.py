@@ -25,6 +25,7 @@ import torch
 from staleflow.adapters.megatron.convert import build_gpt_model, hf_to_megatron, transformer_config_from_hf
 from staleflow.adapters.megatron.parallel import MegatronLayout, shard_for_rank
 from staleflow.adapters.torch.algorithms import Correction, PackedBatch, add_sums, metrics_from_sums, policy_terms
+from staleflow.adapters.torch.packing import VARLEN_MICRO_BATCH_TOKENS
 from staleflow.adapters.torch.trainer import TrainerSettings
 from staleflow.adapters.torch.worker_group import rank_address
 
@@ -175,7 +176,8 @@ class MegatronRank:
     def step(self, minibatches: list[PackedBatch]) -> dict[str, float] | None:
         """One optimiser step per minibatch (this data-parallel rank's rows); metrics from the reporting rank."""
         settings = self.settings
-        plans = [micro_batches(part, settings.micro_batch_tokens) for part in minibatches]
+        budget = settings.micro_batch_tokens or VARLEN_MICRO_BATCH_TOKENS  # equal padded rows: no packed mask
+        plans = [micro_batches(part, budget) for part in minibatches]
         self.model.train()
         proximal = None
         if len(plans) > 1 and settings.loss.correction is not Correction.NONE:

@@ -27,7 +27,13 @@ from typing import Any
 import torch
 from staleflow.adapters.torch.hf_folder import check_model_folder
 from staleflow.adapters.torch.packed_step import DistributedReducer, batch_metrics, split_groups, train_minibatches
-from staleflow.adapters.torch.packing import LogProbModel, batch_sequences, enable_activation_checkpointing, split_across_ranks
+from staleflow.adapters.torch.packing import (
+    LogProbModel,
+    batch_sequences,
+    enable_activation_checkpointing,
+    resolve_micro_batch_tokens,
+    split_across_ranks,
+)
 from staleflow.adapters.torch.trainer import (
     CHECKPOINT_MODEL,
     CHECKPOINT_STATE,
@@ -76,6 +82,7 @@ class FSDPRank:
         dtype = settings.compute_dtype(self.device)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else MixedPrecisionPolicy()
         self.model = LogProbModel(model, chunk=settings.logprob_chunk, temperature=settings.temperature)
+        self.micro_batch_tokens = resolve_micro_batch_tokens(model, settings.micro_batch_tokens)
         for layer in model.get_decoder().layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(self.model, mp_policy=policy)
@@ -93,7 +100,7 @@ class FSDPRank:
         s = self.settings
         metrics = train_minibatches(
             self.model, self.optimizer, list(self.model.parameters()), minibatches, loss=s.loss, grad_clip=s.grad_clip,
-            max_tokens=s.micro_batch_tokens, device=self.device, reducer=self.reducer,
+            max_tokens=self.micro_batch_tokens, device=self.device, reducer=self.reducer,
         )
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()

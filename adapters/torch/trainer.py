@@ -29,7 +29,7 @@ import torch
 from staleflow.adapters.torch.algorithms import Correction, LossSettings
 from staleflow.adapters.torch.hf_folder import check_model_folder
 from staleflow.adapters.torch.packed_step import batch_metrics, split_groups, train_minibatches
-from staleflow.adapters.torch.packing import LogProbModel, batch_sequences, enable_activation_checkpointing
+from staleflow.adapters.torch.packing import LogProbModel, batch_sequences, enable_activation_checkpointing, resolve_micro_batch_tokens
 from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
@@ -51,7 +51,7 @@ class TrainerSettings:
     loss: LossSettings = field(default_factory=LossSettings)
     scale_advantages: bool = True
     temperature: float = 1.0
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int | None = None  # None: auto (resolve_micro_batch_tokens)
     logprob_chunk: int = 1024
     activation_checkpointing: bool = False
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: the compute dtype
@@ -70,7 +70,7 @@ class TrainerSettings:
             loss=LossSettings(correction=Correction(t.correction), clip_eps=t.clip_eps, weight_cap=t.weight_cap),
             scale_advantages=t.scale_advantages,
             temperature=job.rollout.temperature,
-            micro_batch_tokens=t.micro_batch_tokens,
+            micro_batch_tokens=None if t.micro_batch_tokens == "auto" else t.micro_batch_tokens,
             logprob_chunk=t.logprob_chunk,
             activation_checkpointing=t.activation_checkpointing,
             dtype=t.dtype,
@@ -129,6 +129,7 @@ class TorchTrainer(BackgroundStepTrainer):
         self._model = load_causal_lm(model_path).to(self._device)
         self._model.eval()  # no dropout: see the module docstring
         self._dtype = settings.compute_dtype(self._device)
+        self._micro_batch_tokens = resolve_micro_batch_tokens(self._model, settings.micro_batch_tokens)
         if settings.activation_checkpointing:
             enable_activation_checkpointing(self._model)
         self._logprob_model = LogProbModel(self._model, chunk=settings.logprob_chunk, temperature=settings.temperature)
@@ -213,7 +214,7 @@ class TorchTrainer(BackgroundStepTrainer):
                 minibatches,
                 loss=settings.loss,
                 grad_clip=settings.grad_clip,
-                max_tokens=settings.micro_batch_tokens,
+                max_tokens=self._micro_batch_tokens,
                 device=self._device,
                 autocast=self._autocast,
             )
