@@ -151,8 +151,7 @@ class MegatronTrainer(WorkerGroupTrainer):
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
         """Restore what :meth:`save_checkpoint` wrote; every file, key and shape is checked before any rank is touched."""
-        if self._running is not None:
-            raise RuntimeError("cannot restore while a training step is running")
+        self._restore_folder(folder)
         expected = {name: torch.empty(shape, device="meta") for name, shape in self._full_shapes.items()}
         state = read_megatron_checkpoint(folder, expected, self._layout)
         layers = self._hf_config.num_hidden_layers

@@ -39,7 +39,6 @@ from staleflow.adapters.torch.trainer import (
     CHECKPOINT_STATE,
     PublishedWeightsDecoder,
     TrainerSettings,
-    _check_weights_match,
     check_trainer_state,
     load_causal_lm,
     read_trainer_checkpoint,
@@ -211,12 +210,9 @@ class FSDPTrainer(WorkerGroupTrainer):
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
         """Restore what :meth:`save_checkpoint` wrote (any world size); returns the restored version."""
-        if self._running is not None:
-            raise RuntimeError("cannot restore while a training step is running")
-        source = Path(folder)
-        weights, state = read_trainer_checkpoint(source)
+        source = self._restore_folder(folder)
         expected = {name: torch.empty(shape, device="meta") for name, shape in self._shapes.items()}
-        _check_weights_match(weights, expected, source / CHECKPOINT_MODEL)
+        weights, state = read_trainer_checkpoint(source, expected)
         _check_state(state, self._params, self._shapes, source / CHECKPOINT_STATE)
         with self._lock:
             self._workers.call_all("load", [(weights if rank == 0 else None, state) for rank in range(self._world)])

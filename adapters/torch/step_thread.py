@@ -3,6 +3,7 @@ background thread, a published copy of the newest weights, and the checkpoint gu
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -76,10 +77,16 @@ class BackgroundStepTrainer:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _checkpoint_folder(self, folder: str | Path) -> Path:
+    def _checkpoint_folder(self, folder: str | os.PathLike[str]) -> Path:
         """Create ``folder`` for a checkpoint; refused while a step runs (its state is in flux)."""
         if self._running is not None:
             raise RuntimeError("cannot checkpoint while a training step is running")
         target = Path(folder)
         target.mkdir(parents=True, exist_ok=True)
         return target
+
+    def _restore_folder(self, folder: str | os.PathLike[str]) -> Path:
+        """``folder`` as a path to restore from; refused while a step runs (it would race the step)."""
+        if self._running is not None:
+            raise RuntimeError("cannot restore while a training step is running")
+        return Path(folder)

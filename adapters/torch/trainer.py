@@ -168,12 +168,9 @@ class TorchTrainer(BackgroundStepTrainer):
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
         """Restore what :meth:`save_checkpoint` wrote; returns the restored version."""
-        if self._running is not None:
-            raise RuntimeError("cannot restore while a training step is running")
-        source = Path(folder)
+        source = self._restore_folder(folder)
         # Read and check everything before touching the model: a refused load changes nothing.
-        weights, state = read_trainer_checkpoint(source)
-        _check_weights_match(weights, self._model.state_dict(), source / CHECKPOINT_MODEL)
+        weights, state = read_trainer_checkpoint(source, self._model.state_dict())
         if not isinstance(state, dict) or state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"checkpoint file {source / CHECKPOINT_STATE} is not a torch trainer state ({CHECKPOINT_FORMAT}): {found}")
@@ -237,10 +234,11 @@ class TorchTrainer(BackgroundStepTrainer):
         return {k: v.detach().to("cpu", copy=True) for k, v in self._model.state_dict().items()}
 
 
-def read_trainer_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], Any]:
-    """The weights and the training state of a trainer checkpoint folder, read (not yet checked
-    against a model): a missing file is a FileNotFoundError, a damaged one a ValueError, each
-    naming the file."""
+def read_trainer_checkpoint(source: Path, expected: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
+    """The weights and the training state of a trainer checkpoint folder, read, the weights checked
+    against ``expected`` (name -> tensor of the model's shape; meta tensors do): a missing file is a
+    FileNotFoundError, a damaged one or weights of another model a ValueError, each naming the file.
+    The state is not checked yet (its format is the trainer's own)."""
     from safetensors.torch import load_file
 
     for name in (CHECKPOINT_MODEL, CHECKPOINT_STATE):
@@ -248,6 +246,7 @@ def read_trainer_checkpoint(source: Path) -> tuple[dict[str, torch.Tensor], Any]
             raise FileNotFoundError(f"checkpoint {source} has no {name}")
     weights = _read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
     state = _read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
+    _check_weights_match(weights, expected, source / CHECKPOINT_MODEL)
     return weights, state
 
 
@@ -303,7 +302,7 @@ def _read_checkpoint_file(path: Path, read: Any) -> Any:
         raise ValueError(f"checkpoint file {path} cannot be read ({type(error).__name__}: {error})") from error
 
 
-def _check_weights_match(weights: dict[str, torch.Tensor], expected: dict[str, Any], path: Path) -> None:
+def _check_weights_match(weights: dict[str, torch.Tensor], expected: Mapping[str, Any], path: Path) -> None:
     """Refuse weights of another model (missing, extra or differently shaped tensors), naming them."""
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
