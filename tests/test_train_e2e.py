@@ -210,6 +210,7 @@ def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp
     overrides = [
         "train.steps=2",
         "train.max_time_s=null",
+        "train.minibatches=2",
         "protocol.batch_groups=2",
         "rollout.group_size=2",
         "rollout.instances=1",
@@ -232,7 +233,7 @@ def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp
         assert record["eval_reward_failures"] == 0 and record["eval_response_tokens"] > 0
     steps = [r for r in records if r["kind"] == "step"]
     assert all(r["reward_failures"] == 0 for r in steps)  # every group scored by the gsm8k scorer processes
-    assert summary["eval_label"]["exact"] == "eval pass@1 (greedy)"
+    assert summary["eval_label"]["exact"] == "eval pass@1 (sampled)"
     report = (tmp_path / "run" / "report.md").read_text()
     assert "held-out arithmetic-eval.jsonl" in report and "## Evaluation" in report
     assert not (tmp_path / "run" / "model-v0").exists() or (tmp_path / "run" / "model-v0" / "model.safetensors").is_file()
