@@ -84,10 +84,9 @@ class RequestQueue:
         slot = len(self._requests)
         if slot == len(self._key):
             self._resize(2 * slot)
-        output = len(request.output_ids)
-        self._key[slot] = (request.group_version << 32) - output
+        self._key[slot] = (request.group_version << 32) - len(request.output_ids)
         self._version[slot] = request.group_version
-        self._tokens[slot] = len(request.prompt_ids) + output
+        self._tokens[slot] = request_tokens(request)
         self._queued[slot] = True
         self._requests.append(request)
         self._slot[request.request_id] = slot
