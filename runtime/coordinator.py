@@ -222,18 +222,11 @@ class Coordinator:
         by one router call. Runs and their sizes are found on the queue's arrays; only the requests
         placed are read."""
         queue = self.ts.queue_view()
-        if not len(queue):
-            return True
-        versions, tokens = queue.versions, queue.tokens
-        budget = self.policy.request_budget
-        buckets = tokens if budget <= 1 else -(-tokens // budget)
-        starts = np.flatnonzero(np.concatenate(([True], (versions[1:] != versions[:-1]) | (buckets[1:] != buckets[:-1]))))
-        stops = [*starts[1:].tolist(), len(queue)]
-        for start, stop, largest in zip(starts.tolist(), stops, np.maximum.reduceat(tokens, starts).tolist()):
-            version = int(versions[start])
+        for start, stop, largest in queue.runs(self.policy.request_budget):
+            version = int(queue.versions[start])
             chosen = self._choose(fleet, version, largest, stop - start)
             placed = start + len(chosen)
-            for i, request, size in zip(chosen, queue.requests(start, placed), tokens[start:placed].tolist()):
+            for i, request, size in zip(chosen, queue.requests(start, placed), queue.tokens[start:placed].tolist()):
                 self._assign(i, request.request_id, size, version, routes)
             if placed < stop:
                 return False

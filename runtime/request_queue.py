@@ -37,16 +37,29 @@ class QueueView:
     """The queued requests in routing order as of one :meth:`RequestQueue.view` (valid until the
     queue changes): ``versions`` and ``tokens`` are arrays, :meth:`requests` a slice of requests."""
 
-    __slots__ = ("_requests", "_slots", "tokens", "versions")
+    __slots__ = ("_requests", "_runs", "_slots", "tokens", "versions")
 
     def __init__(self, versions: np.ndarray, tokens: np.ndarray, slots: np.ndarray, requests: list[RolloutRequest]) -> None:
         self.versions = versions
         self.tokens = tokens
         self._slots = slots
         self._requests = requests
+        self._runs: dict[int, list[tuple[int, int, int]]] = {}
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def runs(self, budget: int) -> list[tuple[int, int, int]]:
+        """``(start, stop, largest tokens)`` of each run of consecutive requests of one group version
+        whose tokens fall in one bucket of ``budget`` tokens (exact sizes with a budget of 0 or 1)."""
+        if budget not in self._runs:
+            versions, tokens = self.versions, self.tokens
+            buckets = tokens if budget <= 1 else -(-tokens // budget)
+            starts = np.flatnonzero(np.concatenate(([True], (versions[1:] != versions[:-1]) | (buckets[1:] != buckets[:-1]))))
+            largest = np.maximum.reduceat(tokens, starts).tolist() if len(tokens) else []
+            starts_list = starts.tolist()
+            self._runs[budget] = list(zip(starts_list, [*starts_list[1:], len(tokens)], largest))
+        return self._runs[budget]
 
     def requests(self, start: int, stop: int) -> list[RolloutRequest]:
         """The queued requests at positions ``start`` to ``stop`` (exclusive) of the routing order."""
@@ -67,6 +80,7 @@ class RequestQueue:
         self._order = np.zeros(0, dtype=np.int64)  # slots in routing order, as of the last view
         self._merged = 0  # slots below this were queued before the last view
         self._departed_merged = False  # a request in ``_order`` left since the last view
+        self._view: QueueView | None = None  # the last view, while the queue has not changed
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -90,11 +104,13 @@ class RequestQueue:
         self._queued[slot] = True
         self._requests.append(request)
         self._slot[request.request_id] = slot
+        self._view = None
 
     def remove(self, request_id: str) -> None:
         """Take ``request_id`` out of the queue (KeyError if it is not queued)."""
         slot = self._slot.pop(request_id)
         self._queued[slot] = False
+        self._view = None
         if slot < self._merged:
             self._departed_merged = True
         departed = len(self._requests) - len(self._slot)
@@ -103,6 +119,8 @@ class RequestQueue:
 
     def view(self) -> QueueView:
         """The queue in routing order (see the module docstring)."""
+        if self._view is not None:
+            return self._view
         order = self._order
         if self._departed_merged:
             order = order[self._queued[order]]
@@ -114,7 +132,8 @@ class RequestQueue:
             order = np.insert(order, np.searchsorted(self._key[order], self._key[arrivals], side="right"), arrivals)
             self._merged = end
         self._order = order
-        return QueueView(self._version[order], self._tokens[order], order, self._requests)
+        self._view = QueueView(self._version[order], self._tokens[order], order, self._requests)
+        return self._view
 
     def in_order(self) -> list[RolloutRequest]:
         """The queued requests in routing order."""
