@@ -221,6 +221,8 @@ class Coordinator:
         requests of one group version whose tokens fall in one ``request_budget`` bucket is placed
         by one router call. Runs and their sizes are found on the queue's arrays; only the requests
         placed are read."""
+        if self.ts.queued_count() == 0:
+            return True
         queue = self.ts.queue_view()
         for start, stop, largest in queue.runs(self.policy.request_budget):
             version = int(queue.versions[start])
