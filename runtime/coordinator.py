@@ -38,6 +38,7 @@ from staleflow.runtime.fleet import FleetArrays, InstanceView
 from staleflow.runtime.group_life import GroupLife
 from staleflow.runtime.migration import plan_migration
 from staleflow.runtime.policies import SystemPolicy
+from staleflow.runtime.request_queue import request_tokens
 from staleflow.runtime.routing import LeastLoadedRouter, RoundRobinRouter, ThroughputRouter
 from staleflow.runtime.sync import plan_pulls
 from staleflow.runtime.trajectory_server import TrajectoryServer
@@ -216,39 +217,27 @@ class Coordinator:
         return Pull(instance_id, version)
 
     def _route_queue(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        """Place queued requests in order; False if one could not be placed. Requests of one group
-        version whose tokens fall in one ``request_budget`` bucket are placed by one router call."""
+        """Place queued requests in order; False if one could not be placed. A *run* of consecutive
+        requests of one group version whose tokens fall in one ``request_budget`` bucket is placed
+        by one router call. Runs and their sizes are found on the queue's arrays; only the requests
+        placed are read."""
         if self.ts.queued_count() == 0:
             return True
-        batch: list[RolloutRequest] = []
-        key: tuple[int, int] | None = None
-        for request in self.ts.queued():
-            request_key = (request.group_version, self._bucket(_tokens(request)))
-            if batch and request_key != key:
-                if not self._place(batch, fleet, routes):
-                    return False
-                batch = []
-            batch.append(request)
-            key = request_key
-        return self._place(batch, fleet, routes)
+        queue = self.ts.queue_view()
+        for start, stop, largest in queue.runs(self.policy.request_budget):
+            version = int(queue.versions[start])
+            chosen = self._choose(fleet, version, largest, stop - start)
+            placed = start + len(chosen)
+            for i, request, size in zip(chosen, queue.requests(start, placed), queue.tokens[start:placed].tolist()):
+                self._assign(i, request.request_id, size, version, routes)
+            if placed < stop:
+                return False
+        return True
 
-    def _bucket(self, tokens: int) -> int:
-        """Which ``request_budget`` bucket ``tokens`` fall in (exact sizes with a budget of 0 or 1)."""
-        budget = self.policy.request_budget
-        return tokens if budget <= 1 else -(-tokens // budget)
-
-    def _place(self, requests: list[RolloutRequest], fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        """Route requests of one group version and budget bucket, each planned as the largest of
-        them (the router's estimate errs on the safe side); False if some stay queued."""
-        if not requests:
-            return True
-        tokens = max(_tokens(r) for r in requests)
-        chosen = self.router.choose(
-            fleet, tokens, fleet.version >= requests[0].group_version, len(requests), oldest_first=True
-        )
-        for i, request in zip(chosen, requests):
-            self._assign(i, request.request_id, _tokens(request), request.group_version, routes)
-        return len(chosen) == len(requests)
+    def _choose(self, fleet: FleetArrays, version: int, tokens: int, count: int) -> list[int]:
+        """Instances for ``count`` requests of a group ``version``, each planned as ``tokens`` (the
+        largest of them: the router's estimate errs on the safe side); fewer if some stay queued."""
+        return self.router.choose(fleet, tokens, fleet.version >= version, count, oldest_first=True)
 
     def _assign(self, i: int, rid: str, tokens: int, group_version: int, routes: dict[int, list[str]]) -> None:
         self.views[i].add(rid, tokens, group_version)
@@ -347,7 +336,14 @@ class Coordinator:
         """Route the requests of a group just reserved as ``admission`` decided."""
         self.stats["groups_admitted"] += 1
         self._assign(admission.instance_index, requests[0].request_id, len(requests[0].prompt_ids), admission.version, self._routes)
-        if not self._place(list(requests[1:]), self._fleet, self._routes):
+        members = requests[1:]
+        if not members:
+            return
+        sizes = [request_tokens(r) for r in members]
+        chosen = self._choose(self._fleet, members[0].group_version, max(sizes), len(members))
+        for i, request, size in zip(chosen, members, sizes):
+            self._assign(i, request.request_id, size, request.group_version, self._routes)
+        if len(chosen) < len(members):
             self._admitting = False
 
     def take_routes(self) -> list[Command]:
@@ -402,11 +398,6 @@ class Coordinator:
             return []
         self.stats["proactive_aborted_groups"] += len(due)
         return due
-
-
-def _tokens(request: RolloutRequest) -> int:
-    """Tokens a request puts in the KV cache when it (re)starts: prompt and output so far."""
-    return len(request.prompt_ids) + len(request.output_ids)
 
 
 def decide(

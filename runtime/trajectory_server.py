@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from staleflow.runtime.audit import AuditReport, placement_mismatches
+from staleflow.runtime.request_queue import QueueView, RequestQueue
 from staleflow.runtime.types import (
     PromptGroup,
     RolloutRequest,
@@ -103,7 +104,7 @@ class TrajectoryServer:
         self._groups: dict[str, _Group] = {}
         self._requests: dict[str, _Request] = {}
         self._pending: dict[str, None] = {}
-        self._queue: dict[str, None] = {}
+        self._queue = RequestQueue()
         self._duplicates: list[str] = []
         self._late = 0
 
@@ -154,16 +155,19 @@ class TrajectoryServer:
                 metadata=_request_metadata(group, index),
             )
             self._requests[request.request_id] = _Request(request)
-            self._queue[request.request_id] = None
+            self._queue.add(request)
             created.append(request)
         return created
 
     # ----------------------------------------------------------------- routing
     def queued(self) -> list[RolloutRequest]:
-        """Requests waiting for a route, most urgent first: oldest group version, then most tokens."""
-        requests = [self._requests[rid].request for rid in self._queue]
-        requests.sort(key=lambda r: (r.group_version, -len(r.output_ids)))
-        return requests
+        """Requests waiting for a route, most urgent first: oldest group version, then most output
+        tokens, then the earliest queued (see :mod:`~staleflow.runtime.request_queue`)."""
+        return self._queue.in_order()
+
+    def queue_view(self) -> QueueView:
+        """The queue in the order of :meth:`queued`, with each request's version and KV tokens as arrays."""
+        return self._queue.view()
 
     def queued_count(self) -> int:
         return len(self._queue)
@@ -176,7 +180,7 @@ class TrajectoryServer:
         routed = []
         for rid in request_ids:
             entry = self._request(rid, RequestState.QUEUED, "route")
-            del self._queue[rid]
+            self._queue.remove(rid)
             entry.state = RequestState.RUNNING
             entry.instance_id = instance_id
             routed.append(entry.request)
@@ -207,7 +211,7 @@ class TrajectoryServer:
             entry.request = partial
             entry.state = RequestState.QUEUED
             entry.instance_id = None
-            self._queue[partial.request_id] = None
+            self._queue.add(partial)
             queued += 1
         return queued
 
@@ -388,7 +392,8 @@ class TrajectoryServer:
             request = RolloutRequest(**item["request"])
             self._requests[request.request_id] = _Request(request, RequestState(item["state"]))
         self._pending = dict.fromkeys(state["pending"])
-        self._queue = dict.fromkeys(state["queue"])
+        for rid in state["queue"]:
+            self._queue.add(self._requests[rid].request)
         self._duplicates = list(state["duplicates"])
         self._late = int(state["late"])
 
@@ -421,7 +426,7 @@ class TrajectoryServer:
             if entry is None:
                 continue
             if entry.state is RequestState.QUEUED:
-                del self._queue[entry.request.request_id]
+                self._queue.remove(entry.request.request_id)
             elif entry.state is RequestState.RUNNING:
                 assert entry.instance_id is not None
                 cancel.append((entry.instance_id, entry.request.request_id))
