@@ -311,7 +311,14 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
         saved_eval = evaluator.run_saved if isinstance(evaluator, Evaluator) else evaluator.run
         deferred = DeferredEvaluation(run_dir / ".eval-snapshots", saved_eval)
 
+    evaluated: set[int] = set()
+
     def evaluate_at(step: int) -> None:
+        """Evaluate the weights of ``step`` once (a run stopped by its time limit right after an
+        evaluation step would otherwise evaluate that step twice)."""
+        if step in evaluated:
+            return
+        evaluated.add(step)
         if deferred is not None:
             deferred.save(step, trainer.version, trainer.weights())
         else:

@@ -208,8 +208,8 @@ def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp
 
     config_file = Path(__file__).resolve().parents[1] / "runtime" / "configs" / "arithmetic.yaml"
     overrides = [
-        "train.steps=2",
-        "train.max_time_s=null",
+        "train.steps=3",
+        "train.max_time_s=0.001",  # the time limit stops the run after its first step
         "train.minibatches=2",
         "protocol.batch_groups=2",
         "rollout.group_size=2",
@@ -217,17 +217,19 @@ def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp
         "warmup.steps=2",
         "warmup.batch_size=8",
         "task.eval_prompts=6",
-        "task.eval_every=0",
+        "task.eval_every=1",
         "checkpoint.every=0",
         "metrics.progress=false",
         "metrics.tensorboard=false",
     ]
     config = _data_paths_near(load_config(config_file, overrides), config_file.parent)
     summary = train(config, tmp_path / "run")
-    assert summary["audit_ok"] and summary["bound_ok"] and summary["steps"] == 2
+    assert summary["audit_ok"] and summary["bound_ok"] and summary["steps"] == 1
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
-    assert [e["step"] for e in evals] == [0, 2] and [e["eval_version"] for e in evals] == [0, 2]
+    # Step 1 is an evaluation step and the last one (time limit): evaluated once, not twice.
+    assert [e["step"] for e in evals] == [0, 1] and [e["eval_version"] for e in evals] == [0, 1]
+    assert [r for r in records if r["kind"] == "time_limit"] == [{"kind": "time_limit", "step": 1, "max_time_s": 0.001}]
     for record in evals:
         assert 0.0 <= record["eval_pass@1"] <= 1.0 and 0.0 <= record["eval_reward"] <= 1.0
         assert record["eval_reward_failures"] == 0 and record["eval_response_tokens"] > 0
