@@ -28,6 +28,30 @@ def test_bench_protocol(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(doc["goals"]) == {"ops_per_s", "scaling_ratio", "consume_linear"}
     assert doc["goals"]["ops_per_s"]["met"] == (doc["slowest_all_ops_per_s"] >= doc["goals"]["ops_per_s"]["goal"])
     assert doc["command"].startswith("staleflow bench protocol")
+    assert set(doc["lock_cost"]) == {"eta=1,B=64", "eta=3,B=512"}
+    assert all(row["locked_ns_per_op"] - row["plain_ns_per_op"] == pytest.approx(row["lock_ns_per_op"]) for row in doc["lock_cost"].values())
+
+
+def test_bench_protocol_tables_show_the_figures_and_verdicts(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The text report of the JSON figures (a made-up result: the tables print what they are given)."""
+    from staleflow.bench import protocol
+
+    monkeypatch.setenv("COLUMNS", "240")
+    ops = {f"{op}_ops_per_s": 1_000.0 * (i + 1) for i, op in enumerate((*protocol.OPS, "all"))}
+    result = {
+        "steady_state": {"eta=1,B=64": ops}, "per_op_ns_by_active_groups": {"1000": {"reserve": 210, "occupy": 320, "abort": 430}},
+        "consume_by_batch_size": {"64": {"consume_ms": 0.0123, "ns_per_group": 192}}, "slowest_all_ops_per_s": 12_345.0,
+        "worst_scaling_ratio": 1.5, "consume_ns_per_group_ratio": 3.25, "command": "staleflow bench protocol --batches 5",
+        "goals": {"ops_per_s": {"met": False}, "scaling_ratio": {"met": True}, "consume_linear": {"met": True}},
+    }
+    protocol._print_tables(result)
+    protocol._print_lock_table({"eta=1,B=64": {"plain_ns_per_op": 100.0, "locked_ns_per_op": 150.0, "lock_ns_per_op": 50.0,
+                                                "lock_overhead_pct": 50.0}})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "eta=1,B=64" in out and "1,000" in out and "│ 1,000 │ 210 │ 320 │ 430 │" in out and "0.012" in out
+    assert f"slowest steady state: 12,345 ops/s (goal >= {protocol.GOAL_OPS_PER_S:,}: NOT met)" in out
+    assert "worst cost ratio 1k -> 100k groups: 1.50x" in out and "largest B over smallest: 3.25x" in out
+    assert "reproduce: staleflow bench protocol --batches 5" in out and "│ 100 │ 150 │ 50 │ 50% │" in out
 
 
 def test_bench_coordinator(capsys: pytest.CaptureFixture[str]) -> None:
