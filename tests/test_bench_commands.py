@@ -29,7 +29,8 @@ def test_bench_protocol(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["goals"]["ops_per_s"]["met"] == (doc["slowest_all_ops_per_s"] >= doc["goals"]["ops_per_s"]["goal"])
     assert doc["command"].startswith("staleflow bench protocol")
     assert set(doc["lock_cost"]) == {"eta=1,B=64", "eta=3,B=512"}
-    assert all(row["locked_ns_per_op"] - row["plain_ns_per_op"] == pytest.approx(row["lock_ns_per_op"]) for row in doc["lock_cost"].values())
+    rows = doc["lock_cost"].values()
+    assert all(row["locked_ns_per_op"] - row["plain_ns_per_op"] == pytest.approx(row["lock_ns_per_op"]) for row in rows)
 
 
 def test_bench_protocol_tables_show_the_figures_and_verdicts(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
