@@ -179,7 +179,7 @@ class ScorerPool:
         return outcomes
 
     def _collect(self) -> list[RewardOutcome]:
-        outcomes, self._failed = self._failed, []
+        outcomes: list[RewardOutcome] = []
         for worker in self._workers:
             if not worker.ready:
                 self._check_started(worker)
@@ -218,7 +218,8 @@ class ScorerPool:
                 del self._jobs[job_id]
                 outcomes.append(RewardOutcome(job_id, None, f"reward timed out after {self._timeout} s"))
         self._dispatch()
-        return outcomes
+        failed, self._failed = self._failed, []  # sends that failed, this dispatch's included
+        return failed + outcomes
 
     def _check_started(self, worker: _Worker) -> None:
         """Mark a starting worker ready once it says so; one that died starting is started again

@@ -103,3 +103,27 @@ def test_modules_stay_small(folder: str) -> None:
         for p in (ROOT / folder).rglob("*.py")
     }
     assert {name: n for name, n in sizes.items() if n > 420} == {}
+
+
+#: The only reasons a package line may be left out of line coverage (README, "Coverage").
+COVERAGE_EXCLUSIONS = {"needs CUDA"}
+
+
+def test_lines_left_out_of_coverage_name_an_allowed_reason() -> None:
+    """``# pragma: no cover`` is only for code that cannot run on the CPU machine CI is, and says why."""
+    import re
+
+    pragma = re.compile(r"#\s*pragma:?\s*no\s*cover(.*)$", re.IGNORECASE)
+    found, bad = 0, []
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT)
+        if relative.parts[0] in {"tests", ".venv", ".typecheck"}:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            match = pragma.search(line)
+            if match is not None:
+                found += 1
+                if match[1].strip().removeprefix("-").strip() not in COVERAGE_EXCLUSIONS:
+                    bad.append(f"{relative}:{number}: {line.strip()}")
+    assert bad == [], "a `# pragma: no cover` without an allowed reason " + str(sorted(COVERAGE_EXCLUSIONS))
+    assert found > 0  # the Megatron ranks' CUDA-only methods: the scan sees them

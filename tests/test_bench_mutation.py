@@ -71,3 +71,56 @@ def test_consume_cost_is_linear_in_the_batch_size() -> None:
     small = protocol_bench.consume_cost(1_000, 5, overhead)["ns_per_group"]
     large = protocol_bench.consume_cost(16_000, 5, overhead)["ns_per_group"]
     assert large < 4 * small, (small, large)
+
+
+@pytest.fixture
+def small_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench mutation`` judging with the restore and exhaustive layers on one small grid cell (the
+    real layers; the run's own grids take minutes). Forked workers inherit the patch."""
+    from staleflow.verification import impl_mutants
+
+    layers = impl_mutants.make_layers(((2, 1, 1),), ((2, 1, 1),), 200)
+    monkeypatch.setattr(mutation, "judge_layers", lambda: {name: layers[name] for name in ("restore", "exhaustive")})
+
+
+def test_bench_mutation_reports_killed_and_equivalent_mutants_from_forked_workers(
+        small_layers: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from staleflow.cli import main
+
+    chosen = "core/ReplaceComparisonOperator_Gt_Eq#0,core/ReplaceComparisonOperator_Gt_Eq#3,core/ReplaceComparisonOperator_Gt_NotEq#0"
+    out = tmp_path / "mutation.json"
+    code = main(["bench", "mutation", "--mutants", chosen, "--jobs", "2", "--json", "--out", str(out)])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and json.loads(out.read_text()) == report
+    assert report["mutants"] == 3 and report["counts"] == {"killed": 2, "equivalent": 1}
+    assert report["killed_by_layer"] == {"exhaustive": 1, "restore": 1}
+    assert set(report["layer_cpu_limits"]) == {"restore", "exhaustive"} and min(report["layer_cpu_limits"].values()) >= 2.0
+    rows = {(row[0], row[1]): dict(zip(report["outcome_fields"], row)) for row in report["outcomes"]}
+    assert rows[("core/ReplaceComparisonOperator_Gt_Eq", 3)]["layer"] == "restore"
+    (equivalent,) = report["equivalent"]
+    assert equivalent["mutated"] == "return self.reserve_slack(version) != 0" and "never negative" in equivalent["why"]
+    assert report["survivors"] == [] and report["timeouts"] == []
+
+
+def test_bench_mutation_lists_survivors_and_fails(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A judge that catches nothing: every mutant survives, each is printed, and the exit code is 1.
+    --shard, --skip and --limit pick the sites."""
+    from staleflow.cli import main
+
+    monkeypatch.setattr(mutation, "judge_layers", lambda: {"restore": lambda cls: None})
+    sites = mutation.mutation_sites(SOURCE, ["core/ReplaceUnaryOperator"])
+    code = main(["bench", "mutation", "--operators", "core/ReplaceUnaryOperator", "--shard", "2/2", "--skip", "1",
+                 "--limit", "2", "--jobs", "1"])
+    out = capsys.readouterr().out
+    assert code == 1
+    picked = sites[1::2][1:3]
+    assert out.startswith("2 mutants: 2 survived in ")
+    assert [line.split(":")[0] for line in out.splitlines()[1:]] == [f"SURVIVED {op} #{k} line {line}" for op, k, line in picked]
+
+
+def test_an_unmutated_file_that_fails_a_layer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mutation, "judge_layers", lambda: {"restore": lambda cls: "lost a group"})
+    with pytest.raises(RuntimeError, match="the unmutated manager.py fails the restore layer: lost a group"):
+        mutation.calibrate(SOURCE, 4.0, 2.0)

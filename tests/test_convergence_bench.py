@@ -110,3 +110,53 @@ def test_command_aggregates_finished_runs_without_training(study: Path, capsys: 
 def test_a_finished_run_of_other_steps_is_not_mixed_in(study: Path) -> None:
     with pytest.raises(ValueError, match="finished run of 4 steps, not 5"):
         convergence.train_one(2, 0, steps=5, out=study, quiet=True)
+
+
+def test_a_run_without_steps_evaluations_or_rewards_is_refused(tmp_path: Path) -> None:
+    def metrics(folder: str, records: list[dict]) -> Path:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        return tmp_path / folder
+
+    evals = [{"kind": "eval", "step": 0, "eval_reward": 0.1}, {"kind": "eval", "step": 1, "eval_reward": 0.2}]
+    step = {"kind": "step", "step": 1, "reward_mean": 0.5, "elapsed_s": 1.0, "tokens_per_s": 10.0}
+    with pytest.raises(ValueError, match="no-steps: metrics.jsonl has no training steps"):
+        load_run(metrics("no-steps", evals), 1, 0)
+    with pytest.raises(ValueError, match="needs a start and an end evaluation \\(found 1\\)"):
+        load_run(metrics("one-eval", [evals[0], step]), 1, 0)
+    with pytest.raises(ValueError, match="steps \\[1\\] have no reward_mean"):
+        load_run(metrics("no-reward", [*evals, {**step, "reward_mean": None}]), 1, 0)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    convergence.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_bad_arguments_and_an_empty_study_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert convergence.run(_args("--etas", "-1", "--steps", "0", "--out", str(tmp_path), "--no-train")) == 2
+    assert capsys.readouterr().err == "error: --steps must be >= 1 (got 0); --etas: eta must be >= 0 (got -1)\n"
+    assert convergence.run(_args("--etas", "2", "--steps", "4", "--out", str(tmp_path / "empty"), "--no-train")) == 2
+    assert f"error: no finished run of 4 steps in {tmp_path / 'empty'}" in capsys.readouterr().err
+
+
+def test_a_training_run_that_fails_is_listed_with_its_log_and_fails_the_study(
+        study: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """eta 3's run is started for real and is refused at once (an unknown config key stands in for a
+    crash); its leftover folder from an earlier attempt is removed first, and eta 2's finished runs
+    are kept and aggregated."""
+    def refused(eta: int, seed: int, steps: int, run_dir: Path) -> list[str]:
+        return ["staleflow", "train", "no.such.key=1", "--run-dir", str(run_dir)]
+
+    monkeypatch.setattr(convergence, "train_command", refused)
+    (study / "eta3-seed0").mkdir()
+    (study / "eta3-seed0" / "metrics.jsonl").write_text("{}\n", encoding="utf-8")  # started, never finished
+    assert convergence.run(_args("--etas", "2", "3", "--seeds", "0", "--steps", "4", "--smooth", "2", "--out", str(study))) == 1
+    out = capsys.readouterr().out
+    assert f"staleflow train no.such.key=1 --run-dir {study / 'eta3-seed0'}  (log {study / 'logs' / 'eta3-seed0.log'})" in out
+    assert "    exit 2 after " in out and f"runs that did not finish (see {study / 'logs'}): eta3-seed0" in out
+    assert "unknown key" in (study / "logs" / "eta3-seed0.log").read_text(encoding="utf-8")
+    assert not (study / "eta3-seed0").exists()
+    figures = json.loads((study / "convergence.json").read_text(encoding="utf-8"))
+    assert figures["failed"] == ["eta3-seed0"] and list(figures["etas"]) == ["2"]

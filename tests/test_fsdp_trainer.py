@@ -101,3 +101,47 @@ def test_a_failed_or_dead_rank_stops_the_group_instead_of_hanging() -> None:
     workers = ProcessWorkers(functools.partial(types.SimpleNamespace, run=eval), 2, timeout_s=120)
     with pytest.raises(WorkerGroupError, match="(?s)rank 0 failed in 'run':.*ZeroDivisionError"):
         workers.call_all("run", [("1 / 0",), ("__import__('time').sleep(300)",)])
+    workers = ProcessWorkers(functools.partial(types.SimpleNamespace, run=eval), 1, timeout_s=120)
+    workers._timeout = 0.5  # (after the start-up, which imports torch in the child)
+    with pytest.raises(WorkerGroupError, match=r"ranks \[0\] did not answer 'run' within 0 s"):
+        workers.call_all("run", [("__import__('time').sleep(300)",)])  # a rank that hangs is stopped, not waited for
+    with pytest.raises(WorkerGroupError, match="(?s)rank 0 failed in 'start':.*invalid literal for int"):
+        ProcessWorkers(functools.partial(int, "not a number"), 1, timeout_s=120)  # the rank's object cannot be built
+
+
+#: Evaluated in a Ray actor: writes the actor's line coverage so far, when the suite measures it (a
+#: Ray actor's process ends by ``ray.kill``, which runs no exit handler, so nothing would be written).
+_SAVE_COVERAGE = "(lambda cov: cov and cov.save())(__import__('coverage').Coverage.current())"
+
+
+def test_ray_ranks_answer_in_rank_order_in_their_bundles_and_a_failed_or_dead_rank_stops_the_group(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """The Ray launcher (what FSDP and Megatron use on a cluster), on the shared CPU cluster's logical GPUs."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from staleflow.adapters.torch.worker_group import RayWorkers, WorkerGroupError, rank_address
+
+    ray = ray_cluster
+    rank = functools.partial(types.SimpleNamespace, run=eval, address=rank_address)
+    group = placement_group([{"GPU": 1}, {"GPU": 1}])
+    ray.get(group.ready(), timeout=120)
+    try:
+        workers = RayWorkers(rank, 2, num_gpus=1, num_cpus=0, placement_group=group)
+        assert workers.call_all("run", [("6 * 7",), ("1 + 1",)]) == [42, 2]
+        devices = workers.call_all("run", [("__import__('os').environ['CUDA_VISIBLE_DEVICES']",)] * 2)
+        assert len(set(devices)) == 2  # one logical GPU each, as Ray assigns them
+        node = ray.util.get_node_ip_address()
+        assert all(a.startswith(f"tcp://{node}:") for a in workers.call_all("address"))  # inside an actor: the node's address
+        assert rank_address().startswith(f"tcp://{node}:")  # so in any process that joined the cluster
+        workers.call_all("run", [(_SAVE_COVERAGE,)] * 2)
+        with pytest.raises(WorkerGroupError, match="(?s)rank 1 failed in 'run'.*ZeroDivisionError"):
+            workers.call_all("run", [("__import__('time').sleep(300)",), ("1 / 0",)])
+        assert workers._actors == []  # every rank was killed, the blocked one too
+        with pytest.raises(WorkerGroupError, match="stopped \\(rank 1 failed in 'run'"):
+            workers.call_all("run")
+    finally:
+        remove_placement_group(group)
+    workers = RayWorkers(rank, 2, num_cpus=0)
+    with pytest.raises(WorkerGroupError, match="(?is)rank 0 failed in 'run'.*actor"):
+        workers.call_all("run", [("__import__('os')._exit(3)",), ("__import__('time').sleep(300)",)])
+    workers.close()
+    with pytest.raises(WorkerGroupError, match="stopped \\(rank 0 failed"):
+        workers.call_all("run")

@@ -118,6 +118,27 @@ def test_micro_batches_have_equal_rows_within_the_token_budget() -> None:
     assert [p.input_ids.shape[0] for p in micro_batches(_packed(5), max_tokens=1)] == [1] * 5
 
 
+def test_a_rank_reports_its_weights_under_local_names_as_fp32_copies_and_its_rendezvous_address() -> None:
+    from staleflow.adapters.megatron.rank import MegatronRank, _local_weights
+
+    inner = torch.nn.Linear(2, 3).to(torch.bfloat16)
+    wrapped = SimpleNamespace(module=inner)  # DDP's .module; Float16Module's "module." prefix below
+    weights = _local_weights(wrapped)
+    assert sorted(weights) == ["bias", "weight"] and all(w.dtype == torch.float32 for w in weights.values())
+    assert torch.equal(weights["weight"], inner.weight.float()) and weights["weight"].data_ptr() != inner.weight.data_ptr()
+
+
+    class WithExtraState(torch.nn.Module):  # as Transformer Engine layers: a non-tensor "_extra_state" entry
+        def get_extra_state(self) -> dict:
+            return {"fp8": None}
+
+    float16 = WithExtraState()
+    float16.module = inner
+    assert "_extra_state" in float16.state_dict()
+    assert sorted(_local_weights(SimpleNamespace(module=float16))) == ["bias", "weight"]  # "module." stripped, extra state dropped
+    assert MegatronRank().address().startswith("tcp://127.0.0.1:")  # no Ray here: loopback
+
+
 def test_trainer_checks_the_layout_against_the_model_before_asking_for_cuda(tmp_path: Path) -> None:
     model = _qwen("qwen2")
     model.save_pretrained(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from staleflow.runtime.config import load_config
@@ -52,6 +53,30 @@ def test_dry_run_prints_config_and_plan_and_starts_nothing(capsys: pytest.Captur
     assert out["config"]["rollout"]["gpus_per_instance"] == 2
     assert out["placement"]["cluster_address"] == "ray://head:10001"
     assert out["placement"]["total_gpus"] == 4 and len(out["placement"]["actors"]) == 2
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_train_refuses_a_run_it_cannot_start_or_resume_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from staleflow.cli import main
+    from staleflow.runtime.config import dump_config
+
+    assert main(["train", "--dry-run", "--json", "--system", "sync", "--steps", "3"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert (config["system"], config["train"]["steps"]) == ("sync", 3)
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text("{}\n", encoding="utf-8")
+    (tmp_path / "unsaved").mkdir()
+    (tmp_path / "unsaved" / "config.yaml").write_text(dump_config(load_config()), encoding="utf-8")
+    refused = {
+        f"run directory {tmp_path / 'used'} is not empty; choose another or --resume it": ["--run-dir", str(tmp_path / "used")],
+        "--resume takes the config of the run it resumes; give overrides only": ["--resume", str(tmp_path / "unsaved"), "--config", "x"],
+        f"{tmp_path / 'unsaved'} has no checkpoint to resume from": ["--resume", str(tmp_path / "unsaved")],
+    }
+    for message, argv in refused.items():
+        assert main(["train", *argv]) == 2
+        assert capsys.readouterr().err.startswith(f"staleflow train: {message}")
     import ray
 
     assert not ray.is_initialized()

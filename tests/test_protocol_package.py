@@ -4,6 +4,7 @@ run as a module, and the thread-safe wrapper under concurrent use."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -24,7 +25,8 @@ from staleflow.protocol import (
     StalenessManager,
     check,
 )
-from staleflow.protocol.trace import read_trace
+from staleflow.protocol.check import replay_events
+from staleflow.protocol.trace import TraceFormatError, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOCOL = ROOT / "protocol"
@@ -290,6 +292,88 @@ def test_checker_rejects_a_lost_event_and_an_unreadable_file(good_trace: Path, t
     unreadable = _check(junk, good_trace)
     assert unreadable.returncode == 2 and "the first line of a trace must be its header" in unreadable.stderr
     assert "accepted" in unreadable.stdout  # the good file after it is still checked
+
+
+def _active_before(events: list[ProtocolEvent], index: int) -> set[object]:
+    """The groups active (reserved, not yet aborted, consumed or dropped) before event ``index``."""
+    active: set[object] = set()
+    for e in events[:index]:
+        if e.op == "reserve" and e.accepted:
+            active.add(e.group_id)
+        elif e.op == "abort":
+            active.discard(e.group_id)
+        elif e.op == "consume" and e.batch is not None:
+            active -= {*e.batch.group_ids, *e.batch.dropped}
+    return active
+
+
+def _first(events: list[ProtocolEvent], test: object) -> int:
+    return next(i for i, e in enumerate(events) if test(e))  # type: ignore[operator]
+
+
+def _edit(events: list[ProtocolEvent], test: object, **changes: object) -> int:
+    index = _first(events, test)
+    events[index] = dataclasses.replace(events[index], **changes)
+    return index
+
+
+def _edit_batch(events: list[ProtocolEvent], test: object, change: object) -> int:
+    index = _first(events, lambda e: e.op == "consume" and test(e.batch))  # type: ignore[operator]
+    batch = events[index].batch
+    events[index] = dataclasses.replace(events[index], batch=dataclasses.replace(batch, **change(batch)))  # type: ignore[operator]
+    return index
+
+
+def _refuse_an_active_group(events: list[ProtocolEvent]) -> int:
+    index = _first(events, lambda e: e.op == "reserve" and e.accepted is False and _active_before(events, events.index(e)))
+    events[index] = dataclasses.replace(events[index], group_id=sorted(map(str, _active_before(events, index)))[0])
+    return index
+
+
+#: A real trace's events, each edited into a step the spec does not allow, and what the replay says.
+TAMPERED = {
+    "refused reserve of an active group": (_refuse_an_active_group, "which is active"),
+    "enabled reserve logged as refused": (
+        lambda ev: _edit(ev, lambda e: e.op == "reserve" and e.accepted, accepted=False, after=ev[0].before),
+        "refused but Reserve is enabled"),
+    "occupy of an unknown group": (lambda ev: _edit(ev, lambda e: e.op == "occupy", group_id="nobody"),
+                                   "occupy('nobody') is not enabled in the spec"),
+    "consume of another buffer": (lambda ev: _edit_batch(ev, lambda b: True, lambda b: {"version": b.version + 1}),
+                                  "consume of buffer 1, but the spec's head is 0"),
+    "a group trained twice": (lambda ev: _edit_batch(ev, lambda b: len(b.group_ids) > 1,
+                                                     lambda b: {"group_ids": (b.group_ids[0], *b.group_ids[:-1])}),
+                              "not distinct active groups"),
+    "wrong group versions": (
+        lambda ev: _edit_batch(ev, lambda b: True, lambda b: {"group_versions": tuple(v + 1 for v in b.group_versions)}),
+        "consume logs versions"),
+    "drops left out": (lambda ev: _edit_batch(ev, lambda b: b.dropped, lambda b: {"dropped": ()}), "consume drops [], the spec drops"),
+    "wrong after-state": (lambda ev: _edit(ev, lambda e: e.op == "occupy", after=ev[0].before), "after-state"),
+}
+
+
+@pytest.mark.parametrize("case", TAMPERED)
+def test_replay_names_each_kind_of_step_the_spec_does_not_allow(good_trace: Path, case: str) -> None:
+    tamper, reason = TAMPERED[case]
+    segment = read_trace(good_trace)[0]
+    events = list(segment.events)
+    assert replay_events(segment.header, events) is None  # the real trace is accepted
+    index = tamper(events)
+    rejection = replay_events(segment.header, events)
+    assert rejection is not None and rejection.index == index and reason in rejection.reason, rejection
+
+
+@pytest.mark.parametrize(("start", "message"), [
+    ({"eta": 3}, "trace header and its start snapshot disagree on eta"),
+    ({"version": -1}, "start snapshot needs an int version >= 0 and a list of groups"),
+    ({"groups": [["x", 0, "paused"]]}, "start snapshot: invalid group entry \\['x', 0, 'paused'\\]"),
+    ({"groups": [["x", 0, "running"], ["x", 0, "done"]]}, "start snapshot: a group appears twice or is ahead of the trainer"),
+], ids=["other eta", "negative version", "unknown status", "a group twice"])
+def test_a_resumed_segments_start_snapshot_is_checked(good_trace: Path, start: dict[str, object], message: str) -> None:
+    segment = read_trace(good_trace)[1]  # the resumed run's: it starts from a snapshot
+    assert segment.header.start is not None and replay_events(segment.header, segment.events) is None
+    header = dataclasses.replace(segment.header, start={**segment.header.start, **start})
+    with pytest.raises(TraceFormatError, match=message):
+        replay_events(header, segment.events)
 
 
 def test_checker_rejects_a_start_snapshot_that_breaks_the_invariant(tmp_path: Path) -> None:

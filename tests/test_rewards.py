@@ -181,6 +181,70 @@ def test_scorer_pool_reports_errors_and_replaces_dead_workers(user_scorers: str)
         pool.close()
 
 
+@pytest.mark.slow
+def test_a_scorer_pool_survives_a_worker_dead_while_idle_and_a_group_it_cannot_send(user_scorers: str) -> None:
+    pool = ScorerPool(f"{user_scorers}:length_bonus", workers=1, timeout_s=30)
+    try:
+        pool.submit("first", [(None, "a", "a", {})])
+        assert [(o.group_id, o.rewards) for o in pool.poll(block=True)] == [("first", [1.0])]
+        (worker,) = pool._workers
+        worker.process.kill()  # dies between jobs: the next send finds a broken pipe
+        worker.process.join(timeout=10)
+        pool.submit("next", [(None, "a", "b", {"bonus": 0.5})])
+        assert pool.restarts == 1 and pool.pending() == 1  # the group waits for the fresh worker
+        pool.submit("unpicklable", [(None, "a", "a", {"bonus": lambda: 0})])
+        outcomes = {o.group_id: o for o in pool.poll(block=True)}
+        assert outcomes["next"].rewards == [0.5] and outcomes["next"].error is None
+        assert outcomes["unpicklable"].rewards is None
+        assert (outcomes["unpicklable"].error or "").startswith("cannot send the group to a scorer: ")
+        assert pool.pending() == 0
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
+def test_a_scorer_that_fails_to_load_in_its_worker_fails_each_group_with_why(user_scorers: str) -> None:
+    pool = ScorerPool("broken_scorers:score", workers=1, timeout_s=30)  # check_reward_spec would refuse it at start-up
+    try:
+        pool.submit("g", [(None, "a", "a", {})])
+        pool.submit("h", [(None, "a", "a", {})])
+        outcomes = pool.poll(block=True)
+        assert [o.group_id for o in outcomes] == ["g", "h"] and all(o.rewards is None for o in outcomes)
+        assert all(str(o.error).startswith("RuntimeError: RewardSpecError: task.reward='broken_scorers:score': cannot import module")
+                   for o in outcomes), outcomes
+        assert pool.restarts == 0  # the worker lives on
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
+def test_scorer_workers_that_keep_dying_at_start_stop_the_run(user_scorers: str, tmp_path: Path) -> None:
+    (tmp_path / "exits_on_import.py").write_text("import os\nos._exit(4)\n")
+    pool = ScorerPool("exits_on_import:score", workers=1, timeout_s=30)
+    try:
+        pool.submit("g", [(None, "a", "a", {})])
+        with pytest.raises(RuntimeError, match="scorer processes for 'exits_on_import:score' keep dying at start \\(exit code 4\\)"):
+            pool.poll(block=True)
+        assert pool.restarts == 5  # started again _MAX_STARTS times
+    finally:
+        pool.close()
+        sys.modules.pop("exits_on_import", None)
+
+
+def test_reward_runner_refuses_a_timeout_that_is_not_positive_and_fails_a_group_it_cannot_prepare() -> None:
+    with pytest.raises(ValueError, match="reward timeout must be > 0 seconds, got 0"):
+        RewardRunner(lambda trajectory, metadata: 1.0, timeout_s=0)
+    with pytest.raises(ValueError, match="reward workers must be >= 1, got 0"):
+        ScorerPool("gsm8k", workers=0, timeout_s=1)
+    runner = RewardRunner(PooledReward("gsm8k", _prepare, workers=1), timeout_s=30)
+    try:
+        runner.submit("no-answer", [_trajectory("x")], {})  # _prepare needs metadata["answer"]
+        assert runner.pending() == 1
+        assert [(o.group_id, o.rewards, o.error) for o in runner.poll()] == [("no-answer", None, "KeyError: 'answer'")]
+    finally:
+        runner.close()
+
+
 def test_builtin_scorers_in_the_pool() -> None:
     pool = ScorerPool("gsm8k", workers=1, timeout_s=30)
     try:

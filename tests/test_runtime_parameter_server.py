@@ -93,3 +93,33 @@ def test_bad_arguments():
         ParameterServer(keep=0)
     with pytest.raises(ValueError, match="version must be an int >= 0"):
         ParameterServer().push(-1, {})
+
+
+def test_a_remote_reference_fetches_its_version_and_names_a_lost_or_wrong_answer():
+    """What a rollout instance's engine does with a pulled reference (in its own Ray actor; here the
+    parameter server object stands in for its actor proxy, which forwards the same calls)."""
+    from staleflow.adapters.ray.parameter_server import RemoteParameterServer, RemoteWeights
+    from staleflow.runtime.interfaces import TransferFailedError
+
+    server = ParameterServer(keep=2)
+    server.push(4, {"w": [1.0]})
+    remote = RemoteParameterServer(server)
+    version, reference = remote.pull()
+    assert (version, reference.version, repr(reference)) == (4, 4, "RemoteWeights(version=4)")
+    assert reference.fetch() == {"w": [1.0]} and remote.state_dict() == server.state_dict()
+    with pytest.raises(VersionNotAvailableError, match="version 3 is not on the parameter server \\(it holds \\[4\\]\\)"):
+        remote.pull(3)
+
+    class Answers:  # a server answering with another version, then one whose actor is gone
+        def __init__(self, answer):
+            self.answer = answer
+
+        def pull(self, version):
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    with pytest.raises(VersionNotAvailableError, match="asked for version 4, the parameter server sent 5"):
+        RemoteWeights(Answers((5, {})), 4).fetch()
+    with pytest.raises(TransferFailedError, match="pull of version 4: actor died"):
+        RemoteWeights(Answers(ConnectionError("actor died")), 4).fetch()

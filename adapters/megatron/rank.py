@@ -95,8 +95,9 @@ class MegatronRank:
     def address(self) -> str:
         return rank_address()
 
-    def setup(self, rank: int, layout: MegatronLayout, address: str, model_path: str, settings: TrainerSettings,
-              seed: int, bf16: bool) -> tuple[int, int, int]:
+    def setup(  # pragma: no cover - needs CUDA
+        self, rank: int, layout: MegatronLayout, address: str, model_path: str, settings: TrainerSettings, seed: int, bf16: bool,
+    ) -> tuple[int, int, int]:
         """Join the group, build this rank's part of the model from the Hugging Face folder; its coordinates."""
         import torch.distributed as dist
         from megatron.core import parallel_state
@@ -142,7 +143,9 @@ class MegatronRank:
         return self.coordinates
 
     # ----------------------------------------------------------------------------------- the step
-    def _schedule(self, plan: list[PackedBatch], forward_only: bool, proximal: list[torch.Tensor] | None = None) -> list[Any]:
+    def _schedule(  # pragma: no cover - needs CUDA
+        self, plan: list[PackedBatch], forward_only: bool, proximal: list[torch.Tensor] | None = None,
+    ) -> list[Any]:
         """Megatron's pipeline schedule over ``plan``; the last stage's per-micro-batch outputs."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -173,7 +176,7 @@ class MegatronRank:
             seq_length=length, micro_batch_size=rows, forward_only=forward_only,
         )
 
-    def step(self, minibatches: list[PackedBatch]) -> dict[str, float] | None:
+    def step(self, minibatches: list[PackedBatch]) -> dict[str, float] | None:  # pragma: no cover - needs CUDA
         """One optimiser step per minibatch (this data-parallel rank's rows); metrics from the reporting rank."""
         settings = self.settings
         budget = settings.micro_batch_tokens or VARLEN_MICRO_BATCH_TOKENS  # equal padded rows: no packed mask
@@ -210,16 +213,16 @@ class MegatronRank:
         return averaged if reporting else None
 
     # ---------------------------------------------------------------------- weights and checkpoints
-    def local_weights(self) -> tuple[int, int, dict[str, torch.Tensor]] | None:
+    def local_weights(self) -> tuple[int, int, dict[str, torch.Tensor]] | None:  # pragma: no cover - needs CUDA
         """``(tp_rank, pp_rank, weights)`` on the ranks of data-parallel replica 0, else None."""
         tp_rank, pp_rank, dp_rank = self.coordinates
         return (tp_rank, pp_rank, _local_weights(self.model)) if dp_rank == 0 else None
 
-    def save_optimizer(self, path: str) -> None:
+    def save_optimizer(self, path: str) -> None:  # pragma: no cover - needs CUDA
         """This rank's optimiser state (its own slice of every parameter's moments)."""
         torch.save({"layout": self.layout, "coordinates": self.coordinates, "optimizer": self.optimizer.state_dict()}, path)
 
-    def load(self, local: dict[str, torch.Tensor], optimizer_path: str, steps_taken: int) -> None:
+    def load(self, local: dict[str, torch.Tensor], optimizer_path: str, steps_taken: int) -> None:  # pragma: no cover - needs CUDA
         """Weights (this rank's slice, checked by the driver) and the optimiser state file the driver checked."""
         state = torch.load(optimizer_path, map_location="cuda", weights_only=False)
         target = getattr(self.model.module, "module", self.model.module)  # inside Float16Module, if any
@@ -228,7 +231,7 @@ class MegatronRank:
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_taken = steps_taken
 
-    def close(self) -> None:
+    def close(self) -> None:  # pragma: no cover - needs CUDA
         import torch.distributed as dist
         from megatron.core import parallel_state
 

@@ -80,6 +80,15 @@ class MegatronTrainer(WorkerGroupTrainer):
                 "the Megatron trainer needs CUDA GPUs (Megatron-core's optimizer, DDP and pipeline schedules are CUDA-only); "
                 "use train.backend=torch or fsdp on CPU"
             )
+        self._start(  # pragma: no cover - needs CUDA
+            folder, settings, pad_id, version, seed, bf16, launcher, gpus_per_rank, placement_group)
+
+    def _start(  # pragma: no cover - needs CUDA
+        self, folder: Path, settings: TrainerSettings | None, pad_id: int, version: int, seed: int, bf16: bool, launcher: str,
+        gpus_per_rank: float, placement_group: Any,
+    ) -> None:
+        """Start the ranks, build the model on them and publish its weights."""
+        layout, world_size = self._layout, self._layout.world_size
         if launcher == "ray":
             workers: Any = RayWorkers(MegatronRank, world_size, num_gpus=gpus_per_rank, num_cpus=1, placement_group=placement_group)
         elif launcher == "process":
@@ -102,20 +111,20 @@ class MegatronTrainer(WorkerGroupTrainer):
         self._start_background(version, published, "megatron-trainer")
 
     @property
-    def _tied(self) -> bool:
+    def _tied(self) -> bool:  # pragma: no cover - needs CUDA
         return bool(getattr(self._hf_config, "tie_word_embeddings", False))
 
-    def _full_megatron(self) -> dict[str, torch.Tensor]:
+    def _full_megatron(self) -> dict[str, torch.Tensor]:  # pragma: no cover - needs CUDA
         """The whole model under full (TP = PP = 1) Megatron names, from replica 0's ranks."""
         answers = [a for a in self._workers.call_all("local_weights") if a is not None]
         return unshard({(tp, pp): weights for tp, pp, weights in answers}, self._layout, self._hf_config.num_hidden_layers, self._tied)
 
-    def _gather(self) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
+    def _gather(self) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:  # pragma: no cover - needs CUDA
         full = self._full_megatron()
         return megatron_to_hf(full, self._hf_config), {k: tuple(v.shape) for k, v in full.items()}
 
     # ----------------------------------------------------------------------------------- the step
-    def _step(self, batch: TrainingBatch) -> TrainResult:
+    def _step(self, batch: TrainingBatch) -> TrainResult:  # pragma: no cover - needs CUDA
         started = time.perf_counter()
         settings = self._settings
         packed = pack_batch(batch, pad_id=self._pad_id, scale_advantages=settings.scale_advantages)
@@ -138,7 +147,7 @@ class MegatronTrainer(WorkerGroupTrainer):
         return TrainResult(version=self._version, metrics=metrics)
 
     # ------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, folder: str | os.PathLike[str]) -> Path:
+    def save_checkpoint(self, folder: str | os.PathLike[str]) -> Path:  # pragma: no cover - needs CUDA
         """The full model (any layout reads it) and one optimiser file per rank (same layout only)."""
         target = self._checkpoint_folder(folder)
         with self._lock:
@@ -149,7 +158,7 @@ class MegatronTrainer(WorkerGroupTrainer):
                         "model": self._full_megatron()}, target / CHECKPOINT_FILE)
         return target
 
-    def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
+    def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:  # pragma: no cover - needs CUDA
         """Restore what :meth:`save_checkpoint` wrote; every file, key and shape is checked before any rank is touched."""
         self._restore_folder(folder)
         expected = {name: torch.empty(shape, device="meta") for name, shape in self._full_shapes.items()}

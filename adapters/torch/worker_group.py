@@ -22,13 +22,6 @@ class WorkerGroupError(RuntimeError):
     """A rank failed or died; the group is stopped."""
 
 
-def free_address() -> str:
-    """``tcp://host:port`` of a free port on this machine (the rendezvous of ``torch.distributed``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def rank_address() -> str:
     """A ``tcp://`` rendezvous address on the calling rank's node (asked of rank 0): inside a Ray
     actor the node's address, reachable from the other nodes; otherwise loopback."""
