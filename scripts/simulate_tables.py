@@ -145,11 +145,32 @@ def ablation_table(seeds: dict[int, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def summary_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """One row per workload: StaleFlow's mean-over-eta ratio to each baseline, its share of the bound."""
+    lines = ["| setting | seeds | " + " | ".join(BASELINES) + f" | {BEST} | StaleFlow of upper bound (eta 1/2/3) |",
+             "|---" * (len(BASELINES) + 4) + "|"]
+    for workload, seeds in sorted(grids.items()):
+        run = next(iter(seeds.values()))
+        etas = sorted(run["by_eta"])
+        if not all(b in run["by_eta"][e] for b in BASELINES for e in etas):
+            continue
+        cells = []
+        for name in (*BASELINES, BEST):
+            worst = 0.0 if name == BEST else max(r["by_eta"][e][name]["past_eta_share"] for r in seeds.values() for e in etas)
+            cells.append(mean_over_eta(seeds, etas, name) + (f" (up to {worst:.1%} past eta)" if worst > 0 else ""))
+        shares = "/".join(f"{statistics.median(r['by_eta'][e]['staleflow']['tokens_per_s'] / r['bound'] for r in seeds.values()):.0%}"
+                          for e in etas)
+        lines.append(f"| {workload} | {len(seeds)} | " + " | ".join(cells) + f" | {shares} |")
+    return lines
+
+
 def main(paths: list[str]) -> int:
     if not paths:
         print(__doc__, file=sys.stderr)
         return 2
-    for workload, seeds in sorted(load(paths).items()):
+    grids = load(paths)
+    print("### Summary\n\n" + "\n".join(summary_table(grids)) + "\n")
+    for workload, seeds in sorted(grids.items()):
         print(f"### {workload}\n")
         run = next(iter(seeds.values()))
         if all(b in systems for systems in run["by_eta"].values() for b in BASELINES):
