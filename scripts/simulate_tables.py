@@ -53,10 +53,15 @@ def best_keeping(systems: dict[str, Any], eta: int) -> tuple[str, float]:
     return name, speed
 
 
+def with_system(seeds: dict[int, dict[str, Any]], name: str) -> dict[int, dict[str, Any]]:
+    """The seeds that ran ``name`` at every eta (``BEST``: every seed, over the baselines it ran)."""
+    return {s: run for s, run in seeds.items() if name == BEST or all(name in systems for systems in run["by_eta"].values())}
+
+
 def ratios(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> list[float]:
     """StaleFlow over ``name`` (a system, or ``BEST``) per seed at ``eta``."""
     out = []
-    for run in seeds.values():
+    for run in with_system(seeds, name).values():
         systems = run["by_eta"][eta]
         other = best_keeping(systems, eta)[1] if name == BEST else systems[name]["tokens_per_s"]
         out.append(systems["staleflow"]["tokens_per_s"] / other)
@@ -64,7 +69,7 @@ def ratios(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> list[float]
 
 
 def past_eta(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> str:
-    figures = [run["by_eta"][eta][name] for run in seeds.values()]
+    figures = [run["by_eta"][eta][name] for run in with_system(seeds, name).values()]
     worst = max(f["past_eta_share"] for f in figures)
     if worst == 0:
         return ""
@@ -74,9 +79,10 @@ def past_eta(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> str:
 
 def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
     etas = sorted(next(iter(seeds.values()))["by_eta"])
-    systems = [s for s in BASELINES if all(s in run["by_eta"][e] for run in seeds.values() for e in etas)]
+    systems = [s for s in BASELINES if with_system(seeds, s)]
     first = next(iter(seeds.values()))
-    lines = [f"Upper bound {first['bound']:,.0f} tokens/s; {first['steps']} steps; seeds {', '.join(map(str, sorted(seeds)))}. "
+    ran = "; ".join(f"{name}: seeds {', '.join(map(str, sorted(with_system(seeds, name))))}" for name in ("staleflow", *systems))
+    lines = [f"Upper bound {first['bound']:,.0f} tokens/s; {first['steps']} steps; {ran}. "
              "Cells: tokens/s median [range over seeds]; StaleFlow's ratio to it, median [range] of the per-seed ratios; "
              "for a system past eta its worst p99/max staleness and share of trained groups past eta over the seeds.", "",
              "| eta | staleflow | " + " | ".join(systems) + f" | {BEST} |",
@@ -86,7 +92,7 @@ def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
         share = [s / run["bound"] for s, run in zip(speeds, seeds.values())]
         cells = [f"{spread(speeds, ',.0f')} ({spread(share, '.0%')} of bound)"]
         for name in systems:
-            figures = [run["by_eta"][eta][name] for run in seeds.values()]
+            figures = [run["by_eta"][eta][name] for run in with_system(seeds, name).values()]
             admits = figures[0]["admission_eta"]
             note = f" (admits at {admits})" if name == "areal-tight" and all(f["admission_eta"] == admits for f in figures) else \
                 " (admits at " + "/".join(str(f["admission_eta"]) for f in figures) + ")" if name == "areal-tight" else ""
@@ -111,7 +117,7 @@ def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
 
 
 def mean_over_eta(seeds: dict[int, dict[str, Any]], etas: list[int], name: str) -> str:
-    per_seed = [statistics.mean(ratios({s: run}, eta, name)[0] for eta in etas) for s, run in seeds.items()]
+    per_seed = [statistics.mean(ratios({s: run}, eta, name)[0] for eta in etas) for s, run in with_system(seeds, name).items()]
     return spread(per_seed, ".2f", "x")
 
 
@@ -124,6 +130,7 @@ def broken(seeds: dict[int, dict[str, Any]]) -> str:
 
 
 def ablation_table(seeds: dict[int, dict[str, Any]]) -> list[str]:
+    seeds = {s: run for s, run in seeds.items() if any(n.startswith("staleflow-") for x in run["by_eta"].values() for n in x)}
     etas = sorted(next(iter(seeds.values()))["by_eta"])
     names = sorted({n for run in seeds.values() for systems in run["by_eta"].values() for n in systems
                     if n.startswith("staleflow-")})
@@ -152,15 +159,18 @@ def summary_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
     for workload, seeds in sorted(grids.items()):
         run = next(iter(seeds.values()))
         etas = sorted(run["by_eta"])
-        if not all(b in run["by_eta"][e] for b in BASELINES for e in etas):
+        if not all(with_system(seeds, b) for b in BASELINES):
             continue
         cells = []
         for name in (*BASELINES, BEST):
-            worst = 0.0 if name == BEST else max(r["by_eta"][e][name]["past_eta_share"] for r in seeds.values() for e in etas)
+            worst = 0.0 if name == BEST else \
+                max(r["by_eta"][e][name]["past_eta_share"] for r in with_system(seeds, name).values() for e in etas)
             cells.append(mean_over_eta(seeds, etas, name) + (f" (up to {worst:.1%} past eta)" if worst > 0 else ""))
         shares = "/".join(f"{statistics.median(r['by_eta'][e]['staleflow']['tokens_per_s'] / r['bound'] for r in seeds.values()):.0%}"
                           for e in etas)
-        lines.append(f"| {workload} | {len(seeds)} | " + " | ".join(cells) + f" | {shares} |")
+        counts = sorted({len(with_system(seeds, name)) for name in BASELINES} | {len(seeds)})
+        lines.append(f"| {workload} | {'-'.join(map(str, counts[::len(counts) - 1] if len(counts) > 1 else counts))} | "
+                     + " | ".join(cells) + f" | {shares} |")
     return lines
 
 
@@ -173,7 +183,7 @@ def main(paths: list[str]) -> int:
     for workload, seeds in sorted(grids.items()):
         print(f"### {workload}\n")
         run = next(iter(seeds.values()))
-        if all(b in systems for systems in run["by_eta"].values() for b in BASELINES):
+        if all(with_system(seeds, b) for b in BASELINES):
             print("\n".join(grid_table(workload, seeds)) + "\n")
         if any(n.startswith("staleflow-") for systems in run["by_eta"].values() for n in systems):
             print("\n".join(ablation_table(seeds)) + "\n")
