@@ -128,3 +128,25 @@ def test_redundancy_and_estimation_error_from_the_command_line(capsys) -> None:
     assert exact["estimation_error"] == 0 and exact["systems"]["staleflow"]["tokens_per_s"] != grouped["tokens_per_s"]
     assert run_cli([*base, "--estimation-error", "0.7"]) == 2
     assert "--estimation-error must be in [0, 0.5)" in capsys.readouterr().err
+
+
+def test_a_run_that_does_not_depend_on_eta_runs_once_and_matches_a_fresh_run(capsys) -> None:
+    """verl-sync (bound 0) and one-step-off (bound 1) run once for every eta; areal-tight at eta 3
+    reuses areal's run at eta 2 when its p99 is within 3. Reused figures equal a fresh run's, with
+    the share past eta measured against the eta of the row."""
+    base = ["--workload", "small-ci", "--steps", "4", "--json", "--systems"]
+    assert run_cli([*base, "verl-sync", "one-step-off", "areal", "areal-tight", "--eta", "2", "3"]) == 0
+    grid = json.loads(capsys.readouterr().out)["by_eta"]
+    assert run_cli([*base, "verl-sync", "one-step-off", "areal", "--eta", "2"]) == 0
+    fresh = json.loads(capsys.readouterr().out)["systems"]
+    for name in ("verl-sync", "one-step-off"):
+        assert not grid["2"]["systems"][name]["reused_run"] and grid["3"]["systems"][name]["reused_run"]
+        assert grid["3"]["systems"][name]["tokens_per_s"] == fresh[name]["tokens_per_s"]
+        assert grid["3"]["systems"][name]["step_times_s"] == fresh[name]["step_times_s"]
+    tight, areal = grid["3"]["systems"]["areal-tight"], fresh["areal"]
+    assert tight["admission_eta"] == 2 and tight["reused_run"] and tight["staleness_p99"] <= 3
+    assert tight["tokens_per_s"] == areal["tokens_per_s"] and tight["staleness_histogram"] == areal["staleness_histogram"]
+    hist = {int(k): v for k, v in areal["staleness_histogram"].items()}
+    assert areal["past_eta_share"] == pytest.approx(sum(v for k, v in hist.items() if k > 2) / sum(hist.values()))
+    assert tight["past_eta_share"] == pytest.approx(sum(v for k, v in hist.items() if k > 3) / sum(hist.values()))
+    assert areal["past_eta_share"] > tight["past_eta_share"]

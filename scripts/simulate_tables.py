@@ -1,0 +1,193 @@
+"""Markdown tables of ``staleflow simulate`` grids over several seeds (docs/simulation.md, README).
+
+Each argument is a ``results.json`` written by ``staleflow simulate --out DIR`` (one workload, one
+seed, one or more ``eta``). Runs of the same workload and seed are merged (a grid of baselines and
+a grid of ablations), then for each workload and ``eta`` every system's trained tokens/s is given as
+the median over seeds with its range, StaleFlow's ratio to it as the median of the per-seed ratios
+with their range, and a system that trains past ``eta`` gets its worst p99/max staleness and share
+of groups past ``eta`` over the seeds. "Mean over eta" averages each seed's ratios over ``eta``,
+then gives the median and range of those means over the seeds.
+
+    python scripts/simulate_tables.py runs/*/results.json > tables.md
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+BASELINES = ("verl-sync", "one-step-off", "verl-async", "areal", "areal-filter", "areal-tight", "roll-flash")
+BEST = "best bound-keeping"
+
+
+def load(paths: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
+    """workload -> seed -> {"bound", "steps", "by_eta": {eta: {system: figures}}}."""
+    grids: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        run = grids[report["workload"]].setdefault(
+            report["seed"], {"bound": report["upper_bound_tokens_per_s"], "steps": report["steps"], "by_eta": {}}
+        )
+        if run["steps"] != report["steps"]:
+            raise SystemExit(f"{path}: {report['steps']} steps, other runs of this seed have {run['steps']}")
+        for eta, figures in report["by_eta"].items():
+            run["by_eta"].setdefault(int(eta), {}).update(figures["systems"])
+    return grids
+
+
+def spread(values: list[float], fmt: str, unit: str = "") -> str:
+    """Median, and the range over seeds when there are several: ``1.02x [0.98, 1.05]``."""
+    median = format(statistics.median(values), fmt) + unit
+    return median if len(values) == 1 else f"{median} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
+
+
+def best_keeping(systems: dict[str, Any], eta: int) -> tuple[str, float]:
+    """The fastest baseline whose p99 staleness is within ``eta`` (what ``simulate`` calls best-bound-keeping)."""
+    keeping = [(f["tokens_per_s"], name) for name, f in systems.items()
+               if name in BASELINES and f["staleness_p99"] <= eta and f["tokens_per_s"] > 0]
+    speed, name = max(keeping)
+    return name, speed
+
+
+def with_system(seeds: dict[int, dict[str, Any]], name: str) -> dict[int, dict[str, Any]]:
+    """The seeds that ran ``name`` at every eta (``BEST``: every seed, over the baselines it ran)."""
+    return {s: run for s, run in seeds.items() if name == BEST or all(name in systems for systems in run["by_eta"].values())}
+
+
+def ratios(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> list[float]:
+    """StaleFlow over ``name`` (a system, or ``BEST``) per seed at ``eta``."""
+    out = []
+    for run in with_system(seeds, name).values():
+        systems = run["by_eta"][eta]
+        other = best_keeping(systems, eta)[1] if name == BEST else systems[name]["tokens_per_s"]
+        out.append(systems["staleflow"]["tokens_per_s"] / other)
+    return out
+
+
+def past_eta(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> str:
+    figures = [run["by_eta"][eta][name] for run in with_system(seeds, name).values()]
+    worst = max(f["past_eta_share"] for f in figures)
+    if worst == 0:
+        return ""
+    return (f"; p99/max {max(f['staleness_p99'] for f in figures)}/{max(f['max_staleness'] for f in figures)}, "
+            f"up to {worst:.1%} past eta")
+
+
+def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
+    etas = sorted(next(iter(seeds.values()))["by_eta"])
+    systems = [s for s in BASELINES if with_system(seeds, s)]
+    first = next(iter(seeds.values()))
+    ran = "; ".join(f"{name}: seeds {', '.join(map(str, sorted(with_system(seeds, name))))}" for name in ("staleflow", *systems))
+    lines = [f"Upper bound {first['bound']:,.0f} tokens/s; {first['steps']} steps; {ran}. "
+             "Cells: tokens/s median [range over seeds]; StaleFlow's ratio to it, median [range] of the per-seed ratios; "
+             "for a system past eta its worst p99/max staleness and share of trained groups past eta over the seeds.", "",
+             "| eta | staleflow | " + " | ".join(systems) + f" | {BEST} |",
+             "|---" * (len(systems) + 3) + "|"]
+    for eta in etas:
+        speeds = [run["by_eta"][eta]["staleflow"]["tokens_per_s"] for run in seeds.values()]
+        share = [s / run["bound"] for s, run in zip(speeds, seeds.values())]
+        cells = [f"{spread(speeds, ',.0f')} ({spread(share, '.0%')} of bound)"]
+        for name in systems:
+            figures = [run["by_eta"][eta][name] for run in with_system(seeds, name).values()]
+            admits = figures[0]["admission_eta"]
+            note = f" (admits at {admits})" if name == "areal-tight" and all(f["admission_eta"] == admits for f in figures) else \
+                " (admits at " + "/".join(str(f["admission_eta"]) for f in figures) + ")" if name == "areal-tight" else ""
+            wasted = f"; {spread([f['wasted_tokens'] for f in figures], ',.0f')} tokens wasted" if name == "areal-filter" else ""
+            cells.append(f"{spread([f['tokens_per_s'] for f in figures], ',.0f')} {spread(ratios(seeds, eta, name), '.2f', 'x')}"
+                         f"{note}{past_eta(seeds, eta, name)}{wasted}")
+        names = sorted({best_keeping(run["by_eta"][eta], eta)[0] for run in seeds.values()})
+        cells.append(f"{spread(ratios(seeds, eta, BEST), '.2f', 'x')} ({', '.join(names)})")
+        lines.append(f"| {eta} | " + " | ".join(cells) + " |")
+    means = [f"**{mean_over_eta(seeds, etas, name)}**" for name in (*systems, BEST)]
+    lines.append("| mean over eta | | " + " | ".join(means) + " |")
+    details = []
+    for eta in etas:
+        sf = [run["by_eta"][eta]["staleflow"] for run in seeds.values()]
+        details.append(
+            f"eta {eta}: step {spread([f['step_time_s'] for f in sf], '.0f')} s, trainer busy "
+            f"{spread([f['trainer_busy'] for f in sf], '.0%')}, {spread([f['proactive_aborted'] for f in sf], '.0f')} groups "
+            f"re-queued ({spread([f['wasted_tokens'] for f in sf], ',.0f')} tokens wasted), mean trained length "
+            f"{spread([f['mean_trained_length'] for f in sf], ',.0f')}")
+    lines += ["", "StaleFlow (median [range] over seeds): " + "; ".join(details) + ".", broken(seeds)]
+    return lines
+
+
+def mean_over_eta(seeds: dict[int, dict[str, Any]], etas: list[int], name: str) -> str:
+    per_seed = [statistics.mean(ratios({s: run}, eta, name)[0] for eta in etas) for s, run in with_system(seeds, name).items()]
+    return spread(per_seed, ".2f", "x")
+
+
+def broken(seeds: dict[int, dict[str, Any]]) -> str:
+    problems = [f"seed {s} eta {eta} {name}"
+                for s, run in seeds.items() for eta, systems in run["by_eta"].items() for name, f in systems.items()
+                if f["lost"] or f["duplicated"] or (f["keeps_bound"] and f["max_staleness"] > f["eta"])]
+    return "Broken guarantees: " + (", ".join(problems) if problems else
+                                    "none (lost/duplicated 0/0 everywhere, every bound-keeping system within its bound).")
+
+
+def ablation_table(seeds: dict[int, dict[str, Any]]) -> list[str]:
+    seeds = {s: run for s, run in seeds.items() if any(n.startswith("staleflow-") for x in run["by_eta"].values() for n in x)}
+    etas = sorted(next(iter(seeds.values()))["by_eta"])
+    names = sorted({n for run in seeds.values() for systems in run["by_eta"].values() for n in systems
+                    if n.startswith("staleflow-")})
+    lines = ["| eta | system | tokens/s | vs StaleFlow | step (s) | re-queued | wasted tokens | mean trained length |",
+             "|---|---|---|---|---|---|---|---|"]
+    for eta in etas:
+        if not any(n in run["by_eta"][eta] for run in seeds.values() for n in names):
+            continue
+        for name in ("staleflow", *names):
+            runs = [run["by_eta"][eta] for run in seeds.values() if name in run["by_eta"][eta]]
+            if not runs:
+                continue
+            f = [r[name] for r in runs]
+            change = "" if name == "staleflow" else \
+                spread([100 * (r[name]["tokens_per_s"] / r["staleflow"]["tokens_per_s"] - 1) for r in runs], "+.1f", "%")
+            lines.append(f"| {eta} | {name} | {spread([x['tokens_per_s'] for x in f], ',.0f')} | {change} | "
+                         f"{spread([x['step_time_s'] for x in f], '.0f')} | {spread([x['proactive_aborted'] for x in f], '.0f')} | "
+                         f"{spread([x['wasted_tokens'] for x in f], ',.0f')} | {spread([x['mean_trained_length'] for x in f], ',.0f')} |")
+    return lines
+
+
+def summary_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """One row per workload: StaleFlow's mean-over-eta ratio to each baseline, its share of the bound."""
+    lines = ["| setting | seeds (StaleFlow/fewest) | " + " | ".join(BASELINES) + f" | {BEST} | StaleFlow of upper bound (eta 1/2/3) |",
+             "|---" * (len(BASELINES) + 4) + "|"]
+    for workload, seeds in sorted(grids.items()):
+        run = next(iter(seeds.values()))
+        etas = sorted(run["by_eta"])
+        if not all(with_system(seeds, b) for b in BASELINES):
+            continue
+        cells = []
+        for name in (*BASELINES, BEST):
+            worst = 0.0 if name == BEST else \
+                max(r["by_eta"][e][name]["past_eta_share"] for r in with_system(seeds, name).values() for e in etas)
+            cells.append(mean_over_eta(seeds, etas, name) + (f" (up to {worst:.1%} past eta)" if worst > 0 else ""))
+        shares = "/".join(f"{statistics.median(r['by_eta'][e]['staleflow']['tokens_per_s'] / r['bound'] for r in seeds.values()):.0%}"
+                          for e in etas)
+        fewest = min(len(with_system(seeds, name)) for name in BASELINES)
+        lines.append(f"| {workload} | {len(with_system(seeds, 'staleflow'))}/{fewest} | " + " | ".join(cells) + f" | {shares} |")
+    return lines
+
+
+def main(paths: list[str]) -> int:
+    if not paths:
+        print(__doc__, file=sys.stderr)
+        return 2
+    grids = load(paths)
+    print("### Summary\n\n" + "\n".join(summary_table(grids)) + "\n")
+    for workload, seeds in sorted(grids.items()):
+        print(f"### {workload}\n")
+        run = next(iter(seeds.values()))
+        if all(with_system(seeds, b) for b in BASELINES):
+            print("\n".join(grid_table(workload, seeds)) + "\n")
+        if any(n.startswith("staleflow-") for systems in run["by_eta"].values() for n in systems):
+            print("\n".join(ablation_table(seeds)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
