@@ -75,10 +75,12 @@ def test_bench_load(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_load_measures_memory_per_request_and_prints_its_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "load", "--scales", "2x64", "8x512", "--ticks", "1"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 5 and lines[-1] == "Reproduce: staleflow bench load --scales 2x64 8x512 --ticks 1"
-    assert "2 instances,      64 in flight" in lines[0] and "8 instances,     512 in flight" in lines[1]
-    assert all("peak memory" in line and "B per request" in line for line in lines[:2])
-    memory, goal = lines[2], lines[3]
+    # Per scale a wall-time line and its CPU-time line; then the memory fit, the goal, the command.
+    assert len(lines) == 7 and lines[-1] == "Reproduce: staleflow bench load --scales 2x64 8x512 --ticks 1"
+    assert "2 instances,      64 in flight" in lines[0] and "8 instances,     512 in flight" in lines[2]
+    assert all("in CPU time: plan" in lines[i] for i in (1, 3))
+    assert all("peak memory" in lines[i] and "B per request" in lines[i] for i in (0, 2))
+    memory, goal = lines[4], lines[5]
     assert memory.startswith("memory: ") and "bytes per in-flight request" in memory and "tolerance 15%" in memory
     assert code == (0 if "(linear," in memory and goal.endswith(": met") else 1)
 
