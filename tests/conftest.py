@@ -113,6 +113,7 @@ def tier_of(filename: str, markers: set[str]) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tiers: dict[str, str] = {}
     for item in items:
         tier = tier_of(item.path.name, {mark.name for mark in item.iter_markers()})
         if "ray_cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("ray") is None:
@@ -121,6 +122,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(getattr(pytest.mark, tier))
         if tier == E2E and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+        tiers[item.nodeid] = tier
+    # The longest tests first (end to end, then integration, then unit; file order within a tier): the
+    # two workers (pyproject: -n 2 --dist loadfile --no-loadscope-reorder) take whole files in this
+    # order, so the run ends on short unit files instead of one worker finishing a training run.
+    items.sort(key=lambda item: _ORDER.index(tiers[item.nodeid]), reverse=True)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import DEFAULT_TIER, E2E, INTEGRATION, TIERS, UNIT, tier_of
 
 
@@ -22,3 +23,8 @@ def test_markers_lift_the_tier() -> None:
     assert tier_of("test_protocol.py", {"ray"}) == E2E
     assert tier_of("test_chaos.py", {"vllm", "slow"}) == E2E
     assert tier_of("test_train_e2e.py", set()) == E2E  # never lowered
+
+
+def test_the_longest_tier_runs_first(request: pytest.FixtureRequest) -> None:
+    tiers = [next(t for t in (E2E, INTEGRATION, UNIT) if item.get_closest_marker(t)) for item in request.session.items]
+    assert tiers == sorted(tiers, key=(E2E, INTEGRATION, UNIT).index)
