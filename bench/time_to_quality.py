@@ -23,9 +23,12 @@ different warm-ups), the median, min and max over seeds of the time to reach it 
 it counts as infinite, so the median is "not reached" once half the seeds miss it) and the speed-up
 against ``sync`` (sync's median over the cell's, and paired: the median over seeds of sync's time
 over the cell's for the same seed); trained tokens/s; the staleness histogram of all
-trained groups and its mean; where the time goes: run-loop seconds per step, training seconds per
-step, the trainer's busy fraction (training seconds over run-loop seconds), the rollout instances'
-utilisation and their weight-reload seconds per step (summed over instances). Exit 1 if a run's staleness exceeds its bound.
+trained groups and its mean; the fitted learning rate (least-squares slope of eval reward on
+run-loop time, per 100 s, median and spread, against sync's and paired by seed; and per 100 training
+steps), which uses every evaluation where a threshold's first crossing rests on one noisy one;
+where the time goes: run-loop seconds per step, training seconds per step, the trainer's busy
+fraction (training seconds over run-loop seconds), the rollout instances' utilisation and their
+weight-reload seconds per step (summed over instances). Exit 1 if a run's staleness exceeds its bound.
 
 Reproduce: ``staleflow bench time-to-quality [--config YAML] [--systems sync one-step-off staleflow staleflow-fresh]
 [--etas 2] [--seeds 0 1 2] [--steps 70] [--eval-every 10] [--thresholds 0.18 0.22 0.26] [--gains] [--out runs/ttq] [--json]``.
@@ -42,7 +45,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +92,18 @@ class RunFigures:
     utilisation: float  # the rollout instances' mean busy fraction
     weight_sync_s: float  # the instances' weight reloads, summed over instances
     steps: int
+    eval_steps: list[int] = field(default_factory=list)  # the training step of each evaluation
+
+    @property
+    def gain_per_100s(self) -> float:
+        """The least-squares slope of eval reward on run-loop time, per 100 s: a learning rate that
+        uses every evaluation, where the first crossing of a threshold rests on one noisy one."""
+        return 100 * statistics.linear_regression(self.eval_t, self.eval_reward).slope
+
+    @property
+    def gain_per_100_steps(self) -> float:
+        """The same slope against training steps (what a step teaches, whatever its duration)."""
+        return 100 * statistics.linear_regression(self.eval_steps, self.eval_reward).slope
 
     @property
     def mean_staleness(self) -> float:
@@ -142,6 +157,7 @@ def read_run(records: Sequence[dict[str, Any]], system: str, eta: int, seed: int
         utilisation=float(last.get("utilisation", 0.0)),
         weight_sync_s=float(last.get("sync_seconds", 0.0)),
         steps=len(steps),
+        eval_steps=[int(e["step"]) for e in evals],
     )
 
 
@@ -216,9 +232,12 @@ def summarise_cell(runs: Sequence[RunFigures], thresholds: Sequence[float], gain
             "reached": sum(1 for t in seeds if math.isfinite(t)),
             "per_seed": seeds,
         }
+    rates = [run.gain_per_100s for run in runs]
     return {
         "seeds": [run.seed for run in runs],
         "time_to": times,
+        "gain_per_100s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "per_seed": rates},
+        "gain_per_100_steps": statistics.median(run.gain_per_100_steps for run in runs),
         "tokens_per_s": statistics.median(run.tokens_per_s for run in runs),
         "tokens_per_s_range": [min(r.tokens_per_s for r in runs), max(r.tokens_per_s for r in runs)],
         "eval_start": statistics.median(run.eval_reward[0] for run in runs),
@@ -246,6 +265,12 @@ def speedups(figures: dict[str, dict[str, Any]], thresholds: Sequence[float], ba
             usable = 0 < mine < math.inf and math.isfinite(theirs)  # 0: reached before the first step, nothing to compare
             cell["speedup"][threshold] = theirs / mine if usable else None
             cell["speedup_paired"][threshold] = _paired(cell, base, threshold) if base else None
+        cell["rate_vs_sync"], cell["rate_vs_sync_paired"] = None, None
+        if base and base["gain_per_100s"]["median"] > 0:
+            cell["rate_vs_sync"] = cell["gain_per_100s"]["median"] / base["gain_per_100s"]["median"]
+            theirs = dict(zip(base["seeds"], base["gain_per_100s"]["per_seed"]))
+            ratios = [mine / theirs[s] for s, mine in zip(cell["seeds"], cell["gain_per_100s"]["per_seed"]) if theirs.get(s, 0) > 0]
+            cell["rate_vs_sync_paired"] = statistics.median(ratios) if ratios else None
 
 
 def _paired(cell: dict[str, Any], base: dict[str, Any], threshold: str) -> float | None:
@@ -276,9 +301,10 @@ def _seconds(value: float) -> str:
 def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float], gain: bool = False) -> str:
     heads = " | ".join(f"to {'+' if gain else ''}{t:g}: median (min-max) [speed-up vs sync; paired by seed]" for t in thresholds)
     lines = [
-        f"| system (eta) | seeds | {heads} | trained tokens/s | eval start -> end | staleness histogram (mean) | s per step (training) "
+        f"| system (eta) | seeds | {heads} | eval gain per 100 s, fitted: median (min-max) [vs sync; paired] "
+        "| per 100 steps | trained tokens/s | eval start -> end | staleness histogram (mean) | s per step (training) "
         "| trainer busy | rollout busy | weight reloads s per step |",
-        "|---|---|" + "---|" * len(thresholds) + "---|---|---|---|---|---|---|",
+        "|---|---|" + "---|" * len(thresholds) + "---|---|---|---|---|---|---|---|---|",
     ]
     for name, f in figures.items():
         cols = []
@@ -295,8 +321,11 @@ def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float], gain:
                 + (f"; paired {paired:.2f}x]" if paired is not None else "]")
             )
         histogram = ", ".join(f"{s}: {n}" for s, n in f["staleness"].items())
+        rate, vs, paired = f["gain_per_100s"], f["rate_vs_sync"], f["rate_vs_sync_paired"]
+        versus = f" [{vs:.2f}x; paired {paired:.2f}x]" if vs is not None and paired is not None else ""
         lines.append(
-            f"| {name} | {len(f['seeds'])} | {' | '.join(cols)} | {f['tokens_per_s']:.0f} "
+            f"| {name} | {len(f['seeds'])} | {' | '.join(cols)} | {rate['median']:+.3f} ({rate['min']:+.3f} to {rate['max']:+.3f}){versus} "
+            f"| {f['gain_per_100_steps']:+.3f} | {f['tokens_per_s']:.0f} "
             f"({f['tokens_per_s_range'][0]:.0f}-{f['tokens_per_s_range'][1]:.0f}) | {f['eval_start']:.3f} -> {f['eval_final']:.3f} | "
             f"{{{histogram}}} ({f['mean_staleness']:.2f}) | {f['step_s']:.2f} ({f['train_s_per_step']:.2f}) | "
             f"{f['trainer_busy']:.0%} | {f['rollout_utilisation']:.0%} | {f['weight_sync_s_per_step']:.2f} |"

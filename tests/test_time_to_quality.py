@@ -78,6 +78,12 @@ def test_median_spread_not_reached_and_speedup_against_sync() -> None:
     assert f["speedup"] == {"0.2": 2.0, "0.3": 2.0}
     assert f["speedup_paired"] == {"0.2": 2.0, "0.3": None}  # per seed 4/2, 4/4, 4/2; sync seed 2 never reached 0.3
     assert s["speedup"] == {"0.2": 1.0, "0.3": 1.0}
+    # the fitted learning rate: least-squares slope of every evaluation, per 100 s and per 100 steps
+    assert s["gain_per_100s"]["per_seed"] == pytest.approx([2.5, 2.5, 1.875]) and s["gain_per_100s"]["median"] == pytest.approx(2.5)
+    assert f["gain_per_100s"]["per_seed"] == pytest.approx([5.0, 5.0, 5.0])
+    assert f["gain_per_100_steps"] == pytest.approx(5.0) and s["gain_per_100_steps"] == pytest.approx(5.0)
+    assert f["rate_vs_sync"] == pytest.approx(2.0) and f["rate_vs_sync_paired"] == pytest.approx(2.0)  # per seed 2, 2, 2.67
+    assert "+5.000 (+5.000 to +5.000) [2.00x; paired 2.00x] | +5.000 |" in ttq.table(figures, [0.2, 0.3])
     assert f["staleness"] == {1: 12, 2: 36} and f["mean_staleness"] == pytest.approx(1.75) and f["max_staleness"] == 2
     assert f["tokens_per_s"] == pytest.approx(100.0) and s["tokens_per_s"] == pytest.approx(50.0)
     assert f["trainer_busy"] == pytest.approx(0.5)  # 4 steps x 0.5 s over 4 s
