@@ -45,7 +45,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,7 @@ class RunFigures:
     utilisation: float  # the rollout instances' mean busy fraction
     weight_sync_s: float  # the instances' weight reloads, summed over instances
     steps: int
-    eval_steps: list[int] = field(default_factory=list)  # the training step of each evaluation
+    eval_steps: list[int]  # the training step of each evaluation
 
     @property
     def gain_per_100s(self) -> float:
