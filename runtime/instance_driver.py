@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from staleflow.runtime.commands import Abort, Command, Interrupt, Pull, Route
 from staleflow.runtime.coordinator import Coordinator
@@ -24,7 +24,8 @@ from staleflow.runtime.types import InstanceSnapshot
 class InstanceDriver:
     """Engines by instance id, with what the loop knows of each.
 
-    ``down``: failed instances (no work until a probe brings them back); ``next_event``: when a
+    ``down``: failed instances (no work until a probe brings them back), with ``placed_when_down``,
+    the requests placed on each when it failed (a probe aborts them there); ``next_event``: when a
     simulated engine next has something to report (None: unknown, ask every iteration);
     ``touched``: instances whose load changed since :meth:`busy_changes` was last called.
     Failures and recoveries are counted in ``counters``.
@@ -46,6 +47,7 @@ class InstanceDriver:
         self.clock = clock
         self.counters = counters
         self.down: set[str] = set()
+        self.placed_when_down: dict[str, set[str]] = {}
         self.next_event: dict[str, float | None] = {iid: None for iid in self.engines}
         self.touched: set[str] = set()
         self._observed_at: dict[str, float] = {}
@@ -105,17 +107,36 @@ class InstanceDriver:
         self.coordinator.instance_down(iid)
         self.ts.requeue([self.ts.request(rid) for rid in placed], iid)
         self.down.add(iid)
+        self.placed_when_down.setdefault(iid, set()).update(placed)
         self.next_event[iid] = None
         self.touched.add(iid)
         self.counters["instance_failures"] += 1
         self.counters["requests_recovered"] += len(placed)
 
+    def down_state(self) -> dict[str, list[str]]:
+        """The down instances and the requests placed on each when it failed (for a checkpoint)."""
+        return {iid: sorted(self.placed_when_down.get(iid, ())) for iid in sorted(self.down)}
+
+    def restore_down(self, down: Mapping[str, Iterable[str]]) -> None:
+        """Instances a checkpoint found down stay down here, and a probe aborts the requests placed
+        on them when they failed, even if their first snapshot shows them empty (it may be stale).
+        Instances this run does not have are ignored: nothing is routed to them."""
+        for iid, placed in down.items():
+            if iid not in self.engines:
+                continue
+            self.coordinator.instance_down(iid)
+            self.down.add(iid)
+            self.placed_when_down.setdefault(iid, set()).update(placed)
+            self.next_event[iid] = None
+            self.touched.add(iid)
+
     def _probe(self, iid: str) -> None:
-        result = probe(self.engines[iid])
+        result = probe(self.engines[iid], self.placed_when_down.get(iid, ()))
         if result is None:
             return
         self.counters["late_results_discarded"] += result.late
         self.down.discard(iid)
+        self.placed_when_down.pop(iid, None)
         self.coordinator.instance_up(result.snapshot)
         self.next_event[iid] = result.next_event
         self.touched.add(iid)

@@ -4,13 +4,21 @@ trust it again.
 An engine call or weight transfer that raises the failure contract's errors
 (:data:`~staleflow.runtime.interfaces.INSTANCE_FAILURES`) marks the instance *down*: its state is
 unknown, so the requests the trajectory server places on it go back to the queue from their last
-partial. A down instance gets no work; every tick it is *probed*: once it answers and holds nothing
-(anything it still held is aborted first, and results it reports late are dropped), it is *up*
-again, starting from its empty snapshot. Nothing ever runs twice or is lost.
+partial. A down instance gets no work; every tick it is *probed*: every request placed on it when
+it failed is aborted there (whatever its snapshots say), results it reports late are dropped, and
+once it answers and its snapshot shows nothing held, it is *up* again, starting from that empty
+snapshot. Nothing ever runs twice or is lost.
+
+A snapshot alone never proves an instance empty: it may be older than the requests last sent there
+(a real engine publishes its state from its own loop; snapshots can arrive late or out of order).
+Chaos seeds 300557, 300618 and 301287 brought an instance back on such a snapshot, taken before
+the requests that were re-queued when a Pull failed: they ran twice. The abort of every request
+placed there when it failed closes that: the snapshot only has to show nothing else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from staleflow.runtime.interfaces import INSTANCE_FAILURES, RolloutEngine
@@ -47,19 +55,19 @@ class ProbeResult:
     late: int
 
 
-def probe(engine: RolloutEngine) -> ProbeResult | None:
-    """Probe a down instance: None while it fails or still holds requests (which are aborted, so
-    that a later probe finds it empty)."""
+def probe(engine: RolloutEngine, placed: Collection[str]) -> ProbeResult | None:
+    """Probe a down instance: abort ``placed`` (the requests placed on it when it failed, re-queued
+    since) there, then None while it fails or its snapshot still shows requests (which are aborted
+    too, so that a later probe finds it empty)."""
     try:
         late = engine.collect()
-        held = engine.snapshot()
-        if held.running or held.waiting:
-            engine.abort([*held.running, *held.waiting])
-            return None  # taken back on a later probe, once a snapshot shows it empty
+        if placed:
+            engine.abort(sorted(placed))
         snapshot = engine.snapshot()
+        if snapshot.running or snapshot.waiting:
+            engine.abort([*snapshot.running, *snapshot.waiting])
+            return None  # taken back on a later probe, once a snapshot shows it empty
         next_event = engine.next_event_time()
     except INSTANCE_FAILURES:
-        return None
-    if snapshot.running or snapshot.waiting:
         return None
     return ProbeResult(snapshot, next_event, len(late))

@@ -380,6 +380,7 @@ class RunLoop:
             "parameter_server": self.ps.state_dict(),
             "groups": self.groups.state_dict(),
             "coordinator": self.coordinator.state_dict(),
+            "instances_down": self.instances.down_state(),
             "prompts_drawn": self._prompts_drawn,
             **self.stats.state_dict(),
         }
@@ -403,6 +404,7 @@ class RunLoop:
             self.ps.push(saved, self.trainer.weights())
         self._prompts_drawn = int(state["prompts_drawn"])
         self.coordinator.load_state_dict(state["coordinator"])
+        self.instances.restore_down(state.get("instances_down", {}))  # absent from checkpoints before 2026-12
         self.stats.load_state_dict(state)
 
     def close(self) -> None:

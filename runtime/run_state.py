@@ -3,8 +3,10 @@
 A checkpoint is taken between steps, after every running request was interrupted (its partial is
 in the trajectory server) and every pending push went through. It holds the protocol (every active
 group with its version, so the bound holds across a resume), the trajectory server, the parameter
-server's latest version, the owner of groups' life, the coordinator's counters and the run's
-statistics. The trainer's weights and optimizer are the trainer's own checkpoint.
+server's latest version, the owner of groups' life, the coordinator's counters, the instances found
+down with the requests placed on each when it failed (``instances_down``, optional: a resumed run
+keeps them down until a probe aborted those requests there) and the run's statistics. The
+trainer's weights and optimizer are the trainer's own checkpoint.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def test_regression_fault_kind(seed: int, kinds: list[str], found: str) -> None:
                      ["pull_fail", "coordinator_restart"],
                      "restart while a failed instance still held requests: RunLoop() refused the instance",
                      id="restart with requests left on a failed instance: it starts as failed and is cleaned"),
-        pytest.param(30, ["instance_crash", "pull_fail", "coordinator_restart", "finish_delay", "snapshot_stale"],
+        # (seed 30 until a probe took one snapshot instead of two: its draws moved and no Pull failed)
+        pytest.param(23, ["instance_crash", "pull_fail", "coordinator_restart", "finish_delay", "snapshot_stale"],
                      ["instance_crash", "pull_fail", "coordinator_restart", "finish_delay", "snapshot_stale"],
                      "the same, with crashed instances: every kind of the row injected",
                      id="restarts after instance crashes and failed pulls"),
@@ -135,6 +136,21 @@ def test_regression_seed_200027_results_left_on_a_failed_instance_are_dropped_at
     it as up, and collected that result: the request finished twice. The new loop now drops results
     an instance holds from before it started."""
     _assert_ok(run_seed(200027, system="staleflow-fresh"))
+
+
+@pytest.mark.parametrize(
+    ("seed", "system"),
+    [(301287, "staleflow"), (301287, "staleflow-fresh"), (301287, "staleflow-no-sync"),
+     (300557, "staleflow-no-migration"), (300618, "staleflow-no-migration")],
+)
+def test_regression_a_failed_instance_comes_back_only_after_its_requests_are_aborted(seed: int, system: str) -> None:
+    """Found by ``staleflow bench chaos --seeds 1250 --first 300500`` (these policies): a Pull failed
+    on an instance that held requests (re-queued, then routed elsewhere); the probe's snapshot was
+    stale, from before they were sent, so the instance came back still running them: they finished
+    twice (and one was orphaned). A probe now aborts every request placed there when it failed."""
+    result = run_seed(seed, system=system)
+    _assert_ok(result)
+    _assert_injected(result, ["pull_fail", "snapshot_stale"])
 
 
 def test_results_finished_before_an_interrupt_arrive_before_its_reply() -> None:

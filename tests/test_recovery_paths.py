@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,51 @@ def test_a_probe_aborts_what_a_down_instance_still_holds_before_taking_it_back(c
     loop.close()
 
 
+class LaggingSnapshotEngine(FakeEngine):
+    """A fake engine whose first Pull while it holds requests fails, and whose next
+    ``lagging_snapshots`` snapshots then show it as it was before its last submit (a real engine
+    publishes its state from its own loop: a snapshot can predate the requests last sent)."""
+
+    def __init__(self, *args: Any, lagging_snapshots: int = 3, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lagging = 0
+        self.lagging_snapshots = lagging_snapshots
+        self.failed_pulls = 0
+        self._before_submit: Any = None
+
+    def submit(self, requests: Any) -> None:
+        self._before_submit = super().snapshot()
+        super().submit(requests)
+
+    def load_weights(self, version: int, weights: Any) -> None:
+        if self.failed_pulls == 0 and self.held():
+            self.failed_pulls += 1
+            self.lagging = self.lagging_snapshots
+            raise ConnectionError(f"{self.instance_id}: transfer of version {version} failed")
+        super().load_weights(version, weights)
+
+    def snapshot(self) -> Any:
+        if self.lagging > 0 and self._before_submit is not None:
+            self.lagging -= 1
+            return replace(self._before_submit, time=self.clock.now())
+        return super().snapshot()
+
+
+def test_a_probe_aborts_the_requests_placed_on_a_failed_instance_whatever_its_snapshot_says(clock: VirtualClock) -> None:
+    """Chaos seeds 300557, 300618, 301287: a Pull failed on an instance that held requests (they go
+    back to the queue), and the probe's snapshot predated them: it showed the instance empty, the
+    instance came back still running them, and they ran twice. The probe now aborts every request
+    placed there when it failed, whatever the snapshot shows."""
+    lagging = LaggingSnapshotEngine("i1", clock)
+    loop, trainer = _loop([FakeEngine("i0", clock), lagging], clock)
+    metrics = loop.run(6)
+    assert lagging.failed_pulls == 1 and lagging.lagging == 0  # the failure and the stale snapshots happened
+    assert loop.stats.counters["requests_recovered"] > 0  # it held requests when it failed
+    assert loop.instances.down == set() and loop.instances.placed_when_down == {}
+    _assert_clean(loop, metrics, trainer, 6)
+    loop.close()
+
+
 def test_an_instance_failing_while_the_loop_quiesces_for_a_checkpoint(clock: VirtualClock) -> None:
     """state_dict() interrupts every running request; an instance that fails there is marked down,
     its requests go back to the queue from their last partial, and the checkpoint resumes cleanly."""
@@ -151,6 +197,50 @@ def test_an_instance_failing_while_the_loop_quiesces_for_a_checkpoint(clock: Vir
     metrics = resumed.run(2)
     assert metrics.steps == done + 2 and (metrics.lost, metrics.duplicated, metrics.audit_ok) == (0, 0, True)
     assert [b.version for b in trainer2.batches] == [done, done + 1]
+    resumed.close()
+
+
+class EmptySnapshotEngine(FlakyEngine):
+    """A flaky fake engine whose next ``empty_snapshots`` snapshots show it empty (stale: taken before
+    its requests arrived), whatever it runs."""
+
+    empty_snapshots = 0
+
+    def snapshot(self) -> Any:
+        snapshot = super().snapshot()
+        if self.empty_snapshots > 0:
+            self.empty_snapshots -= 1
+            return replace(snapshot, running=(), waiting=(), kv_tokens=0)
+        return snapshot
+
+
+def test_a_resumed_run_keeps_an_instance_down_that_failed_before_its_checkpoint(clock: VirtualClock) -> None:
+    """An instance fails its interrupt while the loop quiesces for a checkpoint (its requests go back
+    to the queue, but it still runs them). The resumed loop, on the same instances, gets a stale
+    empty first snapshot from it: the checkpoint's ``instances_down`` keeps it down until a probe
+    aborted those requests there, so none runs twice."""
+    engines = [EmptySnapshotEngine(f"i{k}", clock, max_running=2) for k in range(2)]
+    loop, trainer = _loop(list(engines), clock, eta=2)
+    for _ in range(6):  # to a step boundary where some instance is generating
+        loop.run(1)
+        busy = [e for e in engines if e.snapshot().running]
+        if busy:
+            break
+    assert busy, "an instance runs requests at the checkpoint"
+    flaky = busy[0]
+    flaky.failing["interrupt"] = 1
+    state = json.loads(json.dumps(loop.state_dict()))
+    still_running = flaky.held()
+    assert still_running and state["instances_down"] == {flaky.instance_id: sorted(still_running)}
+    loop.close()
+    flaky.empty_snapshots = 1  # the resumed loop's first snapshot of it shows nothing
+    resumed, _ = _loop(list(engines), clock, trainer=trainer, eta=2, skip_prompts=state["prompts_drawn"])
+    resumed.load_state_dict(state)
+    assert resumed.instances.down == {flaky.instance_id} and flaky.empty_snapshots == 0
+    done = state["steps_done"]
+    metrics = resumed.run(3)
+    assert not (flaky.held() & still_running) and resumed.instances.down == set()
+    _assert_clean(resumed, metrics, trainer, done + 3, eta=2)
     resumed.close()
 
 
