@@ -97,6 +97,8 @@ class Coordinator:
         self._routes: dict[int, list[str]] = {}  # the decision in progress: instance index -> requests
         self._admitting = False  # the decision in progress may admit groups
         self._ps_version: int | None = None
+        #: resubmit_same_instance: requests interrupted by a pull -> the index of the instance they ran on
+        self._resubmit_to: dict[str, int] = {}
         #: freshness-aware admission: buffers beyond the head that admission may fill
         self.lookahead = groups.manager.eta  # as wide as the protocol at first; narrowed while the trainer does not wait
         self._steps_without_wait = 0
@@ -133,6 +135,8 @@ class Coordinator:
             view.remove(rid)
         view.loading = True
         self._dirty.add(index)
+        if self._resubmit_to:  # its interrupted requests go wherever routing places them
+            self._resubmit_to = {rid: i for rid, i in self._resubmit_to.items() if i != index}
 
     def instance_up(self, snapshot: InstanceSnapshot) -> None:
         """A failed instance answers again, empty: its view starts afresh from ``snapshot``."""
@@ -168,6 +172,8 @@ class Coordinator:
                 self.forget(view.instance_id, rids)
                 commands.append(Interrupt(view.instance_id, rids))
                 self.stats["interrupted_for_pull"] += len(rids)
+                if self.policy.resubmit_same_instance:
+                    self._resubmit_to.update(dict.fromkeys(rids, i))
             commands.append(self.pull(view.instance_id, ps_version))
         fleet = self._synced_fleet()
         if full and self.policy.migration and not pulls:
@@ -223,6 +229,8 @@ class Coordinator:
         placed are read."""
         if self.ts.queued_count() == 0:
             return True
+        if self._resubmit_to:
+            return self._route_queue_resubmitting(fleet, routes)
         queue = self.ts.queue_view()
         for start, stop, largest in queue.runs(self.policy.request_budget):
             version = int(queue.versions[start])
@@ -233,6 +241,34 @@ class Coordinator:
             if placed < stop:
                 return False
         return True
+
+    def _route_queue_resubmitting(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
+        """:meth:`_route_queue` while interrupted requests wait to go back to their instance (one
+        request at a time): such a request goes there once the instance has loaded the new weights
+        (whatever its load: the server queues it) and waits until then; the others are routed in
+        order as usual. False if a request stays queued."""
+        queue = self.ts.queue_view()
+        queued = queue.requests(0, len(queue))
+        ids = {request.request_id for request in queued}
+        self._resubmit_to = {rid: i for rid, i in self._resubmit_to.items() if rid in ids}  # cancelled ones go
+        placed_all = True
+        for request, tokens in zip(queued, queue.tokens.tolist()):
+            rid, version = request.request_id, request.group_version
+            home = self._resubmit_to.get(rid)
+            if home is not None:
+                if fleet.loading[home] or fleet.version[home] < version:
+                    placed_all = False
+                    continue
+                del self._resubmit_to[rid]
+                fleet.add(home, tokens)
+                self._assign(home, rid, tokens, version, routes)
+            elif placed_all:
+                chosen = self._choose(fleet, version, tokens, 1)
+                if not chosen:
+                    placed_all = False
+                    continue
+                self._assign(chosen[0], rid, tokens, version, routes)
+        return placed_all
 
     def _choose(self, fleet: FleetArrays, version: int, tokens: int, count: int) -> list[int]:
         """Instances for ``count`` requests of a group ``version``, each planned as ``tokens`` (the

@@ -22,10 +22,11 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     trainer takes groups from the message queue in the order they finished.
 ``areal`` (AReaL ``areal/core/staleness_manager.py``, ``workflow_executor.py``)
     Capacity ``min(max_concurrent - running, (eta + version + 1) * B - (accepted + running))`` with
-    ``max_concurrent_rollouts`` = the batch size; round-robin routing; interrupted requests are
-    resubmitted; the trainer takes the oldest-created *finished* groups (a straggler never holds it
-    back, so some groups are trained more than ``eta`` versions after they started); the weight
-    update pauses rollout and blocks the trainer while it broadcasts.
+    ``max_concurrent_rollouts`` = the batch size; round-robin routing; a request interrupted by a
+    weight update is resubmitted, with its tokens so far, to the server it ran on
+    (``remote_inf_engine.py``); the trainer takes the oldest-created *finished* groups (a straggler
+    never holds it back, so some groups are trained more than ``eta`` versions after they started);
+    the weight update pauses rollout and blocks the trainer while it broadcasts.
 ``areal-filter``
     ``areal`` with a filter that drops finished groups past ``eta`` at consume (``should_accept_fn``);
     their tokens are reported as wasted.
@@ -118,6 +119,9 @@ class SystemPolicy:
             they are interrupted first and re-routed as partials (abort-and-resubmit, as the
             reference coordinator's SYNC command and the peer systems do), which costs a prefill
             of their tokens so far.
+        resubmit_same_instance: a request interrupted by a pull goes back to the instance it ran on
+            once that instance has the new weights (AReaL's ``agenerate`` keeps one server per
+            request id across interruptions), not wherever routing would place it.
     """
 
     name: str
@@ -143,6 +147,7 @@ class SystemPolicy:
     freshness_patience: int = 3
     pull_keeps_requests: bool = False
     request_budget: int = 1024
+    resubmit_same_instance: bool = False
 
     def __post_init__(self) -> None:
         _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin"))
@@ -191,7 +196,7 @@ _STALEFLOW: dict[str, Any] = {
 }
 _AREAL: dict[str, Any] = {
     **_BASELINE, "routing": "round_robin", "sync": "global_immediate", "admission": "inflight_cap",
-    "consumption": "oldest_finished", "rollout_concurrency": 1.0,
+    "consumption": "oldest_finished", "rollout_concurrency": 1.0, "resubmit_same_instance": True,
 }
 
 

@@ -263,3 +263,34 @@ def test_on_step_reports_each_finished_step_once():
     assert seen == [1, 2, 3, 4, 5]
     loop.run(2, on_step=lambda: seen.append(trainer.version))
     assert seen == [1, 2, 3, 4, 5, 6, 7]
+
+
+class RecordingEngine(FakeEngine):
+    """A fake engine that records every request submitted to any instance, in ``submits``."""
+
+    def __init__(self, *args, submits, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.submits = submits
+
+    def submit(self, requests):
+        super().submit(requests)
+        for request in requests:
+            self.submits.setdefault(request.request_id, []).append(self.instance_id)
+
+
+@pytest.mark.parametrize("same_instance", [True, False])
+def test_areal_resubmits_a_request_interrupted_by_a_weight_update_to_the_instance_it_ran_on(same_instance):
+    """AReaL keeps one server per request across interruptions: every request a pull interrupted
+    goes back, with its tokens so far, to the instance it ran on. The same run with routing alone
+    (round robin) sends some of them elsewhere."""
+    clock, submits = VirtualClock(), {}
+    engines = [RecordingEngine(f"i{k}", clock, max_running=6, submits=submits) for k in range(3)]
+    policy = make_policy("areal", resubmit_same_instance=same_instance)
+    loop, trainer, _, _ = build(policy, eta=1, n_samples=2, clock=clock, engines=engines,
+                                prompts=prompt_groups(2, lengths=(10, 300, 40, 20, 500, 60, 15)))
+    metrics = loop.run(8)
+    assert metrics.audit_ok and metrics.lost == 0 and metrics.duplicated == 0
+    resubmitted = {rid: where for rid, where in submits.items() if len(where) > 1}
+    assert loop.coordinator.stats["interrupted_for_pull"] >= len(resubmitted) > 3
+    moved = [rid for rid, where in resubmitted.items() if len(set(where)) > 1]
+    assert (moved == []) is same_instance, moved
