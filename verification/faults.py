@@ -59,14 +59,6 @@ class RewardFaultError(RuntimeError):
     """A reward function failed on a trajectory (the injected 'reward throws' fault)."""
 
 
-
-
-
-
-
-
-
-
 # ----------------------------------------------------------------------------- clocks
 
 
