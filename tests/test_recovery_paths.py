@@ -168,19 +168,23 @@ def test_a_probe_aborts_the_requests_placed_on_a_failed_instance_whatever_its_sn
     loop.close()
 
 
+def _fail_an_interrupt_at_the_next_checkpoint(loop: Any, engines: list[Any]) -> Any:
+    """Run to a step boundary where some instance is generating; its next interrupt fails."""
+    for _ in range(6):
+        loop.run(1)
+        busy = [e for e in engines if e.snapshot().running]
+        if busy:
+            busy[0].failing["interrupt"] = 1
+            return busy[0]
+    raise AssertionError("no instance runs requests at a step boundary")
+
+
 def test_an_instance_failing_while_the_loop_quiesces_for_a_checkpoint(clock: VirtualClock) -> None:
     """state_dict() interrupts every running request; an instance that fails there is marked down,
     its requests go back to the queue from their last partial, and the checkpoint resumes cleanly."""
     engines = [FlakyEngine(f"i{k}", clock, max_running=2) for k in range(2)]
     loop, trainer = _loop(list(engines), clock, eta=2)
-    for _ in range(6):  # to a step boundary where some instance is generating
-        loop.run(1)
-        busy = [e for e in engines if e.snapshot().running]
-        if busy:
-            break
-    assert busy, "an instance runs requests at the checkpoint"
-    flaky = busy[0]
-    flaky.failing["interrupt"] = 1
+    flaky = _fail_an_interrupt_at_the_next_checkpoint(loop, engines)
     state = json.loads(json.dumps(loop.state_dict()))  # no error: the checkpoint is taken anyway
     assert flaky.instance_id in loop.instances.down and flaky.calls["interrupt"] >= 1
     report = loop.audit()
@@ -221,14 +225,7 @@ def test_a_resumed_run_keeps_an_instance_down_that_failed_before_its_checkpoint(
     aborted those requests there, so none runs twice."""
     engines = [EmptySnapshotEngine(f"i{k}", clock, max_running=2) for k in range(2)]
     loop, trainer = _loop(list(engines), clock, eta=2)
-    for _ in range(6):  # to a step boundary where some instance is generating
-        loop.run(1)
-        busy = [e for e in engines if e.snapshot().running]
-        if busy:
-            break
-    assert busy, "an instance runs requests at the checkpoint"
-    flaky = busy[0]
-    flaky.failing["interrupt"] = 1
+    flaky = _fail_an_interrupt_at_the_next_checkpoint(loop, engines)
     state = json.loads(json.dumps(loop.state_dict()))
     still_running = flaky.held()
     assert still_running and state["instances_down"] == {flaky.instance_id: sorted(still_running)}
