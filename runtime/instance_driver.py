@@ -104,12 +104,8 @@ class InstanceDriver:
         to the queue from the last partial the trajectory server has, and it gets no work until a
         probe finds it answering (then anything it still holds is discarded, so nothing runs twice)."""
         placed = sorted(self.ts.running_on().get(iid, ()))
-        self.coordinator.instance_down(iid)
+        self._mark_down(iid, placed)
         self.ts.requeue([self.ts.request(rid) for rid in placed], iid)
-        self.down.add(iid)
-        self.placed_when_down.setdefault(iid, set()).update(placed)
-        self.next_event[iid] = None
-        self.touched.add(iid)
         self.counters["instance_failures"] += 1
         self.counters["requests_recovered"] += len(placed)
 
@@ -122,13 +118,15 @@ class InstanceDriver:
         on them when they failed, even if their first snapshot shows them empty (it may be stale).
         Instances this run does not have are ignored: nothing is routed to them."""
         for iid, placed in down.items():
-            if iid not in self.engines:
-                continue
-            self.coordinator.instance_down(iid)
-            self.down.add(iid)
-            self.placed_when_down.setdefault(iid, set()).update(placed)
-            self.next_event[iid] = None
-            self.touched.add(iid)
+            if iid in self.engines:
+                self._mark_down(iid, placed)
+
+    def _mark_down(self, iid: str, placed: Iterable[str]) -> None:
+        self.coordinator.instance_down(iid)
+        self.down.add(iid)
+        self.placed_when_down.setdefault(iid, set()).update(placed)
+        self.next_event[iid] = None
+        self.touched.add(iid)
 
     def _probe(self, iid: str) -> None:
         result = probe(self.engines[iid], self.placed_when_down.get(iid, ()))
