@@ -219,6 +219,7 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
             clock=clock,
             weights_dir=str(run_dir / ".weights"),
             engine_kwargs=config.rollout.engine_settings(),
+            start_timeout_s=config.rollout.start_timeout_s,
             # tensor parallelism needs vLLM's engine core in its own processes (one per GPU)
             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if config.rollout.gpus_per_instance > 1 else None,
         )
@@ -410,6 +411,7 @@ def _evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement: Any
         seed=config.seed * 1000 + 999,
         clock=clock,
         weights_dir=str(run_dir / ".eval-weights"),
+        start_timeout_s=config.rollout.start_timeout_s,
     )
     return EngineEvaluator(
         engine,

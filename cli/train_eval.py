@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from staleflow.runtime.interfaces import resolve_weights
 from staleflow.runtime.rewarding import PooledReward, RewardRunner
 from staleflow.runtime.tasks import Prompt, make_group
 from staleflow.runtime.types import RolloutRequest, Trajectory
@@ -161,9 +162,10 @@ class DeferredEvaluation:
         self._saved: list[tuple[int, int, Path]] = []
 
     def save(self, step: int, version: int, weights: Any) -> None:
-        """Keep ``weights`` (a state dict, or a safetensors file path) of model ``version`` for step ``step``."""
+        """Keep ``weights`` (a state dict, or a reference to one, fetched here) of model ``version`` for step ``step``."""
         from safetensors.torch import save_file
 
+        weights = resolve_weights(weights)
         self._folder.mkdir(parents=True, exist_ok=True)
         path = self._folder / f"step-{step}.safetensors"
         save_file({name: tensor.detach().contiguous() for name, tensor in weights.items()}, str(path))

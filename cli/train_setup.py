@@ -150,8 +150,11 @@ def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_g
 
     settings = TrainerSettings.from_config(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ray = sys.modules.get("ray")  # on GPUs, multi-process trainers' ranks are Ray actors with a GPU each (placed by Ray)
-    launcher = "ray" if device == "cuda" and ray is not None and ray.is_initialized() else "process"
+    # Multi-process trainers' ranks are Ray actors (placed by Ray, a GPU each) on GPUs, and wherever the
+    # servers are Ray actors: then rank 0 publishes into Ray's object store and no weights pass the driver.
+    ray = sys.modules.get("ray")
+    on_ray = device == "cuda" or config.servers.placement == "ray"
+    launcher = "ray" if on_ray and ray is not None and ray.is_initialized() else "process"
     if config.train.backend == "megatron":
         from staleflow.adapters.megatron.trainer import MegatronTrainer
 

@@ -118,6 +118,9 @@ class RolloutConfig(ConfigSection):
     """Disable CUDA graphs; null: eager on CPU, graphs on GPU."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed to vLLM's ``EngineArgs`` as they are (they override StaleFlow's settings)."""
+    start_timeout_s: StrictFloat = Field(900.0, gt=0, le=86400)
+    """Longest an instance may take to start (load the model, compile, capture CUDA graphs) before
+    the run stops with an error naming it."""
 
     @model_validator(mode="after")
     def _gpu_sharing(self) -> RolloutConfig:

@@ -67,6 +67,14 @@ class WeightsReference(Protocol):
     def fetch(self) -> Any: ...
 
 
+def resolve_weights(weights: Any) -> Any:
+    """``weights`` itself, or, for a :class:`WeightsReference`, what it refers to, fetched into this
+    process (a parameter server in another process may hold a reference to the trainer's copy)."""
+    while isinstance(weights, WeightsReference):
+        weights = weights.fetch()
+    return weights
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """One rollout instance (a vLLM engine, or a simulated one).

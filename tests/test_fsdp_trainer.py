@@ -145,3 +145,78 @@ def test_ray_ranks_answer_in_rank_order_in_their_bundles_and_a_failed_or_dead_ra
     workers.close()
     with pytest.raises(WorkerGroupError, match="stopped \\(rank 0 failed"):
         workers.call_all("run")
+
+
+@pytest.mark.ray
+def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_decodes(model_dir: Path, tmp_path: Path, ray_cluster,  # type: ignore[no-untyped-def]
+                                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Ray actors as ranks the driver holds only a reference to rank 0's copy of each version:
+    another process (a parameter server's actor, an engine) fetches the weights, the checkpoint and
+    the greedy evaluation are rank 0's, and a refused checkpoint leaves the group able to train."""
+    from staleflow.adapters.ray.object_weights import ObjectStoreWeights
+    from staleflow.adapters.ray.placement import RayPlacement
+    from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
+    from staleflow.runtime.interfaces import TransferFailedError, resolve_weights
+    from staleflow.runtime.parameter_server import ParameterServer
+
+    ray = ray_cluster
+
+    def fetch_in_driver(self: ObjectStoreWeights) -> None:
+        raise AssertionError("the driver fetched weights")
+
+    settings = TrainerSettings(lr=1e-3, lr_warmup_steps=2, micro_batch_tokens=64, logprob_chunk=16)
+    fsdp = FSDPTrainer(model_dir, settings=settings, world_size=2, seed=1, launcher="ray")
+    single = TorchTrainer(model_dir, settings=settings, seed=1)
+    placement = RayPlacement()
+    try:
+        with monkeypatch.context() as driver:
+            driver.setattr(ObjectStoreWeights, "fetch", fetch_in_driver)  # this process only
+            assert isinstance(fsdp.weights(), ObjectStoreWeights) and fsdp.weights().version == 0
+            batch = make_batch(version=0, groups=4, size=4, seed=3)
+            fsdp.start_step(batch)
+            single.start_step(batch)
+            got, want = fsdp.wait(timeout=300), single.wait(timeout=300)
+            assert got.metrics["loss"] == pytest.approx(want.metrics["loss"], rel=1e-4, abs=1e-6)
+            reference = fsdp.weights()
+            assert isinstance(reference, ObjectStoreWeights) and reference.version == 1
+            # The parameter server's actor keeps the reference; what it hands out resolves in another process.
+            server = placement.place(ParameterServer, keep=2, copy_weights=lambda weights: weights)
+            server.push(1, reference)
+            stored = server.pull(1)[1]
+            assert isinstance(stored, ObjectStoreWeights)  # a reference, not a copy of the weights
+            sums = ray.get(ray.remote(lambda held: {k: float(v.double().sum()) for k, v in resolve_weights(held).items()}).remote(stored))
+            assert sums.keys() == single.weights().keys()
+            assert all(sums[k] == pytest.approx(float(v.double().sum()), rel=1e-4, abs=1e-3) for k, v in single.weights().items())
+
+            prompts = [[5, 9, 11], [7, 3]]
+            decoded = fsdp.generate_greedy(prompts, 6, eos_id=1)  # by rank 0
+            fsdp.save_checkpoint(tmp_path / "ckpt")  # written by rank 0
+            with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
+                fsdp.load_checkpoint(tmp_path / "missing")
+            (tmp_path / "bad").mkdir()
+            (tmp_path / "bad" / "model.safetensors").write_bytes(b"\0" * 10)
+            (tmp_path / "bad" / "trainer_state.pt").write_bytes((tmp_path / "ckpt" / "trainer_state.pt").read_bytes())
+            with pytest.raises(ValueError, match="cannot be read"):
+                fsdp.load_checkpoint(tmp_path / "bad")  # refused by rank 0; the group goes on
+            assert fsdp.load_checkpoint(tmp_path / "ckpt") == 1
+            fsdp.start_step(make_batch(version=1, groups=4, size=4, seed=4))
+            assert fsdp.wait(timeout=300).version == 2
+        # The same responses as the published version-1 weights decoded here (a check outside the trainer).
+        weights = resolve_weights(reference)
+        assert decoded == PublishedWeightsDecoder(model_dir, 0).generate(weights, prompts, 6, 1)
+        from safetensors.torch import load_file
+
+        saved = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+        assert saved.keys() == weights.keys() and all(torch.equal(saved[k], v) for k, v in weights.items())
+        assert torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)["version"] == 1
+    finally:
+        placement.close()
+        fsdp.close()
+        single.close()
+    import time
+
+    deadline = time.monotonic() + 60
+    with pytest.raises(TransferFailedError, match="weights of version 2 are not in Ray's object store"):
+        while time.monotonic() < deadline:  # its owner, rank 0, was killed (Ray notices within seconds)
+            fsdp.weights().fetch()
+            time.sleep(0.5)

@@ -60,3 +60,26 @@ def test_a_crashed_engine_thread_is_an_instance_failure_the_run_loop_recovers_fr
     counters = loop.stats.counters
     assert counters["instance_failures"] >= 1 and counters["requests_recovered"] >= 1, dict(counters)
     assert loop.instances.down == {"local"}
+
+
+def test_an_engine_that_does_not_start_in_time_is_an_error_naming_it_and_its_setting(tiny_model, monkeypatch):
+    """A model that takes longer to load than ``start_timeout_s`` (here a loader held back) stops the
+    constructor with an error naming the instance, the model and the setting to raise."""
+    import threading
+
+    from staleflow.adapters.vllm import engine as binding
+
+    release = threading.Event()
+    ended = threading.Event()
+
+    def slow_loader(engine_args):  # type: ignore[no-untyped-def]
+        release.wait(60)
+        ended.set()
+        raise RuntimeError("loader released")
+
+    monkeypatch.setattr(binding, "make_llm_engine", slow_loader)
+    named = rf"vLLM engine rollout-7 \(model {tiny_model}\) did not start within 0.2 s \(rollout.start_timeout_s"
+    with pytest.raises(TimeoutError, match=named):
+        binding.VLLMEngine("rollout-7", str(tiny_model), start_timeout_s=0.2)
+    release.set()
+    assert ended.wait(10)  # the engine thread ends too (the loader's failure is reported to no one)

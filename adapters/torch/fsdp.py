@@ -9,10 +9,16 @@ taken over the whole minibatch on all ranks. Mixed precision on GPU: parameters 
 (``MixedPrecisionPolicy``), gradients reduced and weights kept in fp32; fp32 on CPU (gloo).
 
 The driver side (:class:`FSDPTrainer`) checks and lays out each batch, spreads every minibatch's
-sequences over the ranks with balanced token counts, runs the step on all ranks, and gathers the
-full weights (rank 0, on CPU) as the published version. Checkpoints hold the full weights
-(``model.safetensors``) and the full optimiser state keyed by parameter name, so a checkpoint does
-not depend on the world size; a load checks every file and key before any rank is touched.
+sequences over the ranks with balanced token counts and runs the step on all ranks; after each step
+the ranks gather the full weights on rank 0 (on CPU), the published version. Rank 0 keeps that copy:
+it writes checkpoints and decodes the greedy evaluation itself. With Ray actors as ranks it puts the
+copy into Ray's object store once and the driver gets an
+:class:`~staleflow.adapters.ray.object_weights.ObjectStoreWeights` reference, which the parameter
+server keeps and the instances fetch: weights never travel through the driver (with spawned
+processes they come to the driver, where the parameter server then is). Checkpoints hold the full
+weights (``model.safetensors``) and the full optimiser state keyed by parameter name, so a
+checkpoint does not depend on the world size; rank 0 reads and checks every file and key of a
+checkpoint before any rank is touched, and a refused one raises in the driver, the group intact.
 """
 
 from __future__ import annotations
@@ -58,7 +64,9 @@ class FSDPRank:
         return rank_address()
 
     def setup(self, rank: int, world_size: int, address: str, model_path: str, settings: TrainerSettings,
-              seed: int, device: str, threads: int) -> dict[str, Any]:
+              seed: int, device: str, threads: int, pad_id: int, by_reference: bool) -> dict[str, Any]:
+        """Join the process group and shard the model; ``by_reference``: :meth:`publish` puts rank
+        0's copy into Ray's object store and returns a reference (the ranks are Ray actors)."""
         import torch.distributed as dist
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -71,7 +79,10 @@ class FSDPRank:
             self.device = torch.device("cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
-        self.rank, self.settings = rank, settings
+        self.rank, self.settings, self.by_reference = rank, settings, by_reference
+        self.full: dict[str, torch.Tensor] = {}  # rank 0: the published version's full weights, on CPU
+        self.decoder = PublishedWeightsDecoder(model_path, pad_id)
+        self.restoring: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # rank 0: a checked checkpoint
         torch.manual_seed(seed)
         model = load_causal_lm(model_path).to(self.device)
         model.eval()  # no dropout (as the torch trainer)
@@ -93,7 +104,8 @@ class FSDPRank:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
         self.reducer = DistributedReducer(self.device)
-        return {"shapes": shapes, "params": [name for name, _ in self.model.named_parameters()]}
+        self.shapes, self.params = shapes, [name for name, _ in self.model.named_parameters()]
+        return {"shapes": shapes, "params": self.params}
 
     def step(self, minibatches: list[list[Any]]) -> dict[str, float] | None:
         s = self.settings
@@ -105,29 +117,70 @@ class FSDPRank:
         self.scheduler.step()
         return metrics if self.rank == 0 else None
 
-    def full_weights(self) -> dict[str, torch.Tensor] | None:
-        """The full (unsharded) weights on CPU at rank 0 (a collective: every rank calls it)."""
+    def publish(self, version: int) -> Any:
+        """Gather the full weights on rank 0 (a collective: every rank calls it) and keep them there;
+        rank 0 returns them, or a reference to them in Ray's object store (``by_reference``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k.removeprefix(_PREFIX): v for k, v in state.items()} if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        self.full = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+        if self.by_reference:
+            from staleflow.adapters.ray.object_weights import ObjectStoreWeights
 
-    def optimizer_state(self) -> dict[str, Any] | None:
+            return ObjectStoreWeights.put(self.full, version)
+        return self.full
+
+    def save(self, folder: str, version: int, python_rng: Any) -> None:
+        """Write a checkpoint to ``folder`` from rank 0 (a collective: the optimiser state is gathered)."""
+        from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         state = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {"optimizer": state, "scheduler": self.scheduler.state_dict()} if self.rank == 0 else None
+        if self.rank != 0:
+            return
+        target = Path(folder)
+        save_file({k: v.contiguous() for k, v in self.full.items()}, str(target / CHECKPOINT_MODEL))
+        torch.save({"format": CHECKPOINT_FORMAT, "version": version, "torch_rng": torch.get_rng_state(), "python_rng": python_rng,
+                    "optimizer": state, "scheduler": self.scheduler.state_dict()}, target / CHECKPOINT_STATE)
 
-    def load(self, weights: dict[str, torch.Tensor] | None, state: dict[str, Any]) -> None:
-        """Rank 0 passes the full weights and optimiser state; they are broadcast to the others."""
+    def read_checkpoint(self, folder: str) -> dict[str, Any] | None:
+        """Rank 0: read and check the checkpoint in ``folder`` (kept for :meth:`load`); the small part
+        of its state every rank and the driver need, or ``{"refused": (kind, message)}``."""
+        if self.rank != 0:
+            return None
+        source = Path(folder)
+        expected = {name: torch.empty(shape, device="meta") for name, shape in self.shapes.items()}
+        try:
+            weights, state = read_trainer_checkpoint(source, expected)
+            _check_state(state, self.params, self.shapes, source / CHECKPOINT_STATE)
+        except (ValueError, FileNotFoundError) as error:
+            return {"refused": (type(error).__name__, str(error))}
+        self.restoring = (weights, state)
+        return {key: state[key] for key in ("version", "python_rng", "scheduler", "torch_rng")}
+
+    def load(self, small: dict[str, Any]) -> None:
+        """Restore the checkpoint rank 0 read (a collective: rank 0's weights and optimiser state are
+        broadcast to the others); ``small``: what :meth:`read_checkpoint` returned."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        full = {_PREFIX + k: v for k, v in weights.items()} if weights is not None else {}
+        full, optimizer = {}, {}
+        if self.rank == 0:
+            assert self.restoring is not None, "read_checkpoint() first"
+            weights, state = self.restoring
+            full, optimizer, self.restoring = {_PREFIX + k: v for k, v in weights.items()}, state["optimizer"], None
         set_model_state_dict(self.model, full, options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"] if self.rank == 0 else {}, options=options)
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
+        self.scheduler.load_state_dict(small["scheduler"])
+        torch.set_rng_state(small["torch_rng"])
+
+    def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int) -> list[list[int]] | None:
+        """Rank 0: greedy responses of the published weights, on a CPU copy of the model."""
+        if self.rank != 0:
+            return None
+        return self.decoder.generate(self.full, prompts, max_new_tokens, eos_id, batch_size)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -143,7 +196,9 @@ class FSDPTrainer(WorkerGroupTrainer):
     ``generate_greedy``) as :class:`~staleflow.adapters.torch.trainer.TorchTrainer`, plus
     ``world_size``, ``device`` (``cpu``: gloo; ``cuda``: NCCL, one GPU per rank) and ``launcher``
     (``process``: spawned processes; ``ray``: Ray actors, ``gpus_per_rank`` GPUs each on CUDA, in
-    bundles ``0 .. world_size - 1`` of ``placement_group`` when one is given).
+    bundles ``0 .. world_size - 1`` of ``placement_group`` when one is given). With ``ray``,
+    :meth:`weights` is an :class:`~staleflow.adapters.ray.object_weights.ObjectStoreWeights`
+    reference to rank 0's copy, not the weights.
     """
 
     def __init__(self, model_path: str | os.PathLike[str], *, settings: TrainerSettings | None = None, pad_id: int = 0,
@@ -151,7 +206,7 @@ class FSDPTrainer(WorkerGroupTrainer):
                  launcher: str = "process", gpus_per_rank: float = 1.0, placement_group: Any = None) -> None:
         self._model_path = check_model_folder(model_path)
         settings = settings if settings is not None else TrainerSettings()
-        self._settings, self._pad_id, self._world = settings, pad_id, world_size
+        self._settings, self._world = settings, world_size
         if launcher == "ray":
             gpus, cpus = (gpus_per_rank, 1) if device == "cuda" else (0, 0)
             self._workers: Any = RayWorkers(FSDPRank, world_size, num_gpus=gpus, num_cpus=cpus, placement_group=placement_group)
@@ -161,19 +216,16 @@ class FSDPTrainer(WorkerGroupTrainer):
             raise ValueError(f"launcher must be 'process' or 'ray', got {launcher!r}")
         try:
             address = self._workers.call_all("address")[0]
-            args = (world_size, address, str(self._model_path), settings, seed, device, threads)
-            info = self._workers.call_all("setup", [(rank, *args) for rank in range(world_size)])[0]
-            self._shapes: dict[str, tuple[int, ...]] = info["shapes"]
-            self._params: list[str] = info["params"]
-            published = self._gather()
+            args = (world_size, address, str(self._model_path), settings, seed, device, threads, pad_id, launcher == "ray")
+            self._workers.call_all("setup", [(rank, *args) for rank in range(world_size)])
+            published = self._publish(version)
         except BaseException:
             self._workers.close()
             raise
-        self._decoder = PublishedWeightsDecoder(self._model_path, pad_id)
         self._start_background(version, published, "fsdp-trainer")
 
-    def _gather(self) -> dict[str, torch.Tensor]:
-        return self._workers.call_all("full_weights")[0]  # type: ignore[no-any-return]
+    def _publish(self, version: int) -> Any:
+        return self._workers.call_all("publish", [(version,)] * self._world)[0]
 
     # ----------------------------------------------------------------------------------- the step
     def _step(self, batch: TrainingBatch) -> TrainResult:
@@ -187,7 +239,7 @@ class FSDPTrainer(WorkerGroupTrainer):
         with self._lock:
             metrics = self._workers.call_all("step", [(share,) for share in shares])[0]
             gathered = time.perf_counter()
-            self._published = self._gather()
+            self._published = self._publish(self._version + 1)
             self._version += 1
         seconds = time.perf_counter() - started
         metrics.update(batch_metrics(groups, batch.version))
@@ -197,29 +249,34 @@ class FSDPTrainer(WorkerGroupTrainer):
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, folder: str | os.PathLike[str]) -> Path:
-        """Full weights, full optimiser state (by parameter name), schedule, version, RNG."""
-        from safetensors.torch import save_file
-
+        """Full weights, full optimiser state (by parameter name), schedule, version, RNG; written by
+        rank 0 (``folder`` must be on a filesystem it shares with this process)."""
         target = self._checkpoint_folder(folder)
         with self._lock:
-            state = self._workers.call_all("optimizer_state")[0]
-            save_file({k: v.contiguous() for k, v in self._published.items()}, str(target / CHECKPOINT_MODEL))
-            torch.save({"format": CHECKPOINT_FORMAT, "version": self._version, "torch_rng": torch.get_rng_state(),
-                        "python_rng": random.getstate(), **state}, target / CHECKPOINT_STATE)
+            self._workers.call_all("save", [(str(target.resolve()), self._version, random.getstate())] * self._world)
         return target
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
-        """Restore what :meth:`save_checkpoint` wrote (any world size); returns the restored version."""
+        """Restore what :meth:`save_checkpoint` wrote (any world size); returns the restored version.
+        A checkpoint that cannot be restored whole raises (ValueError or FileNotFoundError, naming
+        the file) and changes nothing."""
         source = self._restore_folder(folder)
-        expected = {name: torch.empty(shape, device="meta") for name, shape in self._shapes.items()}
-        weights, state = read_trainer_checkpoint(source, expected)
-        _check_state(state, self._params, self._shapes, source / CHECKPOINT_STATE)
         with self._lock:
-            self._workers.call_all("load", [(weights if rank == 0 else None, state) for rank in range(self._world)])
-            random.setstate(state["python_rng"])
-            self._version = int(state["version"])
-            self._published = self._gather()
+            small = self._workers.call_all("read_checkpoint", [(str(source.resolve()),)] * self._world)[0]
+            if "refused" in small:
+                kind, message = small["refused"]
+                raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
+            self._workers.call_all("load", [(small,)] * self._world)
+            random.setstate(small["python_rng"])
+            self._version = int(small["version"])
+            self._published = self._publish(self._version)
         return self._version
+
+    # --------------------------------------------------------------------------------- evaluation
+    def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int = 64) -> list[list[int]]:
+        """Greedy responses of the published weights, decoded by rank 0 on a CPU copy of the model."""
+        with self._lock:
+            return self._workers.call_all("generate_greedy", [(prompts, max_new_tokens, eos_id, batch_size)] * self._world)[0]  # type: ignore[no-any-return]
 
 
 def _check_state(state: Any, params: list[str], shapes: dict[str, tuple[int, ...]], path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from staleflow.runtime.interfaces import TransferFailedError
+from staleflow.runtime.interfaces import TransferFailedError, WeightsReference, resolve_weights
 from staleflow.runtime.parameter_server import ParameterServer
 
 WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -163,11 +163,27 @@ def _free_port(host: str) -> int:
 
 class BroadcastParameterServer(ParameterServer):
     """A parameter server that can also send a version by broadcast (it runs where the weights are:
-    in its own actor, beside the trainer)."""
+    in its own actor, beside the trainer). A version pushed as a reference (a trainer rank's copy in
+    Ray's object store) is fetched into this process for its first broadcast; the newest version
+    fetched is kept for the next ones."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fetched: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        self._fetch_lock = threading.Lock()
+
+    def _weights(self, version: int) -> tuple[int, Mapping[str, torch.Tensor]]:
+        version, stored = self.pull(version)
+        if not isinstance(stored, WeightsReference):
+            return version, stored
+        with self._fetch_lock:
+            if self._fetched is None or self._fetched[0] != version:
+                self._fetched = (version, resolve_weights(stored))
+            return self._fetched
 
     def broadcast_plan(self, version: int, receivers: int, wire_dtype: str, bucket_bytes: int, backend: str, host: str) -> dict[str, Any]:
         """The plan of a broadcast of ``version`` to ``receivers`` workers (plain data)."""
-        version, weights = self.pull(version)
+        version, weights = self._weights(version)
         plan = plan_transfer(
             weights, version, host=host, backend=backend, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes, receivers=receivers
         )
@@ -176,7 +192,7 @@ class BroadcastParameterServer(ParameterServer):
     def broadcast(self, plan: dict[str, Any]) -> int:
         """Send the version of ``plan`` (rank 0); returns the bytes sent once every receiver has it."""
         transfer = TransferPlan.from_dict(plan)
-        _, weights = self.pull(transfer.version)
+        _, weights = self._weights(transfer.version)
         return send(weights, transfer)
 
 

@@ -38,7 +38,7 @@ from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.runtime.clock import RealClock
 from staleflow.runtime.cost_model import ProfileRecord
-from staleflow.runtime.interfaces import Clock, InstanceLostError, WeightsReference
+from staleflow.runtime.interfaces import Clock, InstanceLostError, resolve_weights
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
 
 __all__ = ["EngineFailed", "SamplingConfig", "VLLMEngine", "set_vllm_env_defaults"]
@@ -90,7 +90,7 @@ class VLLMEngine:
         clock: Clock | None = None,
         weights_dir: str | os.PathLike[str] | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
-        start_timeout_s: float = 300.0,
+        start_timeout_s: float = 900.0,
     ) -> None:
         model_path = Path(model)
         if not (model_path / "config.json").is_file():
@@ -136,7 +136,14 @@ class VLLMEngine:
             target=self._run, args=(started,), name=f"vllm-engine-{instance_id}", daemon=True
         )
         self._thread.start()
-        started.result(timeout=start_timeout_s)
+        try:
+            started.result(timeout=start_timeout_s)
+        except TimeoutError:  # (concurrent.futures.TimeoutError is this one)
+            self._stopping.set()
+            raise TimeoutError(
+                f"vLLM engine {instance_id} (model {model_path}) did not start within {start_timeout_s:g} s "
+                "(rollout.start_timeout_s; a slow or loaded machine may need more)"
+            ) from None
 
     # ---------------------------------------------------------------- RolloutEngine
 
@@ -172,8 +179,7 @@ class VLLMEngine:
                 finally:
                     self.bytes_received += weights.close()
                 return
-            if isinstance(weights, WeightsReference):
-                weights = weights.fetch()
+            weights = resolve_weights(weights)
             path, temporary = weights_file(weights, self._weights_dir, self.instance_id)
             try:
                 self._call(lambda: self._do_load(version, path))
