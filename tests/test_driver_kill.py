@@ -1,5 +1,7 @@
-"""`staleflow train` killed with SIGKILL mid-run, then `staleflow train --resume`: nothing lost, the
-bound kept, and the protocol trace (whose last line the kill may tear) accepted by `verify --trace`.
+"""`staleflow train` (FSDP ranks and servers as Ray actors) killed with SIGKILL mid-run, then
+`staleflow train --resume`: nothing lost, the bound kept, the new instances started at the
+checkpoint's version, throughput counted for the resumed run alone, and the protocol trace (whose
+last line the kill may tear) accepted by `verify --trace`.
 
 The victim is the job's own driver process (the subprocess this test started); the processes it
 had started (Ray's, the engines', the reward scorers') are found among its descendants before the
@@ -30,6 +32,10 @@ pytestmark = [
 ]
 
 STEPS = 6
+#: The job runs as on a cluster: FSDP ranks and both servers as Ray actors, so the weights go from
+#: rank 0 through Ray's object store to the instances, rank 0 writes the checkpoints and reads the one
+#: the resume starts from.
+GPU_PATH = ["train.backend=fsdp", "train.world_size=2", "servers.placement=ray"]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -55,11 +61,11 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(tmp_path: Path
 
     run_dir = tmp_path / "run"
     overrides = [o for o in SMALL_JOB if not o.startswith(("train.steps", "checkpoint.every"))]
-    command = [sys.executable, "-m", "staleflow.cli", "train", f"train.steps={STEPS}", "checkpoint.every=2", *overrides]
+    command = [sys.executable, "-m", "staleflow.cli", "train", f"train.steps={STEPS}", "checkpoint.every=2", *GPU_PATH, *overrides]
     job = subprocess.Popen([*command, "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 1200  # a hang guard only: a loaded 2-core machine took 571 s
         # past the first checkpoint (step 2) and into the steps after it
         while not ((run_dir / "checkpoints" / "step-000002").is_dir() and _steps_logged(run_dir / "metrics.jsonl") >= 3):
             assert job.poll() is None, f"train ended before the kill: {job.stdout.read()[-3000:]}"
@@ -81,13 +87,22 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(tmp_path: Path
         stream.write(last[: len(last) // 2])  # the kill landed inside the write of an event
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
     resumed_from = int(checkpoints[-1].split("-")[1])
+    state = json.loads((run_dir / "checkpoints" / checkpoints[-1] / "loop_state.json").read_text())
+    import torch
+
+    trainer_state = torch.load(run_dir / "checkpoints" / checkpoints[-1] / "trainer" / "trainer_state.pt", weights_only=False)
+    assert (trainer_state["format"], trainer_state["version"]) == ("staleflow-fsdp/1", resumed_from)  # written by rank 0
+    assert state["parameter_server"]["latest_version"] == state["steps_done"] == resumed_from
 
     resumed = subprocess.run([sys.executable, "-m", "staleflow.cli", "train", "--resume", str(run_dir)],
-                             capture_output=True, text=True, timeout=900)
+                             capture_output=True, text=True, timeout=1200)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["steps"], summary["audit_ok"], summary["lost"], summary["duplicated"]) == (STEPS, True, 0, 0), summary
     assert summary["bound_ok"] and summary["max_staleness"] <= summary["eta"]
+    # The new instances started at the checkpoint's version, and throughput counts the resumed run's tokens only.
+    assert summary["instances"]["max_version_spread"] <= 1
+    assert summary["tokens_per_s"] * summary["elapsed_s"] == pytest.approx(summary["tokens_trained"] - state["tokens"][1])
     segments = read_trace(trace)
     assert len(segments) == 2  # the killed run's (its torn last line ignored) and the resumed run's
     consumed = _consumed(trace, 1)
@@ -95,4 +110,5 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(tmp_path: Path
     assert all(v <= b <= v + summary["eta"] for b, versions in consumed for v in versions)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(r["kind"] == "resumed" and r["step"] == resumed_from for r in records)
+    assert [r["step"] for r in records if r["kind"] == "step"][-(STEPS - resumed_from):] == list(range(resumed_from + 1, STEPS + 1))
     assert main(["verify", "--trace", str(trace), "--json"]) == 0

@@ -74,6 +74,38 @@ def test_shards_join_back_exactly(kind: str, tp: int, pp: int) -> None:
         unshard({k: v for k, v in shards.items() if k != (0, 0)}, layout, 4, tied)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_each_pipeline_stage_reads_only_its_own_tensors_and_gets_the_same_shards(kind: str, tmp_path: Path) -> None:
+    """A rank reads from the (sharded) Hugging Face folder only the tensors of its pipeline stage, and
+    its shard is the one cut from the whole converted model; a tensor no rule knows is still refused."""
+    from safetensors.torch import save_file
+    from staleflow.adapters.megatron.convert import stage_reads
+    from staleflow.adapters.megatron.rank import read_hf_weights
+
+    model = _qwen(kind)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="200KB")
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2  # sharded
+    tied, layout = kind == "qwen3", MegatronLayout(2, 2, 4)
+    full = hf_to_megatron(model.state_dict(), model.config)
+    for pp_rank in range(2):
+        stage = layout.stage(pp_rank, 4)
+        hf = read_hf_weights(tmp_path / "hf", lambda name, stage=stage: stage_reads(name, stage, tied))
+        layers = {int(name.split(".")[2]) for name in hf if name.startswith("model.layers.")}
+        assert layers == set(stage.layers) == ({0, 1} if pp_rank == 0 else {2, 3})
+        assert ("model.norm.weight" in hf) == (pp_rank == 1)
+        assert ("model.embed_tokens.weight" in hf) == (pp_rank == 0 or tied)  # a tied last stage keeps its own output layer
+        for tp_rank in range(2):
+            ours = shard_for_rank(hf_to_megatron(hf, model.config, stage), layout, tp_rank, pp_rank, 4, tied)
+            whole = shard_for_rank(full, layout, tp_rank, pp_rank, 4, tied)
+            assert ours.keys() == whole.keys() and all(torch.equal(ours[k], whole[k]) for k in whole)
+    save_file({"model.extra.weight": torch.ones(2)}, str(tmp_path / "hf" / "extra.safetensors"))
+    for pp_rank in range(2):
+        stage = layout.stage(pp_rank, 4)
+        hf = read_hf_weights(tmp_path / "hf", lambda name, stage=stage: stage_reads(name, stage, tied))
+        with pytest.raises(ValueError, match=r"no rule for these Hugging Face tensors: \['model.extra.weight'\]"):
+            hf_to_megatron(hf, model.config, stage)
+
+
 def test_gated_fc1_keeps_gate_and_up_together_per_rank() -> None:
     full = {"decoder.layers.0.mlp.linear_fc1.weight": torch.arange(8.0).reshape(8, 1)}  # gate rows 0-3, up rows 4-7
     layout = MegatronLayout(2, 1, 2)

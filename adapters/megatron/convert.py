@@ -8,10 +8,12 @@ checks that every weight of a Qwen2 and a Qwen3 model maps both ways).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from staleflow.adapters.megatron.parallel import Stage
 
 
 def transformer_config_from_hf(hf_config: Any, *, bf16: bool = False, use_cpu_initialization: bool = False,
@@ -96,7 +98,7 @@ def build_gpt_model(hf_config: Any, transformer_config: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------ weight conversion
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config: Any, stage: Stage | None = None) -> dict[str, torch.Tensor]:
     """Hugging Face Qwen2/Qwen3/Llama weights -> the local-spec GPTModel's state dict (TP = PP = 1).
 
     Megatron keeps q, k and v in one ``linear_qkv`` whose rows are grouped by key/value head: for
@@ -104,13 +106,19 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, 
     gate projection then the up projection (SwiGLU applies the activation to the first half).
     Qwen3's ``q_norm``/``k_norm`` become ``q_layernorm``/``k_layernorm``. A Hugging Face tensor that
     no rule maps is an error (never silently dropped); a tied ``lm_head.weight`` is the embedding.
+    ``stage``: convert only what that pipeline stage holds, from ``hf`` holding only the tensors
+    :func:`stage_reads` selects (the embedding too on a tied last stage, which keeps its own copy).
     """
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = _head_dim(hf_config)
     per_group = heads // groups
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    stage = stage if stage is not None else Stage(range(hf_config.num_hidden_layers))
     hf = _Reads(hf)
-    out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
-    for i in range(hf_config.num_hidden_layers):
+    out: dict[str, torch.Tensor] = {}
+    if stage.first or (tied and stage.last):
+        out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"]
+    for i in stage.layers:
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = src + "self_attn."
         for kind in ("weight", "bias"):
@@ -137,11 +145,28 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, 
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0)
         out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if "lm_head.weight" in hf and not getattr(hf_config, "tie_word_embeddings", False):
-        out["output_layer.weight"] = hf["lm_head.weight"]
+    if stage.last:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if "lm_head.weight" in hf and not tied:
+            out["output_layer.weight"] = hf["lm_head.weight"]
     hf.check_all_read("Hugging Face", ignore=("lm_head.weight",))
     return out
+
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def stage_reads(name: str, stage: Stage, tied: bool) -> bool:
+    """Whether pipeline stage ``stage`` needs the Hugging Face tensor ``name`` (so a rank reads only
+    its stage's part of a checkpoint). A tensor no rule knows is read, so that the conversion refuses it."""
+    layer = _HF_LAYER.match(name)
+    if layer:
+        return int(layer.group(1)) in stage.layers
+    if name == "model.embed_tokens.weight":
+        return stage.first or (tied and stage.last)
+    if name in ("model.norm.weight", "lm_head.weight"):
+        return stage.last
+    return True
 
 
 class _Reads(dict):  # type: ignore[type-arg]

@@ -112,6 +112,20 @@ class MegatronLayout:
         per_stage = num_layers // self.pipeline_parallel
         return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
+    def stage(self, pp_rank: int, num_layers: int) -> Stage:
+        """What pipeline stage ``pp_rank`` holds."""
+        return Stage(self.stage_layers(pp_rank, num_layers), first=pp_rank == 0, last=pp_rank == self.pipeline_parallel - 1)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The part of the model one pipeline stage holds: decoder layers ``layers`` (global numbers),
+    the embedding on the ``first`` stage, the final norm and the output layer on the ``last``."""
+
+    layers: range
+    first: bool = True
+    last: bool = True
+
 
 def _cut(tensor: torch.Tensor, split: Split, parts: int, index: int) -> torch.Tensor:
     if split == "replicated" or parts == 1:

@@ -17,12 +17,13 @@ GPU only: Megatron's schedules, DDP and optimizer allocate on CUDA. On CPU the f
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-from staleflow.adapters.megatron.convert import build_gpt_model, hf_to_megatron, transformer_config_from_hf
+from staleflow.adapters.megatron.convert import build_gpt_model, hf_to_megatron, stage_reads, transformer_config_from_hf
 from staleflow.adapters.megatron.parallel import MegatronLayout, shard_for_rank
 from staleflow.adapters.torch.algorithms import Correction, PackedBatch, add_sums, metrics_from_sums, policy_terms
 from staleflow.adapters.torch.packing import VARLEN_MICRO_BATCH_TOKENS
@@ -119,8 +120,10 @@ class MegatronRank:
         config.calculate_per_token_loss = True
         model = build_gpt_model(hf_config, config).cuda()
         tp_rank, pp_rank, _ = self.coordinates
-        local = shard_for_rank(hf_to_megatron(read_hf_weights(Path(model_path)), hf_config), layout, tp_rank, pp_rank,
-                               hf_config.num_hidden_layers, bool(getattr(hf_config, "tie_word_embeddings", False)))
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        stage = layout.stage(pp_rank, hf_config.num_hidden_layers)
+        hf = read_hf_weights(Path(model_path), lambda name: stage_reads(name, stage, tied))  # this stage's tensors only
+        local = shard_for_rank(hf_to_megatron(hf, hf_config, stage), layout, tp_rank, pp_rank, hf_config.num_hidden_layers, tied)
         missing, unexpected = model.load_state_dict(local, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -240,16 +243,20 @@ class MegatronRank:
             dist.destroy_process_group()
 
 
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face folder's safetensors files (sharded or not)."""
-    from safetensors.torch import load_file
+def read_hf_weights(folder: Path, wanted: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face folder's safetensors files (sharded or not) whose names are
+    ``wanted``; the others are never read from disk."""
+    from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no safetensors weights")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
-        weights.update(load_file(str(file)))
+        with safe_open(str(file), framework="pt") as stream:
+            for name in stream.keys():
+                if wanted(name):
+                    weights[name] = stream.get_tensor(name)
     return weights
 
 
