@@ -148,14 +148,16 @@ def test_ray_ranks_answer_in_rank_order_in_their_bundles_and_a_failed_or_dead_ra
 
 
 @pytest.mark.ray
-def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_decodes(model_dir: Path, tmp_path: Path, ray_cluster,  # type: ignore[no-untyped-def]
+def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_decodes(tmp_path: Path, ray_cluster,  # type: ignore[no-untyped-def]
                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """With Ray actors as ranks the driver holds only a reference to rank 0's copy of each version:
     another process (a parameter server's actor, an engine) fetches the weights, the checkpoint and
-    the greedy evaluation are rank 0's, and a refused checkpoint leaves the group able to train."""
+    the greedy evaluation are rank 0's, and a refused checkpoint leaves the group able to train. The
+    model has tied embeddings: rank 1, built on the meta device, gets the shared weight from rank 0."""
     from staleflow.adapters.ray.object_weights import ObjectStoreWeights
     from staleflow.adapters.ray.placement import RayPlacement
     from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
+    from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
     from staleflow.runtime.interfaces import TransferFailedError, resolve_weights
     from staleflow.runtime.parameter_server import ParameterServer
 
@@ -164,6 +166,7 @@ def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_deco
     def fetch_in_driver(self: ObjectStoreWeights) -> None:
         raise AssertionError("the driver fetched weights")
 
+    model_dir = ensure_tiny_model(tmp_path / "tied", TinyModelSpec(tie_word_embeddings=True))
     settings = TrainerSettings(lr=1e-3, lr_warmup_steps=2, micro_batch_tokens=64, logprob_chunk=16)
     fsdp = FSDPTrainer(model_dir, settings=settings, world_size=2, seed=1, launcher="ray")
     single = TorchTrainer(model_dir, settings=settings, seed=1)
@@ -172,6 +175,9 @@ def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_deco
         with monkeypatch.context() as driver:
             driver.setattr(ObjectStoreWeights, "fetch", fetch_in_driver)  # this process only
             assert isinstance(fsdp.weights(), ObjectStoreWeights) and fsdp.weights().version == 0
+            same = ray.remote(lambda held, want: resolve_weights(held).keys() == want.keys()
+                              and all(torch.equal(resolve_weights(held)[k], v) for k, v in want.items()))
+            assert ray.get(same.remote(fsdp.weights(), single.weights()))  # the meta-built rank's shards came from rank 0
             batch = make_batch(version=0, groups=4, size=4, seed=3)
             fsdp.start_step(batch)
             single.start_step(batch)

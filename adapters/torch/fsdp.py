@@ -1,8 +1,9 @@
 """The :class:`~staleflow.runtime.interfaces.Trainer` seam on FSDP2: ``train.world_size`` ranks.
 
-Each rank (:class:`FSDPRank`, a process of its own: spawned, or a Ray actor with one GPU) loads the
-Hugging Face model, shards it with ``torch.distributed.fsdp.fully_shard`` (each decoder layer, then
-the whole :class:`~staleflow.adapters.torch.packing.LogProbModel`), and runs the same RL step as
+Each rank (:class:`FSDPRank`, a process of its own: spawned, or a Ray actor with one GPU) builds the
+Hugging Face model on the meta device, shards it with ``torch.distributed.fsdp.fully_shard`` (each
+decoder layer, then the whole :class:`~staleflow.adapters.torch.packing.LogProbModel`), receives its
+shards from rank 0 (the only rank that reads the checkpoint, on CPU), and runs the same RL step as
 the one-process torch trainer (:func:`~staleflow.adapters.torch.packed_step.train_minibatches`):
 packed token-budget micro-batches, chunked log-probs, gradient accumulation, the per-token average
 taken over the whole minibatch on all ranks. Mixed precision on GPU: parameters computed in bf16
@@ -46,6 +47,7 @@ from staleflow.adapters.torch.trainer import (
     PublishedWeightsDecoder,
     TrainerSettings,
     check_trainer_state,
+    empty_causal_lm,
     load_causal_lm,
     read_trainer_checkpoint,
 )
@@ -84,7 +86,10 @@ class FSDPRank:
         self.decoder = PublishedWeightsDecoder(model_path, pad_id)
         self.restoring: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # rank 0: a checked checkpoint
         torch.manual_seed(seed)
-        model = load_causal_lm(model_path).to(self.device)
+        # Only rank 0 reads the checkpoint (on CPU); every rank builds the model on the meta device,
+        # shards it, and then receives its shards from rank 0.
+        loaded = load_causal_lm(model_path) if rank == 0 else None
+        model = empty_causal_lm(model_path)
         model.eval()  # no dropout (as the torch trainer)
         if settings.activation_checkpointing:
             enable_activation_checkpointing(model)
@@ -96,6 +101,8 @@ class FSDPRank:
         for layer in model.get_decoder().layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(self.model, mp_policy=policy)
+        self._receive_weights(model, loaded)
+        del loaded
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
         )
@@ -106,6 +113,22 @@ class FSDPRank:
         self.reducer = DistributedReducer(self.device)
         self.shapes, self.params = shapes, [name for name, _ in self.model.named_parameters()]
         return {"shapes": shapes, "params": self.params}
+
+    def _receive_weights(self, model: Any, loaded: Any) -> None:
+        """Materialise the sharded meta-device ``model`` and fill it from rank 0's ``loaded`` copy:
+        each rank keeps its shard of every weight; the buffers (rotary tables, which no state dict
+        holds) are copied whole."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        self.model.to_empty(device=self.device)
+        full = {_PREFIX + k: v for k, v in loaded.state_dict().items()} if loaded is not None else {}
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        source = dict(loaded.named_buffers()) if loaded is not None else {}
+        for name, buffer in model.named_buffers():
+            if loaded is not None:
+                buffer.copy_(source[name])
+            dist.broadcast(buffer, src=0)
 
     def step(self, minibatches: list[list[Any]]) -> dict[str, float] | None:
         s = self.settings

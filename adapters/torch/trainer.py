@@ -96,6 +96,18 @@ def load_causal_lm(path: str | os.PathLike[str]) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
 
 
+def empty_causal_lm(path: str | os.PathLike[str]) -> Any:
+    """The causal LM of a local Hugging Face folder on the meta device, in float32: its modules and
+    shapes without memory (only ``config.json`` is read); the weights come later."""
+    folder = check_model_folder(path)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 class TorchTrainer(BackgroundStepTrainer):
     """GRPO training of a causal LM on CPU (or one GPU with ``device="cuda"``).
 
