@@ -66,7 +66,7 @@ class FSDPRank:
         return rank_address()
 
     def setup(self, rank: int, world_size: int, address: str, model_path: str, settings: TrainerSettings,
-              seed: int, device: str, threads: int, pad_id: int, by_reference: bool) -> dict[str, Any]:
+              seed: int, device: str, threads: int, pad_id: int, by_reference: bool) -> None:
         """Join the process group and shard the model; ``by_reference``: :meth:`publish` puts rank
         0's copy into Ray's object store and returns a reference (the ranks are Ray actors)."""
         import torch.distributed as dist
@@ -112,7 +112,6 @@ class FSDPRank:
         )
         self.reducer = DistributedReducer(self.device)
         self.shapes, self.params = shapes, [name for name, _ in self.model.named_parameters()]
-        return {"shapes": shapes, "params": self.params}
 
     def _receive_weights(self, model: Any, loaded: Any) -> None:
         """Materialise the sharded meta-device ``model`` and fill it from rank 0's ``loaded`` copy:
