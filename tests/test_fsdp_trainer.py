@@ -20,6 +20,14 @@ def model_dir(tiny_model: Path) -> Path:
     return tiny_model  # the session's (tests/conftest.py)
 
 
+def _damaged_copy(checkpoint: Path, target: Path) -> Path:
+    """``checkpoint``'s trainer state beside a model file that is not safetensors."""
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"\0" * 10)
+    (target / "trainer_state.pt").write_bytes((checkpoint / "trainer_state.pt").read_bytes())
+    return target
+
+
 def test_two_gloo_ranks_match_one_process_and_checkpoint(model_dir: Path, tmp_path: Path) -> None:
     # Two minibatches (the proximal pass and two optimiser steps per batch), tiny micro-batches and chunks.
     settings = TrainerSettings(lr=1e-3, lr_warmup_steps=2, minibatches=2, micro_batch_tokens=64, logprob_chunk=16,
@@ -49,11 +57,8 @@ def test_two_gloo_ranks_match_one_process_and_checkpoint(model_dir: Path, tmp_pa
             fsdp.load_checkpoint(tmp_path / "torch-ckpt")  # refused before any rank is touched
         with pytest.raises(ValueError, match="is not a torch trainer state"):
             single.load_checkpoint(tmp_path / "ckpt")
-        (tmp_path / "bad").mkdir()
-        (tmp_path / "bad" / "model.safetensors").write_bytes(b"\0" * 10)
-        (tmp_path / "bad" / "trainer_state.pt").write_bytes((tmp_path / "ckpt" / "trainer_state.pt").read_bytes())
         with pytest.raises(ValueError, match="cannot be read"):
-            fsdp.load_checkpoint(tmp_path / "bad")
+            fsdp.load_checkpoint(_damaged_copy(tmp_path / "ckpt", tmp_path / "bad"))
         # A readable state without the optimiser's parameter groups (and shifted weights): refused before any rank loads.
         import shutil
 
@@ -199,11 +204,8 @@ def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_deco
             fsdp.save_checkpoint(tmp_path / "ckpt")  # written by rank 0
             with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
                 fsdp.load_checkpoint(tmp_path / "missing")
-            (tmp_path / "bad").mkdir()
-            (tmp_path / "bad" / "model.safetensors").write_bytes(b"\0" * 10)
-            (tmp_path / "bad" / "trainer_state.pt").write_bytes((tmp_path / "ckpt" / "trainer_state.pt").read_bytes())
             with pytest.raises(ValueError, match="cannot be read"):
-                fsdp.load_checkpoint(tmp_path / "bad")  # refused by rank 0; the group goes on
+                fsdp.load_checkpoint(_damaged_copy(tmp_path / "ckpt", tmp_path / "bad"))  # refused by rank 0; the group goes on
             assert fsdp.load_checkpoint(tmp_path / "ckpt") == 1
             fsdp.start_step(make_batch(version=1, groups=4, size=4, seed=4))
             assert fsdp.wait(timeout=300).version == 2
