@@ -2,8 +2,8 @@
 
 Each seed draws a scenario (cluster shape, policy, ``eta``, redundancy, and the rate of each fault
 kind) and runs the unchanged runtime on simulated instances and trainer through the fault
-injectors of :mod:`staleflow.verification.faults`: a faulty phase, then a healed phase that must make
-progress. See :mod:`staleflow.verification.chaos` for what is checked and when.
+injectors of :mod:`staleflow.verification.chaos.faults`: a faulty phase, then a healed phase that must make
+progress. See :mod:`staleflow.verification.chaos.tester` for what is checked and when.
 
 Prints the seeds run, the faults injected by kind, the events and audits checked, and each
 violation with the one command that replays it. Exit code 1 if any seed found a violation.
@@ -39,14 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_arguments(args: argparse.Namespace) -> list[str]:
-    from staleflow.verification.fault_plan import FaultKind
+    from staleflow.verification.chaos.plan import FaultKind
 
     problems = []
     if args.seed is None and args.seeds < 1:
         problems.append(f"--seeds must be >= 1, got {args.seeds}")
     if args.steps < 1 or args.healed_steps < 0:
         problems.append("--steps must be >= 1 and --healed-steps >= 0")
-    from staleflow.runtime.policies import POLICIES
+    from staleflow.runtime.settings.policies import POLICIES
 
     if args.system is not None and (args.system not in POLICIES or not POLICIES[args.system].keeps_bound):
         bounded = ", ".join(name for name, policy in POLICIES.items() if policy.keeps_bound)
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
-    from staleflow.verification.chaos import run_seed
+    from staleflow.verification.chaos.tester import run_seed
 
     seeds = [args.seed] if args.seed is not None else list(range(args.first, args.first + args.seeds))
     results = []

@@ -103,14 +103,14 @@ def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, A
     """Fill a fleet of ``instances`` with about ``requests`` in-flight requests and time ``ticks`` ticks."""
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.protocol import StalenessManager
-    from staleflow.runtime.clock import VirtualClock
-    from staleflow.runtime.commands import Route
-    from staleflow.runtime.coordinator import Coordinator, decide
-    from staleflow.runtime.group_life import GroupLife
-    from staleflow.runtime.policies import make_policy
-    from staleflow.runtime.trajectory_server import TrajectoryServer
+    from staleflow.runtime.coordination.commands import Route
+    from staleflow.runtime.coordination.coordinator import Coordinator, decide
+    from staleflow.runtime.run.clock import VirtualClock
+    from staleflow.runtime.run.group_life import GroupLife
+    from staleflow.runtime.servers.trajectory_server import TrajectoryServer
+    from staleflow.runtime.settings.policies import make_policy
+    from staleflow.runtime.settings.workload import GROUP_LENGTHS_KEY, load_workload
     from staleflow.runtime.types import PromptGroup
-    from staleflow.runtime.workload import GROUP_LENGTHS_KEY, load_workload
 
     workload = load_workload("qwen3-30b-a3b-128gpu")
     cost = workload.build_cost_model()

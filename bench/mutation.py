@@ -181,10 +181,10 @@ def _changed_line(source: str, mutated: str, line: int) -> tuple[str, str]:
 
 def judge_layers() -> dict[str, Any]:
     """The manager-dependent rows of ``verify --quick``, at that run's bounds, cheapest first."""
-    from staleflow.verification import impl_mutants
-    from staleflow.verification.conformance_grid import EXHAUSTIVE_GRID
-    from staleflow.verification.model_link import GRID_QUICK
-    from staleflow.verification.snapshots import QUICK_COUNT
+    from staleflow.verification.proofs import impl_mutants
+    from staleflow.verification.proofs.conformance_grid import EXHAUSTIVE_GRID
+    from staleflow.verification.proofs.model_link import GRID_QUICK
+    from staleflow.verification.proofs.snapshots import QUICK_COUNT
 
     return impl_mutants.make_layers(EXHAUSTIVE_GRID, GRID_QUICK, QUICK_COUNT)
 
@@ -195,7 +195,7 @@ def judge(source: str, name: str, timeout: float | Mapping[str, float]) -> tuple
     import builtins
 
     from cosmic_ray.exceptions import CosmicRayTestingException
-    from staleflow.verification import impl_mutants
+    from staleflow.verification.proofs import impl_mutants
 
     # ExceptionReplacer names this class in an except clause: make it resolvable, as a type that
     # is never raised (otherwise the mutant fails with NameError, which is not the mutation meant)
@@ -233,7 +233,7 @@ def calibrate(source: str, factor: float, floor: float) -> dict[str, float]:
     """Each layer's CPU-second limit: ``factor`` times the CPU time it takes on the unmutated
     source (compiled as the mutants are), at least ``floor``. The unmutated source must pass every
     layer, else no verdict would mean anything (RuntimeError)."""
-    from staleflow.verification import impl_mutants
+    from staleflow.verification.proofs import impl_mutants
 
     cls = impl_mutants.compile_manager(source, "baseline")
     limits = {}

@@ -163,7 +163,7 @@ def read_run(records: Sequence[dict[str, Any]], system: str, eta: int, seed: int
 
 def cells(systems: Sequence[str], etas: Sequence[int]) -> list[tuple[str, int]]:
     """The study's (system, eta) cells: a system with its own bound once, at that bound."""
-    from staleflow.runtime.policies import make_policy
+    from staleflow.runtime.settings.policies import make_policy
 
     out: list[tuple[str, int]] = []
     for system in systems:
@@ -367,7 +367,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
 
 # ------------------------------------------------------------------------------------ command
 def _problems(args: argparse.Namespace) -> list[str]:
-    from staleflow.runtime.policies import POLICIES
+    from staleflow.runtime.settings.policies import POLICIES
 
     problems = [f"--{n} must be >= 1 (got {v})" for n, v in (("steps", args.steps), ("eval-every", args.eval_every)) if v < 1]
     problems += [f"--etas: eta must be >= 0 (got {e})" for e in args.etas if e < 0]

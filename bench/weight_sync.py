@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 def measure(name: str, syncs: int, wire_dtype: str, bucket_bytes: int) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
-    from staleflow.adapters.torch.weight_broadcast import BroadcastParameterServer, BroadcastWeights
+    from staleflow.adapters.rlkit.weight_broadcast import BroadcastParameterServer, BroadcastWeights
     from staleflow.adapters.vllm.engine import VLLMEngine
     from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
 

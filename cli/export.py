@@ -51,7 +51,7 @@ def parse_size(text: str) -> int:
 
 def export(run_dir: Path, out: Path, *, step: int | None = None, dtype: str = "bf16", max_shard_bytes: int = 2 * 1024**3) -> dict[str, Any]:
     """Write the checkpoint's weights as a Hugging Face folder; returns what was written."""
-    from staleflow.adapters.torch.hf_folder import INDEX, check_model_folder, weight_shapes, write_hf_folder
+    from staleflow.adapters.rlkit.hf_folder import INDEX, check_model_folder, weight_shapes, write_hf_folder
     from staleflow.cli.train_checkpoints import CHECKPOINTS, TRAINER_DIR, latest_checkpoint
 
     if not run_dir.is_dir():
@@ -89,7 +89,7 @@ def export(run_dir: Path, out: Path, *, step: int | None = None, dtype: str = "b
 
 def trainer_weights(folder: Path, base: Path) -> dict[str, Any]:
     """Hugging Face-named weights of a trainer checkpoint folder (torch, FSDP or Megatron)."""
-    from staleflow.adapters.torch.hf_folder import read_weights
+    from staleflow.adapters.rlkit.hf_folder import read_weights
 
     if (folder / "model.safetensors").is_file():
         return read_weights(folder / "model.safetensors")

@@ -7,7 +7,7 @@ steps of one batch are split into quarters of its decode (``K`` grows as it deco
 gives one point at its mean ``K`` with the lower quartile of its latencies. A step that another
 process preempted can only be slower, never faster, so on a shared machine the lower quartile is
 closer to the engine's own cost than the median or the mean. The cost model of
-:mod:`staleflow.runtime.cost_model` is fitted to the points, its mean relative error is reported
+:mod:`staleflow.runtime.coordination.cost_model` is fitted to the points, its mean relative error is reported
 (the paper: 10.5%), and the coefficients are written where the coordinator loads them
 (:meth:`CostModel.load`).
 
@@ -29,13 +29,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from staleflow.runtime.config_sections import default_tiny_model_dir
-from staleflow.runtime.cost_model import (
+from staleflow.runtime.coordination.cost_model import (
     CostModel,
     FitReport,
     ProfileRecord,
     fit_cost_model,
 )
+from staleflow.runtime.settings.config_sections import default_tiny_model_dir
 from staleflow.runtime.types import InstanceSnapshot
 
 DEFAULT_BATCH_SIZES = (1, 4, 16, 48, 96, 160)

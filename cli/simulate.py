@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from staleflow.runtime.workload import Workload
+    from staleflow.runtime.settings.workload import Workload
 
-#: The paper's baselines as the real systems run (runtime/policies.py says which peer code each follows).
+#: The paper's baselines as the real systems run (runtime/settings/policies.py says which peer code each follows).
 BASELINES = ("verl-sync", "one-step-off", "verl-async", "areal", "areal-filter", "areal-tight", "roll-flash")
 ABLATIONS = (
     "staleflow-no-routing", "staleflow-no-sync", "staleflow-no-migration", "staleflow-no-proactive-abort", "staleflow-fresh",
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _systems(requested: list[str]) -> list[str]:
-    from staleflow.runtime.policies import ALIASES, POLICIES
+    from staleflow.runtime.settings.policies import ALIASES, POLICIES
 
     names: list[str] = []
     for name in requested:
@@ -108,9 +108,9 @@ def simulate_system(
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer
     from staleflow.adapters.sim.trainer import SimTrainer
-    from staleflow.runtime.assembly import RunSpec, assemble_run
-    from staleflow.runtime.clock import VirtualClock
-    from staleflow.runtime.loop import RunParts
+    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.clock import VirtualClock
+    from staleflow.runtime.run.loop import RunParts
 
     spec = RunSpec.from_workload(workload, system, eta, tick_s=tick_s, **knobs)
     policy = spec.policy
@@ -339,9 +339,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
     from staleflow.cli.upper_bound import upper_bound
-    from staleflow.runtime.loop import RunStalledError
-    from staleflow.runtime.policies import make_policy
-    from staleflow.runtime.workload import WorkloadError, load_workload
+    from staleflow.runtime.run.loop import RunStalledError
+    from staleflow.runtime.settings.policies import make_policy
+    from staleflow.runtime.settings.workload import WorkloadError, load_workload
 
     err = Console(stderr=True)
     try:

@@ -1,6 +1,6 @@
 """``staleflow train``: a real RL training run (vLLM rollout, torch training) under the staleness protocol.
 
-With no arguments it runs the built-in job (``runtime/configs/default.yaml``): the tiny model learns
+With no arguments it runs the built-in job (``runtime/settings/configs/default.yaml``): the tiny model learns
 the "repeat the letter" task on this machine's CPU in a few minutes, with two vLLM rollout
 instances. ``--system sync`` runs the synchronous baseline on the same job. ``key=value``
 arguments override the config (``staleflow train protocol.eta=4 train.steps=300``).
@@ -33,7 +33,7 @@ from staleflow.cli.train_setup import Evaluator, TaskData, Tokens, base_model, m
 from staleflow.cli.train_summary import step_record, summarise, summary_text
 
 if TYPE_CHECKING:
-    from staleflow.runtime.config import JobConfig
+    from staleflow.runtime.settings.config import JobConfig
 
 SUMMARY_FILE = "summary.json"
 
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from staleflow.adapters.ray.placement import PlacementError
     from staleflow.cli.train_rewards import ScorerCheckError
-    from staleflow.runtime.config import ConfigError
+    from staleflow.runtime.settings.config import ConfigError
     from staleflow.runtime.tasks import PromptFileError, RewardSpecError
 
     try:
@@ -83,7 +83,7 @@ def _place_servers(config: JobConfig, placement: Any) -> dict[str, Any]:
     if config.servers.placement != "ray":
         return {}
     from staleflow.adapters.ray.parameter_server import RemoteParameterServer
-    from staleflow.runtime.trajectory_server import TrajectoryServer
+    from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 
     return {
         "trajectory_server": placement.place_reserved("trajectory-server", TrajectoryServer),
@@ -95,8 +95,8 @@ def _place_servers(config: JobConfig, placement: Any) -> dict[str, Any]:
 
 def _dry_run(config: JobConfig, as_json: bool) -> str:
     """The resolved config and the placement plan, as text or JSON."""
-    from staleflow.runtime.config import dump_config
-    from staleflow.runtime.placement_plan import plan_placement
+    from staleflow.runtime.settings.config import dump_config
+    from staleflow.runtime.settings.placement_plan import plan_placement
 
     plan = plan_placement(config, os.environ.get("RAY_ADDRESS") if config.cluster.address is None else None)
     if as_json:
@@ -106,7 +106,7 @@ def _dry_run(config: JobConfig, as_json: bool) -> str:
 
 # ------------------------------------------------------------------------------------ preparing
 def _prepare(args: argparse.Namespace) -> tuple[JobConfig, Path, Path | None]:
-    from staleflow.runtime.config import load_config
+    from staleflow.runtime.settings.config import load_config
 
     overrides = list(args.overrides)
     if args.system:
@@ -173,12 +173,12 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
     from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
     from staleflow.cli.metrics import EngineLedger, MetricsLog, TrackedEngine
     from staleflow.cli.train_rewards import check_scorer, pooled_reward
-    from staleflow.runtime.assembly import RunSpec, assemble_run
-    from staleflow.runtime.clock import RealClock
-    from staleflow.runtime.config import dump_config
-    from staleflow.runtime.cost_model import CostModel
-    from staleflow.runtime.loop import RunParts
-    from staleflow.runtime.placement_plan import plan_placement
+    from staleflow.runtime.coordination.cost_model import CostModel
+    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.clock import RealClock
+    from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.settings.config import dump_config
+    from staleflow.runtime.settings.placement_plan import plan_placement
     from staleflow.runtime.tasks import make_group
 
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.runtime.interfaces import resolve_weights
-from staleflow.runtime.rewarding import PooledReward, RewardRunner
+from staleflow.runtime.run.rewarding import PooledReward, RewardRunner
 from staleflow.runtime.tasks import Prompt, make_group
 from staleflow.runtime.types import RolloutRequest, Trajectory
 

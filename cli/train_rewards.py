@@ -2,7 +2,7 @@
 
 The driver decodes each response and hands the scorer ``(prompt, response, answer, metadata)``
 (``runtime/tasks/rewards.py`` documents the convention); the scorer runs in ``task.reward_workers``
-worker processes under ``task.reward_timeout_s`` (``runtime/rewarding.py``). :func:`check_scorer`
+worker processes under ``task.reward_timeout_s`` (``runtime/run/rewarding.py``). :func:`check_scorer`
 runs at start-up: a scorer that cannot be imported, or that does not return a number when it scores
 the first row's own reference answer, stops the job before Ray and vLLM start.
 """
@@ -14,12 +14,12 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from staleflow.runtime.rewarding import PooledReward, ScoreInput, ScorerPool
+from staleflow.runtime.run.rewarding import PooledReward, ScoreInput, ScorerPool
 from staleflow.runtime.types import Trajectory
 
 if TYPE_CHECKING:
     from staleflow.cli.train_setup import TaskData, Tokens
-    from staleflow.runtime.config import JobConfig
+    from staleflow.runtime.settings.config import JobConfig
 
 #: group metadata that the run adds to a row's (the scorer's ``metadata`` is the row's own fields)
 _RUN_KEYS = ("prompt", "answer", "max_new_tokens", "source_prompt")
@@ -37,7 +37,7 @@ def scorer_arguments(response: str, metadata: dict[str, Any]) -> ScoreInput:
 
 
 def pooled_reward(config: JobConfig, tokens: Tokens, seconds: list[float], workers: int | None = None) -> PooledReward:
-    """The job's reward for :class:`~staleflow.runtime.rewarding.RewardRunner`; ``seconds[0]``
+    """The job's reward for :class:`~staleflow.runtime.run.rewarding.RewardRunner`; ``seconds[0]``
     accumulates the driver's share (decoding)."""
     _importable_from_cwd()
 

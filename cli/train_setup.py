@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from staleflow.runtime.config_sections import default_tiny_model_dir
+from staleflow.runtime.settings.config_sections import default_tiny_model_dir
 
 if TYPE_CHECKING:
-    from staleflow.runtime.config import JobConfig
+    from staleflow.runtime.settings.config import JobConfig
 
 
 class Tokens:
@@ -163,7 +163,7 @@ def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_g
                                pipeline_parallel=t.pipeline_parallel, world_size=t.world_size, launcher=launcher,
                                gpus_per_rank=t.gpus or 1.0, placement_group=placement_group if t.gpus else None)
     if config.train.backend == "fsdp":
-        from staleflow.adapters.torch.fsdp import FSDPTrainer
+        from staleflow.adapters.fsdp.trainer import FSDPTrainer
 
         return FSDPTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads,
                            world_size=config.train.world_size, device=device, launcher=launcher,

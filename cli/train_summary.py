@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from staleflow.runtime.config import JobConfig
+    from staleflow.runtime.settings.config import JobConfig
 
 
 def step_record(metrics: Any, ledger: Any, reward_seconds: float, trained_before: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from staleflow.runtime.workload import Workload
+from staleflow.runtime.settings.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from staleflow.adapters.torch.algorithms import token_logprobs
+from staleflow.adapters.rlkit.algorithms import token_logprobs
 from staleflow.adapters.torch.trainer import load_causal_lm
 from staleflow.runtime.tasks import Prompt
 

@@ -3,7 +3,7 @@
 This module is deliberately naive: guards are the spec's formulas evaluated by brute force over all
 groups and all choices, never the implementation's incremental counters. It is the reference that
 the implementation (``staleflow.protocol``) is checked against, and it is itself checked against
-TLC's state graph at small bounds (``verification/graph_equivalence.py``).
+TLC's state graph at small bounds (``verification/proofs/graph_equivalence.py``).
 
 It lives in the protocol package so that the dependency-free distribution (``protocol/pyproject.toml``)
 ships it with the trace checker (``check.py``); ``spec/mirror.py`` re-exports it, and it imports

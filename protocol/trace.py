@@ -9,7 +9,7 @@ resumed run can be replayed from where it began)::
      "batch": null, "before": {"version": 0, "running": [0, 0, 0], "done": [0, 0, 0]}, "after": {...}}
 
 Consume events carry ``batch = {"version", "group_ids", "group_versions", "dropped"}``.
-``staleflow.verification.trace_validation`` replays such files against the spec.
+``staleflow.verification.proofs.trace_validation`` replays such files against the spec.
 """
 
 from __future__ import annotations

@@ -79,8 +79,8 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    from staleflow.adapters.torch.algorithms import token_logprobs
-    from staleflow.adapters.torch.packing import LogProbModel, batch_sequences, micro_batches
+    from staleflow.adapters.rlkit.algorithms import token_logprobs
+    from staleflow.adapters.rlkit.packing import LogProbModel, batch_sequences, micro_batches
     from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings, load_causal_lm
     from staleflow.cli.export import export
 
@@ -98,7 +98,7 @@ def main() -> int:
                                logprob_chunk=args.logprob_chunk, activation_checkpointing=True)
     began = time.perf_counter()
     if args.backend == "fsdp":
-        from staleflow.adapters.torch.fsdp import FSDPTrainer
+        from staleflow.adapters.fsdp.trainer import FSDPTrainer
 
         trainer = FSDPTrainer(run / "model-v0", settings=settings, world_size=args.world_size, device=args.device)
     elif args.backend == "megatron":

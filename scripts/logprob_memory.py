@@ -12,8 +12,8 @@ import sys
 import time
 
 import torch
-from staleflow.adapters.torch.algorithms import token_logprobs
-from staleflow.adapters.torch.packing import LogProbModel
+from staleflow.adapters.rlkit.algorithms import token_logprobs
+from staleflow.adapters.rlkit.packing import LogProbModel
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 mode, tokens = sys.argv[1], int(sys.argv[2])

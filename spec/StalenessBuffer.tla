@@ -14,7 +14,7 @@
 (* any other step. It exists only to state S1 and S2.                      *)
 (*                                                                         *)
 (* spec/mirror.py is the executable Python copy of these actions; the two  *)
-(* are checked equal state by state (verification/graph_equivalence.py).   *)
+(* are checked equal state by state (verification/proofs/graph_equivalence.py).   *)
 (***************************************************************************)
 EXTENDS Integers, FiniteSets
 

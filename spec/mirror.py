@@ -3,7 +3,7 @@
 The mirror's code lives in ``protocol/mirror.py`` so that the protocol's dependency-free
 distribution ships it with its trace checker; this module is the spec folder's name for it. The
 mirror is written from the spec, not from the implementation, and is checked against TLC's state
-graph (``verification/graph_equivalence.py``).
+graph (``verification/proofs/graph_equivalence.py``).
 """
 
 from staleflow.protocol import check

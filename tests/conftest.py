@@ -132,7 +132,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True, scope="session")
 def _session_environment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The built-in tiny model goes to this session's temporary folder, not to the home directory."""
-    from staleflow.runtime.config_sections import TINY_MODEL_DIR_ENV
+    from staleflow.runtime.settings.config_sections import TINY_MODEL_DIR_ENV
 
     before = os.environ.get(TINY_MODEL_DIR_ENV)
     os.environ[TINY_MODEL_DIR_ENV] = str(tmp_path_factory.mktemp("tiny-model") / "model")
@@ -147,7 +147,7 @@ def _session_environment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
 def tiny_model(_session_environment: None) -> Path:
     """The built-in tiny model (default spec), built once per session; tests must not write into it."""
     from staleflow.cli.tiny_model import ensure_tiny_model
-    from staleflow.runtime.config_sections import default_tiny_model_dir
+    from staleflow.runtime.settings.config_sections import default_tiny_model_dir
 
     return ensure_tiny_model(Path(default_tiny_model_dir()))
 

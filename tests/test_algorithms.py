@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from staleflow.adapters.torch.algorithms import (
+from staleflow.adapters.rlkit.algorithms import (
     Correction,
     LossSettings,
     PackedBatch,

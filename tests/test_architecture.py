@@ -19,7 +19,7 @@ BIN = Path(sys.executable).parent
 PROTOCOL_TRANSITIONS = {"reserve", "occupy", "abort", "consume", "restore"}
 SERVER_TRANSITIONS = {"admit", "set_rewards", "fail_group", "abort_group", "take_batch"}
 #: The one module allowed to call them (and the modules that define them).
-OWNER = "runtime/group_life.py"
+OWNER = "runtime/run/group_life.py"
 
 
 def _run(*command: str) -> subprocess.CompletedProcess[str]:
@@ -81,7 +81,7 @@ PEER_HOSTS = ("adapters/areal/",)
 
 
 def test_only_the_group_owner_changes_groups() -> None:
-    """Outside runtime/group_life.py, no runtime, binding or command changes a group's protocol
+    """Outside runtime/run/group_life.py, no runtime, binding or command changes a group's protocol
     entry or trajectory-server state (tests, the verification layers and peer bindings drive the
     protocol directly)."""
     calls = [

@@ -77,7 +77,7 @@ def test_consume_cost_is_linear_in_the_batch_size() -> None:
 def small_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """``bench mutation`` judging with the restore and exhaustive layers on one small grid cell (the
     real layers; the run's own grids take minutes). Forked workers inherit the patch."""
-    from staleflow.verification import impl_mutants
+    from staleflow.verification.proofs import impl_mutants
 
     layers = impl_mutants.make_layers(((2, 1, 1),), ((2, 1, 1),), 200)
     monkeypatch.setattr(mutation, "judge_layers", lambda: {name: layers[name] for name in ("restore", "exhaustive")})

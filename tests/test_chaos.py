@@ -1,9 +1,9 @@
 """Deterministic simulation testing in CI: fixed seeds of seeded faults, checked after every event.
 
 Goal: the runtime loses and duplicates nothing, trains nothing staler than ``eta``, keeps training
-and writes a trace the spec accepts, under every fault kind of :mod:`staleflow.verification.faults`.
+and writes a trace the spec accepts, under every fault kind of :mod:`staleflow.verification.chaos.faults`.
 
-Method: :func:`staleflow.verification.chaos.run_seed` runs the unchanged runtime on simulated
+Method: :func:`staleflow.verification.chaos.tester.run_seed` runs the unchanged runtime on simulated
 instances and trainer through the fault injectors (a faulty phase, then a healed one) and checks
 after every protocol event, every step and at the end. A fixed set of seeds runs here; every
 failing seed found so far is a named regression test below, with the fault kinds that broke it
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 from staleflow.bench.chaos import summarise
-from staleflow.runtime.clock import VirtualClock
-from staleflow.verification.chaos import ChaosResult, run_seed
-from staleflow.verification.fault_plan import FaultKind
-from staleflow.verification.faults import LaggingClock
+from staleflow.runtime.run.clock import VirtualClock
+from staleflow.verification.chaos.faults import LaggingClock
+from staleflow.verification.chaos.plan import FaultKind
+from staleflow.verification.chaos.tester import ChaosResult, run_seed
 
 #: Seeds run in CI; together they inject every fault kind (checked below).
 CI_SEEDS = range(16)
@@ -53,7 +53,7 @@ def test_a_seed_replays_identically_in_another_process(tmp_path: Path) -> None:
 
     first = run_seed(5, tmp_path / "a")
     script = (
-        "import json, sys; from pathlib import Path; from staleflow.verification.chaos import run_seed; "
+        "import json, sys; from pathlib import Path; from staleflow.verification.chaos.tester import run_seed; "
         "print(json.dumps(run_seed(5, Path(sys.argv[1])).fault_log))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
@@ -157,10 +157,10 @@ def test_results_finished_before_an_interrupt_arrive_before_its_reply() -> None:
     """Tester bug (seed 89 before the fix): a result the engine finished while handling an
     interrupt was delayed past the checkpoint that followed; one channel per instance is FIFO."""
     from staleflow.adapters.sim.engine import SimEngine
-    from staleflow.runtime.cost_model import CostModel
+    from staleflow.runtime.coordination.cost_model import CostModel
     from staleflow.runtime.types import RolloutRequest
-    from staleflow.verification.fault_plan import FaultPlan, FaultRates
-    from staleflow.verification.faults import FaultyEngine
+    from staleflow.verification.chaos.faults import FaultyEngine
+    from staleflow.verification.chaos.plan import FaultPlan, FaultRates
 
     clock = VirtualClock()
     plan = FaultPlan(0, FaultRates(finish_delay=1.0, delay_s_max=5.0), clock)
@@ -189,7 +189,7 @@ def test_lagging_clock_never_wakes_the_loop_before_the_engine_event() -> None:
 
 
 def test_tester_catches_a_runtime_that_loses_an_interrupted_partial(monkeypatch: pytest.MonkeyPatch) -> None:
-    from staleflow.runtime.trajectory_server import TrajectoryServer
+    from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 
     original = TrajectoryServer.requeue
 
@@ -259,11 +259,11 @@ def test_run_loop_survives_a_killed_instance_actor(ray_cluster) -> None:  # type
     from staleflow.adapters.ray.placement import RayPlacement
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.adapters.sim.trainer import SimTrainer
-    from staleflow.runtime.assembly import RunSpec, assemble_run
-    from staleflow.runtime.clock import RealClock
-    from staleflow.runtime.loop import RunParts
-    from staleflow.runtime.policies import make_policy
-    from staleflow.verification.chaos import draw_scenario, workload_for
+    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.clock import RealClock
+    from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.settings.policies import make_policy
+    from staleflow.verification.chaos.tester import draw_scenario, workload_for
 
     workload = workload_for(draw_scenario(0))
     placement = RayPlacement()  # on the shared cluster (tests/conftest.py)

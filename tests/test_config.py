@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from staleflow.runtime.config import (
+from staleflow.runtime.settings.config import (
     ConfigError,
     JobConfig,
     System,
@@ -114,7 +114,7 @@ def test_bad_files_and_overrides(tmp_path: Path) -> None:
 
 
 def test_every_system_is_a_runtime_policy() -> None:
-    from staleflow.runtime.policies import make_policy
+    from staleflow.runtime.settings.policies import make_policy
 
     for system in System:
         policy = make_policy(system.value)

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from staleflow.runtime.cost_model import (
+from staleflow.runtime.coordination.cost_model import (
     CostModel,
     fit_cost_model,
     fit_cost_model_file,

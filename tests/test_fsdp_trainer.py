@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from staleflow.adapters.torch.algorithms import Correction, LossSettings
-from staleflow.adapters.torch.fsdp import FSDPTrainer
+from staleflow.adapters.fsdp.trainer import FSDPTrainer
+from staleflow.adapters.rlkit.algorithms import Correction, LossSettings
 from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings
 from trainer_batches import make_batch
 
@@ -92,7 +92,7 @@ def test_two_gloo_ranks_match_one_process_and_checkpoint(model_dir: Path, tmp_pa
 def test_a_failed_or_dead_rank_stops_the_group_instead_of_hanging() -> None:
     import time
 
-    from staleflow.adapters.torch.worker_group import ProcessWorkers, WorkerGroupError
+    from staleflow.adapters.rlkit.worker_group import ProcessWorkers, WorkerGroupError
 
     # Each rank holds a namespace whose ``run`` evaluates an expression: rank 0 blocks (as in a collective).
     workers = ProcessWorkers(functools.partial(types.SimpleNamespace, run=eval), 2, timeout_s=120)
@@ -122,7 +122,7 @@ _SAVE_COVERAGE = "(lambda cov: cov and cov.save())(__import__('coverage').Covera
 def test_ray_ranks_answer_in_rank_order_in_their_bundles_and_a_failed_or_dead_rank_stops_the_group(ray_cluster) -> None:  # type: ignore[no-untyped-def]
     """The Ray launcher (what FSDP and Megatron use on a cluster), on the shared CPU cluster's logical GPUs."""
     from ray.util.placement_group import placement_group, remove_placement_group
-    from staleflow.adapters.torch.worker_group import RayWorkers, WorkerGroupError, rank_address
+    from staleflow.adapters.rlkit.worker_group import RayWorkers, WorkerGroupError, rank_address
 
     ray = ray_cluster
     rank = functools.partial(types.SimpleNamespace, run=eval, address=rank_address)
@@ -164,7 +164,7 @@ def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_deco
     from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
     from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
     from staleflow.runtime.interfaces import TransferFailedError, resolve_weights
-    from staleflow.runtime.parameter_server import ParameterServer
+    from staleflow.runtime.servers.parameter_server import ParameterServer
 
     ray = ray_cluster
 

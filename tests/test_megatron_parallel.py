@@ -31,7 +31,7 @@ from staleflow.adapters.megatron.trainer import (
     read_megatron_checkpoint,
     replica_shares,
 )
-from staleflow.adapters.torch.algorithms import PackedBatch
+from staleflow.adapters.rlkit.algorithms import PackedBatch
 
 
 def _qwen(kind: str):  # type: ignore[no-untyped-def]
@@ -218,7 +218,7 @@ def _rank_main(rank: int, world: int, port: int, kind: str, tp: int, pp: int, an
     from megatron.core import parallel_state, tensor_parallel
     from staleflow.adapters.megatron.convert import build_gpt_model, transformer_config_from_hf
     from staleflow.adapters.megatron.rank import causal_mask, logprobs_from_logits
-    from staleflow.adapters.torch.algorithms import token_logprobs
+    from staleflow.adapters.rlkit.algorithms import token_logprobs
 
     torch.cuda.current_device = lambda: "cpu"  # the CPU monkeypatches (test only; see test_megatron_trainer.py)
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # tied + PP: Megatron syncs the two embedding copies via .cuda()

@@ -28,7 +28,7 @@ from staleflow.adapters.megatron.trainer import (
     read_megatron_checkpoint,
     transformer_config_from_hf,
 )
-from staleflow.adapters.torch.algorithms import token_logprobs
+from staleflow.adapters.rlkit.algorithms import token_logprobs
 from staleflow.adapters.torch.trainer import load_causal_lm
 
 

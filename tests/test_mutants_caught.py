@@ -2,8 +2,8 @@
 
 Goal: each verification layer has teeth against the bugs it exists for, independently of the order
 in which ``staleflow verify`` tries the layers (which stops at the first catch). Method: one case
-per mutant of the implementation (``verification/impl_mutants.py``) and of the spec
-(``verification/spec_mutants.py``); each runs only the named layer on the mutant. The unmutated
+per mutant of the implementation (``verification/proofs/impl_mutants.py``) and of the spec
+(``verification/proofs/spec_mutants.py``); each runs only the named layer on the mutant. The unmutated
 code and spec pass these layers (the baseline rows of ``verify --quick``, tests/test_verify_real.py,
 and the small-grid baseline below), so a catch is the bug's doing. A mutant added without a row
 here fails :func:`test_every_mutant_has_a_row`.
@@ -12,8 +12,8 @@ here fails :func:`test_every_mutant_has_a_row`.
 from __future__ import annotations
 
 import pytest
-from staleflow.verification import impl_mutants, spec_mutants
-from staleflow.verification.conformance_grid import exhaustive_conformance
+from staleflow.verification.proofs import impl_mutants, spec_mutants
+from staleflow.verification.proofs.conformance_grid import exhaustive_conformance
 
 #: implementation mutant -> (layer of impl_mutants.LAYERS, the (eta, B, X) grid cell that catches it for "exhaustive")
 IMPL_LAYER: dict[str, tuple[str, tuple[int, int, int] | None]] = {

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from staleflow.adapters.torch.algorithms import Correction, LossSettings, pack_batch, policy_loss, token_logprobs
-from staleflow.adapters.torch.hf_folder import read_weights, write_hf_folder
-from staleflow.adapters.torch.packed_step import split_groups, train_minibatches
-from staleflow.adapters.torch.packing import (
+from staleflow.adapters.rlkit.algorithms import Correction, LossSettings, pack_batch, policy_loss, token_logprobs
+from staleflow.adapters.rlkit.hf_folder import read_weights, write_hf_folder
+from staleflow.adapters.rlkit.packed_step import split_groups, train_minibatches
+from staleflow.adapters.rlkit.packing import (
     DENSE_MASK_MICRO_BATCH_TOKENS,
     VARLEN_MICRO_BATCH_TOKENS,
     LogProbModel,

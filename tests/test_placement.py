@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
-from staleflow.runtime.config import load_config
-from staleflow.runtime.placement_plan import ActorPlan, PlacementPlan, missing_resources, plan_placement
+from staleflow.runtime.settings.config import load_config
+from staleflow.runtime.settings.placement_plan import ActorPlan, PlacementPlan, missing_resources, plan_placement
 
 
 def test_plan_has_one_actor_per_instance_with_its_tensor_parallel_gpus() -> None:
@@ -60,7 +60,7 @@ def test_dry_run_prints_config_and_plan_and_starts_nothing(capsys: pytest.Captur
 
 def test_train_refuses_a_run_it_cannot_start_or_resume_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from staleflow.cli import main
-    from staleflow.runtime.config import dump_config
+    from staleflow.runtime.settings.config import dump_config
 
     assert main(["train", "--dry-run", "--json", "--system", "sync", "--steps", "3"]) == 0
     config = json.loads(capsys.readouterr().out)["config"]
@@ -161,7 +161,7 @@ def test_the_example_gpu_jobs_pass_the_dry_run(name: str, gpus: int, actors: int
 
     from staleflow.cli import main
 
-    config = Path(__file__).resolve().parents[1] / "runtime" / "configs" / "examples" / f"{name}.yaml"
+    config = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "examples" / f"{name}.yaml"
     assert main(["train", "--config", str(config), "--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["placement"]
     assert (plan["total_gpus"], len(plan["actors"])) == (gpus, actors)

@@ -13,7 +13,7 @@ from staleflow.cli.profile import (
     pool_steps,
     run,
 )
-from staleflow.runtime.cost_model import CostModel, ProfileRecord
+from staleflow.runtime.coordination.cost_model import CostModel, ProfileRecord
 from staleflow.runtime.types import InstanceSnapshot
 
 TRUE_MODEL = CostModel(thr=0.004, o_b=0.0, o_k=1e-4, a_b=0.002, a_k=5e-8)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 from staleflow.protocol import StalenessManager
-from staleflow.verification import impl_mutants
-from staleflow.verification.conformance import load_profile, run_conformance
-from staleflow.verification.conformance_grid import EXHAUSTIVE_GRID, exhaustive_conformance
+from staleflow.verification.proofs import impl_mutants
+from staleflow.verification.proofs.conformance import load_profile, run_conformance
+from staleflow.verification.proofs.conformance_grid import EXHAUSTIVE_GRID, exhaustive_conformance
 
 PROFILE = load_profile()
 

@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
 from staleflow.protocol.trace import JsonlTraceWriter, drop_torn_line, read_trace
-from staleflow.runtime.assembly import RunSpec, assemble_run
-from staleflow.runtime.clock import VirtualClock
-from staleflow.runtime.cost_model import CostModel
-from staleflow.runtime.loop import RunParts
-from staleflow.runtime.parameter_server import ParameterServer
-from staleflow.runtime.policies import make_policy
-from staleflow.runtime.weight_sync import PUSH_ATTEMPTS, PushFailedError
+from staleflow.runtime.coordination.cost_model import CostModel
+from staleflow.runtime.run.assembly import RunSpec, assemble_run
+from staleflow.runtime.run.clock import VirtualClock
+from staleflow.runtime.run.loop import RunParts
+from staleflow.runtime.run.weight_sync import PUSH_ATTEMPTS, PushFailedError
+from staleflow.runtime.servers.parameter_server import ParameterServer
+from staleflow.runtime.settings.policies import make_policy
 
 MODEL = CostModel(0.0064, 0.0027, 1.231e-4, 0.0028, 3.35e-8)
 
@@ -299,7 +299,7 @@ def _traced_run(path: Path, steps: int) -> None:
 
 
 def test_a_torn_last_trace_line_is_ignored_by_the_reader_and_cut_before_an_append(tmp_path: Path) -> None:
-    from staleflow.verification.trace_validation import validate_trace
+    from staleflow.verification.proofs.trace_validation import validate_trace
 
     path = tmp_path / "trace.jsonl"
     _traced_run(path, 3)

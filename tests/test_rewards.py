@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from staleflow.runtime.rewarding import PooledReward, RewardRunner, ScorerPool
+from staleflow.runtime.run.rewarding import PooledReward, RewardRunner, ScorerPool
 from staleflow.runtime.tasks import (
     RewardSpecError,
     ScorerResultError,
@@ -262,11 +262,11 @@ def _group_prepare(trajectory: Trajectory, metadata: dict) -> tuple:
 @pytest.mark.slow
 def test_the_run_loop_goes_on_past_a_hanging_scorer(user_scorers: str, tmp_path: Path) -> None:
     from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
-    from staleflow.runtime.assembly import RunSpec, assemble_run
-    from staleflow.runtime.clock import VirtualClock
-    from staleflow.runtime.cost_model import CostModel
-    from staleflow.runtime.loop import RunParts
-    from staleflow.runtime.policies import make_policy
+    from staleflow.runtime.coordination.cost_model import CostModel
+    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.clock import VirtualClock
+    from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.settings.policies import make_policy
 
     (tmp_path / "loop_scorers.py").write_text(
         "import time\n"

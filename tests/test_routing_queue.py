@@ -1,5 +1,5 @@
 """The incremental routing queue decides exactly as sorting the queue and walking it request by
-request did (the code before :mod:`staleflow.runtime.request_queue`), over randomized states."""
+request did (the code before :mod:`staleflow.runtime.servers.request_queue`), over randomized states."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from staleflow.protocol import StalenessManager
-from staleflow.runtime import request_queue
-from staleflow.runtime.coordinator import Coordinator
-from staleflow.runtime.cost_model import CostModel
-from staleflow.runtime.group_life import GroupLife
-from staleflow.runtime.policies import make_policy
-from staleflow.runtime.trajectory_server import TrajectoryServer
+from staleflow.runtime.coordination.coordinator import Coordinator
+from staleflow.runtime.coordination.cost_model import CostModel
+from staleflow.runtime.run.group_life import GroupLife
+from staleflow.runtime.servers import request_queue
+from staleflow.runtime.servers.trajectory_server import TrajectoryServer
+from staleflow.runtime.settings.policies import make_policy
 from staleflow.runtime.types import InstanceSnapshot, PromptGroup, RolloutRequest
 
 MODEL = CostModel(thr=0.0064, o_b=0.0027, o_k=1.231e-4, a_b=0.0028, a_k=3.35e-8)

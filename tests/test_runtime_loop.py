@@ -7,11 +7,11 @@ import threading
 
 import pytest
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
-from staleflow.runtime.assembly import RunSpec, assemble_run
-from staleflow.runtime.clock import RealClock, VirtualClock
-from staleflow.runtime.cost_model import CostModel
-from staleflow.runtime.loop import RunParts, RunStalledError
-from staleflow.runtime.policies import POLICIES, make_policy
+from staleflow.runtime.coordination.cost_model import CostModel
+from staleflow.runtime.run.assembly import RunSpec, assemble_run
+from staleflow.runtime.run.clock import RealClock, VirtualClock
+from staleflow.runtime.run.loop import RunParts, RunStalledError
+from staleflow.runtime.settings.policies import POLICIES, make_policy
 from staleflow.runtime.types import PromptGroup
 
 MODEL = CostModel(thr=0.0064, o_b=0.0027, o_k=1.231e-4, a_b=0.0028, a_k=3.35e-8)
@@ -208,7 +208,7 @@ def test_checkpoint_resume_keeps_the_bound_and_every_partial():
 
 def test_trace_file_replays_against_the_spec_mirror_across_a_resume(tmp_path):
     from staleflow.protocol.trace import read_trace
-    from staleflow.verification.trace_validation import replay_mirror
+    from staleflow.verification.proofs.trace_validation import replay_mirror
 
     path = tmp_path / "trace.jsonl"
     loop, trainer, _, _ = build("staleflow", eta=1, trace_path=path)

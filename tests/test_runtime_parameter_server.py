@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from staleflow.runtime.parameter_server import (
+from staleflow.runtime.servers.parameter_server import (
     ParameterServer,
     ReadWriteLock,
     VersionNotAvailableError,

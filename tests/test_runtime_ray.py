@@ -10,12 +10,12 @@ import runtime_fakes
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
 from staleflow.adapters.ray.parameter_server import RemoteParameterServer, RemoteWeights
 from staleflow.adapters.ray.placement import ActorProxy, InProcessPlacement, RayPlacement
-from staleflow.runtime.assembly import RunSpec, assemble_run
-from staleflow.runtime.clock import RealClock
-from staleflow.runtime.cost_model import CostModel
-from staleflow.runtime.loop import RunParts
-from staleflow.runtime.policies import make_policy
-from staleflow.runtime.trajectory_server import TrajectoryServer
+from staleflow.runtime.coordination.cost_model import CostModel
+from staleflow.runtime.run.assembly import RunSpec, assemble_run
+from staleflow.runtime.run.clock import RealClock
+from staleflow.runtime.run.loop import RunParts
+from staleflow.runtime.servers.trajectory_server import TrajectoryServer
+from staleflow.runtime.settings.policies import make_policy
 
 
 def test_in_process_placement_builds_the_part_itself():
@@ -73,7 +73,7 @@ def test_a_parameter_server_actor_broadcasts_a_version_to_a_receiver_in_another_
     receiver (here the driver, in a real run an engine's workers) gets every tensor over gloo,
     in buckets, from the server's process."""
     import torch
-    from staleflow.adapters.torch.weight_broadcast import BroadcastWeights, receive
+    from staleflow.adapters.rlkit.weight_broadcast import BroadcastWeights, receive
 
     weights = {f"layer{i}.weight": torch.randn(64, 32) for i in range(5)} | {"norm.weight": torch.ones(32)}
     placement = RayPlacement()  # on the shared cluster (tests/conftest.py)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from staleflow.runtime.rewarding import RewardRunner
+from staleflow.runtime.run.rewarding import RewardRunner
 from staleflow.runtime.types import Trajectory
 
 

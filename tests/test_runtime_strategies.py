@@ -5,20 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from staleflow.protocol import StalenessManager
-from staleflow.runtime.commands import Interrupt, Pull, Route
-from staleflow.runtime.coordinator import Coordinator, decide
-from staleflow.runtime.cost_model import CostModel
-from staleflow.runtime.fleet import FleetArrays, InstanceView
-from staleflow.runtime.group_life import GroupLife
-from staleflow.runtime.migration import plan_migration
-from staleflow.runtime.policies import POLICIES, make_policy
-from staleflow.runtime.routing import (
+from staleflow.runtime.coordination.commands import Interrupt, Pull, Route
+from staleflow.runtime.coordination.coordinator import Coordinator, decide
+from staleflow.runtime.coordination.cost_model import CostModel
+from staleflow.runtime.coordination.fleet import FleetArrays, InstanceView
+from staleflow.runtime.coordination.migration import plan_migration
+from staleflow.runtime.coordination.routing import (
     LeastLoadedRouter,
     ThroughputRouter,
     fleet_throughput,
 )
-from staleflow.runtime.sync import plan_pulls
-from staleflow.runtime.trajectory_server import TrajectoryServer
+from staleflow.runtime.coordination.sync import plan_pulls
+from staleflow.runtime.run.group_life import GroupLife
+from staleflow.runtime.servers.trajectory_server import TrajectoryServer
+from staleflow.runtime.settings.policies import POLICIES, make_policy
 from staleflow.runtime.types import InstanceSnapshot, PromptGroup
 
 #: The authors' Qwen-7B TP1 coefficients.
@@ -407,7 +407,7 @@ def test_freshness_lowers_staleness_when_the_trainer_is_the_bottleneck_and_costs
     groups at lag 1 at the same throughput; rollout-bound (small-ci as shipped) it keeps the full
     lookahead and matches StaleFlow exactly."""
     from staleflow.cli.simulate import simulate_system
-    from staleflow.runtime.workload import load_workload
+    from staleflow.runtime.settings.workload import load_workload
 
     def mean(histogram: dict[str, int]) -> float:
         return sum(int(s) * n for s, n in histogram.items()) / sum(histogram.values())
@@ -426,7 +426,7 @@ def test_freshness_lowers_staleness_when_the_trainer_is_the_bottleneck_and_costs
 
 
 def test_round_robin_goes_around_eligible_instances_and_oldest_tier_first_for_reserved_groups():
-    from staleflow.runtime.routing import RoundRobinRouter
+    from staleflow.runtime.coordination.routing import RoundRobinRouter
 
     fleet = FleetArrays.of([view("a"), view("b"), view("c")])
     router = RoundRobinRouter(max_running=2)
@@ -489,7 +489,7 @@ def test_request_budget_batches_partials_into_one_router_call_and_exact_budget_r
 def test_completion_ledger_consumes_in_the_peers_orders_without_a_bound():
     """AReaL takes the oldest-admitted finished groups, VeRL's queue the first finished; neither
     waits for a straggler; with the filter, finished groups past eta are dropped at consume."""
-    from staleflow.runtime.group_life import CompletionLedger
+    from staleflow.runtime.run.group_life import CompletionLedger
 
     for order, expected in (("oldest_finished", ("a", "b")), ("finish_order", ("c", "b"))):
         ledger = CompletionLedger(eta=1, batch_size=2, order=order)

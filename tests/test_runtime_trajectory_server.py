@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from staleflow.runtime.trajectory_server import (
+from staleflow.runtime.servers.trajectory_server import (
     GroupState,
     TrajectoryServer,
     TrajectoryServerError,

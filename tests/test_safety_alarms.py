@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 from staleflow.protocol.events import ConsumedBatch, CounterState, ProtocolEvent
-from staleflow.runtime.trajectory_server import GroupState, RequestState, TrajectoryServer
+from staleflow.runtime.servers.trajectory_server import GroupState, RequestState, TrajectoryServer
 from staleflow.runtime.types import PromptGroup, TrainingBatch, Trajectory
-from staleflow.verification import chaos
-from staleflow.verification.chaos import ChaosRun, LivenessViolation, SafetyViolation, draw_scenario, run_seed
+from staleflow.verification.chaos import tester as chaos
+from staleflow.verification.chaos.tester import ChaosRun, LivenessViolation, SafetyViolation, draw_scenario, run_seed
 
 # ----------------------------------------------------------------------------- the trajectory server's audit
 
@@ -180,11 +180,11 @@ def test_a_fired_alarm_is_the_seeds_reported_violation(monkeypatch: pytest.Monke
 
 def test_run_loop_refuses_a_trainer_that_skips_a_version() -> None:
     from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
-    from staleflow.runtime.assembly import RunSpec, assemble_run
-    from staleflow.runtime.clock import VirtualClock
-    from staleflow.runtime.cost_model import CostModel
-    from staleflow.runtime.loop import RunParts
-    from staleflow.runtime.policies import make_policy
+    from staleflow.runtime.coordination.cost_model import CostModel
+    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.clock import VirtualClock
+    from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.settings.policies import make_policy
 
     class SkippingTrainer(FakeTrainer):
         def poll(self) -> Any:

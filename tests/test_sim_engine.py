@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 from staleflow.adapters.sim.engine import FAKE_LOGPROB, SimEngine
-from staleflow.runtime.clock import VirtualClock
-from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.interfaces import RolloutEngine
+from staleflow.runtime.run.clock import VirtualClock
+from staleflow.runtime.settings.workload import REQUEST_LENGTH_KEY
 from staleflow.runtime.types import RolloutRequest
-from staleflow.runtime.workload import REQUEST_LENGTH_KEY
 
 COST = CostModel(thr=0.01, o_b=0.002, o_k=1e-4, a_b=0.002, a_k=1e-6)
 
@@ -249,7 +249,7 @@ def test_a_long_partial_pays_the_attention_term_of_its_re_prefill() -> None:
 
 def test_parameter_server_pulls_share_its_bandwidth_and_a_broadcast_does_not() -> None:
     from staleflow.adapters.sim.network import Broadcast, ParameterServerLink
-    from staleflow.runtime.workload import NetworkSpec
+    from staleflow.runtime.settings.workload import NetworkSpec
 
     net = NetworkSpec(weights_gb=60.0, ps_gb_per_s=100.0, link_gb_per_s=25.0, broadcast_gb_per_s=20.0)
     link = ParameterServerLink(net)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from staleflow.adapters.sim.trainer import SimTrainer, SimWeights
-from staleflow.runtime.clock import VirtualClock
 from staleflow.runtime.interfaces import Trainer
+from staleflow.runtime.run.clock import VirtualClock
+from staleflow.runtime.settings.workload import TrainingSpec
 from staleflow.runtime.types import TrainingBatch, Trajectory
-from staleflow.runtime.workload import TrainingSpec
 
 
 def batch(version: int, lengths: list[int], prompt: int = 10) -> TrainingBatch:

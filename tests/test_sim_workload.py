@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 from staleflow.cli.upper_bound import upper_bound
-from staleflow.runtime.workload import (
+from staleflow.runtime.settings.workload import (
     GROUP_LENGTHS_KEY,
     WorkloadError,
     load_workload,

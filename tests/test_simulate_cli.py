@@ -8,7 +8,7 @@ import json
 import pytest
 from staleflow.cli import simulate as simulate_command
 from staleflow.cli.upper_bound import upper_bound
-from staleflow.runtime.workload import load_workload
+from staleflow.runtime.settings.workload import load_workload
 
 
 def run_cli(argv: list[str]) -> int:
@@ -75,7 +75,7 @@ def test_unknown_system_and_bad_steps_exit_2(capsys) -> None:
 
 
 def test_trace_dir_writes_a_trace_per_run_that_the_spec_accepts(capsys, tmp_path) -> None:
-    from staleflow.verification.trace_validation import validate_trace
+    from staleflow.verification.proofs.trace_validation import validate_trace
 
     code = run_cli(
         ["--workload", "small-ci", "--systems", "staleflow", "sync", "--eta", "2", "--steps", "3",

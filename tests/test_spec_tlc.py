@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from staleflow.spec import mirror
 from staleflow.spec.mirror import SpecParams
-from staleflow.verification import tlc
-from staleflow.verification.graph_equivalence import compare_graphs, parse_tla_value
+from staleflow.verification.proofs import tlc
+from staleflow.verification.proofs.graph_equivalence import compare_graphs, parse_tla_value
 
 pytestmark = pytest.mark.java  # TLC
 

@@ -18,7 +18,7 @@ from staleflow.runtime.tasks import (
 )
 from staleflow.runtime.tasks.builtin import ARITHMETIC_FILES, write_arithmetic_files
 
-DATA = Path(__file__).resolve().parents[1] / "runtime" / "configs" / "data"
+DATA = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "data"
 GSM8K_ROW = {  # a row of verl's examples/data_preprocess/gsm8k.py, as it writes them
     "data_source": "openai/gsm8k",
     "prompt": [

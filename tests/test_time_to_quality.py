@@ -161,7 +161,7 @@ def test_deferred_evaluation_evaluates_the_weights_saved_at_each_step(tmp_path: 
     from staleflow.cli.tiny_model import ensure_tiny_model
     from staleflow.cli.train_eval import DeferredEvaluation
     from staleflow.cli.train_setup import Evaluator, Tokens
-    from staleflow.runtime.config import load_config
+    from staleflow.runtime.settings.config import load_config
 
     model = ensure_tiny_model(Path(os.environ.get("STALEFLOW_TINY_MODEL_DIR", "~/.cache/staleflow/tiny-model")).expanduser())
     tokens = Tokens(model)

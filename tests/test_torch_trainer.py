@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from staleflow.adapters.torch.algorithms import Correction, LossSettings, token_logprobs
+from staleflow.adapters.rlkit.algorithms import Correction, LossSettings, token_logprobs
 from staleflow.adapters.torch.trainer import (
     TorchTrainer,
     TrainerSettings,

@@ -14,7 +14,7 @@ from staleflow.protocol.trace import (
     read_trace,
     write_trace,
 )
-from staleflow.verification import trace_validation as tv
+from staleflow.verification.proofs import trace_validation as tv
 
 
 def test_trace_round_trip(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ def _consumed(trace: Path, segment: int) -> list[tuple[int, list[int]]]:
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     from staleflow.cli.train import train
-    from staleflow.runtime.config import load_config
+    from staleflow.runtime.settings.config import load_config
 
     run_dir = tmp_path_factory.mktemp("train") / "run"
     run_dir.mkdir()
@@ -140,7 +140,7 @@ def test_killing_a_vllm_instance_mid_run_loses_nothing_and_keeps_the_bound(tmp_p
     import sys
     import time
 
-    from staleflow.verification.trace_validation import validate_trace
+    from staleflow.verification.proofs.trace_validation import validate_trace
 
     run_dir = tmp_path / "run"
     steps = 16  # the kill lands after step 5: eleven steps on one instance
@@ -180,9 +180,9 @@ def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp
     """The second built-in job, shrunk: verl-format chat rows, the gsm8k reward in scorer processes,
     held-out evaluation through its own vLLM engine (eval numbers in the metrics, summary and report)."""
     from staleflow.cli.train import _data_paths_near, train
-    from staleflow.runtime.config import load_config
+    from staleflow.runtime.settings.config import load_config
 
-    config_file = Path(__file__).resolve().parents[1] / "runtime" / "configs" / "arithmetic.yaml"
+    config_file = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "arithmetic.yaml"
     overrides = [
         "train.steps=3",
         "train.max_time_s=0.001",  # the time limit stops the run after its first step

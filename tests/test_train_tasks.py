@@ -13,12 +13,12 @@ import pytest
 from staleflow.cli.train_eval import EngineEvaluator
 from staleflow.cli.train_rewards import ScorerCheckError, check_scorer, scorer_arguments
 from staleflow.cli.train_setup import wants_warmup
-from staleflow.runtime.config import ConfigError, load_config
-from staleflow.runtime.rewarding import PooledReward
+from staleflow.runtime.run.rewarding import PooledReward
+from staleflow.runtime.settings.config import ConfigError, load_config
 from staleflow.runtime.tasks import Prompt, RewardSpecError
 from staleflow.runtime.types import RolloutRequest, Trajectory
 
-ARITHMETIC = Path(__file__).resolve().parents[1] / "runtime" / "configs" / "arithmetic.yaml"
+ARITHMETIC = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "arithmetic.yaml"
 
 
 def encode(text: str) -> list[int]:

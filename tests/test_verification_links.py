@@ -13,9 +13,9 @@ from staleflow.protocol import SNAPSHOT_FORMAT, SnapshotError, StalenessManager,
 from staleflow.protocol.trace import TraceFormatError, read_trace
 from staleflow.spec import mirror
 from staleflow.spec.mirror import MirrorState, SpecParams
-from staleflow.verification import impl_mutants, model_link, snapshots
-from staleflow.verification import trace_validation as tv
-from staleflow.verification.conformance_grid import Coverage, exhaustive_conformance
+from staleflow.verification.proofs import impl_mutants, model_link, snapshots
+from staleflow.verification.proofs import trace_validation as tv
+from staleflow.verification.proofs.conformance_grid import Coverage, exhaustive_conformance
 
 
 def snap(eta: int, b: int, x: int, version: int, groups: list[Any]) -> dict[str, Any]:
@@ -155,7 +155,7 @@ def test_coverage_reports_a_conjunct_never_seen() -> None:
 
 
 def test_inv_is_inductive_for_every_eta() -> None:
-    from staleflow.verification import z3_unbounded as zu
+    from staleflow.verification.proofs import z3_unbounded as zu
 
     rows = zu.checks(quick=True)
     assert [r.name for r in rows] == [f"z3-all-eta {name}" for name, _, _ in zu.ROWS]
@@ -163,7 +163,7 @@ def test_inv_is_inductive_for_every_eta() -> None:
 
 
 def test_the_all_eta_proofs_refute_a_wrong_guard() -> None:
-    from staleflow.verification import z3_unbounded as zu
+    from staleflow.verification.proofs import z3_unbounded as zu
 
     main = zu.reserve_steps()[-1]
     at_zero_slack = tuple(zu.SL(zu.eta) >= 0 if p.eq(zu.SL(zu.eta) > 0) else p for p in main.premises)
@@ -179,7 +179,7 @@ def test_the_all_eta_proofs_refute_a_wrong_guard() -> None:
 
 
 def test_checked_in_tlc_configurations_let_later_buffers_bind() -> None:
-    from staleflow.verification import tlc
+    from staleflow.verification.proofs import tlc
 
     safety = tlc.binding_conjuncts((tlc.SPEC_DIR / "safety.cfg").read_text())
     assert safety == "Reserve conjuncts that can bind: deadline, cap0, cap1, cap2, cap3"
@@ -197,21 +197,21 @@ def test_checked_in_tlc_configurations_let_later_buffers_bind() -> None:
 
 def test_trainer_progress_is_refuted_when_consume_can_block_forever() -> None:
     """Non-vacuity of the L1 model check: a Consume guard that is safe but can stall the trainer."""
-    from staleflow.verification.liveness import MUTANTS, check_mutant
+    from staleflow.verification.proofs.liveness import MUTANTS, check_mutant
 
     row = check_mutant(next(m for m in MUTANTS if m.name == "consume-guard-keeps-batch"))
     assert row.result == "pass" and row.detail.startswith("rc 13 (liveness violation)"), row.detail
 
 
 def test_a_reserve_checking_only_the_first_two_buffers_is_caught() -> None:
-    from staleflow.verification.spec_mutants import MUTANTS, check_mutant
+    from staleflow.verification.proofs.spec_mutants import MUTANTS, check_mutant
 
     row = check_mutant(next(m for m in MUTANTS if m.name == "reserve-checks-first-two-buffers"))
     assert row.result == "pass" and row.detail.startswith("caught by TLC safety: rc 12"), row.detail
 
 
 def test_graph_coverage_expects_only_what_can_bind() -> None:
-    from staleflow.verification.graph_equivalence import expected_refusals
+    from staleflow.verification.proofs.graph_equivalence import expected_refusals
 
     p = SpecParams(2, 1, 1)
     assert expected_refusals(p, 4, absolute=True) == [

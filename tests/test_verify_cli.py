@@ -14,7 +14,7 @@ import pytest
 from staleflow import cli as staleflow_cli
 from staleflow.verification import cli
 from staleflow.verification.checks import CheckResult
-from staleflow.verification.trace_validation import record_workload_trace
+from staleflow.verification.proofs.trace_validation import record_workload_trace
 
 KEYS = ["name", "property", "method", "bounds", "explored", "result", "seconds", "detail"]
 

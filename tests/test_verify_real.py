@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from staleflow.verification import impl_mutants, spec_mutants
+from staleflow.verification.proofs import impl_mutants, spec_mutants
 
 pytestmark = [pytest.mark.slow, pytest.mark.java, pytest.mark.timeout(900)]
 

@@ -199,7 +199,7 @@ def test_broadcast_reload_reaches_every_weight_and_logprobs_match_torch(engine, 
     with bf16 on the wire (bf16 carries half the bytes)."""
     import torch
     from safetensors.torch import load_file
-    from staleflow.adapters.torch.weight_broadcast import BroadcastParameterServer, BroadcastWeights
+    from staleflow.adapters.rlkit.weight_broadcast import BroadcastParameterServer, BroadcastWeights
 
     files = load_file(str(model_dir / "model.safetensors"))
     generator = torch.Generator().manual_seed(2)

@@ -22,12 +22,12 @@ def test_a_crashed_engine_thread_is_an_instance_failure_the_run_loop_recovers_fr
     it had placed there and finishes on the other instance."""
     from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
     from staleflow.adapters.vllm.engine import EngineFailed, SamplingConfig, VLLMEngine
-    from staleflow.runtime.assembly import RunSpec, assemble_run
-    from staleflow.runtime.clock import RealClock
-    from staleflow.runtime.cost_model import CostModel
+    from staleflow.runtime.coordination.cost_model import CostModel
     from staleflow.runtime.interfaces import InstanceLostError
-    from staleflow.runtime.loop import RunParts
-    from staleflow.runtime.policies import make_policy
+    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.clock import RealClock
+    from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.settings.policies import make_policy
 
     def crash() -> None:
         raise RuntimeError("injected: the engine thread dies on its next step")

@@ -47,7 +47,7 @@ def sampled(tiny_model: Path) -> list:
 
 def _trainer_logprobs(model_dir: Path, prompt: list[int], output: list[int], temperature: float) -> list[float]:
     import torch
-    from staleflow.adapters.torch.packing import LogProbModel
+    from staleflow.adapters.rlkit.packing import LogProbModel
     from staleflow.adapters.torch.trainer import load_causal_lm
 
     model = LogProbModel(load_causal_lm(model_dir).eval(), chunk=16, temperature=temperature)

@@ -47,7 +47,7 @@ def _torch_logprobs(model_dir, state_dict, output):
 def test_tied_embeddings_reload_by_file_and_by_broadcast(tmp_path):
     import torch
     from safetensors.torch import load_file
-    from staleflow.adapters.torch.weight_broadcast import BroadcastParameterServer, BroadcastWeights
+    from staleflow.adapters.rlkit.weight_broadcast import BroadcastParameterServer, BroadcastWeights
     from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
     from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from staleflow.protocol import SNAPSHOT_FORMAT, StalenessManager
 from staleflow.spec.mirror import SpecParams
-from staleflow.verification import z3_proofs as zp
-from staleflow.verification.conformance_grid import inv_counter_states
+from staleflow.verification.proofs import z3_proofs as zp
+from staleflow.verification.proofs.conformance_grid import inv_counter_states
 
 GRID = [(eta, b, x) for eta in range(4) for b in (1, 2) for x in range(3) if eta < 3 or b == 1]
 

@@ -27,17 +27,17 @@ from staleflow.verification.checks import CheckResult
 
 #: (layer title, module); every module has ``checks(quick: bool) -> list[CheckResult]``.
 LAYERS: tuple[tuple[str, str], ...] = (
-    ("z3 proofs", "staleflow.verification.z3_proofs"),
-    ("z3 all eta", "staleflow.verification.z3_unbounded"),
-    ("z3 model = code", "staleflow.verification.model_link"),
-    ("tlc", "staleflow.verification.tlc"),
-    ("tlc liveness", "staleflow.verification.liveness"),
-    ("graph equivalence", "staleflow.verification.graph_equivalence"),
-    ("conformance", "staleflow.verification.conformance"),
-    ("restore", "staleflow.verification.snapshots"),
-    ("trace validation", "staleflow.verification.trace_validation"),
-    ("spec mutants", "staleflow.verification.spec_mutants"),
-    ("impl mutants", "staleflow.verification.impl_mutants"),
+    ("z3 proofs", "staleflow.verification.proofs.z3_proofs"),
+    ("z3 all eta", "staleflow.verification.proofs.z3_unbounded"),
+    ("z3 model = code", "staleflow.verification.proofs.model_link"),
+    ("tlc", "staleflow.verification.proofs.tlc"),
+    ("tlc liveness", "staleflow.verification.proofs.liveness"),
+    ("graph equivalence", "staleflow.verification.proofs.graph_equivalence"),
+    ("conformance", "staleflow.verification.proofs.conformance"),
+    ("restore", "staleflow.verification.proofs.snapshots"),
+    ("trace validation", "staleflow.verification.proofs.trace_validation"),
+    ("spec mutants", "staleflow.verification.proofs.spec_mutants"),
+    ("impl mutants", "staleflow.verification.proofs.impl_mutants"),
 )
 
 COLUMNS = ("name", "property", "method", "bounds", "explored", "result", "seconds")
@@ -131,17 +131,17 @@ def _collect(title: str, module_name: str, future: Future[list[CheckResult]]) ->
 #: Layer modules by decreasing cost (CPU seconds of the full run): the parallel runner starts them
 #: in this order; a module not listed starts first.
 SLOWEST_FIRST: tuple[str, ...] = (
-    "staleflow.verification.impl_mutants",
-    "staleflow.verification.conformance",
-    "staleflow.verification.z3_proofs",
-    "staleflow.verification.spec_mutants",
-    "staleflow.verification.tlc",
-    "staleflow.verification.trace_validation",
-    "staleflow.verification.model_link",
-    "staleflow.verification.graph_equivalence",
-    "staleflow.verification.liveness",
-    "staleflow.verification.snapshots",
-    "staleflow.verification.z3_unbounded",
+    "staleflow.verification.proofs.impl_mutants",
+    "staleflow.verification.proofs.conformance",
+    "staleflow.verification.proofs.z3_proofs",
+    "staleflow.verification.proofs.spec_mutants",
+    "staleflow.verification.proofs.tlc",
+    "staleflow.verification.proofs.trace_validation",
+    "staleflow.verification.proofs.model_link",
+    "staleflow.verification.proofs.graph_equivalence",
+    "staleflow.verification.proofs.liveness",
+    "staleflow.verification.proofs.snapshots",
+    "staleflow.verification.proofs.z3_unbounded",
 )
 
 
@@ -184,7 +184,7 @@ def _cpu_seconds() -> float:
 
 
 def _validate_trace(path: Path) -> list[CheckResult]:
-    from staleflow.verification.trace_validation import validate_trace
+    from staleflow.verification.proofs.trace_validation import validate_trace
 
     return [validate_trace(path)]
 

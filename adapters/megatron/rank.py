@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from staleflow.adapters.megatron.convert import build_gpt_model, hf_to_megatron, stage_reads, transformer_config_from_hf
 from staleflow.adapters.megatron.parallel import MegatronLayout, shard_for_rank
-from staleflow.adapters.torch.algorithms import Correction, PackedBatch, add_sums, metrics_from_sums, policy_terms
-from staleflow.adapters.torch.packing import VARLEN_MICRO_BATCH_TOKENS
+from staleflow.adapters.rlkit.algorithms import Correction, PackedBatch, add_sums, metrics_from_sums, policy_terms
+from staleflow.adapters.rlkit.packing import VARLEN_MICRO_BATCH_TOKENS
+from staleflow.adapters.rlkit.worker_group import rank_address
 from staleflow.adapters.torch.trainer import TrainerSettings
-from staleflow.adapters.torch.worker_group import rank_address
 
 
 def causal_mask(length: int, device: torch.device) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The :class:`~staleflow.runtime.interfaces.Trainer` seam on Megatron-core (GPU): ``train.world_size``
 ranks as ``tensor_parallel x pipeline_parallel x data_parallel``.
 
-The same RL step as :mod:`staleflow.adapters.torch.trainer` (``adapters/torch/algorithms.py``: GRPO
+The same RL step as :mod:`staleflow.adapters.torch.trainer` (``adapters/rlkit/algorithms.py``: GRPO
 advantages, off-policy correction, per-token loss) on a Megatron-core ``GPTModel`` split over the
 ranks (:mod:`~staleflow.adapters.megatron.parallel`), each rank (:class:`MegatronRank`, a process
 of its own: spawned, or a Ray actor with one GPU) wrapped in Megatron's ``DistributedDataParallel``,
@@ -46,10 +46,10 @@ from staleflow.adapters.megatron.rank import (  # noqa: F401 - re-exported
     megatron_logprobs,
     optimizer_file,
 )
-from staleflow.adapters.torch.algorithms import pack_batch, token_staleness
-from staleflow.adapters.torch.hf_folder import check_model_folder
+from staleflow.adapters.rlkit.algorithms import pack_batch, token_staleness
+from staleflow.adapters.rlkit.hf_folder import check_model_folder
+from staleflow.adapters.rlkit.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer
 from staleflow.adapters.torch.trainer import PublishedWeightsDecoder, TrainerSettings, _check_weights_match, _read_checkpoint_file
-from staleflow.adapters.torch.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FILE = "megatron_trainer.pt"

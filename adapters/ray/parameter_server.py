@@ -12,7 +12,7 @@ from typing import Any
 
 from staleflow.adapters.ray.placement import ActorProxy, RayPlacement
 from staleflow.runtime.interfaces import TransferFailedError
-from staleflow.runtime.parameter_server import ParameterServer, VersionNotAvailableError
+from staleflow.runtime.servers.parameter_server import ParameterServer, VersionNotAvailableError
 
 
 def _keep_as_is(weights: Any) -> Any:
@@ -43,7 +43,7 @@ class RemoteWeights:
 class RemoteParameterServer:
     """The parameter-server interface over a :class:`ParameterServer` placed as a Ray actor.
 
-    ``broadcast``: pulls hand out :class:`~staleflow.adapters.torch.weight_broadcast.BroadcastWeights`
+    ``broadcast``: pulls hand out :class:`~staleflow.adapters.rlkit.weight_broadcast.BroadcastWeights`
     with these settings (``wire_dtype``, ``bucket_bytes``, ``backend``, ``host``), and the server is a
     ``BroadcastParameterServer``; None: pulls hand out :class:`RemoteWeights`.
     """
@@ -59,7 +59,7 @@ class RemoteParameterServer:
         """Start the server in the bundle reserved for actor ``name`` (None: anywhere)."""
         factory: Any = ParameterServer
         if broadcast is not None:
-            from staleflow.adapters.torch.weight_broadcast import BroadcastParameterServer
+            from staleflow.adapters.rlkit.weight_broadcast import BroadcastParameterServer
 
             factory = BroadcastParameterServer
         if name is None:
@@ -85,7 +85,7 @@ class RemoteParameterServer:
         if version is None or version not in held:
             raise VersionNotAvailableError(f"version {version} is not on the parameter server (it holds {list(held)})")
         if self._broadcast is not None:
-            from staleflow.adapters.torch.weight_broadcast import BroadcastWeights
+            from staleflow.adapters.rlkit.weight_broadcast import BroadcastWeights
 
             return version, BroadcastWeights(self._server, version, **self._broadcast)
         return version, RemoteWeights(self._server, version)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from staleflow.runtime.placement_plan import ActorPlan, PlacementPlan, missing_resources
+from staleflow.runtime.settings.placement_plan import ActorPlan, PlacementPlan, missing_resources
 
 
 class PlacementError(RuntimeError):

@@ -7,7 +7,7 @@ brings it up to ``clock.now()``.
 Model of execution:
 
 * Decode runs in steps. A step of the ``n`` running requests holding ``K`` KV tokens takes
-  ``L(n, K)`` seconds (:class:`~staleflow.runtime.cost_model.CostModel`); each running request
+  ``L(n, K)`` seconds (:class:`~staleflow.runtime.coordination.cost_model.CostModel`); each running request
   gains one token, so ``K`` grows by ``n`` per step. The running set changes only at step
   boundaries: a command that arrives mid-step lets the step in progress finish first.
 * Admission is first-come first-served from the waiting queue: a request starts when fewer than
@@ -46,10 +46,10 @@ from typing import Any
 
 from staleflow.adapters.sim.network import WeightTransfer, prefill_seconds
 from staleflow.adapters.sim.tokens import RunLengthList
-from staleflow.runtime.cost_model import CostModel
+from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.interfaces import Clock
+from staleflow.runtime.settings.workload import REQUEST_LENGTH_KEY, Workload
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
-from staleflow.runtime.workload import REQUEST_LENGTH_KEY, Workload
 
 FAKE_TOKEN = 0
 FAKE_LOGPROB = -1.0
@@ -72,7 +72,7 @@ class SimEngine:
 
     Args:
         instance_id: the instance's name.
-        clock: the run's clock (a :class:`~staleflow.runtime.clock.VirtualClock`).
+        clock: the run's clock (a :class:`~staleflow.runtime.run.clock.VirtualClock`).
         cost_model: decode latency of this instance.
         kv_capacity: KV-cache capacity in tokens.
         max_running: most requests decoding at once.

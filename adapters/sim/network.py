@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from staleflow.runtime.workload import NetworkSpec
+from staleflow.runtime.settings.workload import NetworkSpec
 
 
 class WeightTransfer(Protocol):

@@ -1,7 +1,7 @@
 """A simulated trainer: each step takes the workload's training time for its batch, in virtual time.
 
 Step time is ``base_s + per_token_s * tokens`` where ``tokens`` counts the prompt and response
-tokens of every trajectory in the batch (:class:`~staleflow.runtime.workload.TrainingSpec`).
+tokens of every trajectory in the batch (:class:`~staleflow.runtime.settings.workload.TrainingSpec`).
 Weights are a version token (:class:`SimWeights`): the simulator moves versions, not tensors.
 ``scale`` multiplies the step time (a colocated system trains on every GPU: ``trainer_gpus / gpus``);
 ``after_step_s`` keeps the trainer busy after each step (a blocking weight broadcast).
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from staleflow.runtime.interfaces import Clock
+from staleflow.runtime.settings.workload import TrainingSpec, Workload
 from staleflow.runtime.types import TrainingBatch, TrainResult
-from staleflow.runtime.workload import TrainingSpec, Workload
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The :class:`~staleflow.runtime.interfaces.Trainer` seam on a Hugging Face causal LM in plain torch.
 
-One training step per batch (``adapters/torch/algorithms.py`` for the objective), run in a background
+One training step per batch (``adapters/rlkit/algorithms.py`` for the objective), run in a background
 thread so that :meth:`TorchTrainer.start_step` returns at once and the run loop goes on routing and
 collecting while the step runs. torch releases the GIL inside its kernels, so the step uses a core
 of its own while vLLM decodes in another thread; placed in a Ray actor (``adapters/ray/placement.py``),
@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from staleflow.adapters.torch.algorithms import Correction, LossSettings
-from staleflow.adapters.torch.hf_folder import check_model_folder
-from staleflow.adapters.torch.packed_step import batch_metrics, split_groups, train_minibatches
-from staleflow.adapters.torch.packing import LogProbModel, batch_sequences, enable_activation_checkpointing, resolve_micro_batch_tokens
-from staleflow.adapters.torch.step_thread import BackgroundStepTrainer
+from staleflow.adapters.rlkit.algorithms import Correction, LossSettings
+from staleflow.adapters.rlkit.hf_folder import check_model_folder
+from staleflow.adapters.rlkit.packed_step import batch_metrics, split_groups, train_minibatches
+from staleflow.adapters.rlkit.packing import LogProbModel, batch_sequences, enable_activation_checkpointing, resolve_micro_batch_tokens
+from staleflow.adapters.rlkit.step_thread import BackgroundStepTrainer
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_MODEL = "model.safetensors"
@@ -40,7 +40,7 @@ CHECKPOINT_FORMAT = "staleflow-torch/1"
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    """Optimiser, schedule and objective of a :class:`TorchTrainer` (see ``runtime/config.py``)."""
+    """Optimiser, schedule and objective of a :class:`TorchTrainer` (see ``runtime/settings/config.py``)."""
 
     lr: float = 3e-4
     lr_warmup_steps: int = 10
@@ -58,7 +58,7 @@ class TrainerSettings:
 
     @classmethod
     def from_config(cls, job: Any) -> TrainerSettings:
-        """Settings of a :class:`~staleflow.runtime.config.JobConfig`."""
+        """Settings of a :class:`~staleflow.runtime.settings.config.JobConfig`."""
         t = job.train
         return cls(
             lr=t.lr,
@@ -87,7 +87,7 @@ def load_causal_lm(path: str | os.PathLike[str]) -> Any:
     """A local Hugging Face causal LM in float32 (never the hub: a missing folder is an error).
 
     Single-file or sharded safetensors (``model.safetensors.index.json``), tied embeddings or not;
-    the folder is checked first (:func:`~staleflow.adapters.torch.hf_folder.check_model_folder`).
+    the folder is checked first (:func:`~staleflow.adapters.rlkit.hf_folder.check_model_folder`).
     """
     folder = check_model_folder(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from staleflow.adapters.torch.weight_broadcast import BroadcastWeights, TransferPlan
+from staleflow.adapters.rlkit.weight_broadcast import BroadcastWeights, TransferPlan
 from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
-from staleflow.runtime.clock import RealClock
-from staleflow.runtime.cost_model import ProfileRecord
+from staleflow.runtime.coordination.cost_model import ProfileRecord
 from staleflow.runtime.interfaces import Clock, InstanceLostError, resolve_weights
+from staleflow.runtime.run.clock import RealClock
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
 
 __all__ = ["EngineFailed", "SamplingConfig", "VLLMEngine", "set_vllm_env_defaults"]

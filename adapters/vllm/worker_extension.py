@@ -1,5 +1,5 @@
 """A vLLM worker extension: reload the model's weights in place, from a safetensors file or from a
-collective broadcast (:mod:`staleflow.adapters.torch.weight_broadcast`).
+collective broadcast (:mod:`staleflow.adapters.rlkit.weight_broadcast`).
 
 vLLM mixes this class into its worker (``worker_extension_cls``); the engine calls the method through
 ``collective_rpc``, which serialises arguments with msgpack: a dict of tensors would arrive as lists,
@@ -30,7 +30,7 @@ class WeightReloadExtension:
     def staleflow_receive_broadcast(self, plan: dict[str, Any]) -> int:
         """Join the broadcast ``plan`` describes (rank 1 + this worker's rank) and load the tensors
         as they arrive, bucket by bucket; returns their count."""
-        from staleflow.adapters.torch.weight_broadcast import TransferPlan, receive
+        from staleflow.adapters.rlkit.weight_broadcast import TransferPlan, receive
 
         transfer = TransferPlan.from_dict(plan)
         stream = receive(transfer, rank=1 + int(getattr(self, "rank", 0)))

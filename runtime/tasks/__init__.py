@@ -9,7 +9,7 @@
   ``gsm8k``, ``math``) and users' ``module:function`` scorers, called as
   ``score(prompt, response, answer, metadata) -> float``.
 
-The runtime runs rewards in worker processes under a timeout (``runtime/rewarding.py``).
+The runtime runs rewards in worker processes under a timeout (``runtime/run/rewarding.py``).
 """
 
 from staleflow.runtime.tasks.builtin import (

@@ -8,7 +8,7 @@ tail is what makes a synchronous step wait on its stragglers.
 Arithmetic word problems (:func:`arithmetic_rows`): GSM8K-shaped rows generated locally (no hub), in
 verl's data format: ``prompt`` is a list of chat messages, the answer is under
 ``reward_model.ground_truth`` and the worked solution, ending in ``#### N``, under
-``extra_info.answer``. The second built-in job (``runtime/configs/arithmetic.yaml``) trains on them.
+``extra_info.answer``. The second built-in job (``runtime/settings/configs/arithmetic.yaml``) trains on them.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def arithmetic_rows(seed: int, count: int, split: str, exclude: Iterable[str] = 
     return rows
 
 
-#: the shipped files of the second built-in job (``runtime/configs/data/``): seeds and sizes
+#: the shipped files of the second built-in job (``runtime/settings/configs/data/``): seeds and sizes
 ARITHMETIC_FILES = {"arithmetic-eval.jsonl": (2, 200, "test"), "arithmetic-train.jsonl": (1, 1500, "train")}
 
 
@@ -128,5 +128,6 @@ def write_arithmetic_files(folder: str | Path) -> dict[str, Path]:
 if __name__ == "__main__":  # regenerate the shipped files: python -m staleflow.runtime.tasks.builtin DIR
     import sys
 
-    for file in write_arithmetic_files(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parents[1] / "configs" / "data").values():
+    shipped = Path(__file__).parents[1] / "settings" / "configs" / "data"
+    for file in write_arithmetic_files(sys.argv[1] if len(sys.argv) > 1 else shipped).values():
         print(file)

@@ -17,7 +17,7 @@ Built-in scorers (:data:`BUILTIN_REWARDS`):
 - ``math``: 1 if the response's answer (``\\boxed{...}``, or its last expression) is equivalent to the
   reference (LaTeX, fractions, sets...) according to the ``math-verify`` package.
 
-The run loop calls them in worker processes (``runtime/rewarding.py``), so a slow or hanging scorer
+The run loop calls them in worker processes (``runtime/run/rewarding.py``), so a slow or hanging scorer
 cannot stall it; :func:`check_reward_spec` resolves a spec at start-up so a typo or an import error
 stops the job before anything starts.
 """

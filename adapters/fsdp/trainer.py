@@ -1,0 +1,310 @@
+"""The :class:`~staleflow.runtime.interfaces.Trainer` seam on FSDP2: ``train.world_size`` ranks.
+
+Each rank (:class:`FSDPRank`, a process of its own: spawned, or a Ray actor with one GPU) builds the
+Hugging Face model on the meta device, shards it with ``torch.distributed.fsdp.fully_shard`` (each
+decoder layer, then the whole :class:`~staleflow.adapters.rlkit.packing.LogProbModel`), receives its
+shards from rank 0 (the only rank that reads the checkpoint, on CPU), and runs the same RL step as
+the one-process torch trainer (:func:`~staleflow.adapters.rlkit.packed_step.train_minibatches`):
+packed token-budget micro-batches, chunked log-probs, gradient accumulation, the per-token average
+taken over the whole minibatch on all ranks. Mixed precision on GPU: parameters computed in bf16
+(``MixedPrecisionPolicy``), gradients reduced and weights kept in fp32; fp32 on CPU (gloo).
+
+The driver side (:class:`FSDPTrainer`) checks and lays out each batch, spreads every minibatch's
+sequences over the ranks with balanced token counts and runs the step on all ranks; after each step
+the ranks gather the full weights on rank 0 (on CPU), the published version. Rank 0 keeps that copy:
+it writes checkpoints and decodes the greedy evaluation itself. With Ray actors as ranks it puts the
+copy into Ray's object store once and the driver gets an
+:class:`~staleflow.adapters.ray.object_weights.ObjectStoreWeights` reference, which the parameter
+server keeps and the instances fetch: weights never travel through the driver (with spawned
+processes they come to the driver, where the parameter server then is). Checkpoints hold the full
+weights (``model.safetensors``) and the full optimiser state keyed by parameter name, so a
+checkpoint does not depend on the world size; rank 0 reads and checks every file and key of a
+checkpoint before any rank is touched, and a refused one raises in the driver, the group intact.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from staleflow.adapters.rlkit.hf_folder import check_model_folder
+from staleflow.adapters.rlkit.packed_step import DistributedReducer, batch_metrics, split_groups, train_minibatches
+from staleflow.adapters.rlkit.packing import (
+    LogProbModel,
+    batch_sequences,
+    enable_activation_checkpointing,
+    resolve_micro_batch_tokens,
+    split_across_ranks,
+)
+from staleflow.adapters.rlkit.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer, rank_address
+from staleflow.adapters.torch.trainer import (
+    CHECKPOINT_MODEL,
+    CHECKPOINT_STATE,
+    PublishedWeightsDecoder,
+    TrainerSettings,
+    check_trainer_state,
+    empty_causal_lm,
+    load_causal_lm,
+    read_trainer_checkpoint,
+)
+from staleflow.runtime.types import TrainingBatch, TrainResult
+
+CHECKPOINT_FORMAT = "staleflow-fsdp/1"
+_PREFIX = "causal_lm."  # the LogProbModel's name for the Hugging Face model
+
+
+class FSDPRank:
+    """One rank of the FSDP trainer (lives in its own process)."""
+
+    def address(self) -> str:
+        """A ``tcp://`` rendezvous address on this rank's node (asked of rank 0)."""
+        return rank_address()
+
+    def setup(self, rank: int, world_size: int, address: str, model_path: str, settings: TrainerSettings,
+              seed: int, device: str, threads: int, pad_id: int, by_reference: bool) -> None:
+        """Join the process group and shard the model; ``by_reference``: :meth:`publish` puts rank
+        0's copy into Ray's object store and returns a reference (the ranks are Ray actors)."""
+        import torch.distributed as dist
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        torch.set_num_threads(threads)
+        if device == "cuda":
+            index = rank % torch.cuda.device_count()  # one visible GPU per Ray actor, or all of them
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
+        else:
+            self.device = torch.device("cpu")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+        self.rank, self.settings, self.by_reference = rank, settings, by_reference
+        self.full: dict[str, torch.Tensor] = {}  # rank 0: the published version's full weights, on CPU
+        self.decoder = PublishedWeightsDecoder(model_path, pad_id)
+        self.restoring: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # rank 0: a checked checkpoint
+        torch.manual_seed(seed)
+        # Only rank 0 reads the checkpoint (on CPU); every rank builds the model on the meta device,
+        # shards it, and then receives its shards from rank 0.
+        loaded = load_causal_lm(model_path) if rank == 0 else None
+        model = empty_causal_lm(model_path)
+        model.eval()  # no dropout (as the torch trainer)
+        if settings.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        dtype = settings.compute_dtype(self.device)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else MixedPrecisionPolicy()
+        self.model = LogProbModel(model, chunk=settings.logprob_chunk, temperature=settings.temperature)
+        self.micro_batch_tokens = resolve_micro_batch_tokens(model, settings.micro_batch_tokens)
+        for layer in model.get_decoder().layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(self.model, mp_policy=policy)
+        self._receive_weights(model, loaded)
+        del loaded
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+        )
+        warmup = settings.lr_warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.reducer = DistributedReducer(self.device)
+        self.shapes, self.params = shapes, [name for name, _ in self.model.named_parameters()]
+
+    def _receive_weights(self, model: Any, loaded: Any) -> None:
+        """Materialise the sharded meta-device ``model`` and fill it from rank 0's ``loaded`` copy:
+        each rank keeps its shard of every weight; the buffers (rotary tables, which no state dict
+        holds) are copied whole."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        self.model.to_empty(device=self.device)
+        full = {_PREFIX + k: v for k, v in loaded.state_dict().items()} if loaded is not None else {}
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        source = dict(loaded.named_buffers()) if loaded is not None else {}
+        for name, buffer in model.named_buffers():
+            if loaded is not None:
+                buffer.copy_(source[name])
+            dist.broadcast(buffer, src=0)
+
+    def step(self, minibatches: list[list[Any]]) -> dict[str, float] | None:
+        s = self.settings
+        metrics = train_minibatches(
+            self.model, self.optimizer, list(self.model.parameters()), minibatches, loss=s.loss, grad_clip=s.grad_clip,
+            max_tokens=self.micro_batch_tokens, device=self.device, reducer=self.reducer,
+        )
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return metrics if self.rank == 0 else None
+
+    def publish(self, version: int) -> Any:
+        """Gather the full weights on rank 0 (a collective: every rank calls it) and keep them there;
+        rank 0 returns them, or a reference to them in Ray's object store (``by_reference``)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        self.full = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+        if self.by_reference:
+            from staleflow.adapters.ray.object_weights import ObjectStoreWeights
+
+            return ObjectStoreWeights.put(self.full, version)
+        return self.full
+
+    def save(self, folder: str, version: int, python_rng: Any) -> None:
+        """Write a checkpoint to ``folder`` from rank 0 (a collective: the optimiser state is gathered)."""
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return
+        target = Path(folder)
+        save_file({k: v.contiguous() for k, v in self.full.items()}, str(target / CHECKPOINT_MODEL))
+        torch.save({"format": CHECKPOINT_FORMAT, "version": version, "torch_rng": torch.get_rng_state(), "python_rng": python_rng,
+                    "optimizer": state, "scheduler": self.scheduler.state_dict()}, target / CHECKPOINT_STATE)
+
+    def read_checkpoint(self, folder: str) -> dict[str, Any] | None:
+        """Rank 0: read and check the checkpoint in ``folder`` (kept for :meth:`load`); the small part
+        of its state every rank and the driver need, or ``{"refused": (kind, message)}``."""
+        if self.rank != 0:
+            return None
+        source = Path(folder)
+        expected = {name: torch.empty(shape, device="meta") for name, shape in self.shapes.items()}
+        try:
+            weights, state = read_trainer_checkpoint(source, expected)
+            _check_state(state, self.params, self.shapes, source / CHECKPOINT_STATE)
+        except (ValueError, FileNotFoundError) as error:
+            return {"refused": (type(error).__name__, str(error))}
+        self.restoring = (weights, state)
+        return {key: state[key] for key in ("version", "python_rng", "scheduler", "torch_rng")}
+
+    def load(self, small: dict[str, Any]) -> None:
+        """Restore the checkpoint rank 0 read (a collective: rank 0's weights and optimiser state are
+        broadcast to the others); ``small``: what :meth:`read_checkpoint` returned."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        full, optimizer = {}, {}
+        if self.rank == 0:
+            assert self.restoring is not None, "read_checkpoint() first"
+            weights, state = self.restoring
+            full, optimizer, self.restoring = {_PREFIX + k: v for k, v in weights.items()}, state["optimizer"], None
+        set_model_state_dict(self.model, full, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
+        self.scheduler.load_state_dict(small["scheduler"])
+        torch.set_rng_state(small["torch_rng"])
+
+    def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int) -> list[list[int]] | None:
+        """Rank 0: greedy responses of the published weights, on a CPU copy of the model."""
+        if self.rank != 0:
+            return None
+        return self.decoder.generate(self.full, prompts, max_new_tokens, eos_id, batch_size)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class FSDPTrainer(WorkerGroupTrainer):
+    """GRPO training on ``world_size`` FSDP2 ranks (see the module docstring).
+
+    Same constructor arguments and extras (``save_checkpoint``, ``load_checkpoint``,
+    ``generate_greedy``) as :class:`~staleflow.adapters.torch.trainer.TorchTrainer`, plus
+    ``world_size``, ``device`` (``cpu``: gloo; ``cuda``: NCCL, one GPU per rank) and ``launcher``
+    (``process``: spawned processes; ``ray``: Ray actors, ``gpus_per_rank`` GPUs each on CUDA, in
+    bundles ``0 .. world_size - 1`` of ``placement_group`` when one is given). With ``ray``,
+    :meth:`weights` is an :class:`~staleflow.adapters.ray.object_weights.ObjectStoreWeights`
+    reference to rank 0's copy, not the weights.
+    """
+
+    def __init__(self, model_path: str | os.PathLike[str], *, settings: TrainerSettings | None = None, pad_id: int = 0,
+                 version: int = 0, world_size: int = 2, device: str = "cpu", seed: int = 0, threads: int = 1,
+                 launcher: str = "process", gpus_per_rank: float = 1.0, placement_group: Any = None) -> None:
+        self._model_path = check_model_folder(model_path)
+        settings = settings if settings is not None else TrainerSettings()
+        self._settings, self._world = settings, world_size
+        if launcher == "ray":
+            gpus, cpus = (gpus_per_rank, 1) if device == "cuda" else (0, 0)
+            self._workers: Any = RayWorkers(FSDPRank, world_size, num_gpus=gpus, num_cpus=cpus, placement_group=placement_group)
+        elif launcher == "process":
+            self._workers = ProcessWorkers(FSDPRank, world_size)
+        else:
+            raise ValueError(f"launcher must be 'process' or 'ray', got {launcher!r}")
+        try:
+            address = self._workers.call_all("address")[0]
+            args = (world_size, address, str(self._model_path), settings, seed, device, threads, pad_id, launcher == "ray")
+            self._workers.call_all("setup", [(rank, *args) for rank in range(world_size)])
+            published = self._publish(version)
+        except BaseException:
+            self._workers.close()
+            raise
+        self._start_background(version, published, "fsdp-trainer")
+
+    def _publish(self, version: int) -> Any:
+        return self._workers.call_all("publish", [(version,)] * self._world)[0]
+
+    # ----------------------------------------------------------------------------------- the step
+    def _step(self, batch: TrainingBatch) -> TrainResult:
+        started = time.perf_counter()
+        groups = batch_sequences(batch, scale_advantages=self._settings.scale_advantages)
+        minibatches = split_groups(groups, self._settings.minibatches)
+        shares: list[list[list[Any]]] = [[[] for _ in minibatches] for _ in range(self._world)]
+        for m, mini in enumerate(minibatches):
+            for rank, indices in enumerate(split_across_ranks([len(s) for s in mini], self._world)):
+                shares[rank][m] = [mini[i] for i in indices]
+        with self._lock:
+            metrics = self._workers.call_all("step", [(share,) for share in shares])[0]
+            gathered = time.perf_counter()
+            self._published = self._publish(self._version + 1)
+            self._version += 1
+        seconds = time.perf_counter() - started
+        metrics.update(batch_metrics(groups, batch.version))
+        metrics.update({"train_s": seconds, "gather_s": time.perf_counter() - gathered,
+                        "train_tokens_per_s": metrics["tokens"] / seconds if seconds > 0 else 0.0})
+        return TrainResult(version=self._version, metrics=metrics)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, folder: str | os.PathLike[str]) -> Path:
+        """Full weights, full optimiser state (by parameter name), schedule, version, RNG; written by
+        rank 0 (``folder`` must be on a filesystem it shares with this process)."""
+        target = self._checkpoint_folder(folder)
+        with self._lock:
+            self._workers.call_all("save", [(str(target.resolve()), self._version, random.getstate())] * self._world)
+        return target
+
+    def load_checkpoint(self, folder: str | os.PathLike[str]) -> int:
+        """Restore what :meth:`save_checkpoint` wrote (any world size); returns the restored version.
+        A checkpoint that cannot be restored whole raises (ValueError or FileNotFoundError, naming
+        the file) and changes nothing."""
+        source = self._restore_folder(folder)
+        with self._lock:
+            small = self._workers.call_all("read_checkpoint", [(str(source.resolve()),)] * self._world)[0]
+            if "refused" in small:
+                kind, message = small["refused"]
+                raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
+            self._workers.call_all("load", [(small,)] * self._world)
+            random.setstate(small["python_rng"])
+            self._version = int(small["version"])
+            self._published = self._publish(self._version)
+        return self._version
+
+    # --------------------------------------------------------------------------------- evaluation
+    def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int = 64) -> list[list[int]]:
+        """Greedy responses of the published weights, decoded by rank 0 on a CPU copy of the model."""
+        with self._lock:
+            return self._workers.call_all("generate_greedy", [(prompts, max_new_tokens, eos_id, batch_size)] * self._world)[0]  # type: ignore[no-any-return]
+
+
+def _check_state(state: Any, params: list[str], shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Refuse a trainer state that is not this trainer's (format, then every part: :func:`check_trainer_state`)."""
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        found = state.get("format", "a torch-trainer state") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"checkpoint file {path} is not an FSDP trainer state ({CHECKPOINT_FORMAT}); found {found}")
+    known = {name: shapes[name.removeprefix(_PREFIX)] for name in params if name.removeprefix(_PREFIX) in shapes}
+    check_trainer_state(state, path, [params], known)

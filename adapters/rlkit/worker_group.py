@@ -1,0 +1,230 @@
+"""A group of trainer ranks, each an object in a process of its own, called all together.
+
+:class:`ProcessWorkers` starts ``world_size`` spawned processes (``torch.multiprocessing``, tensors
+pass through shared memory); :class:`RayWorkers` places the same objects as Ray actors (one GPU each
+when asked). Either way :meth:`call_all` sends one call to every rank and waits for all answers,
+because the ranks' work is collective (FSDP all-gathers and reduce-scatters): a rank that fails or
+dies would leave the others blocked in a collective, so the first failure stops the whole group and
+raises :class:`WorkerGroupError` naming the rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from staleflow.adapters.rlkit.step_thread import BackgroundStepTrainer
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank failed or died; the group is stopped."""
+
+
+def rank_address() -> str:
+    """A ``tcp://`` rendezvous address on the calling rank's node (asked of rank 0): inside a Ray
+    actor the node's address, reachable from the other nodes; otherwise loopback."""
+    import sys
+
+    host = "127.0.0.1"
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        host = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+def _serve(rank: int, conn: Any, factory: Callable[[], Any]) -> None:
+    """A rank's process: build the object, then run calls until ``None`` (or the pipe closes)."""
+    try:
+        target = factory()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        name, args = message
+        try:
+            conn.send(("ok", getattr(target, name)(*args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class ProcessWorkers:
+    """``world_size`` spawned processes, each holding ``factory()``'s object.
+
+    Args:
+        factory: a picklable callable building one rank's object (called in the child).
+        world_size: number of ranks.
+        timeout_s: longest wait for one call's answers (a dead process is noticed at once).
+    """
+
+    def __init__(self, factory: Callable[[], Any], world_size: int, timeout_s: float = 3600.0) -> None:
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        self._timeout = timeout_s
+        self._conns, self._procs = [], []
+        self.world_size = world_size
+        for rank in range(world_size):
+            parent, child = context.Pipe()
+            proc = context.Process(target=_serve, args=(rank, child, factory), name=f"staleflow-trainer-rank{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._broken: str | None = None
+        self._collect("start")
+
+    def call_all(self, name: str, args: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+        """``getattr(rank_object, name)(*args[rank])`` on every rank; the answers in rank order."""
+        if self._broken is not None:
+            raise WorkerGroupError(f"the trainer's worker group is stopped ({self._broken})")
+        per_rank = list(args) if args is not None else [()] * self.world_size
+        for conn, rank_args in zip(self._conns, per_rank):
+            conn.send((name, rank_args))
+        return self._collect(name)
+
+    def _collect(self, name: str) -> list[Any]:
+        import time
+
+        answers: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + self._timeout
+        while pending:
+            for rank in sorted(pending):
+                conn, proc = self._conns[rank], self._procs[rank]
+                if conn.poll(0.05):
+                    try:
+                        status, value = conn.recv()
+                    except (EOFError, OSError):
+                        self._fail(f"rank {rank} died during {name!r} (exit code {proc.exitcode})")
+                    if status == "error":
+                        self._fail(f"rank {rank} failed in {name!r}:\n{value}")
+                    answers[rank] = value
+                    pending.discard(rank)
+                elif not proc.is_alive():
+                    self._fail(f"rank {rank} died during {name!r} (exit code {proc.exitcode})")
+            if time.monotonic() > deadline:
+                self._fail(f"ranks {sorted(pending)} did not answer {name!r} within {self._timeout:.0f} s")
+        return answers
+
+    def _fail(self, reason: str) -> None:
+        self._broken = reason
+        self._stop(graceful=False)
+        raise WorkerGroupError(reason)
+
+    def close(self) -> None:
+        if self._broken is None:
+            self._broken = "closed"
+            self._stop(graceful=True)
+
+    def _stop(self, graceful: bool) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if graceful and proc.is_alive():
+                try:
+                    conn.send(None)
+                except (OSError, BrokenPipeError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=10 if graceful else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+
+
+class _RankHost:
+    """What a Ray actor holds: one rank's object, called by name."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self._target = factory()
+
+    def call(self, name: str, args: tuple[Any, ...]) -> Any:
+        return getattr(self._target, name)(*args)
+
+
+class RayWorkers:
+    """The ranks as Ray actors (``num_gpus`` each; Ray sets each actor's ``CUDA_VISIBLE_DEVICES``).
+
+    Ray must be running (``ray.init`` or an existing cluster). ``placement_group``: an optional Ray
+    placement group with one bundle per rank, bundle ``rank`` for rank ``rank``.
+    """
+
+    def __init__(self, factory: Callable[[], Any], world_size: int, *, num_gpus: float = 0, num_cpus: float = 1,
+                 placement_group: Any = None) -> None:
+        import ray
+
+        self.world_size = world_size
+        self._actors = []
+        for rank in range(world_size):
+            options: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": num_cpus, "name": None}
+            if placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=rank)
+            self._actors.append(ray.remote(_RankHost).options(**options).remote(factory))
+        self._broken: str | None = None
+
+    def call_all(self, name: str, args: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+        import ray
+
+        if self._broken is not None:
+            raise WorkerGroupError(f"the trainer's worker group is stopped ({self._broken})")
+        per_rank = list(args) if args is not None else [()] * self.world_size
+        refs = [actor.call.remote(name, a) for actor, a in zip(self._actors, per_rank)]
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        answers: list[Any] = [None] * self.world_size
+        remaining = list(refs)
+        while remaining:  # the first failure (of any rank) stops the group: the others may be in a collective
+            ready, remaining = ray.wait(remaining, num_returns=1)
+            rank = rank_of[ready[0]]
+            try:
+                answers[rank] = ray.get(ready[0])
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:
+                self._broken = f"rank {rank} failed in {name!r}: {error}"
+                self.close()
+                raise WorkerGroupError(self._broken) from error
+        return answers
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors = []
+        self._broken = self._broken or "closed"
+
+
+class WorkerGroupTrainer(BackgroundStepTrainer):
+    """A trainer whose ranks are a worker group (FSDP, Megatron): the shared evaluation and shutdown.
+
+    Subclasses set ``self._workers`` (:class:`ProcessWorkers` or :class:`RayWorkers`) and either
+    ``self._decoder`` (a :class:`~staleflow.adapters.torch.trainer.PublishedWeightsDecoder`, for
+    published weights held here) or their own :meth:`generate_greedy` (FSDP: rank 0 decodes).
+    """
+
+    _workers: Any
+    _decoder: Any
+
+    def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int = 64) -> list[list[int]]:
+        """Greedy responses of the published weights, on a CPU copy of the model in this process."""
+        with self._lock:
+            return self._decoder.generate(self._published, prompts, max_new_tokens, eos_id, batch_size)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        super().close()
+        try:
+            self._workers.call_all("close")
+        except Exception:  # noqa: S110 - a broken group is stopped already
+            pass
+        self._workers.close()

