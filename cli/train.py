@@ -220,8 +220,6 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
             weights_dir=str(run_dir / ".weights"),
             engine_kwargs=config.rollout.engine_settings(),
             start_timeout_s=config.rollout.start_timeout_s,
-            # tensor parallelism needs vLLM's engine core in its own processes (one per GPU)
-            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if config.rollout.gpus_per_instance > 1 else None,
         )
         for i in range(config.rollout.instances)
     ]
@@ -234,7 +232,7 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
         model_v0 = base
     if model_v0 == base and not isinstance(evaluator, Evaluator):
         evaluator.starts_at(0)
-    trainer = make_trainer(config, model_v0, tokens, placement.placement_group)
+    trainer = make_trainer(config, model_v0, tokens, placement.group_handle("trainer"))
     saved_state = None
     if checkpoint is not None:  # the trainer first, so the instances start at its version
         saved_state = json.loads((checkpoint / LOOP_STATE).read_text(encoding="utf-8"))

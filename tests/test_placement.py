@@ -5,29 +5,58 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from staleflow.runtime.settings.config import load_config
-from staleflow.runtime.settings.placement_plan import ActorPlan, PlacementPlan, missing_resources, plan_placement
+from staleflow.runtime.settings.placement_plan import BundlePlan, GroupPlan, PlacementPlan, missing_resources, plan_placement
 
 
-def test_plan_has_one_actor_per_instance_with_its_tensor_parallel_gpus() -> None:
-    plan = plan_placement(load_config(overrides=["rollout.instances=3", "rollout.gpus_per_instance=2", "rollout.cpus_per_instance=4"]))
-    assert [(a.name, a.cpus, a.gpus) for a in plan.actors] == [("rollout-0", 4, 2), ("rollout-1", 4, 2), ("rollout-2", 4, 2)]
+def _bundles(plan: PlacementPlan) -> dict[str, list[dict[str, float]]]:
+    return {g.name: [b.resources() for b in g.bundles] for g in plan.groups}
+
+
+def test_a_tensor_parallel_instance_has_one_gpu_per_bundle_and_its_engine_actor_takes_no_gpu() -> None:
+    """Finding 1 (issue 24): vLLM's Ray executor refuses a bundle with more than one GPU
+    (vllm/v1/executor/ray_utils.py, initialize_ray_cluster), and its workers would wait for GPUs
+    an engine actor holding all of them never frees. Each TP-2 instance: its own one-node group of
+    two {GPU: 1} bundles, the engine actor with num_gpus=0, its workers told which bundles to use."""
+    config = load_config(overrides=["rollout.instances=3", "rollout.gpus_per_instance=2", "rollout.cpus_per_instance=4"])
+    plan = plan_placement(config)
+    assert _bundles(plan) == {f"rollout-{i}": [{"CPU": 4.0, "GPU": 1.0}, {"GPU": 1.0}] for i in range(3)}
+    assert {g.strategy for g in plan.groups} == {"STRICT_PACK"}
+    actor = plan.actor("rollout-1")
+    assert (actor.group, actor.bundle, actor.num_gpus, actor.gpus, actor.worker_bundles) == ("rollout-1", 0, 0.0, 2.0, (0, 1))
+    assert actor.environment == {"VLLM_RAY_BUNDLE_INDICES": "0,1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    assert config.rollout.engine_settings()["distributed_executor_backend"] == "ray"
     assert (plan.total_cpus, plan.total_gpus) == (12, 6)
-    assert plan.actors[0].bundle() == {"CPU": 4, "GPU": 2.0}
+
+
+def test_an_instance_wider_than_a_node_spreads_its_workers_over_nodes() -> None:
+    plan = plan_placement(load_config(overrides=["rollout.instances=1", "rollout.gpus_per_instance=16", "cluster.gpus_per_node=8"]))
+    assert plan.group("rollout-0").strategy == "PACK" and len(plan.group("rollout-0").bundles) == 16
+    assert plan_placement(load_config(overrides=["rollout.gpus_per_instance=8", "cluster.gpus_per_node=8"])).group("rollout-0").strategy == "STRICT_PACK"
+
+
+def test_a_one_gpu_instance_holds_its_gpu_in_the_actor_and_runs_vllm_in_process() -> None:
+    config = load_config(overrides=["rollout.gpus_per_instance=1"])
+    actor = plan_placement(config).actor("rollout-0")
+    assert (actor.num_gpus, actor.worker_bundles, actor.env) == (1.0, (), ())
+    assert "distributed_executor_backend" not in config.rollout.engine_settings()
 
 
 def test_the_built_in_cpu_job_reserves_nothing_but_token_bundles() -> None:
     plan = plan_placement(load_config())
     assert (plan.total_cpus, plan.total_gpus, len(plan.actors)) == (0, 0, 2)
-    assert all(a.bundle() == {"CPU": 0.001} for a in plan.actors)
+    assert all(b.resources() == {"CPU": 0.001} for g in plan.groups for b in g.bundles)
+    assert [(a.num_cpus, a.num_gpus) for a in plan.actors] == [(0.001, 0), (0.001, 0)]
     assert missing_resources(plan, {"CPU": 2.0}) == []
 
 
-def test_missing_resources_name_the_resource_the_need_and_the_actors() -> None:
-    plan = PlacementPlan((ActorPlan("rollout-0", "rollout instance", 1, 4), ActorPlan("rollout-1", "rollout instance", 1, 4)), None)
+def test_missing_resources_name_the_resource_the_need_and_the_groups() -> None:
+    groups = tuple(GroupPlan(f"rollout-{i}", "STRICT_PACK", (BundlePlan(1, 4, f"rollout-{i}"),)) for i in range(2))
+    plan = PlacementPlan(groups, (), None)
     assert missing_resources(plan, {"CPU": 8, "GPU": 8}) == []
     assert missing_resources(plan, {"CPU": 1, "GPU": 6}) == [
         "GPU: the job needs 8 (rollout-0, rollout-1), the cluster has 6",
@@ -41,7 +70,7 @@ def test_vllm_settings_resolve_by_device_and_pass_engine_kwargs_through() -> Non
     gpu = load_config(overrides=["rollout.gpus_per_instance=4", "rollout.engine_kwargs={max_num_batched_tokens: 8192}"]).rollout
     assert gpu.engine_settings() == {
         "dtype": "bfloat16", "enforce_eager": False, "tensor_parallel_size": 4, "gpu_memory_utilization": 0.9,
-        "max_num_batched_tokens": 8192,
+        "distributed_executor_backend": "ray", "max_num_batched_tokens": 8192,
     }
 
 
@@ -82,18 +111,50 @@ def test_train_refuses_a_run_it_cannot_start_or_resume_before_anything_starts(tm
     assert not ray.is_initialized()
 
 
+def _tensor_parallel_probe() -> dict[str, object]:
+    """Runs in an engine actor: what vLLM's Ray executor would find there (its captured placement
+    group and the GPUs one worker per bundle gets)."""
+    import os
+
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = ray.util.get_current_placement_group()
+
+    @ray.remote(num_cpus=0, num_gpus=1)
+    def worker_gpus() -> str:
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+    strategies = [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i) for i in range(len(group.bundle_specs))]
+    return {
+        "actor_gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "bundles": group.bundle_specs,
+        "worker_gpus": ray.get([worker_gpus.options(scheduling_strategy=s).remote() for s in strategies]),
+        "bundle_indices": os.environ.get("VLLM_RAY_BUNDLE_INDICES"),
+    }
+
+
 @pytest.mark.ray
-def test_each_actor_gets_its_own_gpus_and_a_short_cluster_is_refused_before_any_actor_starts(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_tensor_parallel_engines_capture_their_group_and_their_workers_get_one_gpu_each(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Finding 1 on a real Ray cluster (4 logical GPUs): inside each TP-2 engine actor the current
+    placement group is the instance's own, of two one-GPU bundles; the actor holds no GPU; a worker
+    per bundle gets its own GPU, and the two instances' GPUs do not overlap. A bigger plan is refused
+    before any actor starts."""
     import ray
     from staleflow.adapters.ray.placement import PlacementError, RayPlacement
 
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the tests folder
     plan = plan_placement(load_config(overrides=["rollout.instances=2", "rollout.gpus_per_instance=2"]))
     placement = RayPlacement(attributes=())  # the shared cluster: 2 CPUs, 4 (logical) GPUs
     try:
         placement.reserve(plan)
-        devices = [placement.place_reserved(a.name, os.getenv, "CUDA_VISIBLE_DEVICES").strip() for a in plan.actors]
-        gpus = [set(d.split(",")) for d in devices]
-        assert all(len(g) == 2 for g in gpus) and not gpus[0] & gpus[1], devices
+        probes = [placement.place_reserved(a.name, _tensor_parallel_probe) for a in plan.actors]
+        seen = [{key: probe.get(key) for key in ("actor_gpus", "bundles", "worker_gpus", "bundle_indices")} for probe in probes]
+        for probe in seen:
+            assert probe["actor_gpus"] == "" and probe["bundle_indices"] == "0,1"
+            assert [b["GPU"] for b in probe["bundles"]] == [1.0, 1.0]
+        workers = [set(p["worker_gpus"]) for p in seen]
+        assert all(len(w) == 2 for w in workers) and not workers[0] & workers[1], seen
         bigger = plan_placement(load_config(overrides=["rollout.instances=3", "rollout.gpus_per_instance=2"]))
         with pytest.raises(PlacementError, match="GPU: the job needs 6 .* the cluster has 4"):
             placement.reserve(bigger)
@@ -125,7 +186,8 @@ def test_train_exits_2_naming_the_missing_gpus_before_any_engine_starts(tmp_path
 
 def test_ray_placed_servers_are_in_the_plan() -> None:
     plan = plan_placement(load_config(overrides=["servers.placement=ray", "servers.cpus=1"]))
-    assert [(a.name, a.cpus, a.gpus) for a in plan.actors][2:] == [("trajectory-server", 1, 0), ("parameter-server", 1, 0)]
+    assert [(a.name, a.group, a.num_cpus, a.gpus) for a in plan.actors][2:] == [
+        ("trajectory-server", "servers", 1, 0), ("parameter-server", "servers", 1, 0)]
     assert [a.name for a in plan_placement(load_config()).actors] == ["rollout-0", "rollout-1"]
 
 
@@ -149,7 +211,7 @@ def test_fsdp_ranks_with_gpus_come_first_in_the_plan_and_the_smoke_run_fits_one_
     out = subprocess.run(["bash", "scripts/gpu-smoke.sh", "--plan"], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip().endswith("total: 1 CPU, 1 GPU")
-    assert "trainer-0         trainer rank      1 CPU, 0.5 GPU" in out.stdout
+    assert "trainer-0         trainer rank      0.5 GPU (actor: 1 CPU, 0.5 GPU)" in out.stdout
 
 
 @pytest.mark.parametrize(
@@ -172,3 +234,59 @@ def test_megatron_ranks_are_planned_like_fsdp_ranks() -> None:
     plan = plan_placement(load_config(overrides=overrides))
     assert [a.name for a in plan.actors][:4] == ["trainer-0", "trainer-1", "trainer-2", "trainer-3"]
     assert plan.total_gpus == 4  # + the rollout instances, on CPU here
+
+
+_EIGHT_GPUS = {"CPU": 64, "GPU": 8}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "groups"),
+    [
+        # one node of 8 GPUs: 6 TP-1 instances + FSDP on 2
+        (["rollout.instances=6", "rollout.gpus_per_instance=1", "rollout.cpus_per_instance=4", "train.backend=fsdp",
+          "train.world_size=2", "train.gpus=1"],
+         {"trainer": [{"CPU": 1.0, "GPU": 1.0}] * 2, **{f"rollout-{i}": [{"CPU": 4.0, "GPU": 1.0}] for i in range(6)}}),
+        # 8 GPUs: 2 TP-2 instances + FSDP on 4
+        (["rollout.instances=2", "rollout.gpus_per_instance=2", "rollout.cpus_per_instance=4", "train.backend=fsdp",
+          "train.world_size=4", "train.gpus=1"],
+         {"trainer": [{"CPU": 1.0, "GPU": 1.0}] * 4, **{f"rollout-{i}": [{"CPU": 4.0, "GPU": 1.0}, {"GPU": 1.0}] for i in range(2)}}),
+    ],
+    ids=["6xTP1+fsdp2", "2xTP2+fsdp4"],
+)
+def test_one_node_of_eight_gpus_is_planned_bundle_by_bundle(overrides: list[str], groups: dict[str, list[dict[str, float]]]) -> None:
+    plan = plan_placement(load_config(overrides=overrides))
+    assert _bundles(plan) == groups
+    assert plan.total_gpus == 8 and missing_resources(plan, _EIGHT_GPUS) == []
+    assert [(a.name, a.bundle) for a in plan.actors if a.group == "trainer"] == [(f"trainer-{r}", r) for r in range(len(groups["trainer"]))]
+    assert sum(a.gpus for a in plan.actors) == 8  # every GPU has exactly one user
+
+
+def test_the_qwen3_moe_example_plans_tensor_parallel_instances_an_eval_engine_and_sixteen_ranks() -> None:
+    config = load_config(Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "examples" / "qwen3-30b-a3b-multinode.yaml")
+    plan = plan_placement(config)
+    engines = [g for g in plan.groups if g.name.startswith("rollout-") or g.name == "eval"]
+    assert len(engines) == 12 and all(len(g.bundles) == 4 and g.strategy == "STRICT_PACK" for g in engines)
+    assert all(b.resources() == ({"CPU": 8.0, "GPU": 1.0} if i == 0 else {"GPU": 1.0}) for g in engines for i, b in enumerate(g.bundles))
+    assert plan.actor("eval").role == "evaluation engine" and plan.actor("eval").num_gpus == 0
+    assert len(plan.group("trainer").bundles) == 16 and plan.total_gpus == 64
+
+
+def test_the_evaluation_engine_reserves_its_own_bundle_shaped_like_a_rollout_instance() -> None:
+    """Finding 2 (issue 24): the evaluation engine ran on a GPU it never reserved. Now a job that
+    evaluates on an engine (prompts from files) plans it like a rollout instance; the built-in task
+    (evaluated by the trainer) and a job with evaluation off plan none."""
+    data = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "data"
+    files = [f"task.prompt_file={data / 'arithmetic-train.jsonl'}", "rollout.gpus_per_instance=1"]
+    plan = plan_placement(load_config(overrides=files))
+    assert _bundles(plan)["eval"] == _bundles(plan)["rollout-0"] == [{"GPU": 1.0}]
+    assert plan.actor("eval").num_gpus == 1.0
+    assert "eval" not in _bundles(plan_placement(load_config(overrides=[*files, "task.eval_prompts=0", "task.eval_every=0"])))
+    assert "eval" not in _bundles(plan_placement(load_config(overrides=["rollout.gpus_per_instance=1"])))
+
+
+def test_collective_trainer_ranks_may_not_share_a_gpu() -> None:
+    """Finding 10 (issue 24): train.gpus=0.5 with world_size 2 packed two NCCL ranks on one GPU,
+    which NCCL refuses ("Duplicate GPU detected"); it is refused naming both fields."""
+    with pytest.raises(Exception, match=r"train.gpus=0.5 with train.world_size=2: ranks of one collective need a GPU each"):
+        load_config(overrides=["train.backend=fsdp", "train.world_size=2", "train.gpus=0.5"])
+    assert load_config(overrides=["train.backend=fsdp", "train.world_size=1", "train.gpus=0.5"]).train.gpus == 0.5

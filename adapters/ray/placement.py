@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from staleflow.runtime.settings.placement_plan import ActorPlan, PlacementPlan, missing_resources
+from staleflow.runtime.settings.placement_plan import PlacementPlan, missing_resources
 
 
 class PlacementError(RuntimeError):
@@ -95,56 +95,70 @@ class RayPlacement:
         self._host = ray.remote(num_cpus=0)(_Host)
         self._attributes = tuple(attributes)
         self._actors: list[Any] = []
-        self._group: Any = None
-        self._bundles: dict[str, int] = {}
-        self._plan: dict[str, ActorPlan] = {}
+        self._groups: dict[str, Any] = {}
+        self._plan: PlacementPlan | None = None
 
     def reserve(self, plan: PlacementPlan, timeout_s: float = 120.0) -> None:
-        """Reserve every actor of ``plan`` at once (one placement group, a bundle per actor), or
-        raise :class:`PlacementError` naming what is missing, before any actor starts."""
+        """Reserve every placement group of ``plan`` at once, or raise :class:`PlacementError`
+        naming what is missing, before any actor starts (a group that cannot be placed in
+        ``timeout_s`` removes them all)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
         problems = missing_resources(plan, ray.cluster_resources())
         if problems:
             raise PlacementError("the Ray cluster lacks resources for this job: " + "; ".join(problems))
-        group = placement_group([actor.bundle() for actor in plan.actors], strategy="PACK")
+        groups = {g.name: placement_group([b.resources() for b in g.bundles], strategy=g.strategy) for g in plan.groups}
         try:
-            ray.get(group.ready(), timeout=timeout_s)
+            ray.get([group.ready() for group in groups.values()], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            remove_placement_group(group)
-            widest = max(plan.actors, key=lambda a: a.gpus)
+            for group in groups.values():
+                remove_placement_group(group)
+            widest = max(plan.groups, key=lambda g: sum(b.gpus for b in g.bundles))
             raise PlacementError(
-                f"the Ray cluster could not place the job's {len(plan.actors)} actors within {timeout_s:g} s "
-                f"(no node holds a bundle? the largest is {widest.name}: {widest.gpus} GPU)"
+                f"the Ray cluster could not place the job's {len(plan.groups)} placement groups within {timeout_s:g} s "
+                f"(no node holds a group? the widest is {widest.name}: {sum(b.gpus for b in widest.bundles):g} GPU "
+                f"on {widest.node_constraint})"
             ) from None
-        self._group = group
-        self._bundles = {actor.name: index for index, actor in enumerate(plan.actors)}
-        self._plan = {actor.name: actor for actor in plan.actors}
+        self._groups = groups
+        self._plan = plan
 
-    @property
-    def placement_group(self) -> Any:
-        """The placement group :meth:`reserve` made (None before), for launchers that place their
-        own actors in its bundles (the FSDP trainer's ranks: bundles ``0 .. world_size - 1``)."""
-        return self._group
+    def group_handle(self, name: str) -> Any:
+        """The Ray placement group :meth:`reserve` made for group ``name`` (None if there is none),
+        for launchers that place their own actors in its bundles (trainer rank ``r`` in bundle ``r``
+        of ``trainer``)."""
+        return self._groups.get(name)
+
+    def actor_options(self, name: str) -> dict[str, Any]:
+        """The Ray options of actor ``name`` of the reserved plan: its own CPUs and GPUs, its bundle,
+        capture of child tasks (a tensor-parallel engine's Ray workers land in its group) and its
+        environment."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self._plan is None:
+            raise KeyError(f"actor {name!r}: no plan is reserved")
+        actor = self._plan.actor(name)
+        options: dict[str, Any] = {
+            "num_cpus": actor.num_cpus,
+            "num_gpus": actor.num_gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self._groups[actor.group], placement_group_bundle_index=actor.bundle,
+                placement_group_capture_child_tasks=bool(actor.worker_bundles),
+            ),
+        }
+        if actor.env:
+            options["runtime_env"] = {"env_vars": actor.environment}
+        return options
 
     def place_reserved(
         self, name: str, factory: Callable[..., Any], *args: Any, env: Mapping[str, str] | None = None, **kwargs: Any
     ) -> ActorProxy:
-        """Build ``factory(*args, **kwargs)`` in the bundle :meth:`reserve` set aside for actor
-        ``name``, with its GPUs (Ray sets the actor's ``CUDA_VISIBLE_DEVICES``) and ``env``."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        if name not in self._bundles:
-            raise KeyError(f"actor {name!r} is not in the reserved plan ({', '.join(self._bundles) or 'none reserved'})")
-        actor = self._plan[name]
-        options: dict[str, Any] = {
-            "num_cpus": actor.bundle().get("CPU", 0),
-            "num_gpus": actor.gpus,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=self._bundles[name]),
-        }
+        """Build ``factory(*args, **kwargs)`` as actor ``name`` of the reserved plan
+        (:meth:`actor_options`; Ray sets the actor's ``CUDA_VISIBLE_DEVICES``), ``env`` added to
+        the plan's environment."""
+        options = self.actor_options(name)
         if env:
-            options["runtime_env"] = {"env_vars": dict(env)}
+            options["runtime_env"] = {"env_vars": {**options.get("runtime_env", {}).get("env_vars", {}), **env}}
         return self._start(self._host.options(**options), factory, args, kwargs)
 
     def place(self, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> ActorProxy:
@@ -173,10 +187,11 @@ class RayPlacement:
         for handle in self._actors:
             ray.kill(handle)
         self._actors.clear()
-        if self._group is not None:
+        if self._groups:
             from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self._group)
-            self._group = None
+            for group in self._groups.values():
+                remove_placement_group(group)
+            self._groups = {}
         if self._owns_ray:
             ray.shutdown()

@@ -146,6 +146,8 @@ class RolloutConfig(ConfigSection):
         if gpu:
             settings["tensor_parallel_size"] = self.gpus_per_instance
             settings["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.gpus_per_instance > 1:  # workers as Ray actors in the instance's placement group (placement_plan)
+            settings["distributed_executor_backend"] = "ray"
         return {**settings, **self.engine_kwargs}
 
 
@@ -190,6 +192,9 @@ class ClusterConfig(ConfigSection):
     """CPUs of a local cluster (null: all of this machine's); ignored for an existing cluster."""
     num_gpus: StrictInt | None = Field(None, ge=0, le=1_000_000)
     """GPUs of a local cluster (null: those Ray detects); ignored for an existing cluster."""
+    gpus_per_node: StrictInt | None = Field(None, ge=1, le=1024)
+    """GPUs of one node; a rollout instance wider than that spreads its workers over nodes (null:
+    every instance on one node)."""
 
 
 class ProtocolConfig(ConfigSection):
@@ -278,6 +283,15 @@ class TrainConfig(ConfigSection):
         for i, beta in enumerate(self.betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"train.betas[{i}] = {beta} is out of range; allowed: 0 <= beta < 1")
+        return self
+
+    @model_validator(mode="after")
+    def _one_gpu_per_collective_rank(self) -> TrainConfig:
+        if 0 < self.gpus < 1 and self.world_size > 1:
+            raise ValueError(
+                f"train.gpus={self.gpus:g} with train.world_size={self.world_size}: ranks of one collective need a GPU "
+                "each (NCCL refuses two ranks on one GPU); give train.gpus=1, or world_size=1 to share a GPU"
+            )
         return self
 
     @model_validator(mode="after")

@@ -1,103 +1,211 @@
-"""The placement plan of a training job: which actors it starts and what each one reserves.
+"""The placement plan of a training job: which actors it starts, which GPUs and CPUs each one
+reserves, and how a tensor-parallel rollout instance lays its workers out.
 
 Pure data from the job config, so that ``staleflow train --dry-run`` can print it without starting
 anything, and so that a job can be refused, naming what is missing, before any engine starts
-(:func:`missing_resources`). The Ray binding (:mod:`staleflow.adapters.ray.placement`) turns a plan
-into one placement group with one bundle per actor, so every actor gets exactly its GPUs.
+(:func:`missing_resources`). The Ray binding (:mod:`staleflow.adapters.ray.placement`) turns each
+:class:`GroupPlan` into one Ray placement group and starts each :class:`ActorPlan` in its bundle.
+
+The layout follows what vLLM's Ray executor accepts and what OpenRLHF and verl do (vLLM 0.32
+``v1/executor/ray_utils.py``: a bundle may hold at most one GPU):
+
+- a rollout instance of ``tp`` GPUs gets a placement group of its own with ``tp`` bundles of one
+  GPU each, on one node unless it is wider than a node (``cluster.gpus_per_node``). With ``tp > 1``
+  its engine actor takes no GPU itself (``num_gpus=0``, its CPUs in bundle 0): vLLM's Ray workers
+  take one GPU per bundle and no CPU (``VLLM_RAY_BUNDLE_INDICES`` names the bundles; the actor
+  captures its group for its child tasks). With
+  ``tp == 1`` (or a share of one GPU) the actor holds the GPU and vLLM runs in its process;
+- the evaluation engine, when the job has one, is planned like a rollout instance (its own group);
+- trainer ranks with GPUs share one group, rank ``r`` in bundle ``r``, one GPU (or a share) each;
+- Ray-placed servers share a CPU-only group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from staleflow.runtime.settings.config import JobConfig
 
+#: Ray's placement strategies by what they promise about nodes.
+ONE_NODE = "STRICT_PACK"
+ANY_NODES = "PACK"
+_NODE_WORDS = {ONE_NODE: "one node", ANY_NODES: "any nodes (packed)"}
+
+
+@dataclass(frozen=True)
+class BundlePlan:
+    """One bundle of a placement group: what it reserves and who runs in it."""
+
+    cpus: float
+    gpus: float
+    used_by: str
+
+    def resources(self) -> dict[str, float]:
+        """The Ray bundle: only the resources it asks for (Ray refuses empty bundles: at least a
+        token CPU share)."""
+        resources: dict[str, float] = {}
+        if self.cpus > 0:
+            resources["CPU"] = float(self.cpus)
+        if self.gpus > 0:
+            resources["GPU"] = float(self.gpus)
+        return resources or {"CPU": 0.001}
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One placement group: bundles reserved together, with a node strategy."""
+
+    name: str
+    strategy: str
+    bundles: tuple[BundlePlan, ...]
+
+    @property
+    def node_constraint(self) -> str:
+        return _NODE_WORDS[self.strategy]
+
 
 @dataclass(frozen=True)
 class ActorPlan:
-    """One actor: its name, its role and the resources it reserves (its placement-group bundle)."""
+    """One actor: where it runs (its group and bundle), what it takes itself (``num_cpus``,
+    ``num_gpus``), the bundles its own workers use, and the environment it starts with."""
 
     name: str
     role: str
-    cpus: float
+    group: str
+    bundle: int
+    num_cpus: float
+    num_gpus: float
     gpus: float
+    """GPUs the actor uses in all (its own and its workers')."""
+    worker_bundles: tuple[int, ...] = ()
+    env: tuple[tuple[str, str], ...] = field(default=())
 
-    def bundle(self) -> dict[str, float]:
-        """The Ray bundle: only the resources it asks for (Ray refuses empty bundles: at least a
-        token CPU share)."""
-        bundle: dict[str, float] = {}
-        if self.cpus > 0:
-            bundle["CPU"] = self.cpus
-        if self.gpus > 0:
-            bundle["GPU"] = float(self.gpus)
-        return bundle or {"CPU": 0.001}
+    @property
+    def environment(self) -> dict[str, str]:
+        return dict(self.env)
 
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """Every actor of a job, and the cluster resources they need together."""
+    """Every placement group and actor of a job, and the cluster resources they need together."""
 
+    groups: tuple[GroupPlan, ...]
     actors: tuple[ActorPlan, ...]
     cluster_address: str | None
 
     @property
     def total_cpus(self) -> float:
-        return sum(a.cpus for a in self.actors)
+        return sum(b.cpus for g in self.groups for b in g.bundles)
 
     @property
     def total_gpus(self) -> float:
-        return sum(a.gpus for a in self.actors)
+        return sum(b.gpus for g in self.groups for b in g.bundles)
+
+    def actor(self, name: str) -> ActorPlan:
+        for actor in self.actors:
+            if actor.name == name:
+                return actor
+        raise KeyError(f"actor {name!r} is not in the plan ({', '.join(a.name for a in self.actors) or 'none'})")
+
+    def group(self, name: str) -> GroupPlan:
+        for group in self.groups:
+            if group.name == name:
+                return group
+        raise KeyError(f"placement group {name!r} is not in the plan ({', '.join(g.name for g in self.groups) or 'none'})")
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "cluster_address": self.cluster_address,
-            "actors": [asdict(a) for a in self.actors],
+            "groups": [
+                {"name": g.name, "strategy": g.strategy, "node_constraint": g.node_constraint,
+                 "bundles": [{"index": i, **asdict(b)} for i, b in enumerate(g.bundles)]}
+                for g in self.groups
+            ],
+            "actors": [{**asdict(a), "env": a.environment, "worker_bundles": list(a.worker_bundles)} for a in self.actors],
             "total_cpus": self.total_cpus,
             "total_gpus": self.total_gpus,
         }
 
     def describe(self) -> str:
         lines = [f"cluster: {self.cluster_address or 'a local Ray cluster'}"]
+        for group in self.groups:
+            lines.append(f"  group {group.name} ({group.node_constraint})")
+            for index, bundle in enumerate(group.bundles):
+                lines.append(f"    bundle {index:<3} {bundle.cpus:g} CPU, {bundle.gpus:g} GPU  {bundle.used_by}")
         for actor in self.actors:
-            lines.append(f"  {actor.name:<17} {actor.role:<17} {actor.cpus:g} CPU, {actor.gpus:g} GPU")
+            lines.append(
+                f"  {actor.name:<17} {actor.role:<17} {actor.gpus:g} GPU (actor: {actor.num_cpus:g} CPU, {actor.num_gpus:g} GPU)"
+            )
         lines.append(f"total: {self.total_cpus:g} CPU, {self.total_gpus:g} GPU")
         return "\n".join(lines)
 
 
+def has_eval_engine(config: JobConfig) -> bool:
+    """Whether the job evaluates on an engine of its own: prompts from files and a held-out set
+    (the built-in task is evaluated by the trainer's greedy decoder)."""
+    return config.task.prompt_file is not None and config.task.eval_prompts > 0
+
+
 def plan_placement(config: JobConfig, cluster_address: str | None = None) -> PlacementPlan:
-    """The actors of ``config``'s job: the trainer's ranks when they have GPUs (first, one bundle
-    each), one per rollout instance (its tensor-parallel GPUs or its share of one), and the two
-    servers when they are Ray-placed. A CPU trainer runs in the driver's processes and reserves
-    nothing."""
-    rollout = config.rollout
-    trainer = [  # first: the FSDP launcher puts rank r in bundle r
-        ActorPlan(f"trainer-{rank}", "trainer rank", 1.0, config.train.gpus) for rank in range(config.train.world_size)
-    ] if config.train.gpus > 0 else []
-    actors = trainer + [
-        ActorPlan(f"rollout-{i}", "rollout instance", rollout.cpus_per_instance, rollout.gpu_share)
-        for i in range(rollout.instances)
-    ]
+    """The placement groups and actors of ``config``'s job (module docstring): trainer ranks with
+    GPUs first, then one group per rollout instance, the evaluation engine, and the Ray-placed
+    servers. A CPU trainer runs in the driver's processes and reserves nothing."""
+    groups: list[GroupPlan] = []
+    actors: list[ActorPlan] = []
+    train = config.train
+    if train.gpus > 0:
+        ranks = [f"trainer-{rank}" for rank in range(train.world_size)]
+        groups.append(GroupPlan("trainer", ANY_NODES, tuple(BundlePlan(1.0, train.gpus, name) for name in ranks)))
+        actors += [ActorPlan(name, "trainer rank", "trainer", rank, 1.0, train.gpus, train.gpus) for rank, name in enumerate(ranks)]
+    engines = [(f"rollout-{i}", "rollout instance") for i in range(config.rollout.instances)]
+    if has_eval_engine(config):
+        engines.append(("eval", "evaluation engine"))
+    for name, role in engines:
+        group, actor = _engine_placement(config, name, role)
+        groups.append(group)
+        actors.append(actor)
     if config.servers.placement == "ray":
-        actors.append(ActorPlan("trajectory-server", "trajectory server", config.servers.cpus, 0))
-        actors.append(ActorPlan("parameter-server", "parameter server", config.servers.cpus, 0))
-    return PlacementPlan(tuple(actors), cluster_address if cluster_address is not None else config.cluster.address)
+        servers = ("trajectory-server", "parameter-server")
+        groups.append(GroupPlan("servers", ANY_NODES, tuple(BundlePlan(config.servers.cpus, 0, s) for s in servers)))
+        cpus = BundlePlan(config.servers.cpus, 0, "").resources()["CPU"]
+        actors += [ActorPlan(s, s.replace("-", " "), "servers", i, cpus, 0, 0) for i, s in enumerate(servers)]
+    address = cluster_address if cluster_address is not None else config.cluster.address
+    return PlacementPlan(tuple(groups), tuple(actors), address)
+
+
+def _engine_placement(config: JobConfig, name: str, role: str) -> tuple[GroupPlan, ActorPlan]:
+    """One vLLM engine's group and actor (module docstring)."""
+    rollout = config.rollout
+    tp = rollout.gpus_per_instance
+    if tp <= 1:  # a CPU instance, one GPU, or a share of one: vLLM runs in the actor's own process
+        bundle = BundlePlan(rollout.cpus_per_instance, rollout.gpu_share, name)
+        cpus = bundle.resources()["CPU"] if "CPU" in bundle.resources() else 0.0
+        return GroupPlan(name, ONE_NODE, (bundle,)), ActorPlan(name, role, name, 0, cpus, rollout.gpu_share, rollout.gpu_share)
+    per_node = config.cluster.gpus_per_node
+    strategy = ANY_NODES if per_node is not None and tp > per_node else ONE_NODE
+    actor_cpus = rollout.cpus_per_instance or 1.0  # the engine actor's own; vLLM's workers take num_cpus=0
+    bundles = tuple(BundlePlan(actor_cpus if r == 0 else 0.0, 1.0, f"{name} (engine actor and worker 0)" if r == 0 else f"{name} worker {r}")
+                    for r in range(tp))
+    workers = tuple(range(tp))
+    env = (("VLLM_RAY_BUNDLE_INDICES", ",".join(map(str, workers))), ("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
+    return GroupPlan(name, strategy, bundles), ActorPlan(name, role, name, 0, actor_cpus, 0.0, float(tp), workers, env)
 
 
 def missing_resources(plan: PlacementPlan, available: Mapping[str, float]) -> list[str]:
     """What the cluster (``available``: Ray's resource totals, e.g. ``{"CPU": 8, "GPU": 4}``) lacks
     for ``plan``, one line per resource; empty if the plan fits in total.
 
-    A plan that fits in total can still fail to place if no single node holds an actor's GPUs: the
+    A plan that fits in total can still fail to place if no single node holds a one-node group: the
     placement group then reports it (see the Ray binding's timeout).
     """
     problems = []
     for resource, needed in (("GPU", float(plan.total_gpus)), ("CPU", plan.total_cpus)):
         have = float(available.get(resource, 0.0))
         if needed > have + 1e-9:
-            users = [a.name for a in plan.actors if (a.gpus if resource == "GPU" else a.cpus) > 0]
+            users = [g.name for g in plan.groups if any(b.resources().get(resource, 0.0) >= 1e-2 for b in g.bundles)]
             problems.append(
                 f"{resource}: the job needs {needed:g} ({', '.join(users)}), the cluster has {have:g}"
             )
