@@ -36,7 +36,8 @@ def test_a_tensor_parallel_instance_has_one_gpu_per_bundle_and_its_engine_actor_
 def test_an_instance_wider_than_a_node_spreads_its_workers_over_nodes() -> None:
     plan = plan_placement(load_config(overrides=["rollout.instances=1", "rollout.gpus_per_instance=16", "cluster.gpus_per_node=8"]))
     assert plan.group("rollout-0").strategy == "PACK" and len(plan.group("rollout-0").bundles) == 16
-    assert plan_placement(load_config(overrides=["rollout.gpus_per_instance=8", "cluster.gpus_per_node=8"])).group("rollout-0").strategy == "STRICT_PACK"
+    one_node = plan_placement(load_config(overrides=["rollout.gpus_per_instance=8", "cluster.gpus_per_node=8"]))
+    assert one_node.group("rollout-0").strategy == "STRICT_PACK"
 
 
 def test_a_one_gpu_instance_holds_its_gpu_in_the_actor_and_runs_vllm_in_process() -> None:
@@ -114,7 +115,6 @@ def test_train_refuses_a_run_it_cannot_start_or_resume_before_anything_starts(tm
 def _tensor_parallel_probe() -> dict[str, object]:
     """Runs in an engine actor: what vLLM's Ray executor would find there (its captured placement
     group and the GPUs one worker per bundle gets)."""
-    import os
 
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -266,7 +266,8 @@ def test_the_qwen3_moe_example_plans_tensor_parallel_instances_an_eval_engine_an
     plan = plan_placement(config)
     engines = [g for g in plan.groups if g.name.startswith("rollout-") or g.name == "eval"]
     assert len(engines) == 12 and all(len(g.bundles) == 4 and g.strategy == "STRICT_PACK" for g in engines)
-    assert all(b.resources() == ({"CPU": 8.0, "GPU": 1.0} if i == 0 else {"GPU": 1.0}) for g in engines for i, b in enumerate(g.bundles))
+    first, rest = {"CPU": 8.0, "GPU": 1.0}, {"GPU": 1.0}
+    assert all(b.resources() == (first if i == 0 else rest) for g in engines for i, b in enumerate(g.bundles))
     assert plan.actor("eval").role == "evaluation engine" and plan.actor("eval").num_gpus == 0
     assert len(plan.group("trainer").bundles) == 16 and plan.total_gpus == 64
 

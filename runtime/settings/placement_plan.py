@@ -187,8 +187,8 @@ def _engine_placement(config: JobConfig, name: str, role: str) -> tuple[GroupPla
     per_node = config.cluster.gpus_per_node
     strategy = ANY_NODES if per_node is not None and tp > per_node else ONE_NODE
     actor_cpus = rollout.cpus_per_instance or 1.0  # the engine actor's own; vLLM's workers take num_cpus=0
-    bundles = tuple(BundlePlan(actor_cpus if r == 0 else 0.0, 1.0, f"{name} (engine actor and worker 0)" if r == 0 else f"{name} worker {r}")
-                    for r in range(tp))
+    users = [f"{name} (engine actor and worker 0)", *(f"{name} worker {r}" for r in range(1, tp))]
+    bundles = tuple(BundlePlan(actor_cpus if r == 0 else 0.0, 1.0, user) for r, user in enumerate(users))
     workers = tuple(range(tp))
     env = (("VLLM_RAY_BUNDLE_INDICES", ",".join(map(str, workers))), ("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
     return GroupPlan(name, strategy, bundles), ActorPlan(name, role, name, 0, actor_cpus, 0.0, float(tp), workers, env)
