@@ -262,7 +262,8 @@ def test_one_node_of_eight_gpus_is_planned_bundle_by_bundle(overrides: list[str]
 
 
 def test_the_qwen3_moe_example_plans_tensor_parallel_instances_an_eval_engine_and_sixteen_ranks() -> None:
-    config = load_config(Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "examples" / "qwen3-30b-a3b-multinode.yaml")
+    examples = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "examples"
+    config = load_config(examples / "qwen3-30b-a3b-multinode.yaml")
     plan = plan_placement(config)
     engines = [g for g in plan.groups if g.name.startswith("rollout-") or g.name == "eval"]
     assert len(engines) == 12 and all(len(g.bundles) == 4 and g.strategy == "STRICT_PACK" for g in engines)
