@@ -292,3 +292,16 @@ def test_collective_trainer_ranks_may_not_share_a_gpu() -> None:
     with pytest.raises(Exception, match=r"train.gpus=0.5 with train.world_size=2: ranks of one collective need a GPU each"):
         load_config(overrides=["train.backend=fsdp", "train.world_size=2", "train.gpus=0.5"])
     assert load_config(overrides=["train.backend=fsdp", "train.world_size=1", "train.gpus=0.5"]).train.gpus == 0.5
+
+
+def test_a_tensor_parallel_cpu_instance_runs_vllms_multiprocessing_executor() -> None:
+    """vLLM's Ray executor refuses the CPU platform ("current platform cpu does not support ray",
+    vllm/v1/executor/ray_utils.py), so a CPU instance of tensor-parallel size 2 uses the mp executor
+    with its engine core in a process of its own; the actor holds the instance's CPUs."""
+    config = load_config(overrides=["rollout.tensor_parallel=2", "rollout.cpus_per_instance=1"])
+    assert config.rollout.engine_settings() == {
+        "dtype": "float32", "enforce_eager": True, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    actor = plan_placement(config).actor("rollout-0")
+    assert (actor.num_cpus, actor.num_gpus, actor.environment) == (1.0, 0.0, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    with pytest.raises(Exception, match="rollout.tensor_parallel=2 differs from rollout.gpus_per_instance=4"):
+        load_config(overrides=["rollout.tensor_parallel=2", "rollout.gpus_per_instance=4"])

@@ -105,6 +105,9 @@ class RolloutConfig(ConfigSection):
     max_num_seqs: StrictInt = Field(256, ge=1, le=65536)
     gpus_per_instance: StrictInt = Field(0, ge=0, le=64)
     """GPUs of one rollout instance = vLLM's tensor-parallel size; 0: a CPU instance (vLLM-CPU)."""
+    tensor_parallel: StrictInt | None = Field(None, ge=1, le=64)
+    """vLLM's tensor-parallel size; null: ``gpus_per_instance`` on GPUs, 1 on CPU. On CPU instances a
+    size above 1 runs vLLM's multiprocessing executor (its Ray executor refuses the CPU platform)."""
     instances_per_gpu: StrictInt = Field(1, ge=1, le=64)
     """With ``gpus_per_instance`` 1: how many instances share one GPU (each reserves a share of it;
     set ``gpu_memory_utilization`` to fit them all)."""
@@ -131,6 +134,20 @@ class RolloutConfig(ConfigSection):
             )
         return self
 
+    @model_validator(mode="after")
+    def _tensor_parallel_matches_gpus(self) -> RolloutConfig:
+        if self.gpus_per_instance > 0 and self.tensor_parallel not in (None, self.gpus_per_instance):
+            raise ValueError(
+                f"rollout.tensor_parallel={self.tensor_parallel} differs from rollout.gpus_per_instance={self.gpus_per_instance}: "
+                "a GPU instance runs one tensor-parallel rank per GPU (leave rollout.tensor_parallel unset)"
+            )
+        return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """vLLM's tensor-parallel size of one instance."""
+        return self.gpus_per_instance or self.tensor_parallel or 1
+
     @property
     def gpu_share(self) -> float:
         """The GPUs one instance reserves (a share of one when instances share a GPU)."""
@@ -144,10 +161,11 @@ class RolloutConfig(ConfigSection):
             "enforce_eager": self.enforce_eager if self.enforce_eager is not None else not gpu,
         }
         if gpu:
-            settings["tensor_parallel_size"] = self.gpus_per_instance
             settings["gpu_memory_utilization"] = self.gpu_memory_utilization
-        if self.gpus_per_instance > 1:  # workers as Ray actors in the instance's placement group (placement_plan)
-            settings["distributed_executor_backend"] = "ray"
+        if gpu or self.tensor_parallel_size > 1:
+            settings["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.tensor_parallel_size > 1:  # GPU: workers as Ray actors in the instance's group (placement_plan); CPU: processes
+            settings["distributed_executor_backend"] = "ray" if gpu else "mp"
         return {**settings, **self.engine_kwargs}
 
 

@@ -180,10 +180,13 @@ def _engine_placement(config: JobConfig, name: str, role: str) -> tuple[GroupPla
     """One vLLM engine's group and actor (module docstring)."""
     rollout = config.rollout
     tp = rollout.gpus_per_instance
-    if tp <= 1:  # a CPU instance, one GPU, or a share of one: vLLM runs in the actor's own process
+    if tp <= 1:  # a CPU instance, one GPU, or a share of one: vLLM runs in the actor's own process(es)
         bundle = BundlePlan(rollout.cpus_per_instance, rollout.gpu_share, name)
         cpus = bundle.resources()["CPU"] if "CPU" in bundle.resources() else 0.0
-        return GroupPlan(name, ONE_NODE, (bundle,)), ActorPlan(name, role, name, 0, cpus, rollout.gpu_share, rollout.gpu_share)
+        # a tensor-parallel CPU instance: vLLM's engine core and workers in processes of their own
+        env = (("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),) if rollout.tensor_parallel_size > 1 else ()
+        actor = ActorPlan(name, role, name, 0, cpus, rollout.gpu_share, rollout.gpu_share, env=env)
+        return GroupPlan(name, ONE_NODE, (bundle,)), actor
     per_node = config.cluster.gpus_per_node
     strategy = ANY_NODES if per_node is not None and tp > per_node else ONE_NODE
     actor_cpus = rollout.cpus_per_instance or 1.0  # the engine actor's own; vLLM's workers take num_cpus=0
