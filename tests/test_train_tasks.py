@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from staleflow.cli.train_eval import EngineEvaluator
-from staleflow.cli.train_rewards import ScorerCheckError, check_scorer, scorer_arguments
-from staleflow.cli.train_setup import wants_warmup
+from staleflow.app.evaluation import EngineEvaluator
+from staleflow.app.job_parts import wants_warmup
+from staleflow.app.rewards import ScorerCheckError, check_scorer, scorer_arguments
 from staleflow.runtime.run.rewarding import PooledReward
 from staleflow.runtime.settings.config import ConfigError, load_config
 from staleflow.runtime.tasks import Prompt, RewardSpecError
@@ -182,7 +182,7 @@ def test_scorer_arguments_carry_the_row_not_the_run_keys() -> None:
 
 def test_chat_rendering_with_the_tiny_models_template(tmp_path: Path, tiny_model: Path) -> None:
     pytest.importorskip("transformers")
-    from staleflow.cli.train_setup import TaskData, Tokens
+    from staleflow.app.job_parts import TaskData, Tokens
 
     model = tiny_model
     row = {
@@ -205,7 +205,7 @@ def test_chat_rendering_with_the_tiny_models_template(tmp_path: Path, tiny_model
 @pytest.mark.slow
 def test_wandb_offline_logs_train_and_eval_scalars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb")
-    from staleflow.cli.metrics import MetricsLog
+    from staleflow.app.metrics import MetricsLog
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     settings = load_config(overrides=["metrics.wandb.project=staleflow-test"]).metrics.wandb.model_dump()
