@@ -77,7 +77,7 @@ def run_dir_name(eta: int, seed: int) -> str:
 
 def load_run(run_dir: Path, eta: int, seed: int) -> RunResult:
     """Read one run's ``metrics.jsonl``; a run without steps or evaluations is an error."""
-    from staleflow.cli.metrics import read_metrics
+    from staleflow.app.metrics import read_metrics
 
     records = read_metrics(run_dir)
     steps = [r for r in records if r.get("kind") == "step"]
@@ -135,7 +135,7 @@ def run_train(command: list[str], run_dir: Path, steps: int, log: Path, quiet: b
         shutil.rmtree(run_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
     # the same interpreter's CLI, so the study runs without the console script on PATH
-    argv = [sys.executable, "-m", "staleflow.cli", *command[1:]]
+    argv = [sys.executable, "-m", "staleflow", *command[1:]]
     if not quiet:
         print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}  (log {log})", flush=True)
     started = time.perf_counter()
@@ -149,7 +149,7 @@ def run_train(command: list[str], run_dir: Path, steps: int, log: Path, quiet: b
 # -------------------------------------------------------------------------------- aggregation
 def trailing_mean(values: Sequence[float], window: int) -> list[float]:
     """Mean of the last ``window`` values at each point (fewer at the start)."""
-    from staleflow.cli.report import moving_mean
+    from staleflow.app.report import moving_mean
 
     return moving_mean(list(values), window)
 
@@ -223,7 +223,7 @@ def aggregate(runs: Sequence[RunResult], smooth: int) -> dict[int, dict[str, Any
 
 
 def plot(figures: dict[int, dict[str, Any]], path: Path, smooth: int, steps: int) -> None:
-    from staleflow.cli.report import pyplot
+    from staleflow.app.report import pyplot
 
     plt = pyplot()
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
 
 
-def _parse_scale(text: str) -> tuple[int, int]:
+def parse_scale(text: str) -> tuple[int, int]:
+    """``INSTANCESxREQUESTS`` (e.g. ``128x10000``) as the two numbers; ValueError for anything else."""
     try:
         instances, requests = (int(x) for x in text.lower().split("x"))
     except ValueError:
@@ -177,7 +178,7 @@ def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, A
 
 def run(args: argparse.Namespace) -> int:
     try:
-        scales = [_parse_scale(s) for s in args.scales]
+        scales = [parse_scale(s) for s in args.scales]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

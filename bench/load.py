@@ -71,10 +71,10 @@ def linear_fit(points: list[tuple[int, int]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from staleflow.bench.coordinator import _parse_scale, measure
+    from staleflow.bench.coordinator import measure, parse_scale
 
     try:
-        scales = [_parse_scale(s) for s in args.scales]
+        scales = [parse_scale(s) for s in args.scales]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

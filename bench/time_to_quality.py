@@ -334,7 +334,7 @@ def table(figures: dict[str, dict[str, Any]], thresholds: Sequence[float], gain:
 
 
 def plot(runs: Sequence[RunFigures], names: Sequence[str], thresholds: Sequence[float], path: Path, title: str, gain: bool) -> None:
-    from staleflow.cli.report import pyplot
+    from staleflow.app.report import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -379,7 +379,7 @@ def _problems(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from staleflow.cli.metrics import read_metrics
+    from staleflow.app.metrics import read_metrics
 
     problems = _problems(args)
     if problems:

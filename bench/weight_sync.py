@@ -62,7 +62,7 @@ def measure(name: str, syncs: int, wire_dtype: str, bucket_bytes: int) -> dict[s
     from safetensors.torch import load_file
     from staleflow.adapters.rlkit.weight_broadcast import BroadcastParameterServer, BroadcastWeights
     from staleflow.adapters.vllm.engine import VLLMEngine
-    from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
+    from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
     folder = Path(tempfile.gettempdir()) / f"staleflow-bench-model-{name}"
     model = ensure_tiny_model(folder, TinyModelSpec(**MODELS[name]))

@@ -1,53 +1,29 @@
-"""The ``staleflow`` command line.
+"""The ``staleflow`` subcommands: argument parsing and dispatch, nothing else.
 
-Each subcommand lives in the module that owns its work and exposes two functions:
-``add_arguments(parser)`` and ``run(args) -> int`` (the exit code). They are imported lazily, so that
-``staleflow verify`` never pays for torch or Ray and ``staleflow --help`` stays fast.
+Each subcommand is one module with ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code);
+the work is done by :mod:`staleflow.app`. The root module :mod:`staleflow.__main__` builds the parser
+from :data:`SUBCOMMANDS` and the benchmarks' ``bench`` subcommand, and dispatches.
+
+Deferred imports: a ``run`` whose application module pulls torch, Ray, vLLM or matplotlib when it is
+imported (``train``, ``profile``, ``export``, ``report``) imports it inside ``run``, once, so that
+``staleflow --help`` and ``staleflow verify`` never load them. ``simulate``'s application module is
+light (its engines and run loop are imported when a run starts), so it is imported at the top. No
+other import in this package sits inside a function.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import sys
-from collections.abc import Sequence
+from types import ModuleType
 
-#: subcommand -> (module that implements it, one-line help)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "verify": ("staleflow.verification.cli", "machine-check the staleness protocol (Z3, TLC, conformance, mutants)"),
-    "train": ("staleflow.cli.train", "run an RL training job (no arguments: the built-in CPU job)"),
-    "simulate": ("staleflow.cli.simulate", "run StaleFlow and the baselines on a simulated cluster"),
-    "profile": ("staleflow.cli.profile", "measure a rollout engine and fit the cost model"),
-    "report": ("staleflow.cli.report", "rewrite a training run's report, or compare runs"),
-    "bench": ("staleflow.bench.cli", "run a benchmark and print its figures"),
-    "export": ("staleflow.cli.export", "write a run's trained model as a Hugging Face folder"),
+from staleflow.cli import export, profile, report, simulate, train
+from staleflow.verification import cli as verify
+
+#: subcommand -> (module that parses its arguments and runs it, one-line help)
+SUBCOMMANDS: dict[str, tuple[ModuleType, str]] = {
+    "verify": (verify, "machine-check the staleness protocol (Z3, TLC, conformance, mutants)"),
+    "train": (train, "run an RL training job (no arguments: the built-in CPU job)"),
+    "simulate": (simulate, "run StaleFlow and the baselines on a simulated cluster"),
+    "profile": (profile, "measure a rollout engine and fit the cost model"),
+    "report": (report, "rewrite a training run's report, or compare runs"),
+    "export": (export, "write a run's trained model as a Hugging Face folder"),
 }
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from staleflow import __version__
-
-    parser = argparse.ArgumentParser(
-        prog="staleflow",
-        description="Disaggregated RL post-training with a strictly bounded staleness protocol.",
-    )
-    parser.add_argument("--version", action="version", version=f"staleflow {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(_module=module_name)
-        importlib.import_module(module_name).add_arguments(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    return int(importlib.import_module(args._module).run(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

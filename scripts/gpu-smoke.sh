@@ -24,16 +24,16 @@ run=(
   task.eval_prompts=0 task.eval_every=0 checkpoint.every=0 metrics.progress=false
 )
 case "${1:-}" in
-  --plan) exec "$PYTHON" -m staleflow.cli "${run[@]}" --dry-run ;;
+  --plan) exec "$PYTHON" -m staleflow "${run[@]}" --dry-run ;;
   --trainer-only) shift; exec "$PYTHON" scripts/gpu_smoke_trainer.py "$@" ;;
 esac
 "$PYTHON" scripts/gpu_smoke_trainer.py "$@"
 "$PYTHON" -c "
 import sys
 from staleflow.bench.weight_sync import MODELS
-from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
+from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
 ensure_tiny_model(sys.argv[1], TinyModelSpec(**MODELS['100m']))" "$model"
-"$PYTHON" -m staleflow.cli "${run[@]}"
+"$PYTHON" -m staleflow "${run[@]}"
 "$PYTHON" -c "
 import json, sys
 s = json.load(open(sys.argv[1]))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 def build_model(folder: Path, size: str) -> Path:
     import torch
-    from staleflow.cli.tiny_model import build_tokenizer, ensure_tiny_model
+    from staleflow.app.tiny_model import build_tokenizer, ensure_tiny_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if size == "tiny":
@@ -82,7 +82,7 @@ def main() -> int:
     from staleflow.adapters.rlkit.algorithms import token_logprobs
     from staleflow.adapters.rlkit.packing import LogProbModel, batch_sequences, micro_batches
     from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings, load_causal_lm
-    from staleflow.cli.export import export
+    from staleflow.app.export import export
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu-smoke: no CUDA device (use --device cpu --size tiny for the CPU self-check)", file=sys.stderr)

@@ -146,7 +146,7 @@ def _session_environment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
 @pytest.fixture(scope="session")
 def tiny_model(_session_environment: None) -> Path:
     """The built-in tiny model (default spec), built once per session; tests must not write into it."""
-    from staleflow.cli.tiny_model import ensure_tiny_model
+    from staleflow.app.tiny_model import ensure_tiny_model
     from staleflow.runtime.settings.config_sections import default_tiny_model_dir
 
     return ensure_tiny_model(Path(default_tiny_model_dir()))

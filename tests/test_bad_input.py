@@ -539,7 +539,7 @@ def _trainer_checkpoint(tmp: Path, damage: Callable[[Path], None]) -> Any:
     """Load a damaged copy of a tiny-model trainer checkpoint into a trainer (built once); the
     trainer's model and version must be unchanged by the refused load."""
     from staleflow.adapters.torch.trainer import TorchTrainer
-    from staleflow.cli.tiny_model import PAD_ID, ensure_tiny_model
+    from staleflow.app.tiny_model import PAD_ID, ensure_tiny_model
     from staleflow.runtime.settings.config_sections import default_tiny_model_dir
 
     if not _TRAINER:

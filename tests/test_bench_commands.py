@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from staleflow.cli import main
+from staleflow.__main__ import main
 
 
 def _bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:

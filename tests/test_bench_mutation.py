@@ -87,7 +87,7 @@ def test_bench_mutation_reports_killed_and_equivalent_mutants_from_forked_worker
         small_layers: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from staleflow.cli import main
+    from staleflow.__main__ import main
 
     chosen = "core/ReplaceComparisonOperator_Gt_Eq#0,core/ReplaceComparisonOperator_Gt_Eq#3,core/ReplaceComparisonOperator_Gt_NotEq#0"
     out = tmp_path / "mutation.json"
@@ -107,7 +107,7 @@ def test_bench_mutation_reports_killed_and_equivalent_mutants_from_forked_worker
 def test_bench_mutation_lists_survivors_and_fails(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A judge that catches nothing: every mutant survives, each is printed, and the exit code is 1.
     --shard, --skip and --limit pick the sites."""
-    from staleflow.cli import main
+    from staleflow.__main__ import main
 
     monkeypatch.setattr(mutation, "judge_layers", lambda: {"restore": lambda cls: None})
     sites = mutation.mutation_sites(SOURCE, ["core/ReplaceUnaryOperator"])

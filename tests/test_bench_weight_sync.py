@@ -16,7 +16,7 @@ pytestmark = [
 
 
 def test_weight_sync_bench_reports_bytes_and_seconds(capsys: pytest.CaptureFixture[str]) -> None:
-    from staleflow.cli import main
+    from staleflow.__main__ import main
 
     assert main(["bench", "weight-sync", "--models", "tiny", "--syncs", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

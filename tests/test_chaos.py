@@ -218,7 +218,7 @@ def test_tester_catches_token_versions_outside_the_bound(monkeypatch: pytest.Mon
 def test_staleflow_verify_accepts_the_trace_of_a_run_with_crashes_and_restarts(tmp_path: Path) -> None:
     """A simulated run's protocol trace, one segment per coordinator restart, through the CLI
     (mirror and TLC replay), as a user would audit a production run."""
-    from staleflow.cli import main
+    from staleflow.__main__ import main
 
     result = run_seed(8, tmp_path, kinds=["coordinator_restart", "finish_delay", "instance_crash"])
     _assert_ok(result)

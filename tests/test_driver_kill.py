@@ -56,12 +56,12 @@ def _kill_all(pids: list[int]) -> None:
 
 
 def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
-    from staleflow.cli import main
+    from staleflow.__main__ import main
     from staleflow.protocol.trace import read_trace
 
     run_dir = tmp_path / "run"
     overrides = [o for o in SMALL_JOB if not o.startswith(("train.steps", "checkpoint.every"))]
-    command = [sys.executable, "-m", "staleflow.cli", "train", f"train.steps={STEPS}", "checkpoint.every=2", *GPU_PATH, *overrides]
+    command = [sys.executable, "-m", "staleflow", "train", f"train.steps={STEPS}", "checkpoint.every=2", *GPU_PATH, *overrides]
     job = subprocess.Popen([*command, "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     children: list[int] = []
     try:
@@ -94,7 +94,7 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(tmp_path: Path
     assert (trainer_state["format"], trainer_state["version"]) == ("staleflow-fsdp/1", resumed_from)  # written by rank 0
     assert state["parameter_server"]["latest_version"] == state["steps_done"] == resumed_from
 
-    resumed = subprocess.run([sys.executable, "-m", "staleflow.cli", "train", "--resume", str(run_dir)],
+    resumed = subprocess.run([sys.executable, "-m", "staleflow", "train", "--resume", str(run_dir)],
                              capture_output=True, text=True, timeout=1200)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from staleflow.__main__ import main
 from staleflow.adapters.megatron.trainer import hf_to_megatron
 from staleflow.adapters.rlkit.algorithms import token_logprobs
 from staleflow.adapters.rlkit.hf_folder import read_weights
 from staleflow.adapters.rlkit.packing import LogProbModel, batch_sequences, micro_batches
 from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings, load_causal_lm
-from staleflow.cli import main
-from staleflow.cli.tiny_model import build_tokenizer
+from staleflow.app.tiny_model import build_tokenizer
 from trainer_batches import make_batch
 
 

@@ -162,7 +162,7 @@ def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_deco
     from staleflow.adapters.ray.object_weights import ObjectStoreWeights
     from staleflow.adapters.ray.placement import RayPlacement
     from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
-    from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
+    from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
     from staleflow.runtime.interfaces import TransferFailedError, resolve_weights
     from staleflow.runtime.servers.parameter_server import ParameterServer
 

@@ -25,7 +25,7 @@ from staleflow.adapters.rlkit.packing import (
     split_across_ranks,
 )
 from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings, load_causal_lm
-from staleflow.cli.tiny_model import build_tokenizer
+from staleflow.app.tiny_model import build_tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainer_batches import make_batch
 

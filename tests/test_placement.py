@@ -76,7 +76,7 @@ def test_vllm_settings_resolve_by_device_and_pass_engine_kwargs_through() -> Non
 
 
 def test_dry_run_prints_config_and_plan_and_starts_nothing(capsys: pytest.CaptureFixture[str]) -> None:
-    from staleflow.cli import main
+    from staleflow.__main__ import main
 
     assert main(["train", "--dry-run", "--json", "rollout.gpus_per_instance=2", "cluster.address=ray://head:10001"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -89,7 +89,7 @@ def test_dry_run_prints_config_and_plan_and_starts_nothing(capsys: pytest.Captur
 
 
 def test_train_refuses_a_run_it_cannot_start_or_resume_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from staleflow.cli import main
+    from staleflow.__main__ import main
     from staleflow.runtime.settings.config import dump_config
 
     assert main(["train", "--dry-run", "--json", "--system", "sync", "--steps", "3"]) == 0
@@ -171,7 +171,7 @@ def test_train_exits_2_naming_the_missing_gpus_before_any_engine_starts(tmp_path
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm (cpu-infer extra) is not installed: train refuses earlier")
     import ray
-    from staleflow.cli import main
+    from staleflow.__main__ import main
 
     code = main([
         "train", "--run-dir", str(tmp_path / "run"), "rollout.gpus_per_instance=1", "cluster.num_gpus=1",
@@ -221,7 +221,7 @@ def test_fsdp_ranks_with_gpus_come_first_in_the_plan_and_the_smoke_run_fits_one_
 def test_the_example_gpu_jobs_pass_the_dry_run(name: str, gpus: int, actors: int, capsys: pytest.CaptureFixture[str]) -> None:
     from pathlib import Path
 
-    from staleflow.cli import main
+    from staleflow.__main__ import main
 
     config = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "examples" / f"{name}.yaml"
     assert main(["train", "--config", str(config), "--dry-run", "--json"]) == 0

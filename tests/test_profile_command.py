@@ -7,12 +7,8 @@ import importlib.util
 import json
 
 import pytest
-from staleflow.cli.profile import (
-    OnlineRefit,
-    add_arguments,
-    pool_steps,
-    run,
-)
+from staleflow.app.profile import OnlineRefit, pool_steps
+from staleflow.cli.profile import add_arguments, run
 from staleflow.runtime.coordination.cost_model import CostModel, ProfileRecord
 from staleflow.runtime.types import InstanceSnapshot
 
@@ -78,7 +74,7 @@ def test_bad_grid_arguments_are_named(capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed")
 def test_profile_measures_a_real_engine_and_writes_loadable_coefficients(tmp_path, capsys):
-    from staleflow.cli.tiny_model import ensure_tiny_model
+    from staleflow.app.tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "model")
     out = tmp_path / "cost.json"

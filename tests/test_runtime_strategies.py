@@ -406,7 +406,7 @@ def test_freshness_lowers_staleness_when_the_trainer_is_the_bottleneck_and_costs
     """Simulated, eta 2, 20 steps: trainer-bound (a step takes 20 s), the fresh policy trains most
     groups at lag 1 at the same throughput; rollout-bound (small-ci as shipped) it keeps the full
     lookahead and matches StaleFlow exactly."""
-    from staleflow.cli.simulate import simulate_system
+    from staleflow.app.simulation import simulate_system
     from staleflow.runtime.settings.workload import load_workload
 
     def mean(histogram: dict[str, int]) -> float:

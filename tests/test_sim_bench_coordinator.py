@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 
 import pytest
-from staleflow.bench.coordinator import _parse_scale, _Timer, measure
+from staleflow.bench.coordinator import _Timer, measure, parse_scale
 
 
 def test_fills_the_protocol_and_times_every_tick() -> None:
@@ -31,6 +31,6 @@ def test_timer_counts_the_full_collections_inside_a_timed_section() -> None:
 
 
 def test_scale_syntax() -> None:
-    assert _parse_scale("128x10000") == (128, 10_000)
+    assert parse_scale("128x10000") == (128, 10_000)
     with pytest.raises(ValueError, match="expected INSTANCESxREQUESTS"):
-        _parse_scale("128")
+        parse_scale("128")

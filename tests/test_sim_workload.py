@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from staleflow.cli.upper_bound import upper_bound
+from staleflow.app.upper_bound import upper_bound
 from staleflow.runtime.settings.workload import (
     GROUP_LENGTHS_KEY,
     WorkloadError,

@@ -6,8 +6,8 @@ import argparse
 import json
 
 import pytest
+from staleflow.app.upper_bound import upper_bound
 from staleflow.cli import simulate as simulate_command
-from staleflow.cli.upper_bound import upper_bound
 from staleflow.runtime.settings.workload import load_workload
 
 

@@ -16,7 +16,7 @@ from staleflow.runtime.tasks import (
     make_group,
     repeat_letter_prompts,
     repeat_letter_reward,
-    reward_fn,
+    resolve_scorer,
 )
 
 
@@ -43,9 +43,10 @@ def test_repeat_letter_reward_values() -> None:
 def test_exact_match_and_reward_lookup() -> None:
     assert exact_match_reward(" 42\n", "42") == 1.0
     assert exact_match_reward("41", "42") == 0.0
-    assert reward_fn("repeat_letter") is repeat_letter_reward
-    with pytest.raises(ValueError, match="unknown reward 'bleu'; choose one of"):
-        reward_fn("bleu")
+    assert resolve_scorer("repeat_letter")("prompt", "aaa", "aaa", {}) == 1.0
+    assert resolve_scorer("exact_match")("prompt", "41", "42", {}) == 0.0
+    with pytest.raises(ValueError, match="task.reward='bleu': use one of repeat_letter, exact_match"):
+        resolve_scorer("bleu")
 
 
 def test_repeat_letter_prompts_are_long_tailed_and_seeded() -> None:

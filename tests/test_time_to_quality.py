@@ -158,9 +158,9 @@ def test_deferred_evaluation_evaluates_the_weights_saved_at_each_step(tmp_path: 
     pytest.importorskip("transformers")
     import torch
     from staleflow.adapters.torch.trainer import TorchTrainer
-    from staleflow.cli.tiny_model import ensure_tiny_model
-    from staleflow.cli.train_eval import DeferredEvaluation
-    from staleflow.cli.train_setup import Evaluator, Tokens
+    from staleflow.app.evaluation import DeferredEvaluation, Evaluator
+    from staleflow.app.job_parts import Tokens
+    from staleflow.app.tiny_model import ensure_tiny_model
     from staleflow.runtime.settings.config import load_config
 
     model = ensure_tiny_model(Path(os.environ.get("STALEFLOW_TINY_MODEL_DIR", "~/.cache/staleflow/tiny-model")).expanduser())

@@ -6,7 +6,7 @@ import hashlib
 import json
 
 import pytest
-from staleflow.cli.tiny_model import EOS_ID, TinyModelSpec, ensure_tiny_model
+from staleflow.app.tiny_model import EOS_ID, TinyModelSpec, ensure_tiny_model
 
 
 def _digest(folder) -> str:

@@ -13,12 +13,12 @@ from staleflow.adapters.torch.trainer import (
     TrainerSettings,
     load_causal_lm,
 )
-from staleflow.cli.tiny_model import (
+from staleflow.app.tiny_model import (
     EOS_ID,
     PAD_ID,
     build_tokenizer,
 )
-from staleflow.cli.warmup import warm_up
+from staleflow.app.warmup import warm_up
 from staleflow.runtime.tasks import repeat_letter_prompts
 from staleflow.runtime.types import TrainingBatch, Trajectory
 

@@ -44,7 +44,7 @@ def _consumed(trace: Path, segment: int) -> list[tuple[int, list[int]]]:
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    from staleflow.cli.train import train
+    from staleflow.app.training_job import train
     from staleflow.runtime.settings.config import load_config
 
     run_dir = tmp_path_factory.mktemp("train") / "run"
@@ -56,7 +56,7 @@ def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 def test_training_run_keeps_the_bound_and_learns(first_run: tuple[Path, dict]) -> None:
     from safetensors.torch import load_file
-    from staleflow.cli.train import latest_checkpoint
+    from staleflow.app.checkpoints import latest_checkpoint
 
     run_dir, summary = first_run
     eta = summary["eta"]
@@ -90,7 +90,7 @@ def test_report_rewrites_a_runs_report_and_compares_runs(first_run: tuple[Path, 
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
 
-    from staleflow.cli import main
+    from staleflow.__main__ import main
 
     runs = [tmp_path / "a", tmp_path / "b"]
     for run in runs:
@@ -146,7 +146,7 @@ def test_killing_a_vllm_instance_mid_run_loses_nothing_and_keeps_the_bound(tmp_p
     steps = 16  # the kill lands after step 5: eleven steps on one instance
     overrides = [o for o in SMALL_JOB if not o.startswith(("train.steps", "checkpoint.every"))]
     job = subprocess.Popen(
-        [sys.executable, "-m", "staleflow.cli", "train", f"train.steps={steps}", "checkpoint.every=0",
+        [sys.executable, "-m", "staleflow", "train", f"train.steps={steps}", "checkpoint.every=0",
          *overrides, "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -179,7 +179,8 @@ def test_killing_a_vllm_instance_mid_run_loses_nothing_and_keeps_the_bound(tmp_p
 def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp_path: Path) -> None:
     """The second built-in job, shrunk: verl-format chat rows, the gsm8k reward in scorer processes,
     held-out evaluation through its own vLLM engine (eval numbers in the metrics, summary and report)."""
-    from staleflow.cli.train import _data_paths_near, train
+    from staleflow.app.job_preparation import data_paths_near
+    from staleflow.app.training_job import train
     from staleflow.runtime.settings.config import load_config
 
     config_file = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "arithmetic.yaml"
@@ -198,7 +199,7 @@ def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp
         "metrics.progress=false",
         "metrics.tensorboard=false",
     ]
-    config = _data_paths_near(load_config(config_file, overrides), config_file.parent)
+    config = data_paths_near(load_config(config_file, overrides), config_file.parent)
     summary = train(config, tmp_path / "run")
     assert summary["audit_ok"] and summary["bound_ok"] and summary["steps"] == 1
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from staleflow.cli.train_eval import EngineEvaluator
-from staleflow.cli.train_rewards import ScorerCheckError, check_scorer, scorer_arguments
-from staleflow.cli.train_setup import wants_warmup
+from staleflow.app.evaluation import EngineEvaluator
+from staleflow.app.job_parts import wants_warmup
+from staleflow.app.rewards import ScorerCheckError, check_scorer, scorer_arguments
 from staleflow.runtime.run.rewarding import PooledReward
 from staleflow.runtime.settings.config import ConfigError, load_config
 from staleflow.runtime.tasks import Prompt, RewardSpecError
@@ -182,7 +182,7 @@ def test_scorer_arguments_carry_the_row_not_the_run_keys() -> None:
 
 def test_chat_rendering_with_the_tiny_models_template(tmp_path: Path, tiny_model: Path) -> None:
     pytest.importorskip("transformers")
-    from staleflow.cli.train_setup import TaskData, Tokens
+    from staleflow.app.job_parts import TaskData, Tokens
 
     model = tiny_model
     row = {
@@ -205,7 +205,7 @@ def test_chat_rendering_with_the_tiny_models_template(tmp_path: Path, tiny_model
 @pytest.mark.slow
 def test_wandb_offline_logs_train_and_eval_scalars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb")
-    from staleflow.cli.metrics import MetricsLog
+    from staleflow.app.metrics import MetricsLog
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     settings = load_config(overrides=["metrics.wandb.project=staleflow-test"]).metrics.wandb.model_dump()
@@ -222,3 +222,49 @@ def test_wandb_offline_logs_train_and_eval_scalars(tmp_path: Path, monkeypatch: 
         assert key in data
     assert (tmp_path / "wandb-run-id").read_text() in record.name
     assert [json.loads(line)["kind"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == ["step", "eval"]
+
+
+USER_SCORER = 'def score(prompt, response, answer, metadata):\n    return 1.0 if response == "ok" else 0.25\n'
+
+
+def test_a_users_scorer_with_evaluation_off_sets_the_job_up(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts from a file, ``task.reward=module:function``, ``task.eval_prompts=0 task.eval_every=0``: the
+    disabled evaluator no longer looks the reward up in the built-in table (it stopped the job at
+    start-up with ``unknown reward 'my_scorer_a:score'``)."""
+    pytest.importorskip("transformers")
+    from staleflow.app.evaluation import Evaluator, make_evaluator
+    from staleflow.app.job_parts import TaskData, Tokens
+
+    (tmp_path / "my_scorer_a.py").write_text(USER_SCORER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"say ok {i}", "answer": "ok"}) + "\n" for i in range(3)))
+    config = load_config(overrides=[f"task.prompt_file={tmp_path / 'rows.jsonl'}", "task.reward=my_scorer_a:score",
+                                    "task.eval_prompts=0", "task.eval_every=0"])
+    tokens = Tokens(tiny_model)
+    data = TaskData(config, tokens)
+    evaluator = make_evaluator(config, tokens, data, placement=None, base=tiny_model, clock=None, run_dir=tmp_path)
+    assert isinstance(evaluator, Evaluator) and not evaluator.enabled
+    assert [p.answer for p in data.train] == ["ok"] * 3
+
+
+def test_the_trainers_greedy_evaluation_scores_through_the_resolved_scorer(tiny_model: Path) -> None:
+    """The built-in job's greedy evaluation scores with the scorer ``task.reward`` resolves to (the same
+    figures as the built-in two-argument reward gives)."""
+    pytest.importorskip("transformers")
+    from staleflow.app.evaluation import Evaluator
+    from staleflow.app.job_parts import TaskData, Tokens
+    from staleflow.runtime.tasks import repeat_letter_reward
+
+    config = load_config(overrides=["task.eval_prompts=4"])
+    tokens = Tokens(tiny_model)
+    evaluator = Evaluator(config, tokens, prompt_seed=1, data=TaskData(config, tokens))
+    prompts = evaluator._prompts
+
+    class GreedyTrainer:
+        def generate_greedy(self, ids: list[list[int]], max_new: int, eos_id: int) -> list[list[int]]:
+            return [tokens.encode(p.answer if i == 0 else p.answer[0] * 2) for i, p in enumerate(prompts)]
+
+    figures = evaluator.run(GreedyTrainer())
+    expected = [1.0] + [repeat_letter_reward(p.answer[0] * 2, p.answer) for p in prompts[1:]]
+    assert figures["eval_reward"] == pytest.approx(sum(expected) / 4)
+    assert figures["eval_exact"] == pytest.approx(sum(1 for r in expected if r == 1.0) / 4)

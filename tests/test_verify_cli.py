@@ -52,7 +52,7 @@ def fake_layers(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[CheckResult]]
 
 
 def test_verify_is_registered_with_the_staleflow_cli() -> None:
-    assert staleflow_cli.SUBCOMMANDS["verify"][0] == "staleflow.verification.cli"
+    assert staleflow_cli.SUBCOMMANDS["verify"][0] is cli
 
 
 @pytest.mark.parametrize(

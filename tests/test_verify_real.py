@@ -34,7 +34,7 @@ def document() -> tuple[int, dict]:
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "staleflow.cli", "verify", "--quick", "--json"],
+    run = subprocess.run([sys.executable, "-m", "staleflow", "verify", "--quick", "--json"],
                          capture_output=True, text=True, timeout=850, check=False)
     assert run.stdout.strip(), f"verify printed no JSON; stderr:\n{run.stderr[-3000:]}"
     return run.returncode, json.loads(run.stdout)

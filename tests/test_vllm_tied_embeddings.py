@@ -49,7 +49,7 @@ def test_tied_embeddings_reload_by_file_and_by_broadcast(tmp_path):
     from safetensors.torch import load_file
     from staleflow.adapters.rlkit.weight_broadcast import BroadcastParameterServer, BroadcastWeights
     from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
-    from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
+    from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
     model_dir = ensure_tiny_model(tmp_path / "tied", TinyModelSpec(tie_word_embeddings=True))
     files = load_file(str(model_dir / "model.safetensors"))

@@ -33,7 +33,6 @@ from staleflow.runtime.tasks.data import (
 )
 from staleflow.runtime.tasks.rewards import (
     BUILTIN_REWARDS,
-    REWARDS,
     RewardFn,
     RewardSpecError,
     Scorer,
@@ -46,14 +45,13 @@ from staleflow.runtime.tasks.rewards import (
     math_reward,
     repeat_letter_reward,
     resolve_scorer,
-    reward_fn,
     score_items,
 )
 
 __all__ = [
-    "BUILTIN_REWARDS", "REWARDS", "ChatRenderer", "Prompt", "PromptFile", "PromptFileError", "RewardFn", "RewardSpecError",
+    "BUILTIN_REWARDS", "ChatRenderer", "Prompt", "PromptFile", "PromptFileError", "RewardFn", "RewardSpecError",
     "Scorer", "ScorerResultError", "arithmetic_problem", "arithmetic_rows", "check_reward_spec", "cycle_prompts",
     "exact_match_reward", "gsm8k_final_answer", "gsm8k_reward", "is_reward_spec", "load_prompts", "lookup", "make_group",
     "math_reward", "plain_render", "read_prompt_file", "repeat_letter_count", "repeat_letter_prompt", "repeat_letter_prompts",
-    "repeat_letter_reward", "resolve_scorer", "reward_fn", "score_items",
+    "repeat_letter_reward", "resolve_scorer", "score_items",
 ]

@@ -121,17 +121,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
     "math": math_reward,
 }
-#: kept for callers of the two-argument form
-REWARDS = BUILTIN_REWARDS
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-
-
-def reward_fn(name: str) -> RewardFn:
-    """A built-in reward by name, in its two-argument form ``(response, answer)``."""
-    try:
-        return BUILTIN_REWARDS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward {name!r}; choose one of {sorted(BUILTIN_REWARDS)}") from None
 
 
 def is_reward_spec(spec: str) -> bool:
@@ -149,7 +139,8 @@ def _builtin_scorer(fn: RewardFn) -> Scorer:
 
 
 def resolve_scorer(spec: str) -> Scorer:
-    """The scorer that ``task.reward`` names: a built-in name or ``module:function`` (importable)."""
+    """The scorer that ``task.reward`` names: a built-in name or ``module:function`` (importable). The one
+    place a reward spec is resolved: the scorer processes, the start-up check and every evaluator call it."""
     if spec in BUILTIN_REWARDS:
         return _builtin_scorer(BUILTIN_REWARDS[spec])
     if not _SPEC.match(spec):

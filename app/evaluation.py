@@ -1,4 +1,6 @@
-"""Held-out evaluation through a rollout engine (not the trainer's own decoding).
+"""A training job's evaluation: through a rollout engine (:class:`EngineEvaluator`) for prompts from
+files, by the trainer's own greedy decoding (:class:`Evaluator`) for the built-in job, either of them
+after the run loop (:class:`DeferredEvaluation`); :func:`make_evaluator` picks one.
 
 A job whose prompts come from files is evaluated on ``task.eval_file`` (its first
 ``task.eval_prompts`` rows), or, without one, on a fixed seeded sample of the training rows (then the
@@ -23,12 +25,18 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from staleflow.adapters.vllm.settings import SamplingConfig
+from staleflow.app.job_parts import TaskData, Tokens, prompt_source
+from staleflow.app.rewards import pooled_reward, scorer_arguments
 from staleflow.runtime.interfaces import resolve_weights
 from staleflow.runtime.run.rewarding import PooledReward, RewardRunner
-from staleflow.runtime.tasks import Prompt, make_group
+from staleflow.runtime.tasks import Prompt, make_group, resolve_scorer, score_items
 from staleflow.runtime.types import RolloutRequest, Trajectory
+
+if TYPE_CHECKING:
+    from staleflow.runtime.settings.config import JobConfig
 
 #: a response counts as correct (pass@1) at this reward or above
 CORRECT_AT = 1.0
@@ -176,3 +184,94 @@ class DeferredEvaluation:
         for step, version, path in self._saved:
             log.eval(step, {**self._evaluate(version, str(path)), "eval_deferred": True})
         self._saved = []
+
+
+class Evaluator:
+    """Greedy reward of the trainer's current weights on a fixed, seeded prompt set (the built-in job),
+    scored in this process by the job's scorer (``task.reward``: a built-in name or ``module:function``)."""
+
+    def __init__(
+        self, config: JobConfig, tokens: Tokens, prompt_seed: int, data: TaskData | None = None, model_dir: Path | None = None
+    ) -> None:
+        self.enabled = config.task.eval_prompts > 0
+        self._model_dir = model_dir  # the architecture of :meth:`run_saved` (the base model's folder)
+        self._decoder: Any = None
+        self._tokens = tokens
+        self._spec = config.task.reward
+        self._score = resolve_scorer(self._spec) if self.enabled else None  # a disabled evaluator scores nothing
+        self._max_new = config.rollout.max_new_tokens
+        self._prompts = list(itertools.islice(prompt_source(config, tokens, prompt_seed, data), config.task.eval_prompts))
+        self._metadata = [make_group(p, f"eval-{i}", encode=tokens.encode, n_samples=1, max_new_tokens=self._max_new).metadata
+                          for i, p in enumerate(self._prompts)]
+
+    def run(self, trainer: Any) -> dict[str, float]:
+        begin = time.perf_counter()
+        outputs = trainer.generate_greedy([self._tokens.encode(p.text) for p in self._prompts], self._max_new, self._tokens.eos_id)
+        return self._figures(outputs, begin)
+
+    def run_saved(self, version: int, weights_file: str) -> dict[str, float]:
+        """The same figures for weights saved to a safetensors file (``version``: for the record), decoded
+        by a model of the base model's architecture (the deferred evaluation, after the run loop)."""
+        from safetensors.torch import load_file
+        from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
+
+        begin = time.perf_counter()
+        if self._model_dir is None:
+            raise ValueError("Evaluator.run_saved needs the evaluator built with model_dir")
+        if self._decoder is None:
+            self._decoder = PublishedWeightsDecoder(self._model_dir, self._tokens.pad_id)
+        prompts = [self._tokens.encode(p.text) for p in self._prompts]
+        outputs = self._decoder.generate(load_file(weights_file), prompts, self._max_new, self._tokens.eos_id)
+        return {**self._figures(outputs, begin), "eval_version": version}
+
+    def _figures(self, outputs: list[list[int]], begin: float) -> dict[str, float]:
+        if self._score is None:
+            raise ValueError("the evaluator is disabled (task.eval_prompts=0)")
+        items = [scorer_arguments(self._tokens.decode(o), metadata) for o, metadata in zip(outputs, self._metadata)]
+        rewards = score_items(self._spec, self._score, items)
+        return {
+            "eval_reward": sum(rewards) / len(rewards),
+            "eval_exact": sum(1 for r in rewards if r == 1.0) / len(rewards),
+            "eval_response_tokens": sum(len(o) for o in outputs) / len(outputs),
+            "eval_s": time.perf_counter() - begin,
+        }
+
+
+def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, run_dir: Path) -> Any:
+    """The trainer's greedy :class:`Evaluator` for the built-in stream, or a disabled one
+    (``task.eval_prompts=0``); for prompts from files, an :class:`EngineEvaluator` on its own rollout
+    engine (a Ray actor of ``placement``)."""
+    if data.train is None and data.held_out is None:
+        return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data, model_dir=base)
+    if config.task.eval_prompts == 0:
+        return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data)  # disabled
+    from staleflow.adapters.vllm.engine import VLLMEngine  # torch and vLLM: imported once the job has set vLLM's environment
+
+    held_out = data.held_out is not None
+    prompts = data.held_out if data.held_out is not None else list(itertools.islice(data.stream(config.seed + 2), config.task.eval_prompts))
+    greedy = config.task.eval_sampling == "greedy"
+    engine = placement.place_reserved(  # its own group, planned like a rollout instance (placement_plan.has_eval_engine)
+        "eval",
+        VLLMEngine,
+        "eval",
+        str(base),
+        sampling=SamplingConfig(temperature=0.0 if greedy else config.rollout.temperature, stop_token_ids=(tokens.eos_id,)),
+        max_model_len=config.rollout.max_model_len,
+        max_num_seqs=config.rollout.max_num_seqs,
+        seed=config.seed * 1000 + 999,
+        clock=clock,
+        weights_dir=str(run_dir / ".eval-weights"),
+        engine_kwargs=config.rollout.engine_settings(),
+        start_timeout_s=config.rollout.start_timeout_s,
+    )
+    return EngineEvaluator(
+        engine,
+        prompts,
+        encode=tokens.encode,
+        reward=pooled_reward(config, tokens, [0.0], workers=1),
+        reward_timeout_s=config.task.reward_timeout_s,
+        max_new_tokens=config.rollout.max_new_tokens,
+        samples=config.task.eval_samples,
+        mode=config.task.eval_sampling,
+        held_out=held_out,
+    )

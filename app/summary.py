@@ -1,9 +1,12 @@
-"""What ``staleflow train`` records: one metrics record per step, the run's summary and its text."""
+"""What a training job records: one metrics record per step, the run's summary and its text."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from staleflow.app.metrics import read_metrics
 
 if TYPE_CHECKING:
     from staleflow.runtime.settings.config import JobConfig
@@ -30,23 +33,28 @@ def step_record(metrics: Any, ledger: Any, reward_seconds: float, trained_before
     return record
 
 
-def summarise(
-    config: JobConfig,
-    eta: int,
-    metrics: Any,
-    audit: Any,
-    trained_before: int,
-    ledger: Any,
-    trace_path: Path,
-    wall: float,
-    warmup_s: float,
-    engine_s: float,
-    reward_s: float,
-    run_dir: Path,
-) -> dict[str, Any]:
-    from staleflow.cli.metrics import read_metrics
+@dataclass(frozen=True)
+class RunOutcome:
+    """What a finished run's summary is made of besides its config: the run loop's figures and final
+    audit, the engines' ledger, where its files are, and how long each part took (seconds)."""
 
-    records = read_metrics(run_dir)
+    eta: int
+    metrics: Any
+    audit: Any
+    ledger: Any
+    run_dir: Path
+    trace_path: Path
+    wall_s: float
+    warmup_s: float
+    engine_start_s: float
+    reward_s: float
+    trained_before: int = 0  # tokens trained before a resume: throughput covers this run only
+
+
+def summarise(config: JobConfig, outcome: RunOutcome) -> dict[str, Any]:
+    """``summary.json``'s content (``metrics.jsonl`` is read for the reward and eval figures)."""
+    metrics, audit, ledger, eta = outcome.metrics, outcome.audit, outcome.ledger, outcome.eta
+    records = read_metrics(outcome.run_dir)
     steps = [r for r in records if r.get("kind") == "step"]
     evals = [r for r in records if r.get("kind") == "eval"]
     rewards = [r["reward_mean"] for r in steps if r.get("reward_mean") is not None]
@@ -59,9 +67,9 @@ def summarise(
         "system": config.system.value,
         "eta": eta,
         "steps": metrics.steps,
-        "wall_s": wall,
-        "warmup_s": warmup_s,
-        "engine_start_s": engine_s,
+        "wall_s": outcome.wall_s,
+        "warmup_s": outcome.warmup_s,
+        "engine_start_s": outcome.engine_start_s,
         "reward_first": sum(rewards[:window]) / window if window else None,
         "reward_last": sum(rewards[-window:]) / window if window else None,
         "reward_window": window,
@@ -75,15 +83,15 @@ def summarise(
         "time_breakdown_s": {
             "run": metrics.elapsed_s,
             "train": train_s,
-            "reward": reward_s,
+            "reward": outcome.reward_s,
             "weight_sync": ledger.summary()["sync_seconds"],
             "rollout_busy_mean": metrics.utilisation * metrics.elapsed_s,
         },
         "instances": ledger.summary(),
-        "trace": str(trace_path),
+        "trace": str(outcome.trace_path),
         **{k: v for k, v in data.items() if k not in ("system", "steps")},
         # the audit after the final quiesce (the loop's own is taken while instances still run)
-        "tokens_per_s": (metrics.tokens_trained - trained_before) / metrics.elapsed_s,  # this run (after a resume)
+        "tokens_per_s": (metrics.tokens_trained - outcome.trained_before) / metrics.elapsed_s,  # this run (after a resume)
         "audit_ok": audit.ok,
         "lost": len(audit.lost),
         "duplicated": len(audit.duplicated),

@@ -1,19 +1,18 @@
-"""The parts of a training job that ``staleflow train`` builds from its config: the tokenizer, the
-base model (a local folder or the built-in tiny model), the prompt stream, version 0 after the
-warm-up, the trainer binding and the evaluator.
+"""The parts of a training job built from its config: the tokenizer, the base model (a local folder or
+the built-in tiny model), the prompt stream, version 0 after the warm-up and the trainer binding.
 """
 
 from __future__ import annotations
 
-import itertools
 import shutil
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
 from staleflow.runtime.settings.config_sections import default_tiny_model_dir
+from staleflow.runtime.tasks import Prompt, cycle_prompts, plain_render, read_prompt_file, repeat_letter_prompts
 
 if TYPE_CHECKING:
     from staleflow.runtime.settings.config import JobConfig
@@ -40,8 +39,6 @@ class Tokens:
     def render(self, messages: list[dict[str, Any]]) -> str:
         """Chat messages as the model's prompt: its chat template with the generation prompt (``auto``
         and the tokenizer has one), else their contents one per line."""
-        from staleflow.runtime.tasks import plain_render
-
         if not self.has_template:
             return plain_render(messages)
         return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
@@ -53,8 +50,6 @@ def base_model(config: JobConfig) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path {path} is not a local model folder (no config.json)")
         return path
-    from staleflow.cli.tiny_model import TinyModelSpec, ensure_tiny_model
-
     folder = Path(config.model.tiny_model_dir or default_tiny_model_dir()).expanduser()
     if config.model.seed != 0:  # one folder per initialisation
         folder = folder.with_name(f"{folder.name}-seed{config.model.seed}")
@@ -74,8 +69,6 @@ class TaskData:
         self.held_out = self._read(config.task.eval_file)[: config.task.eval_prompts] if config.task.eval_file else None
 
     def _read(self, path: str) -> list[Any]:
-        from staleflow.runtime.tasks import read_prompt_file
-
         task = self._config.task
         loaded = read_prompt_file(
             path,
@@ -97,8 +90,6 @@ class TaskData:
         return loaded.prompts
 
     def stream(self, seed: int) -> Iterator[Any]:
-        from staleflow.runtime.tasks import cycle_prompts, repeat_letter_prompts
-
         if self.train is None:
             return repeat_letter_prompts(seed, self._config.task.max_count)
         return cycle_prompts(self.train, seed)
@@ -124,8 +115,7 @@ def warm_start(config: JobConfig, base: Path, target: Path, tokens: Tokens, data
             return base, 0.0
         shutil.copytree(base, target)
         return target, 0.0
-    from staleflow.cli.warmup import warm_up
-    from staleflow.runtime.tasks import Prompt
+    from staleflow.app.warmup import warm_up  # torch: imported once the job has set vLLM's environment
 
     # the warm-up's target: the worked solution (task.solution_key) where the rows have one
     rows = (p if p.target is None else Prompt(p.text, p.target, p.metadata) for p in prompt_source(config, tokens, config.seed + 3, data))
@@ -169,49 +159,3 @@ def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_g
                            world_size=config.train.world_size, device=device, launcher=launcher,
                            gpus_per_rank=config.train.gpus or 1.0, placement_group=placement_group if config.train.gpus else None)
     return TorchTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads, device=device)
-
-
-class Evaluator:
-    """Greedy reward of the trainer's current weights on a fixed, seeded prompt set."""
-
-    def __init__(
-        self, config: JobConfig, tokens: Tokens, prompt_seed: int, data: TaskData | None = None, model_dir: Path | None = None
-    ) -> None:
-        from staleflow.runtime.tasks import reward_fn
-
-        self.enabled = config.task.eval_prompts > 0
-        self._model_dir = model_dir  # the architecture of :meth:`run_saved` (the base model's folder)
-        self._decoder: Any = None
-        self._tokens = tokens
-        self._score = reward_fn(config.task.reward)
-        self._max_new = config.rollout.max_new_tokens
-        self._prompts = list(itertools.islice(prompt_source(config, tokens, prompt_seed, data), config.task.eval_prompts))
-
-    def run(self, trainer: Any) -> dict[str, float]:
-        begin = time.perf_counter()
-        outputs = trainer.generate_greedy([self._tokens.encode(p.text) for p in self._prompts], self._max_new, self._tokens.eos_id)
-        return self._figures(outputs, begin)
-
-    def run_saved(self, version: int, weights_file: str) -> dict[str, float]:
-        """The same figures for weights saved to a safetensors file (``version``: for the record), decoded
-        by a model of the base model's architecture (the deferred evaluation, after the run loop)."""
-        from safetensors.torch import load_file
-        from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
-
-        begin = time.perf_counter()
-        if self._model_dir is None:
-            raise ValueError("Evaluator.run_saved needs the evaluator built with model_dir")
-        if self._decoder is None:
-            self._decoder = PublishedWeightsDecoder(self._model_dir, self._tokens.pad_id)
-        prompts = [self._tokens.encode(p.text) for p in self._prompts]
-        outputs = self._decoder.generate(load_file(weights_file), prompts, self._max_new, self._tokens.eos_id)
-        return {**self._figures(outputs, begin), "eval_version": version}
-
-    def _figures(self, outputs: list[list[int]], begin: float) -> dict[str, float]:
-        rewards = [self._score(self._tokens.decode(o), p.answer) for o, p in zip(outputs, self._prompts)]
-        return {
-            "eval_reward": sum(rewards) / len(rewards),
-            "eval_exact": sum(1 for r in rewards if r == 1.0) / len(rewards),
-            "eval_response_tokens": sum(len(o) for o in outputs) / len(outputs),
-            "eval_s": time.perf_counter() - begin,
-        }

@@ -18,7 +18,7 @@ from staleflow.runtime.run.rewarding import PooledReward, ScoreInput, ScorerPool
 from staleflow.runtime.types import Trajectory
 
 if TYPE_CHECKING:
-    from staleflow.cli.train_setup import TaskData, Tokens
+    from staleflow.app.job_parts import TaskData, Tokens
     from staleflow.runtime.settings.config import JobConfig
 
 #: group metadata that the run adds to a row's (the scorer's ``metadata`` is the row's own fields)

@@ -1,0 +1,1 @@
+"""The application layer, below both the command line and the benchmarks: a training job and its parts, simulation, profile, export."""

@@ -1,0 +1,84 @@
+"""Before a training job starts: its config (a job file, or the run it resumes, with overrides), its run
+directory and checkpoint, the dry run's plan, and the check that what the job needs is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from staleflow.app.checkpoints import CHECKPOINTS, latest_checkpoint
+from staleflow.runtime.settings.config import ConfigError, JobConfig, dump_config, load_config
+from staleflow.runtime.settings.placement_plan import plan_placement
+
+#: what :func:`prepare_job` and :func:`check_installed` raise for a job that cannot start (the command's exit 2)
+PREPARATION_ERRORS = (ConfigError, FileNotFoundError, ValueError, ImportError)
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """The resolved config, where the run's files go, and the checkpoint it resumes from (None: a new run)."""
+
+    config: JobConfig
+    run_dir: Path
+    checkpoint: Path | None = None
+
+
+def prepare_job(config_file: str | None, overrides: list[str], run_dir: str | None = None, resume: str | None = None) -> PreparedJob:
+    """A new run of ``config_file`` (None: the built-in job) in ``run_dir`` (default ``runs/<UTC timestamp>``),
+    or, with ``resume``, the run in that folder continued from its newest checkpoint."""
+    if resume:
+        folder = Path(resume)
+        if config_file:
+            raise ValueError("--resume takes the config of the run it resumes; give overrides only")
+        config = load_config(folder / "config.yaml", overrides)
+        checkpoint = latest_checkpoint(folder)
+        if checkpoint is None:
+            raise FileNotFoundError(f"{folder} has no checkpoint to resume from ({folder / CHECKPOINTS}/step-*)")
+        return PreparedJob(config, folder, checkpoint)
+    config = load_config(config_file, overrides)
+    if config_file:
+        config = data_paths_near(config, Path(config_file).parent)
+    chosen = run_dir or config.run_dir
+    folder = Path(chosen) if chosen else Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    if folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"run directory {folder} is not empty; choose another or --resume it")
+    return PreparedJob(config, folder)
+
+
+def data_paths_near(config: JobConfig, folder: Path) -> JobConfig:
+    """A relative ``task.prompt_file``/``task.eval_file`` that is not found from the working directory
+    but is beside the config file (a shipped example's data) is taken from there."""
+    task = config.task
+    updates = {}
+    for key in ("prompt_file", "eval_file"):
+        value = getattr(task, key)
+        if value and not Path(value).is_absolute() and not Path(value).exists() and (folder / value).exists():
+            updates[key] = str(folder / value)
+    return config.model_copy(update={"task": task.model_copy(update=updates)}) if updates else config
+
+
+def dry_run_text(config: JobConfig, as_json: bool) -> str:
+    """The resolved config and the placement plan, as text or JSON."""
+    plan = plan_placement(config, os.environ.get("RAY_ADDRESS") if config.cluster.address is None else None)
+    if as_json:
+        return json.dumps({"config": config.model_dump(mode="json"), "placement": plan.to_dict()}, indent=1)
+    return f"{dump_config(config)}\n# placement plan\n{plan.describe()}"
+
+
+def check_installed(config: JobConfig) -> None:
+    """Fail early, with the fix, when a part the job needs is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("the rollout instances need vLLM: pip install -e '.[cpu-infer]' (CPU) or '.[gpu]' (CUDA)")
+    if config.train.backend == "megatron" and importlib.util.find_spec("megatron") is None:
+        raise ImportError("train.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
+    if config.train.gpus > 0 and config.train.backend == "torch":
+        raise ValueError(
+            f"train.gpus={config.train.gpus} places trainer ranks as Ray actors: it needs train.backend=fsdp or megatron "
+            "(train.backend=torch trains in the driver process)"
+        )
+    if config.metrics.wandb.project is not None and importlib.util.find_spec("wandb") is None:
+        raise ImportError("metrics.wandb.project needs wandb: pip install -e '.[tracking]'")

@@ -1,0 +1,225 @@
+"""Measure a real vLLM engine's decode latency and fit the cost model (``staleflow profile``, ``cli/profile.py``).
+
+The engine runs batches of ``n`` requests with prompts of ``P`` tokens, each generating exactly
+``--decode-tokens`` tokens; every pure decode step (no prefill in it) is one measurement of the
+latency ``L(n, K)`` with ``K`` the tokens in KV cache. Steps are pooled into profile points: the
+steps of one batch are split into quarters of its decode (``K`` grows as it decodes) and each quarter
+gives one point at its mean ``K`` with the lower quartile of its latencies. A step that another
+process preempted can only be slower, never faster, so on a shared machine the lower quartile is
+closer to the engine's own cost than the median or the mean. The cost model of
+:mod:`staleflow.runtime.coordination.cost_model` is fitted to the points, its mean relative error is reported
+(the paper: 10.5%), and the coefficients are written where the coordinator loads them
+(:meth:`CostModel.load`).
+
+:class:`OnlineRefit` refits the same model during a run from the instances' snapshots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from staleflow.app.tiny_model import ensure_tiny_model
+from staleflow.runtime.coordination.cost_model import (
+    CostModel,
+    FitReport,
+    ProfileRecord,
+    fit_cost_model,
+)
+from staleflow.runtime.settings.config_sections import default_tiny_model_dir
+from staleflow.runtime.types import InstanceSnapshot
+
+POINTS_PER_BATCH = 4
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """The pooled profile points, the fitted model, its fit report and what the run cost."""
+
+    points: list[ProfileRecord]
+    steps: int
+    model: CostModel
+    report: FitReport
+    seconds: float
+    reload_ms: float | None = None
+
+    @property
+    def peak_tokens_per_s(self) -> float:
+        """The best measured decode throughput ``n / L`` over the points."""
+        return max(p.n / p.latency for p in self.points)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "coefficients": self.model.to_dict(),
+            "fit": self.report.to_dict(),
+            "peak_tokens_per_s": self.peak_tokens_per_s,
+            "reload_ms": self.reload_ms,
+            "decode_steps": self.steps,
+            "points": [{"n": p.n, "kv_tokens": p.kv_tokens, "latency": p.latency} for p in self.points],
+            "seconds": self.seconds,
+        }
+
+
+def profile_engine(
+    engine: Any,
+    batch_sizes: Sequence[int],
+    prompt_lengths: Sequence[int],
+    decode_tokens: int = 64,
+    vocab: int = 260,
+    seed: int = 0,
+    on_batch: Any = None,
+) -> ProfileResult:
+    """Run the grid on ``engine`` (a :class:`~staleflow.adapters.vllm.engine.VLLMEngine` that
+    ignores EOS) and fit the cost model. One warm-up batch runs first and is not measured."""
+    from staleflow.runtime.types import RolloutRequest
+
+    if decode_tokens < 2 * POINTS_PER_BATCH:
+        raise ValueError(f"decode_tokens must be at least {2 * POINTS_PER_BATCH}, got {decode_tokens}")
+    rng = random.Random(seed)
+    started = time.perf_counter()
+    counter = iter(range(10**9))
+
+    def run_batch(n: int, prompt_len: int) -> list[ProfileRecord]:
+        ids = [f"profile-{next(counter)}" for _ in range(n)]
+        requests = [
+            RolloutRequest(rid, rid, [rng.randrange(4, vocab) for _ in range(prompt_len)], decode_tokens, engine.version) for rid in ids
+        ]
+        engine.decode_steps()  # drop anything measured before this batch
+        engine.submit(requests)
+        pending = set(ids)
+        while pending:
+            pending -= {t.request_id for t in engine.collect()}
+            time.sleep(0.002)
+        return [s for s in engine.decode_steps() if s.n == n]
+
+    run_batch(max(batch_sizes), min(prompt_lengths))  # warm-up
+    points: list[ProfileRecord] = []
+    steps = 0
+    for prompt_len in prompt_lengths:
+        for n in batch_sizes:
+            measured = run_batch(n, prompt_len)
+            steps += len(measured)
+            batch_points = pool_steps(measured, POINTS_PER_BATCH)
+            points.extend(batch_points)
+            if on_batch is not None:
+                on_batch(n, prompt_len, batch_points)
+    model, report = fit_cost_model(points)
+    return ProfileResult(points, steps, model, report, time.perf_counter() - started)
+
+
+def measure_reload_ms(engine: Any, weights: Path, repeats: int = 5) -> float:
+    """Median milliseconds of an in-place reload of ``weights`` (the engine's own version again)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.load_weights(engine.version, weights)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def pool_steps(steps: Sequence[ProfileRecord], groups: int, quantile: float = 0.25) -> list[ProfileRecord]:
+    """Split one batch's steps (in order, so ``K`` grows) into ``groups`` consecutive runs of
+    nearly equal length; each becomes a point at its mean ``K`` with the ``quantile`` of its latencies."""
+    if not steps:
+        return []
+    points = []
+    count = min(groups, len(steps))
+    bounds = [round(i * len(steps) / count) for i in range(count + 1)]
+    for start, end in itertools.pairwise(bounds):
+        chunk = steps[start:end]
+        points.append(
+            ProfileRecord(
+                n=chunk[0].n,
+                kv_tokens=round(statistics.fmean(s.kv_tokens for s in chunk)),
+                latency=_quantile(sorted(s.latency for s in chunk), quantile),
+            )
+        )
+    return points
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile of an ascending sequence."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class OnlineRefit:
+    """Refits an instance cost model during a run from snapshots (no extra measurement).
+
+    Each snapshot with running requests and a positive throughput gives a sample
+    ``(n, K, L = n / tokens_per_s)``; every ``refit_every`` new samples (once ``min_samples`` with
+    at least three distinct ``n`` are held) the model is refitted on the last ``window`` samples.
+    A throughput measured over an interval in which ``n`` changed is an average, so the online
+    model is rougher than a profile; :attr:`report` says how well it fits its own samples.
+    """
+
+    def __init__(self, initial: CostModel, window: int = 2000, min_samples: int = 50, refit_every: int = 200) -> None:
+        if not 0 < min_samples <= window:
+            raise ValueError(f"need 0 < min_samples ({min_samples}) <= window ({window})")
+        if refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
+        self.model = initial
+        self.report: FitReport | None = None
+        self._samples: deque[ProfileRecord] = deque(maxlen=window)
+        self._min_samples = min_samples
+        self._refit_every = refit_every
+        self._since_fit = 0
+
+    def observe(self, snapshots: Iterable[InstanceSnapshot]) -> bool:
+        """Take samples from ``snapshots``; returns True when this call refitted :attr:`model`."""
+        for snap in snapshots:
+            n = len(snap.running)
+            if n == 0 or snap.tokens_per_s <= 0 or snap.loading:
+                continue
+            self._samples.append(ProfileRecord(n=n, kv_tokens=snap.kv_tokens, latency=n / snap.tokens_per_s))
+            self._since_fit += 1
+        if self._since_fit < self._refit_every or len(self._samples) < self._min_samples or len({s.n for s in self._samples}) < 3:
+            return False
+        self.model, self.report = fit_cost_model(self._samples)
+        self._since_fit = 0
+        return True
+
+
+def profile_model(
+    model: str | None,
+    *,
+    out: str,
+    batch_sizes: Sequence[int],
+    prompt_lengths: Sequence[int],
+    decode_tokens: int = 64,
+    max_model_len: int = 512,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> ProfileResult:
+    """Profile ``model`` (a local folder; None: the built-in tiny model) on a vLLM engine, measure its
+    in-place reload, and write the fitted coefficients to ``out``; ``log`` gets one line per batch."""
+    from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
+
+    model_dir = Path(model) if model else ensure_tiny_model(Path(default_tiny_model_dir()).expanduser())
+    log(f"profiling {model_dir}: n in {list(batch_sizes)}, prompt lengths {list(prompt_lengths)}")
+
+    def show(n: int, prompt_len: int, points: list[ProfileRecord]) -> None:
+        latencies = ", ".join(f"{p.latency * 1e3:.2f}" for p in points)
+        log(f"  n={n:4d} prompt={prompt_len:4d}: step ms [{latencies}] at K up to {max(p.kv_tokens for p in points)}")
+
+    with VLLMEngine(
+        "profile",
+        model_dir,
+        sampling=SamplingConfig(temperature=1.0, ignore_eos=True),
+        max_model_len=max_model_len,
+        max_num_seqs=max(batch_sizes),
+        seed=seed,
+    ) as engine:
+        result = profile_engine(engine, batch_sizes, prompt_lengths, decode_tokens, seed=seed, on_batch=show)
+        result = replace(result, reload_ms=measure_reload_ms(engine, model_dir))
+    result.model.save(out)
+    return result

@@ -1,0 +1,320 @@
+"""StaleFlow and the baselines side by side on a simulated cluster (``staleflow simulate``, ``cli/simulate.py``).
+
+Every system runs the same runtime (protocol, trajectory and parameter servers, coordinator, run
+loop) against simulated rollout instances and a simulated trainer in virtual time, on the same
+prompts and response lengths (same seed). The table reports throughput (trained response tokens per
+second), time per step, instance utilisation, staleness and drops, and StaleFlow's ratio to each
+baseline and to the workload's upper bound (:mod:`staleflow.app.upper_bound`).
+
+:func:`compare_systems` runs the grid (every system at every ``eta``) and returns the report with
+its exit code: 1 when a run stalled or broke a guarantee (staleness above ``eta``, a lost or
+duplicated trajectory), else 0.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from staleflow.runtime.settings.workload import Workload
+
+#: The paper's baselines as the real systems run (runtime/settings/policies.py says which peer code each follows).
+BASELINES = ("verl-sync", "one-step-off", "verl-async", "areal", "areal-filter", "areal-tight", "roll-flash")
+ABLATIONS = (
+    "staleflow-no-routing", "staleflow-no-sync", "staleflow-no-migration", "staleflow-no-proactive-abort", "staleflow-fresh",
+)
+DEFAULT_SYSTEMS = ("staleflow", *BASELINES)
+UPPER_BOUND = "upper-bound"
+BEST = "best-bound-keeping"
+#: AReaL run with the largest admission bound below ``eta`` whose p99 staleness is within ``eta``.
+TIGHT = "areal-tight"
+
+
+def expand_systems(requested: list[str]) -> list[str]:
+    """The systems named on the command line, ``all`` and ``ablation`` expanded, aliases resolved, in order."""
+    from staleflow.runtime.settings.policies import ALIASES, POLICIES
+
+    names: list[str] = []
+    for name in requested:
+        expanded = {"all": [*POLICIES, TIGHT], "ablation": ["staleflow", *ABLATIONS]}.get(name, [name])
+        for item in expanded:
+            if item == UPPER_BOUND:
+                continue
+            item = ALIASES.get(item, item)
+            if item not in POLICIES and item != TIGHT:
+                known = ", ".join([*POLICIES, TIGHT, *ALIASES, UPPER_BOUND, "ablation", "all"])
+                raise ValueError(f"unknown system {item!r}; known: {known}")
+            if item not in names:
+                names.append(item)
+    return names
+
+
+def simulate_system(
+    workload: Workload,
+    system: str,
+    eta: int,
+    steps: int,
+    seed: int,
+    tick_s: float | None = None,
+    event_quantum_s: float | None = None,
+    on_step: Any = None,
+    trace_path: Path | None = None,
+    estimation_error: float = 0.0,
+    admission_eta: int | None = None,
+    **knobs: Any,
+) -> dict[str, Any]:
+    """Run one system for ``steps`` training steps; returns its figures (the JSON entry).
+
+    With ``trace_path`` the run's protocol trace is written there (JSONL, for ``verify --trace``).
+    ``estimation_error``: the coordinator plans with the cost model off by this much (the engines
+    run the exact one). ``admission_eta``: a system that does not keep the bound admits with this
+    bound instead of ``eta`` (its staleness is still measured against ``eta``). ``knobs`` override
+    the policy's.
+    """
+    from staleflow.adapters.sim.engine import SimEngine
+    from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer
+    from staleflow.adapters.sim.trainer import SimTrainer
+    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.clock import VirtualClock
+    from staleflow.runtime.run.loop import RunParts
+
+    spec = RunSpec.from_workload(workload, system, eta, tick_s=tick_s, **knobs)
+    policy = spec.policy
+    if admission_eta is not None:
+        spec = replace(spec, eta=admission_eta)
+    clock = VirtualClock()
+    quantum = workload.simulation.event_quantum_s if event_quantum_s is None else event_quantum_s
+    cluster = workload.cluster
+    instances = cluster.rollout_instances
+    scale, after_step = 1.0, 0.0
+    link: WeightTransfer | None = None
+    if policy.colocated:  # every GPU rolls out, then every GPU trains
+        instances = workload.gpus // cluster.gpus_per_instance
+        scale = cluster.trainer_gpus / workload.gpus if cluster.trainer_gpus else 1.0
+    elif policy.weight_transfer == "broadcast":
+        link = Broadcast(workload.network)
+        after_step = link.seconds
+    elif policy.weight_transfer == "ps_pull":
+        link = ParameterServerLink(workload.network)
+    parts = RunParts(
+        engines=[
+            SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link)
+            for i in range(instances)
+        ],
+        trainer=SimTrainer.from_workload(workload, clock, scale=scale, after_step_s=after_step),
+        prompts=workload.prompt_groups(seed, n_extra=policy.group_redundancy),
+        cost_model=workload.build_cost_model().with_error(estimation_error, seed),
+        clock=clock,
+    )
+    loop = assemble_run(spec, parts, trace_path=trace_path)
+    started = time.perf_counter()
+    try:
+        metrics = loop.run(steps, on_step=on_step)
+    finally:
+        loop.close()
+    wall = time.perf_counter() - started
+    trained_groups = sum(metrics.staleness_histogram.values())
+    return measured_against({
+        "tokens_per_s": metrics.tokens_per_s,
+        "step_time_s": metrics.step_time_s,
+        "utilisation": metrics.utilisation,
+        "max_staleness": metrics.max_staleness,
+        "staleness_p99": metrics.staleness_p99,
+        "keeps_bound": policy.keeps_bound,
+        "staleness_histogram": {str(k): v for k, v in metrics.staleness_histogram.items()},
+        "dropped": metrics.dropped,
+        "wasted_tokens": metrics.wasted_tokens,
+        "proactive_aborted": metrics.proactive_aborted,
+        "mean_trained_length": metrics.tokens_trained / max(1, trained_groups * workload.batch.group_size),
+        "admission_eta": policy.protocol_eta(spec.eta),
+        "instances": instances,
+        "generated_tokens_per_s": metrics.tokens_generated / metrics.elapsed_s,
+        "trainer_busy": sum(m["step_time_s"] for m in metrics.train_metrics) / metrics.elapsed_s,
+        "steps": metrics.steps,
+        "step_times_s": metrics.step_times_s,
+        "staleness_per_buffer": {
+            str(b): {str(s): n for s, n in counts.items()} for b, counts in metrics.staleness_per_buffer.items()
+        },
+        "lost": metrics.lost,
+        "duplicated": metrics.duplicated,
+        "virtual_s": metrics.elapsed_s,
+        "wall_s": wall,
+        "coordinator_decision_s": metrics.coordinator.get("decision_seconds", 0.0),
+        "reused_run": False,
+    }, policy.protocol_eta(eta))
+
+
+def measured_against(figures: dict[str, Any], eta: int) -> dict[str, Any]:
+    """``figures`` of a run with the bound it is measured against set to ``eta``: ``eta`` and the
+    share of trained groups past it (the run itself depends only on its ``admission_eta``)."""
+    histogram = {int(s): n for s, n in figures["staleness_histogram"].items()}
+    past = sum(n for s, n in histogram.items() if s > eta) / max(1, sum(histogram.values()))
+    return {**figures, "eta": eta, "past_eta_share": past}
+
+
+def violations(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Broken guarantees: a system that keeps the bound trained a group past it (a baseline that
+    does not keep it is measured, not failed), or a trajectory was lost or duplicated."""
+    problems = []
+    for name, figures in results.items():
+        if figures["keeps_bound"] and figures["max_staleness"] > figures["eta"]:
+            problems.append(f"{name}: staleness {figures['max_staleness']} above its bound {figures['eta']}")
+        if figures["lost"] or figures["duplicated"]:
+            problems.append(f"{name}: {figures['lost']} lost and {figures['duplicated']} duplicated trajectories")
+    return problems
+
+
+def knobs_for(system: str, group_redundancy: int, batch_redundancy: int) -> dict[str, int]:
+    """The redundancy asked for, for StaleFlow's policies only."""
+    if not system.startswith("staleflow"):
+        return {}
+    return {"group_redundancy": group_redundancy, "batch_redundancy": batch_redundancy}
+
+
+def keeps_eta(figures: dict[str, Any], eta: int) -> bool:
+    """A baseline that keeps the bound ``eta`` asked for: at most 1% of its groups past it (p99)."""
+    return bool(figures["staleness_p99"] <= eta)
+
+
+def ratios(systems: dict[str, dict[str, Any]], bound: float, eta: int) -> dict[str, float]:
+    """StaleFlow's throughput over each other system's, over the best baseline whose p99 staleness
+    is within ``eta`` (``best-bound-keeping``), and over the upper bound."""
+    if "staleflow" not in systems:
+        return {}
+    ours = systems["staleflow"]["tokens_per_s"]
+    others = {name: f for name, f in systems.items() if not name.startswith("staleflow") and f["tokens_per_s"] > 0}
+    ratios = {name: ours / f["tokens_per_s"] for name, f in systems.items() if name != "staleflow" and f["tokens_per_s"] > 0}
+    keeping = [f["tokens_per_s"] for f in others.values() if keeps_eta(f, eta)]
+    if keeping:
+        ratios[BEST] = ours / max(keeping)
+    ratios[UPPER_BOUND] = ours / bound if bound > 0 else 0.0
+    return ratios
+
+
+def tight(workload: Workload, eta: int, run_one: Any) -> dict[str, Any]:
+    """AReaL with a smaller admission bound: the largest ``eta' < eta`` whose run keeps its p99
+    staleness within ``eta`` (down to 0; the last tried is reported if none does)."""
+    figures: dict[str, Any] = {}
+    for admission in range(eta - 1, -1, -1):
+        figures = run_one("areal", admission_eta=admission)
+        if keeps_eta(figures, eta):
+            break
+    return figures
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What to run: the systems (:func:`expand_systems`), the bounds, and the knobs every run shares."""
+
+    systems: list[str]
+    etas: list[int]
+    steps: int = 20
+    seed: int = 0
+    tick_s: float | None = None
+    event_quantum_s: float | None = None
+    estimation_error: float = 0.1
+    group_redundancy: int = 0
+    batch_redundancy: int = 0
+    trace_dir: Path | None = None
+
+
+def compare_systems(
+    workload: Workload, comparison: Comparison, progress: Any, on_error: Callable[[str], None]
+) -> tuple[dict[str, Any], int]:
+    """Run every system of ``comparison`` at every ``eta``; returns the report and the exit code.
+
+    ``progress``: a :class:`rich.progress.Progress` (one task per run); ``on_error``: gets one line
+    per stalled run or broken guarantee.
+    """
+    from staleflow.app.upper_bound import upper_bound
+    from staleflow.runtime.run.loop import RunStalledError
+
+    bound = upper_bound(workload, seed=comparison.seed)
+    report: dict[str, Any] = {
+        "workload": workload.name,
+        "gpus": workload.gpus,
+        "steps": comparison.steps,
+        "seed": comparison.seed,
+        "estimation_error": comparison.estimation_error,
+        "upper_bound_tokens_per_s": bound.tokens_per_s,
+        "upper_bound": bound.to_dict(),
+        "by_eta": {},
+    }
+    exit_code = 0
+    if comparison.trace_dir is not None:
+        comparison.trace_dir.mkdir(parents=True, exist_ok=True)
+    # A run depends on its system and the bound it admits with, not on the bound it is measured
+    # against: verl-sync (0) and one-step-off (1) run once for every eta, and areal-tight at eta
+    # reuses areal's run at the smaller bound. Same seed, same run: only the measurement differs.
+    runs: dict[tuple[str, int], tuple[dict[str, Any], Path | None]] = {}
+    for eta in comparison.etas:
+        results: dict[str, dict[str, Any]] = {}
+        for name in comparison.systems:
+            task = progress.add_task(f"eta={eta} {name}", total=comparison.steps)
+            run_one = _runner(workload, comparison, runs, progress, task, eta)
+            try:
+                results[name] = tight(workload, eta, run_one) if name == TIGHT else run_one(name)
+            except RunStalledError as exc:
+                on_error(f"error: eta={eta} {name}: {exc}")
+                exit_code = 1
+            progress.remove_task(task)
+        for problem in violations(results):
+            on_error(f"error: eta={eta} {problem}")
+            exit_code = 1
+        report["by_eta"][str(eta)] = {"systems": results, "staleflow_ratio": ratios(results, bound.tokens_per_s, eta)}
+    return report, exit_code
+
+
+def _runner(
+    workload: Workload, comparison: Comparison, runs: dict[tuple[str, int], tuple[dict[str, Any], Path | None]],
+    progress: Any, task: Any, eta: int,
+) -> Callable[..., dict[str, Any]]:
+    """``run_one(system, **extra)`` for one progress task at ``eta``: a run already made with the same
+    system and admission bound is measured again instead of run again (its trace copied)."""
+    from staleflow.runtime.settings.policies import make_policy
+
+    def run_one(system: str, **extra: Any) -> dict[str, Any]:
+        policy = make_policy(system)
+        key = (system, policy.protocol_eta(extra.get("admission_eta", eta)))
+        trace_dir = comparison.trace_dir
+        trace = None if trace_dir is None or not policy.keeps_bound else trace_dir / f"{system}-eta{eta}.jsonl"
+        if key in runs:
+            figures, earlier_trace = runs[key]
+            if trace is not None and earlier_trace is not None:
+                shutil.copyfile(earlier_trace, trace)
+            return {**measured_against(figures, policy.protocol_eta(eta)), "reused_run": True}
+        progress.reset(task)
+        figures = simulate_system(
+            workload, system, eta, comparison.steps, comparison.seed, comparison.tick_s, comparison.event_quantum_s,
+            on_step=lambda: progress.advance(task), trace_path=trace, estimation_error=comparison.estimation_error,
+            **knobs_for(system, comparison.group_redundancy, comparison.batch_redundancy), **extra,
+        )
+        runs[key] = (figures, trace)
+        return figures
+
+    return run_one
+
+
+def json_payload(report: dict[str, Any], comparison: Comparison) -> dict[str, Any]:
+    """What ``--json`` prints: with one ``eta``, its systems and ratios at the top level; else the report."""
+    if len(comparison.etas) != 1:
+        return report
+    eta = comparison.etas[0]
+    only = report["by_eta"][str(eta)]
+    return {"systems": only["systems"], "upper_bound_tokens_per_s": report["upper_bound_tokens_per_s"],
+            "staleflow_ratio": only["staleflow_ratio"], "eta": eta, "workload": report["workload"],
+            "steps": comparison.steps, "seed": comparison.seed, "estimation_error": comparison.estimation_error}
+
+
+def write_results(report: dict[str, Any], out: Path) -> Path:
+    """``out/results.json`` (the folder is made)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path

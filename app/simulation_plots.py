@@ -1,0 +1,75 @@
+"""The plots of a simulated comparison (``staleflow simulate --out``): throughput per system, staleness
+per buffer and time per step for each ``eta``, as PNG files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from staleflow.app.report import pyplot
+
+
+def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write the PNG plots of a comparison report into ``out``; returns their paths."""
+    plt = pyplot()
+    written = []
+    bound = report["upper_bound_tokens_per_s"]
+    etas = list(report["by_eta"])
+    names = list(next(iter(report["by_eta"].values()))["systems"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names) * len(etas)), 4))
+    width = 0.8 / max(1, len(etas))
+    for j, eta in enumerate(etas):
+        values = [report["by_eta"][eta]["systems"][n]["tokens_per_s"] for n in names]
+        ax.bar([i + j * width for i in range(len(names))], values, width, label=f"eta={eta}")
+    ax.axhline(bound, color="black", linestyle="--", label="upper bound")
+    ax.set_xticks([i + width * (len(etas) - 1) / 2 for i in range(len(names))], names, rotation=20, ha="right")
+    ax.set_ylabel("trained tokens / s")
+    ax.set_title(f"{report['workload']}: throughput")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "throughput.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+
+    for eta in etas:
+        systems = report["by_eta"][eta]["systems"]
+        cols = min(4, len(systems))
+        rows = -(-len(systems) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False, sharey=True)
+        for ax in axes.flat[len(systems):]:
+            ax.axis("off")
+        for ax, (name, figures) in zip(axes.flat, systems.items()):
+            per_buffer = figures["staleness_per_buffer"]
+            buffers = sorted(per_buffer, key=int)
+            levels = sorted({int(s) for counts in per_buffer.values() for s in counts})
+            bottom = [0] * len(buffers)
+            for level in levels:
+                counts = [per_buffer[b].get(str(level), 0) for b in buffers]
+                ax.bar([int(b) for b in buffers], counts, bottom=bottom, label=f"staleness {level}")
+                bottom = [x + y for x, y in zip(bottom, counts)]
+            ax.set_title(name)
+            ax.set_xlabel("buffer (training step)")
+        for row in axes:
+            row[0].set_ylabel("groups")
+        axes.flat[0].legend(fontsize="small")
+        fig.suptitle(f"staleness per buffer, eta={eta}")
+        fig.tight_layout()
+        path = out / f"staleness_eta{eta}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for name, figures in systems.items():
+            ax.plot(range(1, len(figures["step_times_s"]) + 1), figures["step_times_s"], label=name)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("step time (s)")
+        ax.set_title(f"time per step, eta={eta}")
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = out / f"step_times_eta{eta}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
