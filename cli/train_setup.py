@@ -146,7 +146,8 @@ def warm_start(config: JobConfig, base: Path, target: Path, tokens: Tokens, data
 
 def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_group: Any = None) -> Any:
     import torch
-    from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings
+    from staleflow.adapters.rlkit.settings import TrainerSettings
+    from staleflow.adapters.torch.trainer import TorchTrainer
 
     settings = TrainerSettings.from_config(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -196,7 +197,7 @@ class Evaluator:
         """The same figures for weights saved to a safetensors file (``version``: for the record), decoded
         by a model of the base model's architecture (the deferred evaluation, after the run loop)."""
         from safetensors.torch import load_file
-        from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
+        from staleflow.adapters.rlkit.causal_lm import PublishedWeightsDecoder
 
         begin = time.perf_counter()
         if self._model_dir is None:
