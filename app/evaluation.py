@@ -213,7 +213,7 @@ class Evaluator:
         """The same figures for weights saved to a safetensors file (``version``: for the record), decoded
         by a model of the base model's architecture (the deferred evaluation, after the run loop)."""
         from safetensors.torch import load_file
-        from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
+        from staleflow.adapters.rlkit.causal_lm import PublishedWeightsDecoder
 
         begin = time.perf_counter()
         if self._model_dir is None:

@@ -136,7 +136,8 @@ def warm_start(config: JobConfig, base: Path, target: Path, tokens: Tokens, data
 
 def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_group: Any = None) -> Any:
     import torch
-    from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings
+    from staleflow.adapters.rlkit.settings import TrainerSettings
+    from staleflow.adapters.torch.trainer import TorchTrainer
 
     settings = TrainerSettings.from_config(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"

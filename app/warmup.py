@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from staleflow.adapters.rlkit.algorithms import token_logprobs
-from staleflow.adapters.torch.trainer import load_causal_lm
+from staleflow.adapters.rlkit.causal_lm import load_causal_lm
 from staleflow.runtime.tasks import Prompt
 
 

@@ -80,8 +80,10 @@ def main() -> int:
 
     import torch
     from staleflow.adapters.rlkit.algorithms import token_logprobs
+    from staleflow.adapters.rlkit.causal_lm import load_causal_lm
     from staleflow.adapters.rlkit.packing import LogProbModel, batch_sequences, micro_batches
-    from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings, load_causal_lm
+    from staleflow.adapters.rlkit.settings import TrainerSettings
+    from staleflow.adapters.torch.trainer import TorchTrainer
     from staleflow.app.export import export
 
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -30,7 +30,7 @@ def _run(*command: str) -> subprocess.CompletedProcess[str]:
 def test_import_contracts_are_kept() -> None:
     result = _run(str(BIN / "lint-imports"), "--no-cache")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "6 kept, 0 broken" in result.stdout
+    assert "7 kept, 0 broken" in result.stdout
 
 
 def _lint_copy_with(tmp_path: Path, module: str, source: str) -> subprocess.CompletedProcess[str]:
@@ -122,6 +122,114 @@ def test_modules_stay_small(folder: str) -> None:
     }
     assert {name: n for name, n in sizes.items() if n > 420} == {}
 
+
+def _package_modules(root: Path) -> dict[str, Path]:
+    """``staleflow.<dotted path>`` -> file, for every module of the package rooted at ``root`` (tests
+    and hidden folders, the venv among them, left out)."""
+    modules = {}
+    top = [p for p in root.iterdir() if p.name != "tests" and not p.name.startswith(".")]
+    for path in sorted(p for entry in top for p in ([entry] if entry.is_file() else entry.rglob("*.py")) if p.suffix == ".py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(("staleflow", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    return modules
+
+
+def _imports(module: str, path: Path) -> list[tuple[int, str, str | None]]:
+    """``(line, module imported from, name or None)`` for every import in ``path``, those inside
+    functions included; relative imports resolved against ``module``."""
+    found: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name, None) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:
+                package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                source = ".".join(package[: len(package) - node.level + 1] + ([source] if source else []))
+            found.extend((node.lineno, source, alias.name) for alias in node.names)
+    return found
+
+
+def _private_imports(root: Path) -> list[str]:
+    """``file:line dotted.name`` for each import of a private name (or from a private module) of
+    another of the package's modules."""
+    found = []
+    for module, path in _package_modules(root).items():
+        for line, source, name in _imports(module, path):
+            if source.split(".")[0] != "staleflow" or source == module:
+                continue
+            dotted = source if name is None else f"{source}.{name}"
+            if any(part.startswith("_") and not part.startswith("__") for part in dotted.split(".")):
+                found.append(f"{path.relative_to(root)}:{line} {dotted}")
+    return found
+
+
+def _adapter_import_graph(root: Path) -> dict[str, dict[str, str]]:
+    """Sub-package -> {imported sub-package: ``file:line`` of one such import}, over ``staleflow.adapters.*``."""
+    graph: dict[str, dict[str, str]] = {}
+    for module, path in _package_modules(root).items():
+        parts = module.split(".")
+        if parts[:2] != ["staleflow", "adapters"] or len(parts) < 3:
+            continue
+        for line, source, name in _imports(module, path):
+            target = source.split(".") if name is None else [*source.split("."), name]
+            if target[:2] == ["staleflow", "adapters"] and len(target) > 2 and target[2] != parts[2]:
+                graph.setdefault(parts[2], {}).setdefault(target[2], f"{path.relative_to(root)}:{line}")
+    return graph
+
+
+def _adapter_cycle(root: Path) -> list[str]:
+    """One import cycle between adapter sub-packages, as ``a -> b (file:line)`` steps; [] if none."""
+    graph = _adapter_import_graph(root)
+    done: set[str] = set()
+
+    def visit(node: str, trail: list[str]) -> list[str]:
+        if node in trail:
+            cycle = [*trail[trail.index(node):], node]
+            return [f"{a} -> {b} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
+        if node in done:
+            return []
+        for successor in sorted(graph.get(node, {})):
+            found = visit(successor, [*trail, node])
+            if found:
+                return found
+        done.add(node)
+        return []
+
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        if cycle:
+            return cycle
+    return []
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name with a leading underscore is its module's own: anything used across modules is public
+    (function-level imports included; tests may reach inside)."""
+    assert _private_imports(ROOT) == []
+
+
+def test_adapter_sub_packages_import_each_other_without_cycles() -> None:
+    """The adapter sub-packages form no import cycle, function-level imports included (import-linter's
+    adapters contract states the intended order: the bindings, then Ray placement, then the RL kit)."""
+    assert _adapter_cycle(ROOT) == []
+
+
+def test_the_import_scans_find_lazy_private_imports_and_cycles(tmp_path: Path) -> None:
+    """Both scans see imports inside functions and relative imports (a package written here)."""
+    files = {
+        "adapters/__init__.py": "",
+        "adapters/one/__init__.py": "",
+        "adapters/one/core.py": "def _helper():\n    pass\n\n\ndef use():\n    from staleflow.adapters.two.tool import run\n",
+        "adapters/two/__init__.py": "",
+        "adapters/two/tool.py": "def run():\n    from ..one.core import _helper\n    from . import __name__ as own\n",
+        "adapters/three/__init__.py": "from staleflow.adapters.one import core\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    assert _private_imports(tmp_path) == ["adapters/two/tool.py:2 staleflow.adapters.one.core._helper"]
+    assert _adapter_cycle(tmp_path) == ["one -> two (adapters/one/core.py:6)", "two -> one (adapters/two/tool.py:2)"]
 
 #: The only reasons a package line may be left out of line coverage (README, "Coverage").
 COVERAGE_EXCLUSIONS = {"needs CUDA"}

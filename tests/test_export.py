@@ -12,9 +12,11 @@ import torch
 from staleflow.__main__ import main
 from staleflow.adapters.megatron.trainer import hf_to_megatron
 from staleflow.adapters.rlkit.algorithms import token_logprobs
+from staleflow.adapters.rlkit.causal_lm import load_causal_lm
 from staleflow.adapters.rlkit.hf_folder import read_weights
 from staleflow.adapters.rlkit.packing import LogProbModel, batch_sequences, micro_batches
-from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings, load_causal_lm
+from staleflow.adapters.rlkit.settings import TrainerSettings
+from staleflow.adapters.torch.trainer import TorchTrainer
 from staleflow.app.tiny_model import build_tokenizer
 from trainer_batches import make_batch
 

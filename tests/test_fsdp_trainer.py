@@ -11,7 +11,8 @@ import pytest
 import torch
 from staleflow.adapters.fsdp.trainer import FSDPTrainer
 from staleflow.adapters.rlkit.algorithms import Correction, LossSettings
-from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings
+from staleflow.adapters.rlkit.settings import TrainerSettings
+from staleflow.adapters.torch.trainer import TorchTrainer
 from trainer_batches import make_batch
 
 
@@ -161,7 +162,7 @@ def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_deco
     model has tied embeddings: rank 1, built on the meta device, gets the shared weight from rank 0."""
     from staleflow.adapters.ray.object_weights import ObjectStoreWeights
     from staleflow.adapters.ray.placement import RayPlacement
-    from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
+    from staleflow.adapters.rlkit.causal_lm import PublishedWeightsDecoder
     from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
     from staleflow.runtime.interfaces import TransferFailedError, resolve_weights
     from staleflow.runtime.servers.parameter_server import ParameterServer

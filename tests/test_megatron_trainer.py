@@ -29,7 +29,7 @@ from staleflow.adapters.megatron.trainer import (
     transformer_config_from_hf,
 )
 from staleflow.adapters.rlkit.algorithms import token_logprobs
-from staleflow.adapters.torch.trainer import load_causal_lm
+from staleflow.adapters.rlkit.causal_lm import load_causal_lm
 
 
 @pytest.fixture(scope="module")

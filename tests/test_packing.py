@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from staleflow.adapters.rlkit.algorithms import Correction, LossSettings, pack_batch, policy_loss, token_logprobs
+from staleflow.adapters.rlkit.causal_lm import load_causal_lm
 from staleflow.adapters.rlkit.hf_folder import read_weights, write_hf_folder
 from staleflow.adapters.rlkit.packed_step import split_groups, train_minibatches
 from staleflow.adapters.rlkit.packing import (
@@ -24,7 +25,8 @@ from staleflow.adapters.rlkit.packing import (
     resolve_micro_batch_tokens,
     split_across_ranks,
 )
-from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings, load_causal_lm
+from staleflow.adapters.rlkit.settings import TrainerSettings
+from staleflow.adapters.torch.trainer import TorchTrainer
 from staleflow.app.tiny_model import build_tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainer_batches import make_batch

@@ -8,11 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from staleflow.adapters.rlkit.algorithms import Correction, LossSettings, token_logprobs
-from staleflow.adapters.torch.trainer import (
-    TorchTrainer,
-    TrainerSettings,
-    load_causal_lm,
-)
+from staleflow.adapters.rlkit.causal_lm import load_causal_lm
+from staleflow.adapters.rlkit.settings import TrainerSettings
+from staleflow.adapters.torch.trainer import TorchTrainer
 from staleflow.app.tiny_model import (
     EOS_ID,
     PAD_ID,
@@ -190,7 +188,7 @@ def test_warm_up_teaches_the_answer_format(model_dir: Path, tmp_path: Path) -> N
 
 def test_published_weights_decoder_matches_the_model_and_refuses_weights_that_do_not_fit(tmp_path: Path) -> None:
     """The CPU decoder of the multi-process trainers (FSDP, Megatron): tied heads may be left out, nothing else."""
-    from staleflow.adapters.torch.trainer import PublishedWeightsDecoder
+    from staleflow.adapters.rlkit.causal_lm import PublishedWeightsDecoder
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(3)

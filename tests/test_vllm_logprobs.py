@@ -47,8 +47,8 @@ def sampled(tiny_model: Path) -> list:
 
 def _trainer_logprobs(model_dir: Path, prompt: list[int], output: list[int], temperature: float) -> list[float]:
     import torch
+    from staleflow.adapters.rlkit.causal_lm import load_causal_lm
     from staleflow.adapters.rlkit.packing import LogProbModel
-    from staleflow.adapters.torch.trainer import load_causal_lm
 
     model = LogProbModel(load_causal_lm(model_dir).eval(), chunk=16, temperature=temperature)
     ids = torch.tensor([prompt + output])
@@ -70,7 +70,8 @@ def test_vllm_and_trainer_logprobs_agree_at_temperature_0_7(sampled: list, tiny_
 def test_the_first_training_step_sees_no_behaviour_gap(sampled: list, tiny_model: Path) -> None:
     import dataclasses
 
-    from staleflow.adapters.torch.trainer import TorchTrainer, TrainerSettings
+    from staleflow.adapters.rlkit.settings import TrainerSettings
+    from staleflow.adapters.torch.trainer import TorchTrainer
     from staleflow.runtime.types import TrainingBatch
 
     group = [dataclasses.replace(t, reward=float(i % 2)) for i, t in enumerate(sampled)]  # rewards that vary

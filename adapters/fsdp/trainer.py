@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from staleflow.adapters.rlkit.causal_lm import PublishedWeightsDecoder, empty_causal_lm, load_causal_lm
+from staleflow.adapters.rlkit.checkpoint import CHECKPOINT_MODEL, CHECKPOINT_STATE, check_trainer_state, read_trainer_checkpoint
 from staleflow.adapters.rlkit.hf_folder import check_model_folder
 from staleflow.adapters.rlkit.packed_step import DistributedReducer, batch_metrics, split_groups, train_minibatches
 from staleflow.adapters.rlkit.packing import (
@@ -41,17 +43,8 @@ from staleflow.adapters.rlkit.packing import (
     resolve_micro_batch_tokens,
     split_across_ranks,
 )
+from staleflow.adapters.rlkit.settings import TrainerSettings
 from staleflow.adapters.rlkit.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer, rank_address
-from staleflow.adapters.torch.trainer import (
-    CHECKPOINT_MODEL,
-    CHECKPOINT_STATE,
-    PublishedWeightsDecoder,
-    TrainerSettings,
-    check_trainer_state,
-    empty_causal_lm,
-    load_causal_lm,
-    read_trainer_checkpoint,
-)
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FORMAT = "staleflow-fsdp/1"

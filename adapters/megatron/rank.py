@@ -27,8 +27,8 @@ from staleflow.adapters.megatron.convert import build_gpt_model, hf_to_megatron,
 from staleflow.adapters.megatron.parallel import MegatronLayout, shard_for_rank
 from staleflow.adapters.rlkit.algorithms import Correction, PackedBatch, add_sums, metrics_from_sums, policy_terms
 from staleflow.adapters.rlkit.packing import VARLEN_MICRO_BATCH_TOKENS
+from staleflow.adapters.rlkit.settings import TrainerSettings
 from staleflow.adapters.rlkit.worker_group import rank_address
-from staleflow.adapters.torch.trainer import TrainerSettings
 
 
 def causal_mask(length: int, device: torch.device) -> torch.Tensor:

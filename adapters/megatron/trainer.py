@@ -1,7 +1,7 @@
 """The :class:`~staleflow.runtime.interfaces.Trainer` seam on Megatron-core (GPU): ``train.world_size``
 ranks as ``tensor_parallel x pipeline_parallel x data_parallel``.
 
-The same RL step as :mod:`staleflow.adapters.torch.trainer` (``adapters/rlkit/algorithms.py``: GRPO
+The same RL step as the torch and FSDP trainers (``adapters/rlkit/algorithms.py``: GRPO
 advantages, off-policy correction, per-token loss) on a Megatron-core ``GPTModel`` split over the
 ranks (:mod:`~staleflow.adapters.megatron.parallel`), each rank (:class:`MegatronRank`, a process
 of its own: spawned, or a Ray actor with one GPU) wrapped in Megatron's ``DistributedDataParallel``,
@@ -47,9 +47,11 @@ from staleflow.adapters.megatron.rank import (  # noqa: F401 - re-exported
     optimizer_file,
 )
 from staleflow.adapters.rlkit.algorithms import pack_batch, token_staleness
+from staleflow.adapters.rlkit.causal_lm import PublishedWeightsDecoder
+from staleflow.adapters.rlkit.checkpoint import check_weights_match, read_checkpoint_file
 from staleflow.adapters.rlkit.hf_folder import check_model_folder
+from staleflow.adapters.rlkit.settings import TrainerSettings
 from staleflow.adapters.rlkit.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer
-from staleflow.adapters.torch.trainer import PublishedWeightsDecoder, TrainerSettings, _check_weights_match, _read_checkpoint_file
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FILE = "megatron_trainer.pt"
@@ -204,7 +206,7 @@ def read_megatron_checkpoint(folder: str | os.PathLike[str], expected: Mapping[s
     source = Path(folder) / CHECKPOINT_FILE
     if not source.is_file():
         raise FileNotFoundError(f"checkpoint {folder} has no {CHECKPOINT_FILE}")
-    state = _read_checkpoint_file(source, lambda path: torch.load(path, map_location=map_location, weights_only=False))
+    state = read_checkpoint_file(source, lambda path: torch.load(path, map_location=map_location, weights_only=False))
     if not isinstance(state, dict):
         raise ValueError(f"checkpoint file {source} holds a {type(state).__name__}, not a Megatron trainer state")
     missing = [k for k in ("format", "version", "steps_taken", "layout", "model") if k not in state]
@@ -218,7 +220,7 @@ def read_megatron_checkpoint(folder: str | os.PathLike[str], expected: Mapping[s
     if not isinstance(state["model"], dict):
         raise ValueError(f"checkpoint file {source} holds no model state dict")
     weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
-    _check_weights_match(weights, {k: v for k, v in expected.items() if not k.endswith("_extra_state")}, source)
+    check_weights_match(weights, {k: v for k, v in expected.items() if not k.endswith("_extra_state")}, source)
     if layout is not None:
         ours = (layout.tensor_parallel, layout.pipeline_parallel, layout.world_size)
         if tuple(state["layout"]) != ours:
@@ -230,7 +232,7 @@ def read_megatron_checkpoint(folder: str | os.PathLike[str], expected: Mapping[s
             path = optimizer_file(folder, rank)
             if not path.is_file():
                 raise FileNotFoundError(f"checkpoint {folder} has no optimiser state of rank {rank} ({path.name})")
-            saved = _read_checkpoint_file(path, lambda p: torch.load(p, map_location="cpu", weights_only=False, mmap=True))
+            saved = read_checkpoint_file(path, lambda p: torch.load(p, map_location="cpu", weights_only=False, mmap=True))
             if not isinstance(saved, dict) or "optimizer" not in saved or tuple(saved.get("coordinates", ())) != layout.coordinates(rank):
                 raise ValueError(f"checkpoint file {path} is not the optimiser state of rank {rank} {layout.coordinates(rank)}")
     return state

@@ -1,2 +1,3 @@
-"""The backend-neutral RL kit on torch tensors that the torch, FSDP and Megatron trainer bindings share: losses,
-packing, the packed step, worker groups, Hugging Face folder I/O and weight buckets."""
+"""The backend-neutral RL kit on torch tensors that the torch, FSDP and Megatron trainer bindings share: losses
+(``algorithms``), packing and the packed step, trainer settings, checkpoint files, the Hugging Face causal LM and
+its folders, the background step thread, worker groups and weight buckets. It imports no binding of ours."""

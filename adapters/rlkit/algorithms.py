@@ -115,7 +115,9 @@ class PackedBatch:
         )
 
 
-def _check_trajectory(traj: Trajectory, trainer_version: int) -> None:
+def check_trajectory(traj: Trajectory, trainer_version: int) -> None:
+    """Refuse a trajectory a trainer of version ``trainer_version`` cannot train on, naming it: an empty
+    response, log-probs or versions not one per token, no reward, or a token newer than the trainer."""
     n = len(traj.output_ids)
     if n == 0:
         raise ValueError(f"trajectory {traj.request_id} has an empty response")
@@ -147,7 +149,7 @@ def pack_batch(batch: TrainingBatch, *, pad_id: int, scale_advantages: bool = Tr
         if not group:
             raise ValueError(f"group {group_id} in batch {batch.version} has no trajectories")
         for traj in group:
-            _check_trajectory(traj, batch.version)
+            check_trajectory(traj, batch.version)
         trajectories.extend(group)
         rewards.append([float(t.reward) for t in group])  # type: ignore[arg-type]
     advantages = group_advantages(rewards, scale=scale_advantages)

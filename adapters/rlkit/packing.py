@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from staleflow.adapters.rlkit.algorithms import _check_trajectory, group_advantages
+from staleflow.adapters.rlkit.algorithms import check_trajectory, group_advantages
 from staleflow.runtime.types import TrainingBatch
 from torch.utils.checkpoint import checkpoint
 
@@ -77,7 +77,7 @@ def batch_sequences(batch: TrainingBatch, *, scale_advantages: bool = True) -> l
         if not group:
             raise ValueError(f"group {group_id} in batch {batch.version} has no trajectories")
         for traj in group:
-            _check_trajectory(traj, batch.version)
+            check_trajectory(traj, batch.version)
             if len(traj.prompt_ids) == 0:
                 raise ValueError(f"trajectory {traj.request_id} has an empty prompt")
         rewards.append([float(t.reward) for t in group])  # type: ignore[arg-type]

@@ -209,7 +209,7 @@ class WorkerGroupTrainer(BackgroundStepTrainer):
     """A trainer whose ranks are a worker group (FSDP, Megatron): the shared evaluation and shutdown.
 
     Subclasses set ``self._workers`` (:class:`ProcessWorkers` or :class:`RayWorkers`) and either
-    ``self._decoder`` (a :class:`~staleflow.adapters.torch.trainer.PublishedWeightsDecoder`, for
+    ``self._decoder`` (a :class:`~staleflow.adapters.rlkit.causal_lm.PublishedWeightsDecoder`, for
     published weights held here) or their own :meth:`generate_greedy` (FSDP: rank 0 decodes).
     """
 

@@ -20,92 +20,20 @@ import contextlib
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from staleflow.adapters.rlkit.algorithms import Correction, LossSettings
-from staleflow.adapters.rlkit.hf_folder import check_model_folder
+from staleflow.adapters.rlkit.causal_lm import greedy_decode, load_causal_lm
+from staleflow.adapters.rlkit.checkpoint import CHECKPOINT_MODEL, CHECKPOINT_STATE, check_trainer_state, read_trainer_checkpoint
 from staleflow.adapters.rlkit.packed_step import batch_metrics, split_groups, train_minibatches
 from staleflow.adapters.rlkit.packing import LogProbModel, batch_sequences, enable_activation_checkpointing, resolve_micro_batch_tokens
+from staleflow.adapters.rlkit.settings import TrainerSettings
 from staleflow.adapters.rlkit.step_thread import BackgroundStepTrainer
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
-CHECKPOINT_MODEL = "model.safetensors"
-CHECKPOINT_STATE = "trainer_state.pt"
 CHECKPOINT_FORMAT = "staleflow-torch/1"
-
-
-@dataclass(frozen=True)
-class TrainerSettings:
-    """Optimiser, schedule and objective of a :class:`TorchTrainer` (see ``runtime/settings/config.py``)."""
-
-    lr: float = 3e-4
-    lr_warmup_steps: int = 10
-    betas: tuple[float, float] = (0.9, 0.98)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    minibatches: int = 1
-    loss: LossSettings = field(default_factory=LossSettings)
-    scale_advantages: bool = True
-    temperature: float = 1.0
-    micro_batch_tokens: int | None = None  # None: auto (resolve_micro_batch_tokens)
-    logprob_chunk: int = 1024
-    activation_checkpointing: bool = False
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: the compute dtype
-
-    @classmethod
-    def from_config(cls, job: Any) -> TrainerSettings:
-        """Settings of a :class:`~staleflow.runtime.settings.config.JobConfig`."""
-        t = job.train
-        return cls(
-            lr=t.lr,
-            lr_warmup_steps=t.lr_warmup_steps,
-            betas=tuple(t.betas),
-            weight_decay=t.weight_decay,
-            grad_clip=t.grad_clip,
-            minibatches=t.minibatches,
-            loss=LossSettings(correction=Correction(t.correction), clip_eps=t.clip_eps, weight_cap=t.weight_cap),
-            scale_advantages=t.scale_advantages,
-            temperature=job.rollout.temperature,
-            micro_batch_tokens=None if t.micro_batch_tokens == "auto" else t.micro_batch_tokens,
-            logprob_chunk=t.logprob_chunk,
-            activation_checkpointing=t.activation_checkpointing,
-            dtype=t.dtype,
-        )
-
-    def compute_dtype(self, device: torch.device) -> torch.dtype:
-        """The dtype of forward and backward: ``auto`` is bf16 on a GPU and fp32 elsewhere."""
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
-
-
-def load_causal_lm(path: str | os.PathLike[str]) -> Any:
-    """A local Hugging Face causal LM in float32 (never the hub: a missing folder is an error).
-
-    Single-file or sharded safetensors (``model.safetensors.index.json``), tied embeddings or not;
-    the folder is checked first (:func:`~staleflow.adapters.rlkit.hf_folder.check_model_folder`).
-    """
-    folder = check_model_folder(path)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-
-
-def empty_causal_lm(path: str | os.PathLike[str]) -> Any:
-    """The causal LM of a local Hugging Face folder on the meta device, in float32: its modules and
-    shapes without memory (only ``config.json`` is read); the weights come later."""
-    folder = check_model_folder(path)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(folder))
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 class TorchTrainer(BackgroundStepTrainer):
@@ -244,146 +172,3 @@ class TorchTrainer(BackgroundStepTrainer):
 
     def _copy_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self._model.state_dict().items()}
-
-
-def read_trainer_checkpoint(source: Path, expected: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
-    """The weights and the training state of a trainer checkpoint folder, read, the weights checked
-    against ``expected`` (name -> tensor of the model's shape; meta tensors do): a missing file is a
-    FileNotFoundError, a damaged one or weights of another model a ValueError, each naming the file.
-    The state is not checked yet (its format is the trainer's own)."""
-    from safetensors.torch import load_file
-
-    for name in (CHECKPOINT_MODEL, CHECKPOINT_STATE):
-        if not (source / name).is_file():
-            raise FileNotFoundError(f"checkpoint {source} has no {name}")
-    weights = _read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
-    state = _read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
-    _check_weights_match(weights, expected, source / CHECKPOINT_MODEL)
-    return weights, state
-
-
-def check_trainer_state(state: dict[str, Any], path: Path, groups: Sequence[Sequence[Any]], shapes: Mapping[Any, tuple[int, ...]]) -> None:
-    """Refuse a trainer state (``trainer_state.pt``) that cannot be restored whole, naming the file and
-    the part: a missing part, a version that is not a count, an optimiser state of other parameter
-    groups (``groups``: the parameter keys of each group) or of other shapes (``shapes``: by key, where known), a
-    scheduler or RNG state that does not load. Checked before anything is loaded: a refused load
-    changes nothing."""
-    missing = [k for k in ("version", "optimizer", "scheduler", "torch_rng", "python_rng") if k not in state]
-    if missing:
-        raise ValueError(f"checkpoint file {path} lacks {missing}")
-    version = state["version"]
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"checkpoint file {path} holds version {version!r}, not a count >= 0")
-    optimizer = state["optimizer"]
-    found = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
-    if not isinstance(found, list) or not isinstance(optimizer.get("state"), dict) or not all(
-        isinstance(g, dict) and isinstance(g.get("params"), list) for g in found
-    ):
-        raise ValueError(f"checkpoint file {path} holds no optimiser state (state and param_groups)")
-    if [sorted(map(str, g["params"])) for g in found] != [sorted(map(str, g)) for g in groups]:
-        raise ValueError(
-            f"checkpoint file {path} holds optimiser state of other parameters: groups of "
-            f"{[len(g['params']) for g in found]} parameters, this model's optimiser has {[len(g) for g in groups]}"
-        )
-    wrong = [
-        f"{key}.{name}: {tuple(value.shape)} in the file, {shapes[key]} in the model"
-        for key, entry in optimizer["state"].items()
-        for name, value in (entry.items() if isinstance(entry, dict) else ())
-        if key in shapes and isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(shapes[key])
-    ]
-    unknown = sorted(set(map(str, optimizer["state"])) - {str(key) for group in groups for key in group})
-    if wrong or unknown:
-        raise ValueError(f"checkpoint file {path} holds optimiser state of another model: {(wrong + unknown)[:3]}")
-    scheduler = state["scheduler"]
-    if not isinstance(scheduler, dict) or not {"last_epoch", "base_lrs", "lr_lambdas"} <= set(scheduler):
-        raise ValueError(f"checkpoint file {path} holds no learning-rate schedule state (last_epoch, base_lrs, lr_lambdas)")
-    rng = state["torch_rng"]
-    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
-        raise ValueError(f"checkpoint file {path} holds no torch RNG state (a uint8 tensor of {tuple(torch.get_rng_state().shape)})")
-    try:
-        random.Random().setstate(state["python_rng"])
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"checkpoint file {path} holds no Python RNG state ({error})") from error
-
-
-def _read_checkpoint_file(path: Path, read: Any) -> Any:
-    """``read(path)``, with any failure (truncated, corrupt) reported as a ValueError naming the file."""
-    try:
-        return read(path)
-    except Exception as error:  # safetensors and torch raise many types for a damaged file
-        raise ValueError(f"checkpoint file {path} cannot be read ({type(error).__name__}: {error})") from error
-
-
-def _check_weights_match(weights: dict[str, torch.Tensor], expected: Mapping[str, Any], path: Path) -> None:
-    """Refuse weights of another model (missing, extra or differently shaped tensors), naming them."""
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    mismatched = [
-        f"{name}: {tuple(weights[name].shape)} in the file, {tuple(expected[name].shape)} in the model"
-        for name in sorted(set(weights) & set(expected))
-        if weights[name].shape != expected[name].shape
-    ]
-    if missing or extra or mismatched:
-        details = "; ".join(
-            part
-            for part in (
-                f"missing {missing[:3]}" if missing else "",
-                f"unexpected {extra[:3]}" if extra else "",
-                f"size mismatch {mismatched[:3]}" if mismatched else "",
-            )
-            if part
-        )
-        raise ValueError(f"checkpoint file {path} holds another model's weights: {details}")
-
-
-class PublishedWeightsDecoder:
-    """Greedy decoding of a multi-process trainer's published weights on a CPU copy of the model, in
-    the driver (evaluation only; rollout is vLLM's). The copy is built on first use."""
-
-    def __init__(self, model_path: str | os.PathLike[str], pad_id: int) -> None:
-        self._model_path, self._pad_id = model_path, pad_id
-        self._model: Any = None
-
-    def generate(self, published: Mapping[str, torch.Tensor], prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int,
-                 batch_size: int = 64) -> list[list[int]]:
-        outputs: list[list[int]] = []
-        with torch.no_grad():
-            if self._model is None:
-                self._model = load_causal_lm(self._model_path).eval()
-            missing, unexpected = self._model.load_state_dict(published, strict=False)
-            tied = {"lm_head.weight"} if getattr(self._model.config, "tie_word_embeddings", False) else set()
-            if set(missing) - tied or unexpected:  # a tied lm_head is the embedding, published or not
-                raise ValueError(f"published weights do not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
-            for start in range(0, len(prompts), batch_size):
-                chunk = prompts[start : start + batch_size]
-                outputs.extend(greedy_decode(self._model, chunk, max_new_tokens, eos_id, self._pad_id, torch.device("cpu")))
-        return outputs
-
-
-def greedy_decode(
-    model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int, pad_id: int, device: torch.device
-) -> list[list[int]]:
-    """Greedy decoding of left-padded prompts with Hugging Face ``generate``."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt) :] = torch.tensor(list(prompt))
-        mask[i, width - len(prompt) :] = 1
-    out = model.generate(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-    )
-    responses = []
-    for row in out[:, width:].tolist():
-        response = []
-        for token in row:
-            if token == eos_id:
-                break
-            response.append(token)
-        responses.append(response)
-    return responses
