@@ -96,7 +96,7 @@ def test_group_redundancy_cancels_extra_responses():
 
 def test_loop_sets_n_extra_and_checks_lengths():
     loop, _, _, _ = build(make_policy("staleflow", group_redundancy=1), n_samples=2)  # lengths only for 2
-    with pytest.raises(ValueError, match="response_lengths' has 2 entries, need n_samples \\+ n_extra = 3"):
+    with pytest.raises(ValueError, match="sample_metadata has 2 entries, need n_samples \\+ n_extra = 3"):
         loop.run(1)
 
 
