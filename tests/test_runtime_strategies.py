@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from staleflow.protocol import StalenessManager
-from staleflow.runtime.coordination.commands import Interrupt, Pull, Route
+from staleflow.runtime.coordination.commands import Admission, Interrupt, Pull, Route
 from staleflow.runtime.coordination.coordinator import Coordinator
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import FleetArrays, InstanceView
 from staleflow.runtime.coordination.migration import plan_migration
-from staleflow.runtime.coordination.observations import RequestsLeft, RunStarted, StepStarted, Tick
+from staleflow.runtime.coordination.observations import Admitted, Cancelled, RequestsLeft, RunStarted, StepStarted, Tick
 from staleflow.runtime.coordination.routing import (
     LeastLoadedRouter,
     ThroughputRouter,
@@ -237,6 +237,32 @@ def test_coordinator_rejects_contradicting_snapshots():
     assert not _accepts(c, snap("i0", version=0, running=route.request_ids))  # older than the pull
     assert _accepts(c, snap("i0", version=3, running=route.request_ids))
     assert c.stats["snapshots_rejected"] == 2
+
+
+def test_a_decision_waits_for_the_outcome_of_each_group_change_it_asks_for():
+    """step / ready: a Tick starts a decision; the coordinator reserves nothing itself, it asks for
+    each admission in a Ready and goes on only once the group's requests are stepped back; a missing
+    or wrong outcome and a second Tick mid-decision are refused; the decision ends with the routes."""
+    c, m, ts = _coordinator(eta=0, batch=2, instances=2)
+    c.step(Tick(0, full=True))
+    with pytest.raises(RuntimeError, match="decision is in progress"):
+        c.step(Tick(0, full=True))
+    admitted: list[str] = []
+    while (ready := c.ready()).waits:
+        assert ready.admit is not None and ready.requeue == () and len(m) == len(admitted) // 2  # groups of 2
+        with pytest.raises(RuntimeError, match="step its outcome"):
+            c.ready()
+        with pytest.raises(RuntimeError, match="waits for Admitted"):
+            c.step(Cancelled(()))
+        requests = tuple(c.groups.admit(ready.admit.group_id, ready.admit.version))
+        c.step(Admitted(ready.admit, requests))
+        admitted += [r.request_id for r in requests]
+    assert len(m) == 2 and ready.admit is None
+    assert all(isinstance(cmd, Route) for cmd in ready.commands)
+    assert sorted(r for cmd in ready.commands for r in cmd.request_ids) == sorted(admitted) and len(admitted) == 4
+    assert c.ready().commands == ()  # handed out once
+    with pytest.raises(TypeError, match="asked for"):  # an outcome nobody asked for is no observation
+        c.step(Admitted(Admission("g9", 0, 0), ()))
 
 
 def test_inflight_cap_bounds_admission():
