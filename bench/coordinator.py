@@ -105,12 +105,14 @@ def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, A
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.protocol import StalenessManager
     from staleflow.runtime.coordination.commands import Route
-    from staleflow.runtime.coordination.coordinator import Coordinator, decide
+    from staleflow.runtime.coordination.coordinator import Coordinator
+    from staleflow.runtime.coordination.observations import RequestsLeft, Tick
     from staleflow.runtime.run.clock import VirtualClock
+    from staleflow.runtime.run.decision import decide
     from staleflow.runtime.run.group_life import GroupLife
     from staleflow.runtime.servers.trajectory_server import TrajectoryServer
     from staleflow.runtime.settings.policies import make_policy
-    from staleflow.runtime.settings.workload import GROUP_LENGTHS_KEY, load_workload
+    from staleflow.runtime.settings.workload import load_workload
     from staleflow.runtime.types import PromptGroup
 
     workload = load_workload("qwen3-30b-a3b-128gpu")
@@ -126,8 +128,7 @@ def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, A
     ts = TrajectoryServer()
     prompt = [1] * workload.prompt_tokens
     ts.add_groups(
-        PromptGroup(f"g{i}", list(prompt), GROUP_SIZE,
-                    metadata={GROUP_LENGTHS_KEY: [RESPONSE_TOKENS] * GROUP_SIZE, "max_new_tokens": RESPONSE_TOKENS})
+        PromptGroup(f"g{i}", list(prompt), GROUP_SIZE, metadata={"max_new_tokens": RESPONSE_TOKENS})
         for i in range(batch_size * (ETA + 1))
     )
     groups = GroupLife(manager, ts)
@@ -140,7 +141,7 @@ def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, A
             by_id[command.instance_id].submit(ts.mark_routed(command.request_ids, command.instance_id))
 
     fill_started = time.perf_counter()
-    while commands := decide(coordinator, groups, 0, full=False):
+    while commands := decide(coordinator, groups, Tick(0, full=False)):
         execute(commands)
     fill_s = time.perf_counter() - fill_started
     on_instances = sum(len(v.requests) for v in coordinator.views)
@@ -148,19 +149,19 @@ def measure(instances: int, requests: int, ticks: int, seed: int) -> dict[str, A
 
     def observe() -> None:
         for engine in engines:
-            coordinator.observe(engine.snapshot())
+            coordinator.step(engine.snapshot())
 
     rng = random.Random(seed)
     with _Timer(("observe", "plan", "plan_rerouted_1pct")) as timer:
         for _ in range(ticks):
             clock.sleep_until(clock.now() + TICK_S)
             timer.timed("observe", observe)
-            execute(timer.timed("plan", lambda: decide(coordinator, groups, 0, full=True)))
+            execute(timer.timed("plan", lambda: decide(coordinator, groups, Tick(0, full=True))))
             on_instance = [(v.instance_id, rid) for v in coordinator.views for rid in v.requests]
             for instance_id, rid in rng.sample(on_instance, max(1, len(on_instance) // 100)):
-                coordinator.forget(instance_id, [rid])
+                coordinator.step(RequestsLeft(instance_id, (rid,)))
                 ts.requeue(by_id[instance_id].interrupt([rid]), instance_id)
-            execute(timer.timed("plan_rerouted_1pct", lambda: decide(coordinator, groups, 0, full=True)))
+            execute(timer.timed("plan_rerouted_1pct", lambda: decide(coordinator, groups, Tick(0, full=True))))
 
     return {
         "instances": instances,

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: A prompt group's id everywhere in the runtime. The protocol takes any ``str`` or ``int`` id
+#: (:data:`staleflow.protocol.GroupId`); the runtime reserves ``str`` ids only, so every id the
+#: protocol hands back is one (:mod:`~staleflow.runtime.run.group_life` reads them back as such).
+GroupId = str
+#: ``(instance_id, request_id)`` of running requests that a group's state change cancelled (to abort).
+Cancellations = tuple[tuple[str, str], ...]
+
 
 @dataclass
 class PromptGroup:
@@ -12,14 +19,20 @@ class PromptGroup:
 
     ``n_samples`` responses are trained; ``n_extra`` more may be sampled for group-level redundancy
     (the first ``n_samples`` to finish are kept). ``metadata`` carries what the reward needs (the
-    reference answer) or, in simulation, the response lengths the workload drew.
+    reference answer) and ``max_new_tokens``; every request of the group gets a copy.
+    ``sample_metadata`` (empty, or one dict per request) adds to request ``i``'s copy its own
+    entries (a simulated workload puts each response's drawn length there); ``resamples`` are
+    further ``sample_metadata`` lists, taken in turn each time the prompt is sampled again
+    (proactive abort re-queues it). The runtime reads none of their keys.
     """
 
-    group_id: str
+    group_id: GroupId
     prompt_ids: list[int]
     n_samples: int
     n_extra: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    sample_metadata: list[dict[str, Any]] = field(default_factory=list)
+    resamples: list[list[dict[str, Any]]] = field(default_factory=list)
 
 
 @dataclass
@@ -33,7 +46,7 @@ class RolloutRequest:
     """
 
     request_id: str
-    group_id: str
+    group_id: GroupId
     prompt_ids: list[int]
     max_new_tokens: int
     group_version: int
@@ -52,7 +65,7 @@ class Trajectory:
     """A finished response with its per-token behaviour log-probs and versions, and its reward."""
 
     request_id: str
-    group_id: str
+    group_id: GroupId
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
@@ -86,7 +99,7 @@ class TrainingBatch:
     """What the trainer gets for one step: the buffer index and its groups' trajectories."""
 
     version: int
-    groups: dict[str, list[Trajectory]]
+    groups: dict[GroupId, list[Trajectory]]
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ class FakeEngine:
     # internals -----------------------------------------------------------------
     @staticmethod
     def _target(request: RolloutRequest) -> int:
-        return int(request.metadata.get("response_length", request.max_new_tokens))
+        return request.max_new_tokens
 
     def _advance(self) -> None:
         now = self.clock.now()
@@ -203,5 +203,5 @@ def prompt_groups(n_samples: int = 2, n_extra: int = 0, lengths: Sequence[int] =
     while True:
         count = n_samples + n_extra
         drawn = [lengths[(index + i) % len(lengths)] for i in range(count)]
-        yield PromptGroup(f"g{index}", [1, 2, 3, 4], n_samples, n_extra, {"response_lengths": drawn})
+        yield PromptGroup(f"g{index}", [1, 2, 3, 4], n_samples, n_extra, sample_metadata=[{"max_new_tokens": n} for n in drawn])
         index += 1

@@ -17,7 +17,7 @@ BIN = Path(sys.executable).parent
 
 #: Methods that change a group's protocol entry (on the manager) or its trajectory-server state.
 PROTOCOL_TRANSITIONS = {"reserve", "occupy", "abort", "consume", "restore"}
-SERVER_TRANSITIONS = {"admit", "set_rewards", "fail_group", "abort_group", "take_batch"}
+SERVER_TRANSITIONS = {"add_groups", "admit", "finish", "set_rewards", "fail_group", "abort_group", "take_batch", "load_state_dict"}
 #: The one module allowed to call them (and the modules that define them).
 OWNER = "runtime/run/group_life.py"
 
@@ -109,8 +109,50 @@ def test_only_the_group_owner_changes_groups() -> None:
     owner_calls = {call.split()[-1] for call in _transition_calls(ROOT / OWNER)}
     assert owner_calls >= {
         "self.manager.reserve", "self.manager.occupy", "self.manager.abort", "self.manager.consume",
-        "self.ts.admit", "self.ts.set_rewards", "self.ts.fail_group", "self.ts.abort_group", "self.ts.take_batch",
+        "self.ts.add_groups", "self.ts.admit", "self.ts.finish", "self.ts.set_rewards", "self.ts.fail_group",
+        "self.ts.abort_group", "self.ts.take_batch", "self.ts.load_state_dict",
     }
+
+
+#: What GroupLife changes a group with: the coordinator may ask for these (a Ready), never call them.
+GROUP_CHANGES = {"add", "admit", "finish", "reward", "abort", "requeue", "consume", "restore", "load_state_dict"}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+
+
+def test_the_coordinator_is_fed_not_called_back() -> None:
+    """The instance driver returns what it observed and holds no coordinator (no ``bind``); the
+    coordinator reads GroupLife but changes no group (it asks, in a Ready)."""
+    driver = ROOT / "runtime" / "run" / "instance_driver.py"
+    assert "staleflow.runtime.coordination.coordinator" not in _imports(driver)
+    assert "coordinator" not in {
+        n.attr for n in ast.walk(ast.parse(driver.read_text(encoding="utf-8"))) if isinstance(n, ast.Attribute)
+    }
+    coordinator = ROOT / "runtime" / "coordination" / "coordinator.py"
+    calls = [
+        ast.unparse(n.func)
+        for n in ast.walk(ast.parse(coordinator.read_text(encoding="utf-8")))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in GROUP_CHANGES
+        and ast.unparse(n.func.value).split(".")[-1] == "groups"
+    ]
+    assert calls == []
+
+
+#: Keys of the simulated workload and engine (runtime/settings/workload.py, adapters/sim).
+SIMULATION_KEYS = ("response_length", "retry_length")
+
+
+@pytest.mark.parametrize("module", ["runtime/servers/trajectory_server.py", "runtime/run/group_life.py", "runtime/types.py"])
+def test_the_runtimes_servers_know_no_simulation_key(module: str) -> None:
+    """The trajectory server and group life carry a group's per-sample metadata without reading it."""
+    text = (ROOT / module).read_text(encoding="utf-8")
+    assert [key for key in SIMULATION_KEYS if key in text] == []
+    assert "staleflow.runtime.settings.workload" not in _imports(ROOT / module)
 
 
 @pytest.mark.parametrize("folder", ["protocol", "spec", "verification", "runtime", "adapters", "app", "cli", "bench"])

@@ -121,7 +121,7 @@ def _reference_route_queue(c: Coordinator, queue: list[RolloutRequest]) -> tuple
     version and budget bucket form a batch, placed by one router call planned at its largest size;
     the first batch not wholly placed stops the walk. Returns the routes, whether the whole queue
     was placed, and how many of the last batch were."""
-    fleet = c._synced_fleet()
+    fleet = c.fleet.synced()
     budget = c.policy.request_budget
     batches: list[tuple[tuple[int, int], list[RolloutRequest]]] = []
     for request in queue:
@@ -166,7 +166,7 @@ def _random_coordinator(rng: random.Random) -> tuple[Coordinator, list[str]]:
         for rid in fillers:
             view.add(rid, rng.randint(10, 200), rng.randint(0, view.version))
         view.waiting = tuple(rid for rid in fillers if rng.random() < 0.2)
-        c._dirty.add(k)
+        c.fleet._changed.add(k)
     return c, work.arrivals
 
 
@@ -181,13 +181,14 @@ def test_routing_decisions_match_the_request_by_request_walk_over_random_states(
             continue
         reference = copy.deepcopy(c)
         expected_routes, expected_placed, last_run_placed = _reference_route_queue(reference, _reference_order(reference.ts, arrivals))
-        c.plan(None, full=False)
+        c._plan(None, full=False)
         placed_all = c._admitting  # the queue was placed: the decision may admit groups
-        routes = {c._index[cmd.instance_id]: list(cmd.request_ids) for cmd in c.take_routes()}
+        c._take_routes()
+        routes = {c.fleet.index(cmd.instance_id): list(cmd.request_ids) for cmd in c.ready().commands}
         assert list(routes.items()) == list(expected_routes.items()), f"seed {seed}"
         assert placed_all == expected_placed, f"seed {seed}"
         for name in ("n", "kv"):
-            assert np.array_equal(getattr(c._fleet, name), getattr(reference._fleet, name)), f"seed {seed}: {name}"
+            assert np.array_equal(getattr(c.fleet.arrays, name), getattr(reference.fleet.arrays, name)), f"seed {seed}: {name}"
         assert [v.requests for v in c.views] == [v.requests for v in reference.views], f"seed {seed}"
         outcomes[
             "all placed" if expected_placed else "stopped in a run partly placed" if last_run_placed else "stopped at a run not placed"

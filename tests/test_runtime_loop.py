@@ -96,7 +96,7 @@ def test_group_redundancy_cancels_extra_responses():
 
 def test_loop_sets_n_extra_and_checks_lengths():
     loop, _, _, _ = build(make_policy("staleflow", group_redundancy=1), n_samples=2)  # lengths only for 2
-    with pytest.raises(ValueError, match="response_lengths' has 2 entries, need n_samples \\+ n_extra = 3"):
+    with pytest.raises(ValueError, match="sample_metadata has 2 entries, need n_samples \\+ n_extra = 3"):
         loop.run(1)
 
 
@@ -294,3 +294,66 @@ def test_areal_resubmits_a_request_interrupted_by_a_weight_update_to_the_instanc
     assert loop.coordinator.stats["interrupted_for_pull"] >= len(resubmitted) > 3
     moved = [rid for rid, where in resubmitted.items() if len(set(where)) > 1]
     assert (moved == []) is same_instance, moved
+
+
+class _Flaky(FakeEngine):
+    """A fake engine whose snapshots fail while ``failing``."""
+
+    failing = False
+
+    def snapshot(self):
+        if self.failing:
+            raise ConnectionError(f"{self.instance_id} does not answer")
+        return super().snapshot()
+
+
+def test_the_instance_driver_returns_what_it_observed_in_order():
+    """No coordinator behind it: a refresh returns each instance's snapshot, a failure as the
+    instance lost (its requests back in the queue), and a probe that finds it empty as it back."""
+    from collections import Counter
+
+    from staleflow.runtime.coordination.observations import InstanceBack, InstanceLost
+    from staleflow.runtime.run.instance_driver import InstanceDriver
+    from staleflow.runtime.servers.parameter_server import ParameterServer
+    from staleflow.runtime.servers.trajectory_server import TrajectoryServer
+
+    clock = VirtualClock()
+    a, b = FakeEngine("a", clock), _Flaky("b", clock)
+    ts = TrajectoryServer()
+    ts.add_groups([next(prompt_groups(2))])
+    driver = InstanceDriver([a, b], ts, ParameterServer(), clock, Counter())
+    assert [s.instance_id for s in driver.first_snapshots()] == ["a", "b"] and driver.down == set()
+    requests = ts.admit("g0", 0)
+    ts.mark_routed([r.request_id for r in requests], "b")
+    b.failing = True
+    observations = driver.refresh(0.0, tick_s=1.0)
+    assert [type(o).__name__ for o in observations] == ["InstanceSnapshot", "InstanceLost"]
+    assert observations[1] == InstanceLost("b") and driver.down == {"b"} and ts.queued_count() == 2
+    b.failing = False
+    clock.sleep_until(1.0)
+    observations = driver.refresh(1.0, tick_s=1.0)
+    assert [type(o).__name__ for o in observations] == ["InstanceSnapshot", "InstanceBack"]
+    assert isinstance(observations[1], InstanceBack) and observations[1].snapshot.instance_id == "b" and driver.down == set()
+    assert driver.take_touched() == {"a", "b"} and driver.take_touched() == set()
+
+
+def test_group_life_hands_over_the_group_it_completes():
+    """Finishing goes through GroupLife: the response that completes a group hands over the group and
+    its kept trajectories (what the loop rewards), and cancels the sibling still running."""
+    from staleflow.protocol import StalenessManager
+    from staleflow.runtime.run.group_life import GroupLife
+    from staleflow.runtime.servers.trajectory_server import GroupState, TrajectoryServer
+    from staleflow.runtime.types import Trajectory
+
+    ts = TrajectoryServer()
+    life = GroupLife(StalenessManager(1, 1), ts)
+    group = PromptGroup("g0", [1, 2], 2, 1, {"answer": "4", "max_new_tokens": 8})
+    life.add([group])
+    requests = life.admit("g0", 0)
+    ts.mark_routed([r.request_id for r in requests], "i0")
+    done = [Trajectory(r.request_id, "g0", r.prompt_ids, [3], [-0.1], [0], "stop") for r in requests]
+    assert life.finish("i0", done[0]).completed is None
+    outcome = life.finish("i0", done[2])
+    assert outcome.completed is not None and outcome.completed.group.metadata == {"answer": "4", "max_new_tokens": 8}
+    assert outcome.completed.trajectories == (done[0], done[2]) and outcome.cancel == (("i0", "g0/1"),)
+    assert ts.group_state("g0") is GroupState.REWARDING

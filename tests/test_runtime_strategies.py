@@ -5,17 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from staleflow.protocol import StalenessManager
-from staleflow.runtime.coordination.commands import Interrupt, Pull, Route
-from staleflow.runtime.coordination.coordinator import Coordinator, decide
+from staleflow.runtime.coordination.commands import Admission, Interrupt, Pull, Route
+from staleflow.runtime.coordination.coordinator import Coordinator
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import FleetArrays, InstanceView
 from staleflow.runtime.coordination.migration import plan_migration
+from staleflow.runtime.coordination.observations import Admitted, Cancelled, RequestsLeft, RunStarted, StepStarted, Tick
 from staleflow.runtime.coordination.routing import (
     LeastLoadedRouter,
     ThroughputRouter,
     fleet_throughput,
 )
 from staleflow.runtime.coordination.sync import plan_pulls
+from staleflow.runtime.run.decision import decide
 from staleflow.runtime.run.group_life import GroupLife
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 from staleflow.runtime.settings.policies import POLICIES, make_policy
@@ -199,7 +201,14 @@ def _coordinator(policy="staleflow", eta=1, batch=2, instances=2, **knobs):
 
 def _decide(c, ps_version, full, trainer_waits=False):
     """One whole decision, as the run loop makes it."""
-    return decide(c, c.groups, ps_version, full, trainer_waits)
+    return decide(c, c.groups, Tick(ps_version, full, trainer_waits))
+
+
+def _accepts(c, snapshot) -> bool:
+    """Step ``snapshot`` into the coordinator; whether it took it."""
+    before = c.stats["snapshots_accepted"]
+    c.step(snapshot)
+    return c.stats["snapshots_accepted"] > before
 
 
 def test_coordinator_admits_up_to_the_protocol_and_routes_groups():
@@ -220,14 +229,40 @@ def test_coordinator_rejects_contradicting_snapshots():
     route = next(cmd for cmd in commands if isinstance(cmd, Route) and cmd.instance_id == "i0")
     ts.mark_routed(route.request_ids, "i0")
     stale = snap("i0")  # taken before the route arrived: holds fewer requests, agrees
-    assert c.observe(stale)
+    assert _accepts(c, stale)
     rogue = snap("i0", running=("zz/0",))
-    assert not c.observe(rogue)  # a request the coordinator never sent there
-    pull = c.pull("i0", 3)
-    assert pull == Pull("i0", 3)
-    assert not c.observe(snap("i0", version=0, running=route.request_ids))  # older than the pull
-    assert c.observe(snap("i0", version=3, running=route.request_ids))
+    assert not _accepts(c, rogue)  # a request the coordinator never sent there
+    c.step(RunStarted(3))
+    assert c.ready().commands == (Pull("i0", 3), Pull("i1", 3))
+    assert not _accepts(c, snap("i0", version=0, running=route.request_ids))  # older than the pull
+    assert _accepts(c, snap("i0", version=3, running=route.request_ids))
     assert c.stats["snapshots_rejected"] == 2
+
+
+def test_a_decision_waits_for_the_outcome_of_each_group_change_it_asks_for():
+    """step / ready: a Tick starts a decision; the coordinator reserves nothing itself, it asks for
+    each admission in a Ready and goes on only once the group's requests are stepped back; a missing
+    or wrong outcome and a second Tick mid-decision are refused; the decision ends with the routes."""
+    c, m, ts = _coordinator(eta=0, batch=2, instances=2)
+    c.step(Tick(0, full=True))
+    with pytest.raises(RuntimeError, match="decision is in progress"):
+        c.step(Tick(0, full=True))
+    admitted: list[str] = []
+    while (ready := c.ready()).waits:
+        assert ready.admit is not None and ready.requeue == () and len(m) == len(admitted) // 2  # groups of 2
+        with pytest.raises(RuntimeError, match="step its outcome"):
+            c.ready()
+        with pytest.raises(RuntimeError, match="waits for Admitted"):
+            c.step(Cancelled(()))
+        requests = tuple(c.groups.admit(ready.admit.group_id, ready.admit.version))
+        c.step(Admitted(ready.admit, requests))
+        admitted += [r.request_id for r in requests]
+    assert len(m) == 2 and ready.admit is None
+    assert all(isinstance(cmd, Route) for cmd in ready.commands)
+    assert sorted(r for cmd in ready.commands for r in cmd.request_ids) == sorted(admitted) and len(admitted) == 4
+    assert c.ready().commands == ()  # handed out once
+    with pytest.raises(TypeError, match="asked for"):  # an outcome nobody asked for is no observation
+        c.step(Admitted(Admission("g9", 0, 0), ()))
 
 
 def test_inflight_cap_bounds_admission():
@@ -273,15 +308,22 @@ def test_proactive_abort_requeues_the_last_stragglers_of_the_head_buffer_and_kee
     assert c2.stats["proactive_aborted_groups"] == 0 and "g0" in m2 and "g1" in m2
 
 
-def test_requeued_prompt_takes_its_next_length_set():
+def test_requeued_prompt_takes_its_next_sample_metadata():
     ts = TrajectoryServer()
-    meta = {"response_lengths": [5, 6], "retry_lengths": [[7, 8], [9, 10]], "max_new_tokens": 50}
-    ts.add_groups([PromptGroup("g0", [1] * 4, 2, 0, meta)])
+    samples, *resamples = [[{"length": n}, {"length": n + 1}] for n in (5, 7, 9)]
+    ts.add_groups([PromptGroup("g0", [1] * 4, 2, 0, {"max_new_tokens": 50}, samples, resamples)])
     life = GroupLife(StalenessManager(1, 1), ts)
     life.admit("g0", 0)
     life.requeue(["g0"])
     again = ts.group("g0~r1")
-    assert again.metadata["response_lengths"] == [7, 8] and again.metadata["retry_lengths"] == [[9, 10]]
+    assert again.sample_metadata == [{"length": 7}, {"length": 8}] and again.resamples == [[{"length": 9}, {"length": 10}]]
+    assert again.metadata == {"max_new_tokens": 50} and again.metadata is not ts.group("g0").metadata
+    assert [r.metadata for r in life.admit("g0~r1", 0)] == [{"max_new_tokens": 50, "length": 7}, {"max_new_tokens": 50, "length": 8}]
+    life.requeue(["g0~r1"])
+    life.admit("g0~r2", 0)
+    life.requeue(["g0~r2"])
+    last = ts.group("g0~r3")  # no resample left: the last one is sampled again
+    assert last.sample_metadata == [{"length": 9}, {"length": 10}] and last.resamples == []
     assert life.live == 0 and life.running == 0
 
 
@@ -311,7 +353,7 @@ def test_coordinator_migrates_on_full_ticks_only():
     for cmd in _decide(c, 0, True):
         if isinstance(cmd, Route):
             ts.mark_routed(cmd.request_ids, cmd.instance_id)
-    c.forget("i1", list(c.views[1].requests))  # instance 1 drained
+    c.step(RequestsLeft("i1", tuple(c.views[1].requests)))  # instance 1 drained
     assert not [cmd for cmd in _decide(c, 0, False) if isinstance(cmd, Interrupt)]
     interrupts = [cmd for cmd in _decide(c, 0, True) if isinstance(cmd, Interrupt)]
     assert interrupts and interrupts[0].instance_id == "i0"
@@ -343,11 +385,11 @@ def test_freshness_aware_admission_narrows_while_the_trainer_does_not_wait():
     _decide(plain, 0, True)
     assert len(plain_manager) == 8  # (eta + 1) * B: the protocol's limit
     fresh, manager, ts = _coordinator("staleflow-fresh", eta=3, batch=2, instances=4)
-    assert fresh.lookahead == 3
+    assert fresh.lookahead.width == 3
     patience = fresh.policy.freshness_patience
     for _ in range(3 * patience):
-        fresh.step_started(trainer_waited=False)
-    assert fresh.lookahead == 0
+        fresh.step(StepStarted(trainer_waited=False))
+    assert fresh.lookahead.width == 0
     def decide_and_route() -> None:
         for cmd in _decide(fresh, 0, True):
             if isinstance(cmd, Route):
@@ -356,25 +398,25 @@ def test_freshness_aware_admission_narrows_while_the_trainer_does_not_wait():
     decide_and_route()
     assert len(manager) == 2  # only the head buffer
     assert fresh.stats["admission_held_for_freshness"] >= 1 and fresh.stats["freshness_hold_left_room"] == 1
-    fresh.step_started(trainer_waited=True)  # the hold kept work from empty instances: widen
-    assert fresh.lookahead == 1
+    fresh.step(StepStarted(trainer_waited=True))  # the hold kept work from empty instances: widen
+    assert fresh.lookahead.width == 1
     decide_and_route()
     assert len(manager) == 4 and fresh.stats["freshness_hold_left_room"] == 2  # held again, room left again
-    fresh.step_started(trainer_waited=False)
+    fresh.step(StepStarted(trainer_waited=False))
     # the instances report full KV caches: a hold now costs nothing, and a wait does not widen
     for v in fresh.views:
-        assert fresh.observe(snap(v.instance_id, running=tuple(v.requests), kv=100_000))
+        assert _accepts(fresh, snap(v.instance_id, running=tuple(v.requests), kv=100_000))
     decide_and_route()
     assert len(manager) == 4 and fresh.stats["freshness_hold_left_room"] == 2
-    fresh.step_started(trainer_waited=True)
-    assert fresh.lookahead == 1
+    fresh.step(StepStarted(trainer_waited=True))
+    assert fresh.lookahead.width == 1
     for _ in range(patience):
-        fresh.step_started(trainer_waited=False)
-    assert fresh.lookahead == 0
+        fresh.step(StepStarted(trainer_waited=False))
+    assert fresh.lookahead.width == 0
     for _ in range(5):
-        fresh._hold_left_room = True  # as if each step's hold had left room
-        fresh.step_started(trainer_waited=True)
-    assert fresh.lookahead == 3  # never beyond eta
+        fresh.lookahead.hold_left_room = True  # as if each step's hold had left room
+        fresh.step(StepStarted(trainer_waited=True))
+    assert fresh.lookahead.width == 3  # never beyond eta
 
 
 def test_freshness_pulls_new_weights_at_once_while_it_holds_admission():
@@ -388,7 +430,7 @@ def test_freshness_pulls_new_weights_at_once_while_it_holds_admission():
         c, manager, ts = _coordinator("staleflow-fresh", eta=2, batch=2, instances=2)
         if narrowed:
             for _ in range(c.policy.freshness_patience):
-                c.step_started(trainer_waited=False)
+                c.step(StepStarted(trainer_waited=False))
         for cmd in _decide(c, 0, True):
             if isinstance(cmd, Route):
                 ts.mark_routed(cmd.request_ids, cmd.instance_id)
@@ -396,7 +438,7 @@ def test_freshness_pulls_new_weights_at_once_while_it_holds_admission():
             manager.occupy(g)
         manager.consume()  # version 1 pushed; both instances busy
         for v in c.views:
-            assert c.observe(snap(v.instance_id, running=tuple(v.requests), kv=100_000))
+            assert _accepts(c, snap(v.instance_id, running=tuple(v.requests), kv=100_000))
         pulls = [cmd for cmd in _decide(c, 1, False) if isinstance(cmd, Pull)]
         interrupts = [cmd for cmd in _decide(c, 1, False) if isinstance(cmd, Interrupt)]
         assert len(pulls) == (2 if narrowed else 0) and interrupts == []
@@ -460,7 +502,7 @@ def test_request_budget_batches_partials_into_one_router_call_and_exact_budget_r
             ts.mark_routed(cmd.request_ids, cmd.instance_id)
         for k, v in enumerate(c.views):
             rids = tuple(v.requests)
-            c.forget(v.instance_id, rids)
+            c.step(RequestsLeft(v.instance_id, rids))
             ts.requeue([dc_replace(ts.request(r), output_ids=[0] * (37 * k + 5 * i)) for i, r in enumerate(rids)], v.instance_id)
         return c, ts
 
@@ -472,7 +514,7 @@ def test_request_budget_batches_partials_into_one_router_call_and_exact_budget_r
     routes = {r: cmd.instance_id for cmd in _decide(c, 0, False) for r in cmd.request_ids}
     assert len(calls) == len({len(r.output_ids) for r in queue}) and len(routes) == len(queue) == 8
     replay, tsr = partials_queued(1)
-    fleet = replay._synced_fleet()
+    fleet = replay.fleet.synced()
     expected = {}
     for request in tsr.queued():  # one request at a time, as before batching
         tokens = len(request.prompt_ids) + len(request.output_ids)

@@ -14,14 +14,15 @@ from staleflow.runtime.types import PromptGroup, Trajectory
 
 
 def _group(gid: str = "g0", n: int = 2, extra: int = 0) -> PromptGroup:
-    return PromptGroup(gid, [1, 2, 3], n, extra, {"response_lengths": [5 + i for i in range(n + extra)]})
+    samples = [{"max_new_tokens": 5 + i, "seed": i} for i in range(n + extra)]
+    return PromptGroup(gid, [1, 2, 3], n, extra, {"answer": "42"}, samples)
 
 
 def _done(request, tokens: int = 3) -> Trajectory:
     return Trajectory(request.request_id, request.group_id, request.prompt_ids, [7] * tokens, [-0.1] * tokens, [0] * tokens, "stop")
 
 
-def test_admit_creates_queued_requests_with_group_version_and_lengths():
+def test_admit_creates_queued_requests_with_group_version_and_each_samples_metadata():
     ts = TrajectoryServer()
     ts.add_groups([_group(extra=1)])
     assert ts.pending_count() == 1 and ts.next_pending().group_id == "g0"
@@ -29,7 +30,7 @@ def test_admit_creates_queued_requests_with_group_version_and_lengths():
     assert [r.request_id for r in requests] == ["g0/0", "g0/1", "g0/2"]
     assert {r.group_version for r in requests} == {4}
     assert [r.max_new_tokens for r in requests] == [5, 6, 7]
-    assert [r.metadata["response_length"] for r in requests] == [5, 6, 7]
+    assert [r.metadata for r in requests] == [{"answer": "42", "max_new_tokens": 5 + i, "seed": i} for i in range(3)]
     assert ts.pending_count() == 0 and ts.queued_count() == 3
     assert ts.group_state("g0") is GroupState.GENERATING
 
@@ -159,11 +160,13 @@ def test_state_dict_round_trip_and_refusal_while_running():
 
 def test_bad_groups_are_rejected_with_the_reason():
     ts = TrajectoryServer()
-    with pytest.raises(ValueError, match="response_lengths' has 2 entries, need n_samples \\+ n_extra = 3"):
-        ts.add_groups([PromptGroup("g", [1], 2, 1, {"response_lengths": [3, 4]})])
+    with pytest.raises(ValueError, match="sample_metadata has 2 entries, need n_samples \\+ n_extra = 3"):
+        ts.add_groups([PromptGroup("g", [1], 2, 1, {}, [{}, {}])])
+    with pytest.raises(ValueError, match="a resample has 1 entries, need n_samples \\+ n_extra = 3"):
+        ts.add_groups([PromptGroup("g", [1], 2, 1, {}, [{}] * 3, [[{}] * 3, [{}]])])
     ts.add_groups([_group("g")])
     with pytest.raises(TrajectoryServerError, match="added already"):
         ts.add_groups([_group("g")])
     ts.add_groups([PromptGroup("h", [1], 1)])
-    with pytest.raises(ValueError, match="needs metadata 'max_new_tokens' or 'response_lengths'"):
+    with pytest.raises(ValueError, match="needs 'max_new_tokens' in its metadata or its sample_metadata"):
         ts.admit("h", 0)

@@ -6,7 +6,8 @@ import pytest
 import yaml
 from staleflow.app.upper_bound import upper_bound
 from staleflow.runtime.settings.workload import (
-    GROUP_LENGTHS_KEY,
+    REQUEST_LENGTH_KEY,
+    RETRIES,
     WorkloadError,
     load_workload,
     resolve_workload_path,
@@ -60,7 +61,7 @@ def test_a_prompts_difficulty_is_shared_by_its_group() -> None:
     workload = load_workload("qwen3-30b-a3b-128gpu")
     spec = workload.response_tokens
     groups = workload.prompt_groups(seed=3)
-    logs = np.log([next(groups).metadata[GROUP_LENGTHS_KEY] for _ in range(3000)])
+    logs = np.log([_lengths(next(groups).sample_metadata) for _ in range(3000)])
     between = logs.mean(axis=1).var()
     assert between == pytest.approx(spec.prompt_sigma**2 + (spec.sigma**2 - spec.prompt_sigma**2) / 16, rel=0.15)
     stats = workload.length_stats(seed=1)
@@ -75,14 +76,23 @@ def test_paper_like_lengths_have_mean_9700_and_max_40960() -> None:
     assert stats["p50"] < stats["mean"] < stats["p99"]  # long-tailed
 
 
+def _lengths(samples: list[dict]) -> list[int]:
+    return [sample[REQUEST_LENGTH_KEY] for sample in samples]
+
+
 def test_prompt_groups_are_deterministic_and_carry_lengths() -> None:
+    """Each sample's drawn length is in its sample metadata, the retries' in ``resamples``; the
+    group's own metadata holds only the response cap."""
     workload = load_workload("small-ci")
     first = next(workload.prompt_groups(seed=3))
     again = next(workload.prompt_groups(seed=3))
     assert first.group_id == "g0" and first.n_samples == workload.batch.group_size
-    assert first.metadata[GROUP_LENGTHS_KEY] == again.metadata[GROUP_LENGTHS_KEY]
-    assert len(first.metadata[GROUP_LENGTHS_KEY]) == workload.batch.group_size
-    assert all(1 <= n <= workload.response_tokens.max for n in first.metadata[GROUP_LENGTHS_KEY])
+    assert first.sample_metadata == again.sample_metadata and first.resamples == again.resamples
+    assert first.metadata == {"max_new_tokens": workload.response_tokens.max}
+    assert len(first.resamples) == RETRIES
+    for samples in (first.sample_metadata, *first.resamples):
+        assert len(samples) == workload.batch.group_size
+        assert all(1 <= n <= workload.response_tokens.max for n in _lengths(samples))
     assert len(first.prompt_ids) == workload.prompt_tokens
 
 

@@ -1,8 +1,20 @@
-"""The rollout coordinator: snapshots in, commands out (design 3.1; paper section 5).
+"""The rollout coordinator: observations in, commands out (design 3.1; paper section 5).
 
-It keeps a speculative view of every instance (:mod:`staleflow.runtime.coordination.fleet`), takes snapshots
-that agree with it, and decides commands with the policy's strategies:
+A core in the manner of etcd-io/raft's ``Step`` / ``Ready``: the run loop tells it what happened
+through one entry, :meth:`Coordinator.step` (the records of
+:mod:`~staleflow.runtime.coordination.observations`), and asks it what to do with
+:meth:`Coordinator.ready` (a :class:`~staleflow.runtime.coordination.commands.Ready`). Nothing calls
+into it from the side and it calls nothing that changes the run: it reads the protocol and the
+trajectory server, and hands out commands for the instances and group changes for
+:class:`~staleflow.runtime.run.group_life.GroupLife`, whose outcome the loop steps back
+(:func:`staleflow.runtime.run.decision.decide` drives one decision).
 
+It keeps a speculative view of every instance (:mod:`staleflow.runtime.coordination.fleet`), takes
+snapshots that agree with it, and on each :class:`~staleflow.runtime.coordination.observations.Tick`
+decides with the policy's strategies:
+
+0. **Re-queue** (proactive abort, while the trainer waits): the last stragglers of the head buffer,
+   re-queued through GroupLife; their running requests are aborted.
 1. **Pull** (:mod:`~staleflow.runtime.coordination.sync`): instances that should load the newest version now
    (their requests are interrupted first unless the policy keeps them in place).
 2. **Interrupt** (:mod:`~staleflow.runtime.coordination.migration`, on full ticks when nothing was pulled):
@@ -10,55 +22,56 @@ that agree with it, and decides commands with the policy's strategies:
 3. **Route**: queued requests (partials and group members not placed yet) in priority order, each
    only to instances whose version is at least its group's version; the queue is served in order
    and a request that cannot be placed holds back the rest until the next decision.
-4. **Admit**: while the queue is empty, pending groups are admitted one at a time
-   (:meth:`Coordinator.next_admission`): the router picks an instance among those whose version the
-   protocol would admit (the :class:`~staleflow.protocol.StalenessManager` is the only authority);
-   the caller reserves the group through :class:`~staleflow.runtime.run.group_life.GroupLife` and
-   hands its requests back (:meth:`Coordinator.place_admitted`), which routes them.
+4. **Admit**: while the queue is empty, pending groups are admitted one at a time: the router picks
+   an instance among those whose version the protocol would admit (the
+   :class:`~staleflow.protocol.StalenessManager` is the only authority); a Ready asks for the
+   admission, GroupLife reserves the group, and its requests, stepped back, are routed.
 
-The coordinator reads the protocol and the trajectory server and changes neither: its own state is
-the speculative view of the fleet and its counters. Proactive abort is a decision too
-(:meth:`Coordinator.proactive_aborts`); the group owner re-queues the groups and the coordinator
-cancels their requests (:meth:`Coordinator.cancel`).
+Its own state is the speculative view of the fleet, the decision in progress, the commands not yet
+handed out and its counters.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from staleflow.protocol import StalenessManager
-from staleflow.runtime.coordination.commands import Abort, Command, Interrupt, Pull, Route
+from staleflow.runtime.coordination.commands import Abort, Admission, Command, Interrupt, Pull, Ready, Route
 from staleflow.runtime.coordination.cost_model import CostModel
-from staleflow.runtime.coordination.fleet import FleetArrays, InstanceView
+from staleflow.runtime.coordination.fleet import Fleet, FleetArrays, InstanceView
+from staleflow.runtime.coordination.freshness import Lookahead
 from staleflow.runtime.coordination.migration import plan_migration
+from staleflow.runtime.coordination.observations import (
+    Admitted,
+    Cancelled,
+    CheckpointStarted,
+    InstanceBack,
+    InstanceLost,
+    Observation,
+    RequestsLeft,
+    RunStarted,
+    StepStarted,
+    Tick,
+)
 from staleflow.runtime.coordination.routing import LeastLoadedRouter, RoundRobinRouter, ThroughputRouter
 from staleflow.runtime.coordination.sync import plan_pulls
 from staleflow.runtime.run.group_life import GroupLife
 from staleflow.runtime.servers.request_queue import request_tokens
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 from staleflow.runtime.settings.policies import SystemPolicy
-from staleflow.runtime.types import InstanceSnapshot, RolloutRequest
-
-
-@dataclass(frozen=True)
-class Admission:
-    """A decision to admit ``group_id`` at ``version`` on the instance at ``instance_index``."""
-
-    group_id: str
-    version: int
-    instance_index: int
+from staleflow.runtime.types import Cancellations, GroupId, InstanceSnapshot, RolloutRequest
 
 
 class Coordinator:
     """Decides Route / Interrupt / Pull / Abort commands for a fleet of rollout instances.
 
-    One decision is: :meth:`plan` (pulls, interrupts, the queue's routes), then
-    :meth:`next_admission` / :meth:`place_admitted` until it returns None, then :meth:`take_routes`.
+    :meth:`step` takes an observation, :meth:`ready` hands out what to do. A decision starts with a
+    :class:`~staleflow.runtime.coordination.observations.Tick` and runs through the following
+    :meth:`ready` calls: while a Ready asks for a group change, the next step must be its outcome.
 
     Args:
         groups: the owner of groups' life; read for the protocol, the trajectory server (local
@@ -80,10 +93,8 @@ class Coordinator:
         self.groups = groups
         self.policy = policy
         self.cost_model = cost_model
-        self.views = [InstanceView(s) for s in snapshots]
-        self._index = {v.instance_id: i for i, v in enumerate(self.views)}
-        if len(self._index) != len(self.views):
-            raise ValueError("instance ids must be unique")
+        self.fleet = Fleet(snapshots)
+        self.views = self.fleet.views  # one list: a view that starts afresh replaces its entry
         self.router: ThroughputRouter | LeastLoadedRouter | RoundRobinRouter = (
             ThroughputRouter(cost_model, policy.mu)
             if policy.routing == "throughput"
@@ -91,8 +102,9 @@ class Coordinator:
             if policy.routing == "round_robin"
             else LeastLoadedRouter(policy.max_running)
         )
-        self._fleet = FleetArrays.of(self.views)
-        self._dirty: set[int] = set()
+        self._outbox: list[Command] = []  # decided, not handed out yet
+        self._decision: Iterator[Ready] | None = None  # the decision in progress (after a Tick)
+        self._asked: Ready | None = None  # a Ready whose group change has no outcome stepped yet
         self._starved = False  # the last decision left admissible groups for want of an instance
         self._routes: dict[int, list[str]] = {}  # the decision in progress: instance index -> requests
         self._admitting = False  # the decision in progress may admit groups
@@ -100,49 +112,97 @@ class Coordinator:
         #: resubmit_same_instance: requests interrupted by a pull -> the index of the instance they ran on
         self._resubmit_to: dict[str, int] = {}
         #: freshness-aware admission: buffers beyond the head that admission may fill
-        self.lookahead = groups.manager.eta  # as wide as the protocol at first; narrowed while the trainer does not wait
-        self._steps_without_wait = 0
-        self._hold_left_room = False  # since the step started, a freshness hold kept work from an instance with room
+        self.lookahead = Lookahead(groups.manager.eta, policy.freshness_patience)
         self.stats: Counter[str] = Counter()
         self.decision_seconds = 0.0
 
+    # ----------------------------------------------------------------- the core's two entries
+    def step(self, observation: Observation) -> None:
+        """Take what happened (see :mod:`~staleflow.runtime.coordination.observations`)."""
+        if self._asked is not None:
+            self._answer(self._asked, observation)
+        elif isinstance(observation, InstanceSnapshot):
+            self._observe(observation)
+        elif isinstance(observation, RequestsLeft):
+            self.fleet.forget(observation.instance_id, observation.request_ids)
+        elif isinstance(observation, InstanceLost):
+            self._instance_down(observation.instance_id)
+        elif isinstance(observation, InstanceBack):
+            self.fleet.back(observation.snapshot)
+        elif isinstance(observation, Cancelled):
+            self._cancel(observation.requests)
+        elif isinstance(observation, StepStarted):
+            self._step_started(observation.trainer_waited)
+        elif isinstance(observation, Tick):
+            if self._decision is not None:
+                raise RuntimeError("a decision is in progress: call ready() until it is over before the next Tick")
+            self._decision = self._decide(observation)
+        elif isinstance(observation, RunStarted):
+            self._outbox += [self._pull(v.instance_id, observation.version) for v in self.views if v.version != observation.version]
+        elif isinstance(observation, CheckpointStarted):
+            self._interrupt_all()
+        else:
+            raise TypeError(f"not an observation the coordinator asked for or takes: {observation!r}")
+
+    def ready(self) -> Ready:
+        """What to do now: the commands decided since the last call and, while a decision is in
+        progress, the group change it needs next (see :class:`~staleflow.runtime.coordination.commands.Ready`)."""
+        if self._asked is not None:
+            raise RuntimeError("the last Ready asked for a group change: step its outcome (Cancelled or Admitted) first")
+        if self._decision is not None:
+            asked = next(self._decision, None)
+            if asked is not None:
+                self._asked = asked
+                return asked
+            self._decision = None
+        return self._ready()
+
+    def _ready(self, requeue: tuple[GroupId, ...] = (), admit: Admission | None = None) -> Ready:
+        commands, self._outbox = tuple(self._outbox), []
+        return Ready(commands, requeue, admit)
+
+    def _answer(self, asked: Ready, outcome: Observation) -> None:
+        """The outcome of the group change ``asked`` for."""
+        if asked.requeue and isinstance(outcome, Cancelled):
+            self._asked = None
+            self._cancel(outcome.requests)
+        elif asked.admit is not None and isinstance(outcome, Admitted) and outcome.admission == asked.admit:
+            self._asked = None
+            self._place_admitted(outcome.admission, outcome.requests)
+        else:
+            wanted = "Cancelled" if asked.requeue else f"Admitted for {asked.admit}"
+            raise RuntimeError(f"the coordinator waits for {wanted}, got {type(outcome).__name__}")
+
+    def _decide(self, tick: Tick) -> Iterator[Ready]:
+        """One decision: yields each Ready that asks for a group change, and goes on once its outcome
+        is stepped (:meth:`_answer`)."""
+        if tick.trainer_waits and self.policy.proactive_abort:
+            due = self._proactive_aborts()
+            if due:  # re-queued first, so that no route goes to a cancelled request
+                yield self._ready(requeue=tuple(due))
+        self._plan(tick.ps_version, tick.full)
+        while (admission := self._next_admission()) is not None:
+            yield self._ready(admit=admission)
+        self._take_routes()
+
     # ----------------------------------------------------------------- observations
     def view(self, instance_id: str) -> InstanceView:
-        return self.views[self._index[instance_id]]
+        return self.fleet.view(instance_id)
 
-    def observe(self, snapshot: InstanceSnapshot) -> bool:
+    def holds_requests(self, instance_id: str) -> bool:
+        """Whether the coordinator believes the instance holds requests (it is busy)."""
+        return bool(self.fleet.view(instance_id).requests)
+
+    def _observe(self, snapshot: InstanceSnapshot) -> None:
         """Take an instance snapshot unless it contradicts the speculative state."""
-        index = self._index[snapshot.instance_id]
-        accepted = self.views[index].observe(snapshot)
-        if accepted:
-            self._dirty.add(index)
+        accepted = self.fleet.observe(snapshot)
         self.stats["snapshots_accepted" if accepted else "snapshots_rejected"] += 1
-        return accepted
 
-    def forget(self, instance_id: str, request_ids: Iterable[str]) -> None:
-        """These requests left the instance (finished and collected, or cancelled)."""
-        index = self._index[instance_id]
-        for rid in request_ids:
-            self.views[index].remove(rid)
-        self._dirty.add(index)
-
-    def instance_down(self, instance_id: str) -> None:
-        """The instance failed a call: it holds nothing the coordinator counts on, and gets no work
-        (a loading view is skipped by routing, sync and migration) until :meth:`instance_up`."""
-        index = self._index[instance_id]
-        view = self.views[index]
-        for rid in list(view.requests):
-            view.remove(rid)
-        view.loading = True
-        self._dirty.add(index)
+    def _instance_down(self, instance_id: str) -> None:
+        """The instance failed a call: no work for it until it is back (:meth:`Fleet.lose`)."""
+        index = self.fleet.lose(instance_id)
         if self._resubmit_to:  # its interrupted requests go wherever routing places them
             self._resubmit_to = {rid: i for rid, i in self._resubmit_to.items() if i != index}
-
-    def instance_up(self, snapshot: InstanceSnapshot) -> None:
-        """A failed instance answers again, empty: its view starts afresh from ``snapshot``."""
-        index = self._index[snapshot.instance_id]
-        self.views[index] = InstanceView(snapshot)
-        self._dirty.add(index)
 
     @property
     def manager(self) -> StalenessManager:
@@ -153,38 +213,38 @@ class Coordinator:
         return self.groups.ts
 
     # ----------------------------------------------------------------- decisions
-    def plan(self, ps_version: int | None, full: bool) -> list[Command]:
-        """Pull and Interrupt commands for now; queued requests are placed (sent by :meth:`take_routes`).
+    def _plan(self, ps_version: int | None, full: bool) -> None:
+        """Pull and Interrupt commands for now; queued requests are placed (routed by :meth:`_take_routes`).
 
         ``full``: a periodic tick (migration is considered only then).
         """
         started = time.perf_counter()
-        commands: list[Command] = []
+        commands = self._outbox
         pulls = plan_pulls(
             self.policy.sync, self.views, ps_version, self.manager, self.policy.sync_kv_fraction, self._starved,
-            eager=self.policy.freshness and self.lookahead < self.manager.eta,
+            eager=self.policy.freshness and self.lookahead.width < self.manager.eta,
         )
         for i in pulls:
             assert ps_version is not None
             view = self.views[i]
             if view.requests and not self.policy.pull_keeps_requests:
                 rids = tuple(view.requests)
-                self.forget(view.instance_id, rids)
+                self.fleet.forget(view.instance_id, rids)
                 commands.append(Interrupt(view.instance_id, rids))
                 self.stats["interrupted_for_pull"] += len(rids)
                 if self.policy.resubmit_same_instance:
                     self._resubmit_to.update(dict.fromkeys(rids, i))
-            commands.append(self.pull(view.instance_id, ps_version))
-        fleet = self._synced_fleet()
+            commands.append(self._pull(view.instance_id, ps_version))
+        fleet = self.fleet.synced()
         if full and self.policy.migration and not pulls:
             for i, rids in plan_migration(
                 self.views, fleet, self.cost_model, self.policy.phi_wait, self.policy.phi_throughput,
                 self._starved_instances(fleet),
             ).items():
-                self.forget(self.views[i].instance_id, rids)
+                self.fleet.forget(self.views[i].instance_id, rids)
                 commands.append(Interrupt(self.views[i].instance_id, tuple(rids)))
                 self.stats["migrated_requests"] += len(rids)
-            fleet = self._synced_fleet()
+            fleet = self.fleet.synced()
         self._routes = {}
         self._ps_version = ps_version
         self._starved = False
@@ -195,7 +255,6 @@ class Coordinator:
             self._starved = True  # no instance version is admissible (or the cap is reached)
         self.stats["pulls"] += len(pulls)
         self.decision_seconds += time.perf_counter() - started
-        return commands
 
     def _starved_instances(self, fleet: FleetArrays) -> np.ndarray:
         """Instances that can get no other work: nothing queued, and no pending group admissible at
@@ -207,19 +266,9 @@ class Coordinator:
         admissible = [v for v in set(fleet.version.tolist()) if self.manager.can_reserve(v)]
         return ~np.isin(fleet.version, admissible)
 
-    def _synced_fleet(self) -> FleetArrays:
-        """The fleet arrays, with every view changed since the last decision copied in."""
-        for i in self._dirty:
-            self._fleet.update(i, self.views[i])
-        self._dirty.clear()
-        return self._fleet
-
-    def pull(self, instance_id: str, version: int) -> Pull:
+    def _pull(self, instance_id: str, version: int) -> Pull:
         """A Pull command; the view takes the new version at once (older snapshots are stale)."""
-        index = self._index[instance_id]
-        self.views[index].version = version
-        self.views[index].loading = True
-        self._dirty.add(index)
+        self.fleet.pull(instance_id, version)
         return Pull(instance_id, version)
 
     def _route_queue(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
@@ -290,14 +339,14 @@ class Coordinator:
         concurrency = self.policy.rollout_concurrency * self.manager.batch_size
         if concurrency and self.groups.running >= concurrency:
             return []
-        versions = [v for v in set(self._fleet.version.tolist()) if self.manager.can_reserve(v)]
+        versions = [v for v in set(self.fleet.arrays.version.tolist()) if self.manager.can_reserve(v)]
         if not versions:
             self.stats["admission_blocked_by_protocol"] += 1
             return versions
-        if self.policy.freshness and len(self.manager) >= (self.lookahead + 1) * self.manager.batch_size + self.manager.redundancy:
+        if self.policy.freshness and self.lookahead.holds(len(self.manager), self.manager.batch_size, self.manager.redundancy):
             self.stats["admission_held_for_freshness"] += 1
-            if not self._hold_left_room:
-                self._hold_left_room = self._room_at(versions)
+            if not self.lookahead.hold_left_room:
+                self.lookahead.hold_left_room = self._room_at(versions)
             return []
         return versions
 
@@ -306,43 +355,23 @@ class Coordinator:
         group = self.ts.next_pending()
         if group is None:
             return False
-        if self.router.has_room(self._fleet, len(group.prompt_ids), np.isin(self._fleet.version, versions)):
+        if self.router.has_room(self.fleet.arrays, len(group.prompt_ids), np.isin(self.fleet.arrays.version, versions)):
             self.stats["freshness_hold_left_room"] += 1
             return True
         return False
 
-    def step_started(self, trainer_waited: bool) -> None:
-        """A training step started; ``trainer_waited``: the trainer sat idle for data before it.
+    def _step_started(self, trainer_waited: bool) -> None:
+        """A training step started: the freshness-aware admission's lookahead adapts (:class:`Lookahead`)."""
+        if self.policy.freshness and self.lookahead.step_started(trainer_waited, self.manager.eta):
+            self.stats["freshness_widened"] += 1
 
-        Adapts the freshness-aware admission's lookahead (see :class:`SystemPolicy`): it widens by
-        one when the trainer waited *and* a freshness hold since the last step kept work from an
-        instance that had room (the hold cost generation; when the instances were full anyway, a
-        wider lookahead would only add staleness), and narrows by one after
-        ``freshness_patience`` steps in a row the trainer did not wait for, down to 0 (only the
-        head buffer: lag 1 when the trainer is the bottleneck). A wait without such a hold leaves
-        it as it is.
-        """
-        if not self.policy.freshness:
-            return
-        costly, self._hold_left_room = trainer_waited and self._hold_left_room, False
-        if trainer_waited:
-            self._steps_without_wait = 0
-            if costly:
-                self.lookahead = min(self.lookahead + 1, self.manager.eta)
-                self.stats["freshness_widened"] += 1
-            return
-        self._steps_without_wait += 1
-        if self._steps_without_wait >= self.policy.freshness_patience:
-            self.lookahead = max(self.lookahead - 1, 0)
-            self._steps_without_wait = 0
-
-    def next_admission(self) -> Admission | None:
+    def _next_admission(self) -> Admission | None:
         """The next pending group to admit in the decision in progress, or None when admission stops.
 
         Admission stops when nothing is pending, no instance version is admissible (or the policy's
         cap is reached), or the router has no room at an admissible version (the fleet is then
-        *starved*: a sync may be needed). The caller reserves the group (``GroupLife.admit``) and
-        passes its requests to :meth:`place_admitted`.
+        *starved*: a sync may be needed). GroupLife reserves the group; its requests come back to
+        :meth:`_place_admitted`.
         """
         if not self._admitting:
             return None
@@ -354,7 +383,7 @@ class Coordinator:
                 self._admitting = False
                 return None
             tokens = len(group.prompt_ids)
-            fleet = self._fleet
+            fleet = self.fleet.arrays
             chosen = []
             if self.policy.freshness:  # the newest version first: its groups start freshest
                 chosen = self.router.choose(fleet, tokens, fleet.version == max(admissible))
@@ -368,7 +397,7 @@ class Coordinator:
         finally:
             self.decision_seconds += time.perf_counter() - started
 
-    def place_admitted(self, admission: Admission, requests: Sequence[RolloutRequest]) -> None:
+    def _place_admitted(self, admission: Admission, requests: Sequence[RolloutRequest]) -> None:
         """Route the requests of a group just reserved as ``admission`` decided."""
         self.stats["groups_admitted"] += 1
         self._assign(admission.instance_index, requests[0].request_id, len(requests[0].prompt_ids), admission.version, self._routes)
@@ -376,18 +405,17 @@ class Coordinator:
         if not members:
             return
         sizes = [request_tokens(r) for r in members]
-        chosen = self._choose(self._fleet, members[0].group_version, max(sizes), len(members))
+        chosen = self._choose(self.fleet.arrays, members[0].group_version, max(sizes), len(members))
         for i, request, size in zip(chosen, members, sizes):
             self._assign(i, request.request_id, size, request.group_version, self._routes)
         if len(chosen) < len(members):
             self._admitting = False
 
-    def take_routes(self) -> list[Command]:
+    def _take_routes(self) -> None:
         """The Route commands of the decision in progress, which ends here."""
-        commands: list[Command] = [Route(self.views[i].instance_id, tuple(rids)) for i, rids in self._routes.items()]
+        self._outbox += [Route(self.views[i].instance_id, tuple(rids)) for i, rids in self._routes.items()]
         self._routes = {}
         self._admitting = False
-        return commands
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -400,28 +428,24 @@ class Coordinator:
         self.decision_seconds = float(state["decision_seconds"])
 
     # ----------------------------------------------------------------- aborts
-    def cancel(self, pairs: Iterable[tuple[str, str]]) -> list[Command]:
-        """Abort commands for ``(instance_id, request_id)`` pairs the TS cancelled."""
+    def _cancel(self, pairs: Cancellations) -> None:
+        """Abort commands for running requests a group change cancelled."""
         by_instance: dict[str, list[str]] = {}
         for instance_id, rid in pairs:
             by_instance.setdefault(instance_id, []).append(rid)
-        commands: list[Command] = []
         for instance_id, rids in by_instance.items():
-            self.forget(instance_id, rids)
-            commands.append(Abort(instance_id, tuple(rids)))
-        return commands
+            self.fleet.forget(instance_id, rids)
+            self._outbox.append(Abort(instance_id, tuple(rids)))
 
-    def interrupt_all(self) -> list[Command]:
+    def _interrupt_all(self) -> None:
         """Interrupt every request the fleet holds (a checkpoint: partials go to the trajectory server)."""
-        commands: list[Command] = []
         for view in self.views:
             if view.requests:
                 rids = tuple(view.requests)
-                self.forget(view.instance_id, rids)
-                commands.append(Interrupt(view.instance_id, rids))
-        return commands
+                self.fleet.forget(view.instance_id, rids)
+                self._outbox.append(Interrupt(view.instance_id, rids))
 
-    def proactive_aborts(self) -> list[str]:
+    def _proactive_aborts(self) -> list[GroupId]:
         """Proactive abort (the authors' ``abort_and_truncate_strategy``): while the trainer waits
         for the head buffer, if at most ``proactive_abort`` groups due in it are still generating
         and enough finished groups wait to fill the batch without them, those groups, to re-queue."""
@@ -435,21 +459,3 @@ class Coordinator:
         self.stats["proactive_aborted_groups"] += len(due)
         return due
 
-
-def decide(
-    coordinator: Coordinator, groups: GroupLife, ps_version: int | None, full: bool, trainer_waits: bool = False
-) -> list[Command]:
-    """One whole decision: the coordinator decides, ``groups`` makes every group change it implies.
-
-    ``trainer_waits``: the trainer is idle and cannot consume; proactive abort (if the policy has
-    it) re-queues the last stragglers first, so that no route goes to a cancelled request. Returns
-    the commands to carry out, in order.
-    """
-    commands: list[Command] = []
-    if trainer_waits and coordinator.policy.proactive_abort:
-        commands += coordinator.cancel(groups.requeue(coordinator.proactive_aborts()))
-    commands += coordinator.plan(ps_version, full)
-    while (admission := coordinator.next_admission()) is not None:
-        coordinator.place_admitted(admission, groups.admit(admission.group_id, admission.version))
-    commands += coordinator.take_routes()
-    return commands

@@ -5,12 +5,13 @@ routed there (minus those it interrupted, aborted or saw finish), the model vers
 instance to load, and the KV tokens and waiting queue from the last snapshot it accepted. A snapshot
 that contradicts the view (an older version than the pull issued, or a request the coordinator took
 away or never sent) is stale and is rejected. :class:`FleetArrays` lays the views out as numpy
-arrays so a routing decision over many instances is a few vector operations.
+arrays so a routing decision over many instances is a few vector operations; :class:`Fleet` holds
+both and keeps the arrays in step with the views.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,3 +133,72 @@ class FleetArrays:
         self.version[index] = view.version
         self.waiting[index] = len(view.waiting)
         self.loading[index] = view.loading
+
+
+class Fleet:
+    """The views of a fleet by instance id, and their arrays.
+
+    Every change a view takes from outside a decision goes through here and marks it changed;
+    :meth:`synced` copies changed views into the arrays before a decision reads them (a decision
+    then keeps both up to date itself as it routes).
+    """
+
+    def __init__(self, snapshots: Sequence[InstanceSnapshot]) -> None:
+        self.views = [InstanceView(s) for s in snapshots]
+        self._index = {v.instance_id: i for i, v in enumerate(self.views)}
+        if len(self._index) != len(self.views):
+            raise ValueError("instance ids must be unique")
+        self.arrays = FleetArrays.of(self.views)
+        self._changed: set[int] = set()
+
+    def index(self, instance_id: str) -> int:
+        return self._index[instance_id]
+
+    def view(self, instance_id: str) -> InstanceView:
+        return self.views[self._index[instance_id]]
+
+    def observe(self, snapshot: InstanceSnapshot) -> bool:
+        """Take an instance snapshot unless it contradicts the view; returns whether it was taken."""
+        index = self._index[snapshot.instance_id]
+        accepted = self.views[index].observe(snapshot)
+        if accepted:
+            self._changed.add(index)
+        return accepted
+
+    def forget(self, instance_id: str, request_ids: Iterable[str]) -> None:
+        """These requests left the instance (finished and collected, interrupted or cancelled)."""
+        index = self._index[instance_id]
+        for rid in request_ids:
+            self.views[index].remove(rid)
+        self._changed.add(index)
+
+    def lose(self, instance_id: str) -> int:
+        """The instance holds nothing to count on and takes no work (a loading view is skipped by
+        routing, sync and migration) until :meth:`back`; returns its index."""
+        index = self._index[instance_id]
+        view = self.views[index]
+        for rid in list(view.requests):
+            view.remove(rid)
+        view.loading = True
+        self._changed.add(index)
+        return index
+
+    def back(self, snapshot: InstanceSnapshot) -> None:
+        """A lost instance answers again, empty: its view starts afresh from ``snapshot``."""
+        index = self._index[snapshot.instance_id]
+        self.views[index] = InstanceView(snapshot)
+        self._changed.add(index)
+
+    def pull(self, instance_id: str, version: int) -> None:
+        """The instance was told to load ``version``: the view takes it at once (older snapshots are stale)."""
+        index = self._index[instance_id]
+        self.views[index].version = version
+        self.views[index].loading = True
+        self._changed.add(index)
+
+    def synced(self) -> FleetArrays:
+        """The arrays, with every view changed since the last call copied in."""
+        for i in self._changed:
+            self.arrays.update(i, self.views[i])
+        self._changed.clear()
+        return self.arrays

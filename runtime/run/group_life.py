@@ -1,18 +1,22 @@
 """The one owner of a prompt group's life: protocol entry and trajectory-server state change together.
 
-A group is admitted, rewarded, failed, aborted, consumed or dropped only here. Each method makes
-the protocol transition (:class:`~staleflow.protocol.StalenessManager`: Reserve, Occupy, Abort,
-Consume) and the matching trajectory-server transition in one call, so the two can never disagree:
+A group is drawn, admitted, finished, rewarded, failed, aborted, consumed, dropped or restored
+only here. Each method makes the protocol transition (:class:`~staleflow.protocol.StalenessManager`:
+Reserve, Occupy, Abort, Consume) and the matching trajectory-server transition in one call, so the
+two can never disagree:
 
 ======================  ====================  =======================================
 event                   protocol              trajectory server
 ======================  ====================  =======================================
+drawn from the dataset  (none)                -> pending
 admitted at version v   ``reserve(g, v)``     pending -> generating (requests queued)
+finished                (none)                generating -> rewarding (its responses in)
 rewarded                ``occupy(g)``         rewarding -> done
 reward failed           ``abort(g)``          rewarding -> failed
 aborted (staleness GC)  ``abort(g)``          generating -> aborted (requests cancelled)
 re-queued (proactive)   ``abort(g)``          generating -> aborted; the prompt pending again
 consumed                ``consume()``         done -> consumed; dropped -> dropped
+restored (checkpoint)   ``restore``           the checkpoint's states
 ======================  ====================  =======================================
 
 The protocol is the :class:`~staleflow.protocol.StalenessManager` for every system that keeps the
@@ -33,15 +37,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from staleflow.protocol import ConsumedBatch, StalenessManager
+from staleflow.protocol import GroupId as ProtocolGroupId
 from staleflow.protocol.errors import ConsumeNotReadyError, InvalidVersionError
 from staleflow.protocol.events import CounterState, EventHook, GroupRecord, GroupStatus
 from staleflow.runtime.run.rewarding import RewardOutcome
-from staleflow.runtime.servers.trajectory_server import GroupState, TrajectoryServer
-from staleflow.runtime.settings.workload import GROUP_LENGTHS_KEY, RETRY_LENGTHS_KEY
-from staleflow.runtime.types import RolloutRequest, TrainingBatch
+from staleflow.runtime.servers.trajectory_server import FinishOutcome, GroupState, TrajectoryServer
+from staleflow.runtime.types import Cancellations, GroupId, PromptGroup, RolloutRequest, TrainingBatch, Trajectory
 
-#: ``(instance_id, request_id)`` pairs of running requests a transition cancelled (to abort).
-Cancellations = tuple[tuple[str, str], ...]
+
+def runtime_ids(group_ids: Iterable[ProtocolGroupId]) -> list[GroupId]:
+    """Ids the protocol hands back, as the runtime's: it reserved only ``str`` ids."""
+    return [str(g) for g in group_ids]
 
 
 @dataclass(frozen=True)
@@ -78,9 +84,9 @@ class CompletionLedger:
         self.order = order
         self.filter_stale = filter_stale
         self.version = 0
-        self._versions: dict[str, int] = {}  # in admission order
-        self._running: set[str] = set()
-        self._done: dict[str, None] = {}  # in finish order
+        self._versions: dict[GroupId, int] = {}  # in admission order
+        self._running: set[GroupId] = set()
+        self._done: dict[GroupId, None] = {}  # in finish order
 
     def __len__(self) -> int:
         return len(self._versions)
@@ -105,7 +111,7 @@ class CompletionLedger:
     def can_reserve(self, version: int) -> bool:
         return self.reserve_slack(version) > 0
 
-    def reserve(self, group_id: str, version: int) -> bool:
+    def reserve(self, group_id: GroupId, version: int) -> bool:
         self.reserve_slack(version)
         if group_id in self._versions:
             raise ValueError(f"group {group_id!r} is already active")
@@ -113,16 +119,16 @@ class CompletionLedger:
         self._running.add(group_id)
         return True
 
-    def occupy(self, group_id: str) -> None:
+    def occupy(self, group_id: GroupId) -> None:
         self._running.remove(group_id)
         self._done[group_id] = None
 
-    def abort(self, group_id: str) -> None:
+    def abort(self, group_id: GroupId) -> None:
         del self._versions[group_id]
         self._running.discard(group_id)
         self._done.pop(group_id, None)
 
-    def _stale(self) -> list[str]:
+    def _stale(self) -> list[GroupId]:
         return [g for g in self._done if self.filter_stale and self._versions[g] + self.eta < self.version]
 
     def can_consume(self) -> bool:
@@ -176,7 +182,11 @@ class GroupLife:
         self.requeued = 0
         self.wasted_tokens = 0  # response tokens of finished trajectories never trained
 
-    def admit(self, group_id: str, version: int) -> list[RolloutRequest]:
+    def add(self, groups: Iterable[PromptGroup]) -> None:
+        """Prompt groups drawn from the dataset: they wait pending for admission."""
+        self.ts.add_groups(groups)
+
+    def admit(self, group_id: GroupId, version: int) -> list[RolloutRequest]:
         """Reserve ``group_id`` at ``version`` and queue its requests.
 
         The caller decided with :meth:`StalenessManager.can_reserve`; a refusal here is a bug in
@@ -187,6 +197,11 @@ class GroupLife:
         self.live += 1
         self.running += 1
         return self.ts.admit(group_id, version)
+
+    def finish(self, instance_id: str, trajectory: Trajectory) -> FinishOutcome:
+        """A request finished on ``instance_id``: kept if its group still needs it; the group's last
+        needed response moves it to rewarding, and the outcome hands over the group to reward."""
+        return self.ts.finish(instance_id, trajectory)
 
     def reward(self, outcome: RewardOutcome) -> bool:
         """Apply a reward outcome: Occupy, or (the scorer raised or timed out) Abort as failed.
@@ -207,7 +222,7 @@ class GroupLife:
             self.manager.occupy(group_id)
         return True
 
-    def abort(self, group_ids: Sequence[str]) -> Cancellations:
+    def abort(self, group_ids: Sequence[GroupId]) -> Cancellations:
         """Abort admitted groups that will not be trained; returns their running requests."""
         cancel: list[tuple[str, str]] = []
         for group_id in group_ids:
@@ -219,52 +234,49 @@ class GroupLife:
         self.live -= len(group_ids)
         return tuple(cancel)
 
-    def requeue(self, group_ids: Sequence[str]) -> Cancellations:
+    def requeue(self, group_ids: Sequence[GroupId]) -> Cancellations:
         """Proactive abort: abort these generating groups and queue their prompts again (as new
-        pending groups, ``<id>~r<n>``, sampled afresh: a simulated prompt takes its next
-        pre-drawn length set); returns their running requests."""
+        pending groups, ``<id>~r<n>``, sampled afresh: the prompt's next ``resamples`` entry, if it
+        has one, becomes its ``sample_metadata``); returns their running requests."""
         prompts = [self.ts.group(g) for g in group_ids]
         cancel = self.abort(group_ids)
         for prompt in prompts:
             self.requeued += 1
-            metadata = dict(prompt.metadata)
-            retries = metadata.get(RETRY_LENGTHS_KEY)
-            if retries:  # simulated lengths: the next pre-drawn sample set of this prompt
-                metadata[GROUP_LENGTHS_KEY], metadata[RETRY_LENGTHS_KEY] = retries[0], retries[1:]
-            group_id = f"{prompt.group_id.split('~')[0]}~r{self.requeued}"
-            self.ts.add_groups([replace(prompt, group_id=group_id, metadata=metadata)])
+            again = replace(prompt, group_id=f"{prompt.group_id.split('~')[0]}~r{self.requeued}", metadata=dict(prompt.metadata))
+            if prompt.resamples:
+                again = replace(again, sample_metadata=prompt.resamples[0], resamples=prompt.resamples[1:])
+            self.ts.add_groups([again])
         return cancel
 
     def consume(self) -> Consumed:
         """Consume the next batch (the caller checked ``manager.can_consume()``)."""
         batch = self.manager.consume()
-        dropped = [str(g) for g in batch.dropped]
+        dropped = runtime_ids(batch.dropped)
         wasted = sum(self._finished_tokens(g) for g in dropped)
         self.running -= sum(self.ts.group_state(g) in (GroupState.GENERATING, GroupState.REWARDING) for g in dropped)
-        training_batch, cancel = self.ts.take_batch(batch.version, [str(g) for g in batch.group_ids], dropped)
+        training_batch, cancel = self.ts.take_batch(batch.version, runtime_ids(batch.group_ids), dropped)
         self.live -= len(batch.dropped)
         self.wasted_tokens += wasted
         return Consumed(batch, training_batch, cancel, wasted)
 
-    def _finished_tokens(self, group_id: str) -> int:
+    def _finished_tokens(self, group_id: GroupId) -> int:
         return sum(len(t.output_ids) for t in self.ts.trajectories(group_id))
 
-    def generating_due(self, buffer_index: int) -> list[str]:
+    def generating_due(self, buffer_index: int) -> list[GroupId]:
         """Groups still generating whose deadline is ``buffer_index`` (read only)."""
         eta = self.manager.eta
-        return [
-            str(g.group_id)
-            for g in self.manager.groups()
-            if g.version + eta == buffer_index and g.status is GroupStatus.RUNNING
-            and self.ts.group_state(str(g.group_id)) is GroupState.GENERATING
-        ]
+        due = runtime_ids(g.group_id for g in self.manager.groups() if g.version + eta == buffer_index and g.status is GroupStatus.RUNNING)
+        return [g for g in due if self.ts.group_state(g) is GroupState.GENERATING]
 
     # ----------------------------------------------------------------- checkpoints
-    def restore(self, protocol_snapshot: Mapping[str, Any], event_hooks: Iterable[EventHook]) -> None:
-        """Replace the protocol by a restored one (the trajectory server is restored by its owner)."""
+    def restore(
+        self, protocol_snapshot: Mapping[str, Any], server_state: Mapping[str, Any], event_hooks: Iterable[EventHook]
+    ) -> None:
+        """Replace the protocol by a restored one and the trajectory server's contents by ``server_state``."""
         self.manager = StalenessManager.restore(protocol_snapshot)
         for hook in event_hooks:
             self.manager.add_event_hook(hook)
+        self.ts.load_state_dict(server_state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"live": self.live, "running": self.running, "requeued": self.requeued, "wasted_tokens": self.wasted_tokens}

@@ -1,9 +1,12 @@
-"""The run loop's hands on the rollout instances: commands carried out, snapshots taken, failures
-noticed and failed instances probed back (:mod:`staleflow.runtime.run.instance_health`).
+"""The run loop's hands on the rollout instances: commands carried out, trajectories collected,
+snapshots taken, failures noticed and failed instances probed back
+(:mod:`staleflow.runtime.run.instance_health`).
 
-Every engine call goes through here or through the loop's collection, and every call that raises
-the failure contract's errors (:data:`~staleflow.runtime.interfaces.INSTANCE_FAILURES`) marks the
-instance down through :meth:`InstanceDriver.failed`.
+Every engine call goes through here, and every call that raises the failure contract's errors
+(:data:`~staleflow.runtime.interfaces.INSTANCE_FAILURES`) marks the instance down through
+:meth:`InstanceDriver.failed`. The driver tells nobody: each method returns what it observed
+(snapshots, instances lost or back: :mod:`~staleflow.runtime.coordination.observations`), in order,
+and the loop hands it to the coordinator.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from staleflow.runtime.coordination.commands import Abort, Command, Interrupt, Pull, Route
-from staleflow.runtime.coordination.coordinator import Coordinator
+from staleflow.runtime.coordination.observations import InstanceBack, InstanceLost
 from staleflow.runtime.interfaces import INSTANCE_FAILURES, Clock, RolloutEngine
 from staleflow.runtime.run.instance_health import first_snapshot, probe
 from staleflow.runtime.servers.parameter_server import ParameterServer
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
-from staleflow.runtime.types import InstanceSnapshot
+from staleflow.runtime.types import InstanceSnapshot, Trajectory
+
+#: What the driver observes of the instances, for the coordinator.
+InstanceObservation = InstanceSnapshot | InstanceLost | InstanceBack
 
 
 class InstanceDriver:
@@ -27,7 +33,7 @@ class InstanceDriver:
     ``down``: failed instances (no work until a probe brings them back), with ``placed_when_down``,
     the requests placed on each when it failed (a probe aborts them there); ``next_event``: when a
     simulated engine next has something to report (None: unknown, ask every iteration);
-    ``touched``: instances whose load changed since :meth:`busy_changes` was last called.
+    ``touched``: instances whose load may have changed since :meth:`take_touched` was last called.
     Failures and recoveries are counted in ``counters``.
     """
 
@@ -51,7 +57,6 @@ class InstanceDriver:
         self.next_event: dict[str, float | None] = {iid: None for iid in self.engines}
         self.touched: set[str] = set()
         self._observed_at: dict[str, float] = {}
-        self._coordinator: Coordinator | None = None
 
     def first_snapshots(self) -> list[InstanceSnapshot]:
         """One snapshot per instance, to start the coordinator with; instances that do not answer
@@ -64,42 +69,51 @@ class InstanceDriver:
             snapshots.append(snapshot)
         return snapshots
 
-    def bind(self, coordinator: Coordinator) -> None:
-        """The coordinator whose speculative state follows what the instances do."""
-        self._coordinator = coordinator
-
-    @property
-    def coordinator(self) -> Coordinator:
-        if self._coordinator is None:
-            raise RuntimeError("InstanceDriver.bind(coordinator) first")
-        return self._coordinator
-
     def due(self, now: float) -> list[str]:
         """Instances with an event due (or that do not announce event times: real engines)."""
         return [iid for iid, t in self.next_event.items() if t is None or t <= now]
 
-    def observed(self, iid: str, snapshot: InstanceSnapshot) -> None:
-        """A fresh snapshot of ``iid`` after collecting from it."""
-        self.coordinator.observe(snapshot)
-        self._observed_at[iid] = self.clock.now()
-        self.next_event[iid] = self.engines[iid].next_event_time()
-        self.touched.add(iid)
+    def collect(self, iid: str) -> list[Trajectory] | InstanceLost:
+        """The trajectories ``iid`` finished since the last call, or the instance lost if the call failed."""
+        try:
+            return self.engines[iid].collect()
+        except INSTANCE_FAILURES:
+            return self.failed(iid)
 
-    def refresh(self, now: float, tick_s: float) -> None:
+    def look(self, iid: str) -> list[InstanceObservation]:
+        """A fresh snapshot of ``iid`` after collecting from it (and the instance lost, last, if a call fails)."""
+        engine = self.engines[iid]
+        try:
+            snapshot = engine.snapshot()
+        except INSTANCE_FAILURES:
+            return [self.failed(iid)]
+        self._observed_at[iid] = self.clock.now()
+        try:
+            self.next_event[iid] = engine.next_event_time()
+        except INSTANCE_FAILURES:
+            return [snapshot, self.failed(iid)]
+        self.touched.add(iid)
+        return [snapshot]
+
+    def refresh(self, now: float, tick_s: float) -> list[InstanceObservation]:
         """Snapshot every instance not observed within the last tick; probe the down ones."""
+        observations: list[InstanceObservation] = []
         for iid, engine in self.engines.items():
             if iid in self.down:
-                self._probe(iid)
+                back = self._probe(iid)
+                if back is not None:
+                    observations.append(back)
             elif now - self._observed_at.get(iid, -math.inf) >= tick_s:
                 try:
-                    self.coordinator.observe(engine.snapshot())
+                    observations.append(engine.snapshot())
                 except INSTANCE_FAILURES:
-                    self.failed(iid)
+                    observations.append(self.failed(iid))
                     continue
                 self._observed_at[iid] = now
                 self.touched.add(iid)
+        return observations
 
-    def failed(self, iid: str) -> None:
+    def failed(self, iid: str) -> InstanceLost:
         """An engine call failed: whatever the instance held is presumed lost. Its requests go back
         to the queue from the last partial the trajectory server has, and it gets no work until a
         probe finds it answering (then anything it still holds is discarded, so nothing runs twice)."""
@@ -108,46 +122,52 @@ class InstanceDriver:
         self.ts.requeue([self.ts.request(rid) for rid in placed], iid)
         self.counters["instance_failures"] += 1
         self.counters["requests_recovered"] += len(placed)
+        return InstanceLost(iid)
 
     def down_state(self) -> dict[str, list[str]]:
         """The down instances and the requests placed on each when it failed (for a checkpoint)."""
         return {iid: sorted(self.placed_when_down.get(iid, ())) for iid in sorted(self.down)}
 
-    def restore_down(self, down: Mapping[str, Iterable[str]]) -> None:
+    def restore_down(self, down: Mapping[str, Iterable[str]]) -> list[InstanceLost]:
         """Instances a checkpoint found down stay down here, and a probe aborts the requests placed
         on them when they failed, even if their first snapshot shows them empty (it may be stale).
         Instances this run does not have are ignored: nothing is routed to them."""
+        lost = []
         for iid, placed in down.items():
             if iid in self.engines:
                 self._mark_down(iid, placed)
+                lost.append(InstanceLost(iid))
+        return lost
 
     def _mark_down(self, iid: str, placed: Iterable[str]) -> None:
-        self.coordinator.instance_down(iid)
         self.down.add(iid)
         self.placed_when_down.setdefault(iid, set()).update(placed)
         self.next_event[iid] = None
         self.touched.add(iid)
 
-    def _probe(self, iid: str) -> None:
+    def _probe(self, iid: str) -> InstanceBack | None:
         result = probe(self.engines[iid], self.placed_when_down.get(iid, ()))
         if result is None:
-            return
+            return None
         self.counters["late_results_discarded"] += result.late
         self.down.discard(iid)
         self.placed_when_down.pop(iid, None)
-        self.coordinator.instance_up(result.snapshot)
         self.next_event[iid] = result.next_event
         self.touched.add(iid)
+        return InstanceBack(result.snapshot)
 
-    def execute(self, commands: Sequence[Command]) -> None:
-        """Carry out commands in order; a failing instance is marked down and its commands skipped."""
+    def execute(self, commands: Sequence[Command]) -> list[InstanceLost]:
+        """Carry out commands in order; a failing instance is marked down (and returned) and its
+        commands skipped."""
+        lost = []
         for command in commands:
             if command.instance_id in self.down:
                 continue  # its requests were re-queued; requests routed to it are still queued
             try:
                 self._execute_one(command)
             except INSTANCE_FAILURES:
-                self.failed(command.instance_id)
+                lost.append(self.failed(command.instance_id))
+        return lost
 
     def _execute_one(self, command: Command) -> None:
         engine = self.engines[command.instance_id]
@@ -166,25 +186,25 @@ class InstanceDriver:
         self.next_event[command.instance_id] = engine.next_event_time()
         self.touched.add(command.instance_id)
 
-    def busy_changes(self) -> dict[str, bool]:
-        """For each instance touched since the last call: whether it holds requests now."""
-        busy = {iid: bool(self.coordinator.view(iid).requests) for iid in self.touched}
-        self.touched.clear()
-        return busy
+    def take_touched(self) -> set[str]:
+        """The instances touched since the last call (their load may have changed)."""
+        touched, self.touched = self.touched, set()
+        return touched
 
-    def held_requests(self) -> dict[str, set[str]]:
-        """What each up instance says it holds (for the audit); failing ones are marked down."""
+    def held_requests(self) -> tuple[dict[str, set[str]], list[InstanceLost]]:
+        """What each up instance says it holds (for the audit), and the instances lost asking."""
         held: dict[str, set[str]] = {}
+        lost = []
         for iid, engine in self.engines.items():
             if iid in self.down:
                 continue
             try:
                 snapshot = engine.snapshot()
             except INSTANCE_FAILURES:
-                self.failed(iid)
+                lost.append(self.failed(iid))
                 continue
             held[iid] = set(snapshot.running) | set(snapshot.waiting)
-        return held
+        return held, lost
 
     def close(self) -> None:
         for engine in self.engines.values():

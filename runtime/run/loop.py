@@ -1,21 +1,31 @@
 """The run loop: engines, rewards, protocol, trainer, parameter server and coordinator, on one clock.
 
-The loop only sequences; each duty's work lives in its own module. Each iteration, at ``now``:
+The loop only sequences; each duty's work lives in its own module. Every change of a group goes
+through :class:`~staleflow.runtime.run.group_life.GroupLife`, every engine call through the
+:class:`~staleflow.runtime.run.instance_driver.InstanceDriver`, and the coordinator is fed, never
+called back: what the driver observed and what GroupLife cancelled is stepped into it
+(:meth:`Coordinator.step <staleflow.runtime.coordination.coordinator.Coordinator.step>`), and the
+commands its ``ready()`` hands out are carried out by the driver. Each iteration, at ``now``:
 
 1. **collect** finished trajectories from the instances with events due (all of them when they do
-   not announce event times: real engines), hand them to the trajectory server, cancel siblings a
-   complete group no longer needs, and send complete groups to the reward runner
-   (:mod:`~staleflow.runtime.run.rewarding`);
+   not announce event times: real engines): GroupLife keeps them, and hands over each group that is
+   complete to the reward runner (:mod:`~staleflow.runtime.run.rewarding`); the coordinator is told
+   the requests left and gets the instance's snapshot, and aborts the siblings a complete group no
+   longer needs;
 2. **reward**: rewarded groups Occupy their protocol entry, a failed reward aborts the group
    (:mod:`~staleflow.runtime.run.group_life`, the one owner of a group's life);
 3. **train**: a finished step's weights are published (:mod:`~staleflow.runtime.run.weight_sync`:
    in the background with a real clock, so the push overlaps the next step; failed pushes retried
-   in order), and an idle trainer starts the next step as soon as the protocol can Consume a batch;
+   in order), and an idle trainer starts the next step as soon as the protocol can Consume a batch
+   (the coordinator is told the step started, and aborts what the batch's drops cancelled);
 4. **observe**: every ``tick_s``, every instance's snapshot is refreshed and failed instances are
-   probed (:mod:`~staleflow.runtime.run.instance_driver`, :mod:`~staleflow.runtime.run.instance_health`);
-5. **refill** the pending prompt groups from the dataset;
-6. **decide**: the coordinator decides GC aborts, Pull / Interrupt / Route and admissions
-   (:func:`~staleflow.runtime.coordination.coordinator.decide`), and the commands are carried out;
+   probed (:mod:`~staleflow.runtime.run.instance_driver`, :mod:`~staleflow.runtime.run.instance_health`),
+   and the coordinator gets what they showed;
+5. **refill** the pending prompt groups from the dataset (through GroupLife);
+6. **decide**: a :class:`~staleflow.runtime.coordination.observations.Tick` starts a decision; the
+   re-queues and admissions it asks for are made through GroupLife and stepped back
+   (:func:`~staleflow.runtime.run.decision.decide`), and its Abort / Pull / Interrupt / Route
+   commands are carried out;
 7. **advance**: the clock sleeps (real) or jumps (virtual) to the earliest of the next tick, the
    trainer's next event and the engines' next events.
 
@@ -34,9 +44,21 @@ from typing import Any
 from staleflow.protocol import StalenessManager
 from staleflow.protocol.events import EventHook
 from staleflow.protocol.trace import JsonlTraceWriter
-from staleflow.runtime.coordination.coordinator import Coordinator, decide
+from staleflow.runtime.coordination.commands import Command
+from staleflow.runtime.coordination.coordinator import Coordinator
 from staleflow.runtime.coordination.cost_model import CostModel
-from staleflow.runtime.interfaces import INSTANCE_FAILURES, Clock, RolloutEngine, Trainer
+from staleflow.runtime.coordination.observations import (
+    Cancelled,
+    CheckpointStarted,
+    InstanceLost,
+    Observation,
+    RequestsLeft,
+    RunStarted,
+    StepStarted,
+    Tick,
+)
+from staleflow.runtime.interfaces import Clock, RolloutEngine, Trainer
+from staleflow.runtime.run.decision import decide
 from staleflow.runtime.run.group_life import CompletionLedger, GroupLife
 from staleflow.runtime.run.instance_driver import InstanceDriver
 from staleflow.runtime.run.rewarding import RewardFn, RewardRunner
@@ -46,7 +68,7 @@ from staleflow.runtime.run.weight_sync import WeightPublisher
 from staleflow.runtime.servers.parameter_server import ParameterServer
 from staleflow.runtime.servers.trajectory_server import AuditReport, TrajectoryServer
 from staleflow.runtime.settings.policies import SystemPolicy
-from staleflow.runtime.types import PromptGroup
+from staleflow.runtime.types import Cancellations, PromptGroup
 
 __all__ = ["RunLoop", "RunMetrics", "RunParts", "RunSettings", "RunStalledError"]
 
@@ -144,7 +166,6 @@ class RunLoop:
         self.groups = GroupLife(manager, self.ts)
         self.instances = InstanceDriver(parts.engines, self.ts, self.ps, self.clock, self.stats.counters)
         self.coordinator = Coordinator(self.groups, policy, parts.cost_model, self.instances.first_snapshots())
-        self.instances.bind(self.coordinator)
         self.weights = WeightPublisher(self.ps, background=not self.clock.simulated, counters=self.stats.counters)
         self.rewards = RewardRunner(parts.reward_fn, settings.reward_timeout_s)
         self._prompts: Iterator[PromptGroup] = iter(parts.prompts)
@@ -188,15 +209,13 @@ class RunLoop:
                 on_step()
             full = now >= self._next_tick
             if full:  # 4
-                self.instances.refresh(now, self.settings.tick_s)
+                self._observe(self.instances.refresh(now, self.settings.tick_s))
                 self._next_tick = now + self.settings.tick_s
             self._refill()  # 5
-            commands = decide(  # 6
-                self.coordinator, self.groups, self.ps.latest_version(), full,
-                trainer_waits=self._training is None and not self.manager.can_consume(),
-            )
-            self.instances.execute(commands)
-            self.stats.instances_busy(now, self.instances.busy_changes())
+            trainer_waits = self._training is None and not self.manager.can_consume()
+            commands = decide(self.coordinator, self.groups, Tick(self.ps.latest_version(), full, trainer_waits))  # 6
+            self._carry_out(commands)
+            self.stats.instances_busy(now, {iid: self.coordinator.holds_requests(iid) for iid in self.instances.take_touched()})
             progress |= bool(commands)
             idle_iterations = 0 if progress else idle_iterations + 1
             self._advance(now, idle_iterations)  # 7
@@ -218,9 +237,22 @@ class RunLoop:
             self.weights.push_now(self.manager.version, self.trainer.weights(), "the initial weights")
         latest = self.ps.latest_version()
         assert latest is not None
-        self.instances.execute(
-            [self.coordinator.pull(v.instance_id, latest) for v in self.coordinator.views if v.version != latest]
-        )
+        self.coordinator.step(RunStarted(latest))
+        self._carry_out(self.coordinator.ready().commands)
+
+    def _observe(self, observations: Iterable[Observation]) -> None:
+        """Hand what was observed to the coordinator, in order."""
+        for observation in observations:
+            self.coordinator.step(observation)
+
+    def _carry_out(self, commands: Sequence[Command]) -> None:
+        """Carry out commands on the instances; the coordinator is told of any instance lost doing so."""
+        self._observe(self.instances.execute(commands))
+
+    def _abort(self, cancelled: Cancellations) -> None:
+        """Abort running requests a group change cancelled."""
+        self.coordinator.step(Cancelled(cancelled))
+        self._carry_out(self.coordinator.ready().commands)
 
     def _advance(self, now: float, idle_iterations: int) -> None:
         times = [self._next_tick]
@@ -263,28 +295,27 @@ class RunLoop:
     def _collect_from(self, iid: str) -> bool:
         if iid in self.instances.down:
             return False
-        try:
-            return self._collect_from_engine(iid)
-        except INSTANCE_FAILURES:
-            self.instances.failed(iid)
+        trajectories = self.instances.collect(iid)
+        if isinstance(trajectories, InstanceLost):
+            self.coordinator.step(trajectories)
             return True
-
-    def _collect_from_engine(self, iid: str) -> bool:
-        engine = self.instances.engines[iid]
-        trajectories = engine.collect()
         cancel: list[tuple[str, str]] = []
         for trajectory in trajectories:
-            outcome = self.ts.finish(iid, trajectory)
+            outcome = self.groups.finish(iid, trajectory)
             self.stats.tokens_generated += len(trajectory.output_ids)
-            self.coordinator.forget(iid, [trajectory.request_id])
-            if outcome.group_complete:
-                group = self.ts.group(trajectory.group_id)
-                self.rewards.submit(group.group_id, self.ts.trajectories(group.group_id), group.metadata)
+            if outcome.completed is not None:
+                group = outcome.completed.group
+                self.rewards.submit(group.group_id, outcome.completed.trajectories, group.metadata)
             cancel.extend(outcome.cancel)
             self.stats.counters["cancelled_requests"] += len(outcome.cancel)
-        self.instances.observed(iid, engine.snapshot())
+        if trajectories:
+            self.coordinator.step(RequestsLeft(iid, tuple(t.request_id for t in trajectories)))
+        observations = self.instances.look(iid)
+        self._observe(observations)
+        if isinstance(observations[-1], InstanceLost):
+            return True
         if cancel:
-            self.instances.execute(self.coordinator.cancel(cancel))
+            self._abort(tuple(cancel))
         return bool(trajectories)
 
     # ----------------------------------------------------------------- 2. reward
@@ -314,10 +345,10 @@ class RunLoop:
             # the first step of a run always waits for its batch: no sign that the lookahead is short
             idle = now - self.stats.last_step_end
             waited = self.stats.steps_done > 0 and idle > (0.0 if self.clock.simulated else 2 * self.settings.tick_s)
-            self.coordinator.step_started(trainer_waited=waited)
+            self.coordinator.step(StepStarted(trainer_waited=waited))
             consumed = self.groups.consume()
             self.stats.batch_consumed(consumed.protocol, consumed.batch, len(consumed.cancel))
-            self.instances.execute(self.coordinator.cancel(consumed.cancel))
+            self._abort(consumed.cancel)
             self.trainer.start_step(consumed.batch)
             self._training = consumed.protocol.version
             progress = True
@@ -331,7 +362,7 @@ class RunLoop:
                 return
             if self.policy.group_redundancy and group.n_extra == 0:
                 group = replace(group, n_extra=self.policy.group_redundancy)
-            self.ts.add_groups([group])
+            self.groups.add([group])
             self._prompts_drawn += 1
 
     # ----------------------------------------------------------------- results
@@ -340,7 +371,8 @@ class RunLoop:
         self._attach_trace()
         for iid in self.instances.engines:
             self._collect_from(iid)
-        held = self.instances.held_requests()
+        held, lost = self.instances.held_requests()
+        self._observe(lost)
         for iid in self.instances.engines:
             self._collect_from(iid)
         return self.ts.audit(held)
@@ -368,7 +400,8 @@ class RunLoop:
         self._attach_trace()
         self.weights.wait()
         self.weights.flush("a checkpoint")  # it records the trainer's version as pushed
-        self.instances.execute(self.coordinator.interrupt_all())
+        self.coordinator.step(CheckpointStarted())
+        self._carry_out(self.coordinator.ready().commands)
         for iid in self.instances.engines:
             self._collect_from(iid)
         while self.rewards.pending():
@@ -394,17 +427,16 @@ class RunLoop:
         if self._started or self._trace is not None:
             raise RuntimeError("load a checkpoint before the first run(), audit() or state_dict()")
         check_run_state(state, self.manager)
-        self.groups.restore(state["protocol"], self._event_hooks)
+        self.groups.restore(state["protocol"], state["trajectory_server"], self._event_hooks)
         self.groups.load_state_dict(state["groups"])
         self._resumed = True
-        self.ts.load_state_dict(state["trajectory_server"])
         saved = state["parameter_server"]["latest_version"]
         latest = self.ps.latest_version()
         if saved is not None and (latest is None or latest < saved):
             self.ps.push(saved, self.trainer.weights())
         self._prompts_drawn = int(state["prompts_drawn"])
         self.coordinator.load_state_dict(state["coordinator"])
-        self.instances.restore_down(state.get("instances_down", {}))  # absent from checkpoints before 2026-12
+        self._observe(self.instances.restore_down(state.get("instances_down", {})))  # absent from checkpoints before 2026-12
         self.stats.load_state_dict(state)
 
     def close(self) -> None:

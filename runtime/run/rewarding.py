@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
 from typing import Any
 
-from staleflow.runtime.types import Trajectory
+from staleflow.runtime.types import GroupId, Trajectory
 
 #: ``reward_fn(trajectory, group_metadata) -> reward``
 RewardFn = Callable[[Trajectory, dict[str, Any]], float]
@@ -42,7 +42,7 @@ _MAX_STARTS = 5
 class RewardOutcome:
     """The rewards of one group (in trajectory order), or why there are none."""
 
-    group_id: str
+    group_id: GroupId
     rewards: list[float] | None
     error: str | None = None
 
@@ -98,14 +98,14 @@ def _worker_main(conn: Connection, spec: str) -> None:
 class _Worker:
     process: Any
     conn: Connection
-    job: str | None = None
+    job: GroupId | None = None
     ready: bool = False  # the process has started and resolved the scorer
     started: float = 0.0  # when it took its job
 
 
 @dataclass
 class _Job:
-    group_id: str
+    group_id: GroupId
     items: list[ScoreInput]
 
 
@@ -121,7 +121,7 @@ class ScorerPool:
         self._context = multiprocessing.get_context("spawn")
         self._workers = [self._start() for _ in range(workers)]
         self._queue: deque[_Job] = deque()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[GroupId, _Job] = {}
         self._failed: list[RewardOutcome] = []
         self._failed_starts = 0
         self.restarts = 0
@@ -142,7 +142,7 @@ class ScorerPool:
         worker.process, worker.conn, worker.job, worker.ready = fresh.process, fresh.conn, None, False
         self.restarts += 1
 
-    def submit(self, group_id: str, items: list[ScoreInput]) -> None:
+    def submit(self, group_id: GroupId, items: list[ScoreInput]) -> None:
         job = _Job(group_id, items)
         self._jobs[group_id] = job
         self._queue.append(job)
@@ -279,7 +279,7 @@ class RewardRunner:
         else:
             self._fn = reward_fn
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="reward") if self._fn else None
-        self._running: dict[str, tuple[Future[list[float]], float]] = {}
+        self._running: dict[GroupId, tuple[Future[list[float]], float]] = {}
         self._ready: list[RewardOutcome] = []
 
     @property
@@ -287,7 +287,7 @@ class RewardRunner:
         """Scorer processes killed (timeouts) or found dead, and replaced."""
         return self._scorers.restarts if self._scorers is not None else 0
 
-    def submit(self, group_id: str, trajectories: Sequence[Trajectory], metadata: dict[str, Any]) -> None:
+    def submit(self, group_id: GroupId, trajectories: Sequence[Trajectory], metadata: dict[str, Any]) -> None:
         if self._scorers is not None and self._prepare is not None:
             try:
                 items = [self._prepare(t, metadata) for t in trajectories]

@@ -25,6 +25,8 @@ from typing import Any
 from staleflow.runtime.servers.audit import AuditReport, placement_mismatches
 from staleflow.runtime.servers.request_queue import QueueView, RequestQueue
 from staleflow.runtime.types import (
+    Cancellations,
+    GroupId,
     PromptGroup,
     RolloutRequest,
     TrainingBatch,
@@ -76,24 +78,36 @@ class _Request:
 
 
 @dataclass(frozen=True)
+class CompletedGroup:
+    """A group whose ``n_samples`` responses are in (it is rewarding now): what its reward needs."""
+
+    group: PromptGroup
+    trajectories: tuple[Trajectory, ...]
+
+
+@dataclass(frozen=True)
 class FinishOutcome:
     """What :meth:`TrajectoryServer.finish` did with one trajectory.
 
-    ``kept``: it is one of its group's first ``n_samples``. ``group_complete``: the group has its
-    ``n_samples`` responses now (reward it). ``cancel``: sibling requests to abort on their
-    instances, as ``(instance_id, request_id)``. ``late``: the request had been cancelled already
-    (its group ended or no longer needed it); ``duplicate``: the request was not running on that
-    instance (counted; the trajectory is ignored).
+    ``kept``: it is one of its group's first ``n_samples``. ``completed``: the group has its
+    ``n_samples`` responses now (reward it), with them. ``cancel``: sibling requests to abort on
+    their instances. ``late``: the request had been cancelled already (its group ended or no longer
+    needed it); ``duplicate``: the request was not running on that instance (counted; the
+    trajectory is ignored).
     """
 
     kept: bool
-    group_complete: bool = False
-    cancel: tuple[tuple[str, str], ...] = ()
+    completed: CompletedGroup | None = None
+    cancel: Cancellations = ()
     late: bool = False
     duplicate: bool = False
 
+    @property
+    def group_complete(self) -> bool:
+        return self.completed is not None
 
-def request_id(group_id: str, index: int) -> str:
+
+def request_id(group_id: GroupId, index: int) -> str:
     return f"{group_id}/{index}"
 
 
@@ -101,9 +115,9 @@ class TrajectoryServer:
     """Holds every prompt group, request (with its partial output) and finished trajectory of a run."""
 
     def __init__(self) -> None:
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[GroupId, _Group] = {}
         self._requests: dict[str, _Request] = {}
-        self._pending: dict[str, None] = {}
+        self._pending: dict[GroupId, None] = {}
         self._queue = RequestQueue()
         self._duplicates: list[str] = []
         self._late = 0
@@ -119,12 +133,13 @@ class TrajectoryServer:
                     f"group {group.group_id!r}: n_samples must be >= 1 and n_extra >= 0, "
                     f"got {group.n_samples} and {group.n_extra}"
                 )
-            lengths = group.metadata.get("response_lengths")
-            if lengths is not None and len(lengths) < group.n_samples + group.n_extra:
-                raise ValueError(
-                    f"group {group.group_id!r}: metadata 'response_lengths' has {len(lengths)} entries, "
-                    f"need n_samples + n_extra = {group.n_samples + group.n_extra}"
-                )
+            requests = group.n_samples + group.n_extra
+            for name, samples in (("sample_metadata", group.sample_metadata), *(("a resample", r) for r in group.resamples)):
+                if samples and len(samples) < requests:
+                    raise ValueError(
+                        f"group {group.group_id!r}: {name} has {len(samples)} entries, "
+                        f"need n_samples + n_extra = {requests}"
+                    )
             self._groups[group.group_id] = _Group(group)
             self._pending[group.group_id] = None
 
@@ -137,7 +152,7 @@ class TrajectoryServer:
             return self._groups[group_id].group
         return None
 
-    def admit(self, group_id: str, version: int) -> list[RolloutRequest]:
+    def admit(self, group_id: GroupId, version: int) -> list[RolloutRequest]:
         """The protocol admitted ``group_id`` at ``version``: create and queue its requests."""
         entry = self._group(group_id, (GroupState.PENDING,), "admit")
         del self._pending[group_id]
@@ -146,13 +161,14 @@ class TrajectoryServer:
         group = entry.group
         created = []
         for index in range(group.n_samples + group.n_extra):
+            metadata = _request_metadata(group, index)
             request = RolloutRequest(
                 request_id=request_id(group_id, index),
                 group_id=group_id,
                 prompt_ids=group.prompt_ids,  # shared by the group's requests; nobody mutates a prompt
-                max_new_tokens=_max_tokens(group, index),
+                max_new_tokens=_max_tokens(group, metadata),
                 group_version=version,
-                metadata=_request_metadata(group, index),
+                metadata=metadata,
             )
             self._requests[request.request_id] = _Request(request)
             self._queue.add(request)
@@ -232,22 +248,23 @@ class TrajectoryServer:
         if len(group.kept) < group.group.n_samples:
             return FinishOutcome(kept=True)
         group.state = GroupState.REWARDING
-        return FinishOutcome(kept=True, group_complete=True, cancel=self._cancel_requests(group))
+        completed = CompletedGroup(group.group, tuple(group.kept))
+        return FinishOutcome(kept=True, completed=completed, cancel=self._cancel_requests(group))
 
-    def trajectories(self, group_id: str) -> list[Trajectory]:
+    def trajectories(self, group_id: GroupId) -> list[Trajectory]:
         """The kept trajectories of a group (``n_samples`` of them once it is complete)."""
         return list(self._groups[group_id].kept)
 
-    def group(self, group_id: str) -> PromptGroup:
+    def group(self, group_id: GroupId) -> PromptGroup:
         return self._groups[group_id].group
 
-    def group_state(self, group_id: str) -> GroupState:
+    def group_state(self, group_id: GroupId) -> GroupState:
         return self._groups[group_id].state
 
-    def group_version(self, group_id: str) -> int | None:
+    def group_version(self, group_id: GroupId) -> int | None:
         return self._groups[group_id].version
 
-    def set_rewards(self, group_id: str, rewards: list[float] | None) -> None:
+    def set_rewards(self, group_id: GroupId, rewards: list[float] | None) -> None:
         """Rewards are in (``None``: the run has no reward function): rewarding -> done."""
         entry = self._group(group_id, (GroupState.REWARDING,), "reward")
         if rewards is not None:
@@ -259,13 +276,13 @@ class TrajectoryServer:
                 trajectory.reward = reward
         entry.state = GroupState.DONE
 
-    def fail_group(self, group_id: str, reason: str) -> None:
+    def fail_group(self, group_id: GroupId, reason: str) -> None:
         """The reward raised or timed out: rewarding -> failed (the caller aborts it in the protocol)."""
         entry = self._group(group_id, (GroupState.REWARDING,), "fail")
         entry.state = GroupState.FAILED
         entry.group.metadata["failure"] = reason
 
-    def abort_group(self, group_id: str) -> tuple[tuple[str, str], ...]:
+    def abort_group(self, group_id: GroupId) -> Cancellations:
         """End a group that never reaches a batch; returns its running requests to abort."""
         entry = self._group(group_id, _ABORTABLE, "abort")
         entry.state = GroupState.ABORTED
@@ -273,13 +290,13 @@ class TrajectoryServer:
 
     # ----------------------------------------------------------------- consumption
     def take_batch(
-        self, version: int, group_ids: Iterable[str], dropped: Iterable[str]
-    ) -> tuple[TrainingBatch, tuple[tuple[str, str], ...]]:
+        self, version: int, group_ids: Iterable[GroupId], dropped: Iterable[GroupId]
+    ) -> tuple[TrainingBatch, Cancellations]:
         """Hand the consumed groups to the trainer; dropped groups end here.
 
         Returns the batch and the running requests of dropped groups, to abort on their instances.
         """
-        groups: dict[str, list[Trajectory]] = {}
+        groups: dict[GroupId, list[Trajectory]] = {}
         for group_id in group_ids:
             entry = self._group(group_id, (GroupState.DONE,), "consume")
             entry.state = GroupState.CONSUMED
@@ -398,7 +415,7 @@ class TrajectoryServer:
         self._late = int(state["late"])
 
     # ----------------------------------------------------------------- internals
-    def _group(self, group_id: str, allowed: tuple[GroupState, ...], op: str) -> _Group:
+    def _group(self, group_id: GroupId, allowed: tuple[GroupState, ...], op: str) -> _Group:
         entry = self._groups.get(group_id)
         if entry is None:
             raise TrajectoryServerError(f"cannot {op} unknown group {group_id!r}")
@@ -417,7 +434,7 @@ class TrajectoryServer:
             raise TrajectoryServerError(f"cannot {op} request {rid!r}: it is {entry.state.value}, not {required.value}")
         return entry
 
-    def _cancel_requests(self, group: _Group) -> tuple[tuple[str, str], ...]:
+    def _cancel_requests(self, group: _Group) -> Cancellations:
         """Cancel a group's queued and running requests; returns the running ones to abort."""
         group_id = group.group.group_id
         cancel = []
@@ -444,23 +461,15 @@ def _plain(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _max_tokens(group: PromptGroup, index: int) -> int:
-    """A request's token budget: the group's ``max_new_tokens`` or, in simulation, its drawn length."""
-    if "max_new_tokens" in group.metadata:
-        return int(group.metadata["max_new_tokens"])
-    lengths = group.metadata.get("response_lengths")
-    if lengths is not None:
-        return int(lengths[index])
-    raise ValueError(
-        f"group {group.group_id!r} needs metadata 'max_new_tokens' or 'response_lengths' "
-        "(the simulated length of each response)"
-    )
+def _max_tokens(group: PromptGroup, metadata: Mapping[str, Any]) -> int:
+    """A request's token budget: ``max_new_tokens`` of its metadata (the group's or its sample's)."""
+    if "max_new_tokens" not in metadata:
+        raise ValueError(f"group {group.group_id!r} needs 'max_new_tokens' in its metadata or its sample_metadata")
+    return int(metadata["max_new_tokens"])
 
 
 def _request_metadata(group: PromptGroup, index: int) -> dict[str, Any]:
-    """Per-request metadata: the group's, with its own simulated response length if there is one."""
-    metadata = {k: v for k, v in group.metadata.items() if k != "response_lengths"}
-    lengths = group.metadata.get("response_lengths")
-    if lengths is not None:
-        metadata["response_length"] = int(lengths[index])
-    return metadata
+    """Request ``index``'s metadata: a copy of the group's, with its sample's entries if it has any."""
+    if not group.sample_metadata:
+        return dict(group.metadata)
+    return {**group.metadata, **group.sample_metadata[index]}

@@ -29,15 +29,11 @@ from staleflow.runtime.types import PromptGroup
 
 WORKLOAD_DIR = Path(__file__).parent / "workloads"
 
-#: ``PromptGroup.metadata`` key: the response lengths (tokens) drawn for the samples of the group.
-GROUP_LENGTHS_KEY = "response_lengths"
-#: ``PromptGroup.metadata`` key: further length sets of the same prompt (same difficulty), taken in
-#: turn when the prompt is sampled again (proactive abort re-queues it: ``GroupLife.requeue``).
-RETRY_LENGTHS_KEY = "retry_lengths"
-#: Length sets drawn per prompt for re-sampling.
+#: Length sets drawn per prompt for re-sampling (``PromptGroup.resamples``).
 RETRIES = 2
 #: ``RolloutRequest.metadata`` key: the response length of that one request (an int), which the
-#: simulated engine generates before it finishes the request (the trajectory server copies it).
+#: simulated engine generates before it finishes the request. A simulated group carries it in each
+#: entry of its ``sample_metadata`` (the trajectory server copies entry ``i`` into request ``i``).
 REQUEST_LENGTH_KEY = "response_length"
 
 
@@ -271,9 +267,9 @@ class Workload(_Strict):
 
     def prompt_groups(self, seed: int, start: int = 0, n_extra: int = 0) -> Iterator[PromptGroup]:
         """An endless stream of prompt groups ``g{start}, g{start+1}, ...`` with drawn response lengths
-        in ``metadata[GROUP_LENGTHS_KEY]`` (one per sample, ``group_size + n_extra`` of them: extras
-        for group-level redundancy; ``RETRIES`` more sets of the same difficulty in
-        ``metadata[RETRY_LENGTHS_KEY]``) and ``metadata["max_new_tokens"]`` the maximum response length.
+        in ``sample_metadata`` (one ``{REQUEST_LENGTH_KEY: n}`` per sample, ``group_size + n_extra``
+        of them: extras for group-level redundancy; ``RETRIES`` more sets of the same difficulty in
+        ``resamples``) and ``metadata["max_new_tokens"]`` the maximum response length.
         Deterministic for a given seed: every system of a comparison gets the same lengths."""
         import numpy as np
 
@@ -283,13 +279,15 @@ class Workload(_Strict):
         size = self.batch.group_size + n_extra
         while True:
             draws = [int(x) for x in self.response_tokens.sample(rng, size * (1 + RETRIES))]
-            sets = [draws[i * size:(i + 1) * size] for i in range(1 + RETRIES)]
+            sets = [[{REQUEST_LENGTH_KEY: n} for n in draws[i * size:(i + 1) * size]] for i in range(1 + RETRIES)]
             yield PromptGroup(
                 group_id=f"g{index}",
                 prompt_ids=prompt,  # one shared (read-only) list: prompts are all alike here
                 n_samples=self.batch.group_size,
                 n_extra=n_extra,
-                metadata={GROUP_LENGTHS_KEY: sets[0], RETRY_LENGTHS_KEY: sets[1:], "max_new_tokens": self.response_tokens.max},
+                metadata={"max_new_tokens": self.response_tokens.max},
+                sample_metadata=sets[0],
+                resamples=sets[1:],
             )
             index += 1
 

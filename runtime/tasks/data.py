@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from staleflow.runtime.tasks.builtin import Prompt
-from staleflow.runtime.types import PromptGroup
+from staleflow.runtime.types import GroupId, PromptGroup
 
 #: Renders chat messages (with the generation prompt) to the prompt text.
 ChatRenderer = Callable[[list[dict[str, Any]]], str]
@@ -209,7 +209,7 @@ def cycle_prompts(prompts: Sequence[Prompt], seed: int) -> Iterator[Prompt]:
 
 def make_group(
     prompt: Prompt,
-    group_id: str,
+    group_id: GroupId,
     *,
     encode: Callable[[str], Sequence[int]],
     n_samples: int,
