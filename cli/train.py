@@ -174,9 +174,10 @@ def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> d
     from staleflow.cli.metrics import EngineLedger, MetricsLog, TrackedEngine
     from staleflow.cli.train_rewards import check_scorer, pooled_reward
     from staleflow.runtime.coordination.cost_model import CostModel
-    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.assembly import assemble_run
     from staleflow.runtime.run.clock import RealClock
     from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.run.run_spec import RunSpec
     from staleflow.runtime.settings.config import dump_config
     from staleflow.runtime.settings.placement_plan import plan_placement
     from staleflow.runtime.tasks import make_group

@@ -56,7 +56,7 @@ def summarise(
     data.pop("train_metrics", None)
     data.pop("step_times_s", None)
     return {
-        "system": config.system.value,
+        "system": config.system,
         "eta": eta,
         "steps": metrics.steps,
         "wall_s": wall,
