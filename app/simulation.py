@@ -80,9 +80,10 @@ def simulate_system(
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer
     from staleflow.adapters.sim.trainer import SimTrainer
-    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.assembly import assemble_run
     from staleflow.runtime.run.clock import VirtualClock
     from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.run.run_spec import RunSpec
 
     spec = RunSpec.from_workload(workload, system, eta, tick_s=tick_s, **knobs)
     policy = spec.policy

@@ -64,7 +64,7 @@ def summarise(config: JobConfig, outcome: RunOutcome) -> dict[str, Any]:
     data.pop("train_metrics", None)
     data.pop("step_times_s", None)
     return {
-        "system": config.system.value,
+        "system": config.system,
         "eta": eta,
         "steps": metrics.steps,
         "wall_s": outcome.wall_s,

@@ -38,9 +38,10 @@ from staleflow.app.report import write_report
 from staleflow.app.rewards import ScorerCheckError, check_scorer, pooled_reward
 from staleflow.app.summary import RunOutcome, step_record, summarise
 from staleflow.runtime.coordination.cost_model import CostModel
-from staleflow.runtime.run.assembly import RunSpec, assemble_run
+from staleflow.runtime.run.assembly import assemble_run
 from staleflow.runtime.run.clock import RealClock
 from staleflow.runtime.run.loop import RunParts
+from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 from staleflow.runtime.settings.config import dump_config
 from staleflow.runtime.settings.placement_plan import plan_placement

@@ -367,11 +367,13 @@ def reproduce_command(args: argparse.Namespace) -> str:
 
 # ------------------------------------------------------------------------------------ command
 def _problems(args: argparse.Namespace) -> list[str]:
-    from staleflow.runtime.settings.policies import POLICIES
+    from staleflow.runtime.settings.policies import training_systems
 
+    known = training_systems()  # each cell is a `staleflow train` run
     problems = [f"--{n} must be >= 1 (got {v})" for n, v in (("steps", args.steps), ("eval-every", args.eval_every)) if v < 1]
     problems += [f"--etas: eta must be >= 0 (got {e})" for e in args.etas if e < 0]
-    problems += [f"--systems: unknown system {s!r} (known: {', '.join(POLICIES)})" for s in args.systems if s not in POLICIES]
+    problems += [f"--systems: {s!r} is not a system a training job runs (known: {', '.join(known)})"
+                 for s in args.systems if s not in known]
     problems += [f"--set: {item!r} is not KEY=VALUE" for item in args.set if "=" not in item]
     if args.config is not None and not args.config.is_file():
         problems.append(f"--config: {args.config} is not a file")

@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from staleflow.runtime.settings.policies import training_systems
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. protocol.eta=4")
     parser.add_argument("--config", metavar="YAML", help="job file (default: the built-in job)")
-    parser.add_argument(
-        "--system", help="staleflow (default), sync, one-step-off, inflight-cap, start-version-gc, staleflow-no-{routing,sync,migration}"
-    )
+    parser.add_argument("--system", help=f"the system that runs the job (default staleflow): {', '.join(training_systems())}")
     parser.add_argument("--steps", type=int, help="training steps (same as train.steps=N)")
     parser.add_argument("--run-dir", metavar="DIR", help="where the run's files go (default runs/<UTC timestamp>)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")

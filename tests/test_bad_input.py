@@ -433,9 +433,10 @@ TS_CASES = [
 def _loop(eta: int = 2) -> Any:
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.adapters.sim.trainer import SimTrainer
-    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.assembly import assemble_run
     from staleflow.runtime.run.clock import VirtualClock
     from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.run.run_spec import RunSpec
     from staleflow.runtime.settings.policies import make_policy
 
     workload = load_workload("small-ci")

@@ -259,9 +259,10 @@ def test_run_loop_survives_a_killed_instance_actor(ray_cluster) -> None:  # type
     from staleflow.adapters.ray.placement import RayPlacement
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.adapters.sim.trainer import SimTrainer
-    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.assembly import assemble_run
     from staleflow.runtime.run.clock import RealClock
     from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.run.run_spec import RunSpec
     from staleflow.runtime.settings.policies import make_policy
     from staleflow.verification.chaos.tester import draw_scenario, workload_for
 

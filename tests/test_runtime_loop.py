@@ -8,9 +8,10 @@ import threading
 import pytest
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
 from staleflow.runtime.coordination.cost_model import CostModel
-from staleflow.runtime.run.assembly import RunSpec, assemble_run
+from staleflow.runtime.run.assembly import assemble_run
 from staleflow.runtime.run.clock import RealClock, VirtualClock
 from staleflow.runtime.run.loop import RunParts, RunStalledError
+from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.settings.policies import POLICIES, make_policy
 from staleflow.runtime.types import PromptGroup
 
@@ -357,3 +358,14 @@ def test_group_life_hands_over_the_group_it_completes():
     assert outcome.completed is not None and outcome.completed.group.metadata == {"answer": "4", "max_new_tokens": 8}
     assert outcome.completed.trajectories == (done[0], done[2]) and outcome.cancel == (("i0", "g0/1"),)
     assert ts.group_state("g0") is GroupState.REWARDING
+
+
+def test_one_run_spec_describes_the_run_and_its_tick_follows_the_clock():
+    """The loop takes the RunSpec itself: its bound (the policy's own when smaller), batch and tick;
+    a tick left out is one simulated second on a virtual clock and 5 ms of polling on a real one."""
+    with pytest.raises(ValueError, match="tick_s must be > 0, got 0"):
+        RunSpec(make_policy("staleflow"), eta=2, batch_size=4, tick_s=0)
+    spec = RunSpec(make_policy("sync"), eta=3, batch_size=4)
+    assert (spec.tick_for(VirtualClock()), spec.tick_for(RealClock())) == (1.0, 0.005)
+    loop, _, _, _ = build("sync", eta=3, tick_s=None)
+    assert loop.spec.eta == 3 and loop.manager.eta == 0 and loop.tick_s == 1.0

@@ -11,9 +11,10 @@ from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
 from staleflow.adapters.ray.parameter_server import RemoteParameterServer, RemoteWeights
 from staleflow.adapters.ray.placement import ActorProxy, InProcessPlacement, RayPlacement
 from staleflow.runtime.coordination.cost_model import CostModel
-from staleflow.runtime.run.assembly import RunSpec, assemble_run
+from staleflow.runtime.run.assembly import assemble_run
 from staleflow.runtime.run.clock import RealClock
 from staleflow.runtime.run.loop import RunParts
+from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 from staleflow.runtime.settings.policies import make_policy
 

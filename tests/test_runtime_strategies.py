@@ -374,6 +374,11 @@ def test_policies_and_their_errors():
         make_policy("staleflow", colour=1)
     with pytest.raises(ValueError, match="routing must be one of"):
         make_policy("staleflow", routing="random")
+    # the synchronous systems admit exactly one batch per version: the table refuses redundancy for them
+    with pytest.raises(ValueError, match="policy 'sync': batch_redundancy must be 0"):
+        make_policy("sync", batch_redundancy=1)
+    assert make_policy("one-step-off", batch_redundancy=1).batch_redundancy == 1
+    assert [name for name, policy in POLICIES.items() if not policy.takes_redundancy] == ["verl-sync", "sync"]
 
 
 def test_freshness_aware_admission_narrows_while_the_trainer_does_not_wait():

@@ -181,9 +181,10 @@ def test_a_fired_alarm_is_the_seeds_reported_violation(monkeypatch: pytest.Monke
 def test_run_loop_refuses_a_trainer_that_skips_a_version() -> None:
     from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
     from staleflow.runtime.coordination.cost_model import CostModel
-    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.assembly import assemble_run
     from staleflow.runtime.run.clock import VirtualClock
     from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.run.run_spec import RunSpec
     from staleflow.runtime.settings.policies import make_policy
 
     class SkippingTrainer(FakeTrainer):

@@ -146,9 +146,10 @@ def test_the_study_writes_its_table_plot_and_json(tmp_path: Path, capsys: pytest
 
 
 def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert ttq.run(_args(tmp_path, systems=["verl"], steps=0, set=["x"], config=tmp_path / "none.yaml")) == 2
+    assert ttq.run(_args(tmp_path, systems=["verl", "areal"], steps=0, set=["x"], config=tmp_path / "none.yaml")) == 2
     err = capsys.readouterr().err
-    for part in ("--steps must be >= 1", "unknown system 'verl'", "--set: 'x' is not KEY=VALUE", "none.yaml is not a file"):
+    for part in ("--steps must be >= 1", "'verl' is not a system a training job runs", "'areal' is not a system a training job runs",
+                 "--set: 'x' is not KEY=VALUE", "none.yaml is not a file"):
         assert part in err
     assert ttq.run(_args(tmp_path / "empty")) == 2
     assert "no finished run of 4 steps" in capsys.readouterr().err

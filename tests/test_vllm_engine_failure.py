@@ -24,9 +24,10 @@ def test_a_crashed_engine_thread_is_an_instance_failure_the_run_loop_recovers_fr
     from staleflow.adapters.vllm.engine import EngineFailed, SamplingConfig, VLLMEngine
     from staleflow.runtime.coordination.cost_model import CostModel
     from staleflow.runtime.interfaces import InstanceLostError
-    from staleflow.runtime.run.assembly import RunSpec, assemble_run
+    from staleflow.runtime.run.assembly import assemble_run
     from staleflow.runtime.run.clock import RealClock
     from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.run.run_spec import RunSpec
     from staleflow.runtime.settings.policies import make_policy
 
     def crash() -> None:

@@ -62,41 +62,19 @@ from staleflow.runtime.run.decision import decide
 from staleflow.runtime.run.group_life import CompletionLedger, GroupLife
 from staleflow.runtime.run.instance_driver import InstanceDriver
 from staleflow.runtime.run.rewarding import RewardFn, RewardRunner
+from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.run.run_state import STATE_FORMAT, check_run_state
 from staleflow.runtime.run.run_stats import RunMetrics, RunStats
 from staleflow.runtime.run.weight_sync import WeightPublisher
 from staleflow.runtime.servers.parameter_server import ParameterServer
 from staleflow.runtime.servers.trajectory_server import AuditReport, TrajectoryServer
-from staleflow.runtime.settings.policies import SystemPolicy
 from staleflow.runtime.types import Cancellations, PromptGroup
 
-__all__ = ["RunLoop", "RunMetrics", "RunParts", "RunSettings", "RunStalledError"]
+__all__ = ["RunLoop", "RunMetrics", "RunParts", "RunStalledError"]
 
 
 class RunStalledError(RuntimeError):
     """Nothing can happen any more: no event is due and the trainer cannot get a batch."""
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """What is asked of a run, whatever its parts.
-
-    ``eta``: the staleness bound asked for (a policy may run with a smaller one: sync uses 0);
-    ``batch_size``: groups per training batch (``B``); ``tick_s``: period of full coordinator ticks
-    (snapshots of every instance, migration), with a real clock also the polling period;
-    ``reward_timeout_s``: per-group reward timeout (wall clock); ``pending_groups``: drawn prompt
-    groups kept waiting for admission (default ``2 * batch_size * (eta + 1)``).
-    """
-
-    eta: int
-    batch_size: int
-    tick_s: float
-    reward_timeout_s: float = 30.0
-    pending_groups: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.tick_s <= 0:
-            raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
 
 
 @dataclass
@@ -127,8 +105,8 @@ class RunLoop:
 
     Args:
         parts: what it drives (:class:`RunParts`).
-        policy: the system (:func:`~staleflow.runtime.settings.policies.make_policy`).
-        settings: what is asked of it (:class:`RunSettings`).
+        spec: what is asked of it: the system's policy, the bound, the batch...
+            (:class:`~staleflow.runtime.run.run_spec.RunSpec`).
         event_hooks: protocol event hooks (metrics, checkers).
         trace_path: write the protocol trace here (JSONL, checkable by ``staleflow verify``); a
             resumed run appends a new segment that starts from the restored protocol state.
@@ -137,14 +115,14 @@ class RunLoop:
     def __init__(
         self,
         parts: RunParts,
-        policy: SystemPolicy,
-        settings: RunSettings,
+        spec: RunSpec,
         event_hooks: Sequence[EventHook] = (),
         trace_path: str | Path | None = None,
     ) -> None:
-        self.policy = policy
-        self.settings = settings
+        self.spec = spec
+        self.policy = policy = spec.policy
         self.clock = parts.clock
+        self.tick_s = spec.tick_for(self.clock)
         self.trainer = parts.trainer
         self.stats = RunStats()
         self.ts = parts.trajectory_server if parts.trajectory_server is not None else TrajectoryServer()
@@ -153,24 +131,24 @@ class RunLoop:
         self._trace_path = trace_path
         self._trace: JsonlTraceWriter | None = None
         self._resumed = False
-        eta = policy.protocol_eta(settings.eta)
+        eta = policy.protocol_eta(spec.eta)
         manager: StalenessManager | CompletionLedger
         if policy.keeps_bound:
-            manager = StalenessManager(eta, settings.batch_size, policy.batch_redundancy)
+            manager = StalenessManager(eta, spec.batch_size, policy.batch_redundancy)
         else:
             if trace_path is not None:
                 raise ValueError(f"system {policy.name!r} does not keep the bound: it has no protocol trace to write")
-            manager = CompletionLedger(eta, settings.batch_size, policy.consumption, policy.filter_stale)
+            manager = CompletionLedger(eta, spec.batch_size, policy.consumption, policy.filter_stale)
         for hook in self._event_hooks:
             manager.add_event_hook(hook)
         self.groups = GroupLife(manager, self.ts)
         self.instances = InstanceDriver(parts.engines, self.ts, self.ps, self.clock, self.stats.counters)
         self.coordinator = Coordinator(self.groups, policy, parts.cost_model, self.instances.first_snapshots())
         self.weights = WeightPublisher(self.ps, background=not self.clock.simulated, counters=self.stats.counters)
-        self.rewards = RewardRunner(parts.reward_fn, settings.reward_timeout_s)
+        self.rewards = RewardRunner(parts.reward_fn, spec.reward_timeout_s)
         self._prompts: Iterator[PromptGroup] = iter(parts.prompts)
         self._prompts_drawn = 0
-        self._pending_target = settings.pending_groups or 2 * settings.batch_size * (manager.eta + 1)
+        self._pending_target = spec.pending_groups or 2 * spec.batch_size * (manager.eta + 1)
         self._training: int | None = None  # buffer index of the running step
         self._next_tick = 0.0
         self._started = False
@@ -209,8 +187,8 @@ class RunLoop:
                 on_step()
             full = now >= self._next_tick
             if full:  # 4
-                self._observe(self.instances.refresh(now, self.settings.tick_s))
-                self._next_tick = now + self.settings.tick_s
+                self._observe(self.instances.refresh(now, self.tick_s))
+                self._next_tick = now + self.tick_s
             self._refill()  # 5
             trainer_waits = self._training is None and not self.manager.can_consume()
             commands = decide(self.coordinator, self.groups, Tick(self.ps.latest_version(), full, trainer_waits))  # 6
@@ -344,7 +322,7 @@ class RunLoop:
         if self.stats.steps_done < target and self.manager.can_consume():
             # the first step of a run always waits for its batch: no sign that the lookahead is short
             idle = now - self.stats.last_step_end
-            waited = self.stats.steps_done > 0 and idle > (0.0 if self.clock.simulated else 2 * self.settings.tick_s)
+            waited = self.stats.steps_done > 0 and idle > (0.0 if self.clock.simulated else 2 * self.tick_s)
             self.coordinator.step(StepStarted(trainer_waited=waited))
             consumed = self.groups.consume()
             self.stats.batch_consumed(consumed.protocol, consumed.batch, len(consumed.cancel))
@@ -384,7 +362,7 @@ class RunLoop:
         coordinator["decision_seconds"] = self.coordinator.decision_seconds
         return self.stats.metrics(
             now, self.policy.name, self.instances.engines, report, coordinator,
-            late_discards=self.ts.late_discards(), groups=self.groups, eta=self.settings.eta,
+            late_discards=self.ts.late_discards(), groups=self.groups, eta=self.spec.eta,
         )
 
     # ----------------------------------------------------------------- checkpoints

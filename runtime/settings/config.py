@@ -5,9 +5,11 @@ overrides from the command line on dotted keys (``protocol.eta=4``, ``train.lr=1
 of an override are parsed as YAML (``true``, ``3``, ``[0.9, 0.98]``, ``1e-4``). Types are strict: a
 flag for a number (``seed: true``), a quoted number (``seed: '3'``) or a word for a flag are errors. Every invalid value is reported
 as ``<dotted key>: <problem>; allowed: <range or choices>``, unknown keys are refused, and settings
-that contradict each other are refused with both keys named.
+that contradict each other are refused with both keys named. Which systems a job runs, their
+default ``eta`` and their rules come from the table of systems,
+:data:`~staleflow.runtime.settings.policies.POLICIES`.
 
-The defaults are the built-in CPU job (``shared/reference/cpu-rl-demo.md``); the shipped
+The defaults are the built-in CPU job (``docs/training.md``); the shipped
 ``runtime/settings/configs/default.yaml`` spells them out and must stay equal to them.
 """
 
@@ -27,6 +29,7 @@ from pydantic import (
     Field,
     StrictInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
@@ -44,6 +47,7 @@ from staleflow.runtime.settings.config_sections import (
     TrainConfig,
     WarmupConfig,
 )
+from staleflow.runtime.settings.policies import DEFAULT_ETA, find_policy, make_policy, training_systems
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 
@@ -63,65 +67,10 @@ class ConfigError(ValueError):
     """A job configuration that cannot be used; the message names every bad key."""
 
 
-class System(str, enum.Enum):
-    """Which rollout/training system runs the job (design section 3.3: baselines in the same code).
-
-    ``sync``: generate a whole batch, train, update every instance (VeRL). ``one-step-off``:
-    staleness 1 with global updates (VeRL-Pipeline). ``inflight-cap``: AReaL/VeRL-Async admission
-    with partial rollout and global updates. ``start-version-gc``: ROLL-style, abort groups older
-    than the bound. ``staleflow``: the staleness protocol with the coordinator's routing,
-    synchronisation and migration; ``staleflow-no-*`` switch one strategy off (ablations);
-    ``staleflow-fresh`` adds freshness-aware admission (later buffers only when the trainer waits).
-    The policies themselves are in ``runtime/settings/policies.py``.
-    """
-
-    SYNC = "sync"
-    ONE_STEP_OFF = "one-step-off"
-    INFLIGHT_CAP = "inflight-cap"
-    START_VERSION_GC = "start-version-gc"
-    STALEFLOW = "staleflow"
-    STALEFLOW_NO_ROUTING = "staleflow-no-routing"
-    STALEFLOW_NO_SYNC = "staleflow-no-sync"
-    STALEFLOW_NO_MIGRATION = "staleflow-no-migration"
-    STALEFLOW_FRESH = "staleflow-fresh"
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-#: ``protocol.eta`` when the config leaves it out (or null): what each system means by default.
-DEFAULT_ETA = {"sync": 0, "one-step-off": 1, "inflight-cap": 2, "start-version-gc": 2, "staleflow": 2}
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 class JobConfig(ConfigSection):
     """A training job. Defaults: the built-in CPU job."""
 
-    system: System = System.STALEFLOW
+    system: str = "staleflow"
     seed: StrictInt = Field(0, ge=0)
     run_dir: str | None = None
     model: ModelConfig = ModelConfig()
@@ -136,31 +85,42 @@ class JobConfig(ConfigSection):
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
 
+    @field_validator("system", mode="before")
+    @classmethod
+    def _trainable_system(cls, value: Any) -> Any:
+        """A system of the table (:data:`~staleflow.runtime.settings.policies.POLICIES`) that a job can train with."""
+        names = training_systems()
+        if value not in names:
+            raise ValueError(f"system: Input should be a system a training job runs (got {value!r}); allowed: one of {', '.join(names)}")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _default_eta(cls, raw: Any) -> Any:
+        """``protocol.eta`` left out or null: the system's :attr:`~staleflow.runtime.settings.policies.SystemPolicy.default_eta`."""
         if not isinstance(raw, dict):
             return raw
         protocol = raw.get("protocol")
         if protocol is None:
             protocol = {}
         if isinstance(protocol, dict) and protocol.get("eta") is None:
-            system = raw.get("system", System.STALEFLOW)
-            system_name = system.value if isinstance(system, System) else system
             # an unknown system is reported by its own field; give eta the common default meanwhile
-            raw = {**raw, "protocol": {**protocol, "eta": DEFAULT_ETA.get(str(system_name), 2)}}
+            policy = find_policy(str(raw.get("system", "staleflow")))
+            raw = {**raw, "protocol": {**protocol, "eta": DEFAULT_ETA if policy is None else policy.default_eta}}
         return raw
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
         problems: list[str] = []
-        eta, system = self.protocol.eta, self.system
-        if system is System.SYNC and eta != 0:
-            problems.append(f"system=sync trains on-policy; it needs protocol.eta=0 (got {eta})")
-        if system is System.ONE_STEP_OFF and eta != 1:
-            problems.append(f"system=one-step-off needs protocol.eta=1 (got {eta})")
-        if system is System.SYNC and self.protocol.redundancy != 0:
-            problems.append(f"system=sync has no redundancy; protocol.redundancy must be 0 (got {self.protocol.redundancy})")
+        policy = make_policy(self.system)  # the system's rules are its entry in the table of systems
+        eta, fixed = self.protocol.eta, policy.fixed_eta
+        if fixed is not None and eta != fixed:
+            why = "trains on-policy; it " if fixed == 0 else ""
+            problems.append(f"system={self.system} {why}needs protocol.eta={fixed} (got {eta})")
+        if not policy.takes_redundancy and self.protocol.redundancy != 0:
+            problems.append(
+                f"system={self.system} has no redundancy; protocol.redundancy must be 0 (got {self.protocol.redundancy})"
+            )
         if self.rollout.group_size < 2:
             problems.append(
                 f"rollout.group_size={self.rollout.group_size}: group advantages need at least 2 samples per group"

@@ -8,6 +8,7 @@ import os
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from staleflow.runtime.settings.policies import DEFAULT_ETA
 
 #: the coordinator knobs a config may set for the system's policy (null: the policy's own value)
 POLICY_KNOBS = ("mu", "phi_wait", "phi_throughput", "sync_kv_fraction")
@@ -218,10 +219,11 @@ class ClusterConfig(ConfigSection):
 class ProtocolConfig(ConfigSection):
     """The staleness protocol: bound ``eta``, groups per batch, redundancy slack.
 
-    ``eta`` left out or null takes the system's default (:data:`staleflow.runtime.settings.config.DEFAULT_ETA`).
+    ``eta`` left out or null takes the system's default
+    (:attr:`~staleflow.runtime.settings.policies.SystemPolicy.default_eta`).
     """
 
-    eta: StrictInt = Field(2, ge=0, le=1024)
+    eta: StrictInt = Field(DEFAULT_ETA, ge=0, le=1024)
     batch_groups: StrictInt = Field(16, ge=1, le=1_000_000)
     redundancy: StrictInt = Field(0, ge=0, le=1_000_000)
 

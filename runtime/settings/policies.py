@@ -1,13 +1,18 @@
 """System policies: StaleFlow with switchable strategies, and the peer systems, in one runtime.
 
+:data:`POLICIES` is the one table of systems: each entry says how the system admits, routes,
+synchronises and consumes, the bound it keeps (``fixed_eta``; otherwise the one asked for, by
+default :data:`DEFAULT_ETA`) and whether it takes redundancy. The job config
+(:mod:`staleflow.runtime.settings.config`) takes from it which systems a job runs
+(:func:`training_systems`), their default ``eta`` and its consistency rules; nothing restates them.
+
 Systems that keep the bound (StaleFlow, ``verl-sync``, ``one-step-off``, ``roll-flash``,
 ``inflight-cap``) run through :class:`~staleflow.protocol.StalenessManager`, which alone decides
 admission and consumption, so their staleness never exceeds ``eta``. The peers that do not keep a
 per-group bound (``areal``, ``verl-async``) run as the real systems run: their admission cap, their
 consumption order, and an unbounded accounting (:class:`~staleflow.runtime.run.group_life.CompletionLedger`,
 owned by the group owner like the protocol); their staleness is **measured** (histogram, p99, max,
-share past ``eta``), never prevented. Each baseline follows the peer code named below
-(``/work/shared/reference/simulation-fidelity.md``, ``peer-systems.md``):
+share past ``eta``), never prevented. Each baseline follows the peer code named below:
 
 ``verl-sync`` (VeRL ``main_ppo``, colocated)
     Every GPU rolls out, then every GPU trains (the simulator gives it all GPUs as instances and
@@ -77,7 +82,11 @@ class SystemPolicy:
             ``global_drained`` (every instance together once all are drained).
         migration: interrupt and re-route waiting and excess requests.
         admission: ``protocol`` (reserve only) or ``inflight_cap`` (also the AReaL cap).
-        fixed_eta: the bound this system runs with whatever the user asks (sync: 0, one-step-off: 1).
+        fixed_eta: the bound this system runs with whatever the user asks (sync: 0, one-step-off: 1);
+            a job config must ask for exactly this bound, and leaving ``eta`` out takes it
+            (:attr:`default_eta`).
+        takes_redundancy: whether the protocol may admit redundant groups beyond the batches
+            (``batch_redundancy``); the synchronous systems admit exactly one batch per version.
         consumption: ``deadline`` (the strict protocol: earliest deadline first, the bound kept),
             ``oldest_finished`` (AReaL: the oldest-admitted finished groups) or ``finish_order``
             (VeRL fully async: groups in the order they finished); the last two are not bounded:
@@ -130,6 +139,7 @@ class SystemPolicy:
     migration: bool = True
     admission: Admission = "protocol"
     fixed_eta: int | None = None
+    takes_redundancy: bool = True
     consumption: Consumption = "deadline"
     filter_stale: bool = False
     rollout_concurrency: float = 0.0
@@ -163,6 +173,8 @@ class SystemPolicy:
                 raise ValueError(f"policy {self.name!r}: {name} must be an int >= 0, got {value!r}")
         if self.fixed_eta is not None and (not isinstance(self.fixed_eta, int) or self.fixed_eta < 0):
             raise ValueError(f"policy {self.name!r}: fixed_eta must be None or an int >= 0")
+        if self.batch_redundancy and not self.takes_redundancy:
+            raise ValueError(f"policy {self.name!r}: batch_redundancy must be 0 (this system admits exactly one batch per version)")
         if self.filter_stale and self.keeps_bound:
             raise ValueError(f"policy {self.name!r}: filter_stale needs an unbounded consumption (the protocol keeps the bound)")
         for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency"):
@@ -174,6 +186,18 @@ class SystemPolicy:
         """Whether the strict protocol decides consumption (else staleness is only measured)."""
         return self.consumption == "deadline"
 
+    @property
+    def default_eta(self) -> int:
+        """The bound a job runs with when it leaves ``eta`` out: the system's own, else :data:`DEFAULT_ETA`."""
+        return DEFAULT_ETA if self.fixed_eta is None else self.fixed_eta
+
+    @property
+    def trainable(self) -> bool:
+        """Whether a training job (``staleflow train``) can run this system: it keeps the bound (a job
+        writes the protocol trace, which only the protocol has) and places rollout and training on
+        separate GPUs (a job does not colocate them)."""
+        return self.keeps_bound and not self.colocated
+
     def protocol_eta(self, eta: int) -> int:
         """The bound the protocol runs with: the user's, or the system's own if smaller (sync: 0)."""
         return eta if self.fixed_eta is None else min(self.fixed_eta, eta)
@@ -183,6 +207,9 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
+
+#: ``eta`` of a system without a bound of its own when a job or workload leaves it out.
+DEFAULT_ETA = 2
 
 _BASELINE: dict[str, Any] = {"routing": "least_loaded", "migration": False, "weight_transfer": "broadcast"}
 
@@ -211,9 +238,9 @@ POLICIES: dict[str, SystemPolicy] = {
     "staleflow-no-migration": _staleflow("staleflow-no-migration", migration=False),
     "staleflow-no-proactive-abort": _staleflow("staleflow-no-proactive-abort", proactive_abort=0),
     "staleflow-fresh": _staleflow("staleflow-fresh", freshness=True),
-    "verl-sync": SystemPolicy("verl-sync", sync="global_drained", fixed_eta=0, colocated=True,
+    "verl-sync": SystemPolicy("verl-sync", sync="global_drained", fixed_eta=0, takes_redundancy=False, colocated=True,
                               **{**_BASELINE, "weight_transfer": "colocated"}),
-    "sync": SystemPolicy("sync", sync="global_drained", fixed_eta=0, **_BASELINE),
+    "sync": SystemPolicy("sync", sync="global_drained", fixed_eta=0, takes_redundancy=False, **_BASELINE),
     "one-step-off": SystemPolicy("one-step-off", sync="global_drained", fixed_eta=1, **_BASELINE),
     "verl-async": SystemPolicy("verl-async", sync="global_immediate", admission="inflight_cap",
                                consumption="finish_order", **_BASELINE),
@@ -228,12 +255,22 @@ POLICIES: dict[str, SystemPolicy] = {
 ALIASES = {"start-version-gc": "roll-flash"}
 
 
+def find_policy(name: str) -> SystemPolicy | None:
+    """The policy of the system called ``name`` (an old name in :data:`ALIASES` included), or None."""
+    return POLICIES.get(ALIASES.get(name, name))
+
+
+def training_systems() -> list[str]:
+    """The names a training job accepts for ``system``: every :attr:`~SystemPolicy.trainable` system
+    of :data:`POLICIES` and the old names of those."""
+    return [name for name in [*POLICIES, *ALIASES] if (policy := find_policy(name)) is not None and policy.trainable]
+
+
 def make_policy(name: str, **overrides: Any) -> SystemPolicy:
     """The named policy, with knobs overridden (``make_policy("staleflow", mu=0.2)``)."""
-    try:
-        policy = POLICIES[ALIASES.get(name, name)]
-    except KeyError:
-        raise ValueError(f"unknown system {name!r}; known: {', '.join([*POLICIES, *ALIASES])}") from None
+    policy = find_policy(name)
+    if policy is None:
+        raise ValueError(f"unknown system {name!r}; known: {', '.join([*POLICIES, *ALIASES])}")
     unknown = set(overrides) - set(SystemPolicy.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown policy knob(s) {', '.join(sorted(unknown))} for system {name!r}")

@@ -219,8 +219,9 @@ class ChaosRun:
     def __init__(self, scenario: Scenario, trace_path: Path, use_tlc: bool = False) -> None:
         from staleflow.adapters.sim.engine import SimEngine
         from staleflow.adapters.sim.trainer import SimTrainer
-        from staleflow.runtime.run.assembly import RunSpec
+        from staleflow.runtime.run.run_spec import RunSpec
         from staleflow.runtime.servers.parameter_server import ParameterServer
+        from staleflow.runtime.settings.policies import make_policy
 
         self.scenario = scenario
         self.trace_path = trace_path
@@ -228,7 +229,7 @@ class ChaosRun:
         self.workload = workload = workload_for(scenario)
         self.spec = RunSpec.from_workload(
             workload, scenario.system, scenario.eta,
-            batch_redundancy=scenario.batch_redundancy if scenario.system != "sync" else 0,
+            batch_redundancy=scenario.batch_redundancy if make_policy(scenario.system).takes_redundancy else 0,
             group_redundancy=scenario.group_redundancy,
         )
         self.spec = replace(self.spec, reward_timeout_s=REWARD_TIMEOUT_S)

@@ -1,0 +1,78 @@
+"""What a run is asked to do, whatever its parts: :class:`RunSpec`, from a job config
+(:meth:`RunSpec.from_job`) or a simulated workload (:meth:`RunSpec.from_workload`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from staleflow.runtime.interfaces import Clock
+from staleflow.runtime.settings.policies import SystemPolicy, make_policy
+
+if TYPE_CHECKING:
+    from staleflow.runtime.settings.config import JobConfig
+    from staleflow.runtime.settings.workload import Workload
+
+#: The coordinator's full-tick period when a run does not set one: one simulated second on a
+#: virtual clock (simulated instances report events exactly), 5 ms of polling on a real one.
+DEFAULT_TICK_S = {True: 1.0, False: 0.005}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What is asked of a run.
+
+    ``policy``: the system (:func:`~staleflow.runtime.settings.policies.make_policy`); ``eta``: the
+    staleness bound asked for (a policy may run with a smaller one: sync uses 0, see
+    :meth:`~staleflow.runtime.settings.policies.SystemPolicy.protocol_eta`); ``batch_size``: groups per
+    training batch (``B``); ``tick_s``: period of full coordinator ticks (snapshots of every
+    instance, migration), with a real clock also the polling period (None: :data:`DEFAULT_TICK_S`
+    for the run's clock); ``reward_timeout_s``: per-group reward timeout (wall clock);
+    ``pending_groups``: drawn prompt groups kept waiting for admission (default
+    ``2 * batch_size * (eta + 1)``).
+    """
+
+    policy: SystemPolicy
+    eta: int
+    batch_size: int
+    tick_s: float | None = None
+    reward_timeout_s: float = 30.0
+    pending_groups: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tick_s is not None and self.tick_s <= 0:
+            raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
+
+    @classmethod
+    def from_job(cls, config: JobConfig) -> RunSpec:
+        """A training job's run: its system with the knobs the config sets."""
+        policy = make_policy(
+            config.system,
+            batch_redundancy=config.protocol.redundancy,
+            group_redundancy=config.rollout.group_extra,
+            **config.coordinator.policy_knobs(),
+        )
+        return cls(
+            policy,
+            eta=config.protocol.eta,
+            batch_size=config.protocol.batch_groups,
+            tick_s=config.coordinator.tick_s,
+            reward_timeout_s=config.task.reward_timeout_s,
+        )
+
+    @classmethod
+    def from_workload(
+        cls, workload: Workload, system: str, eta: int, tick_s: float | None = None, **knobs: Any
+    ) -> RunSpec:
+        """A simulated workload's run of ``system`` (``knobs`` override the policy's)."""
+        return cls(
+            make_policy(system, **knobs),
+            eta=eta,
+            batch_size=workload.batch.groups_per_step,
+            tick_s=workload.simulation.tick_s if tick_s is None else tick_s,
+        )
+
+    def tick_for(self, clock: Clock) -> float:
+        """The tick period on ``clock``: :attr:`tick_s`, or the clock's default."""
+        return self.tick_s if self.tick_s is not None else DEFAULT_TICK_S[clock.simulated]
