@@ -216,8 +216,8 @@ def test_weights_arrive_through_vllms_weight_transfer_api_over_one_long_lived_gr
 
     files = load_file(str(model_dir / "model.safetensors"))
     server = TransferParameterServer(transfer={"wire_dtype": "bfloat16", "bucket_bytes": 256 << 10})
-    assert server.backend == engine.transfer_backend == "gloo"
-    calls_before = len(engine.sync_client.calls)
+    assert server.backend == engine.weight_sync.backend == "gloo"
+    calls_before = len(engine.weight_sync.client.calls)
     engine.submit([_request("before-transfer", 32, group_version=engine.version)])
     previous = _wait_finished(engine, ["before-transfer"])["before-transfer"].output_ids
     for seed in (2, 3, 4):
@@ -236,7 +236,7 @@ def test_weights_arrive_through_vllms_weight_transfer_api_over_one_long_lived_gr
         assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-3
         assert _torch_greedy(model_dir, sent, PROMPT, out.output_ids) == out.output_ids
         previous = out.output_ids
-    calls = engine.sync_client.calls[calls_before:]
+    calls = engine.weight_sync.client.calls[calls_before:]
     assert calls == ["init_weight_transfer_engine"] + ["start_weight_update", "update_weights", "finish_weight_update"] * 3
     assert server.channels_opened == 1
 

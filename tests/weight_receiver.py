@@ -32,7 +32,8 @@ class GlooReceiver:
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.calls.append("update_weights")
-        specs = [(n, getattr(torch, d), tuple(s)) for n, d, s in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"])]
+        columns = zip(update_info["names"], update_info["dtype_names"], update_info["shapes"])
+        specs = [(n, getattr(torch, d), tuple(s)) for n, d, s in columns]
         start = 0
         for count in update_info["bucket_sizes"]:
             bucket = specs[start : start + count]

@@ -4,10 +4,8 @@ One background thread owns a vLLM ``LLMEngine`` and steps it; the runtime's call
 abort, load_weights) are queued to that thread and run *between* two engine steps, so every call sees
 a consistent engine and needs no lock inside vLLM. This gives the three things StaleFlow needs:
 
-* **per-token versions**: each token is tagged with the weight version vLLM reports for the step
-  that sampled it (``finish_weight_update(weight_version=...)`` / ``set_weight_version`` label the
-  steps after a reload; the output processor keeps the spans), never with the version current when
-  the output is absorbed, which is later once the engine core runs in another process;
+* **per-token versions**: each token gets the weight version vLLM recorded for the step that sampled
+  it (each reload ends with ``set_weight_version``), not the version current when it is absorbed;
 * **in-place reload keeping running requests**: the same as vLLM's ``pause_generation(mode="keep")``
   -> reload -> resume, without the pause: requests keep their KV cache and go on with the new
   weights;
@@ -38,7 +36,7 @@ from typing import Any, Self, TypeVar
 from staleflow.adapters.rlkit.weight_sender import TransferWeights
 from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
-from staleflow.adapters.vllm.weight_transfer import EngineWeightSyncClient, default_backend, weight_transfer_args
+from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync, token_versions, with_weight_transfer
 from staleflow.runtime.coordination.cost_model import ProfileRecord
 from staleflow.runtime.interfaces import Clock, InstanceLostError, resolve_weights
 from staleflow.runtime.run.clock import RealClock
@@ -100,9 +98,7 @@ class VLLMEngine:
             raise FileNotFoundError(f"model folder {model_path} has no config.json (vLLM would try the hub)")
         self.instance_id = instance_id
         self.bytes_received = 0  # weight bytes received through the weight-transfer API
-        self.sync_client: EngineWeightSyncClient | None = None  # vLLM's weight-sync calls, made in the engine thread
-        self._transfer_connected = False  # this instance's long-lived weight channel is up
-        self.transfer_backend = ""  # vLLM's weight-transfer backend of the workers (set at start-up)
+        self.weight_sync: InstanceWeightSync | None = None  # vLLM's weight-sync calls (engine thread), from start-up
         self._version = version
         self._sampling = sampling
         self._max_model_len = max_model_len
@@ -172,17 +168,14 @@ class VLLMEngine:
 
         ``weights``: a safetensors file, a folder holding ``model.safetensors``, a state dict
         (name -> tensor, checkpoint names), which is written to a temporary safetensors file first,
-        or a :class:`~staleflow.runtime.interfaces.WeightsReference`, fetched here first (from a
-        parameter server in another process, straight into this one). A
-        :class:`~staleflow.adapters.rlkit.weight_sender.TransferWeights` goes through vLLM's
-        weight-transfer API instead: every worker receives it, straight into the model, over this
-        instance's long-lived channel (made on the first such load).
+        a :class:`~staleflow.runtime.interfaces.WeightsReference`, fetched here first (from a parameter
+        server in another process), or a ``TransferWeights``, through vLLM's weight-transfer API.
         """
         with self._lock:
             self._published.loads_pending += 1
         try:
             if isinstance(weights, TransferWeights):
-                self._call(lambda: self._do_transfer(version, weights))
+                self._call(lambda: self._do_load(version, weights))
                 return
             weights = resolve_weights(weights)
             path, temporary = weights_file(weights, self._weights_dir, self.instance_id)
@@ -299,15 +292,9 @@ class VLLMEngine:
 
     def _run(self, started: Future[None]) -> None:
         try:
-            args = dict(self._engine_args)
-            if "weight_transfer_config" not in args:
-                set_vllm_env_defaults()  # before vLLM is imported
-                args.update(weight_transfer_args(default_backend()))
-            config = args["weight_transfer_config"]
-            self.transfer_backend = str(config["backend"] if isinstance(config, Mapping) else config.backend)
+            args, backend = with_weight_transfer(self._engine_args)
             self._llm = make_llm_engine(args)
-            self._llm.set_weight_version(str(self._version))
-            self.sync_client = EngineWeightSyncClient(self._llm)
+            self.weight_sync = InstanceWeightSync(self._llm, self.instance_id, args, backend, self._version)
         except BaseException as error:  # noqa: BLE001 - reported to the constructor
             self._failure = error
             started.set_exception(error)
@@ -373,8 +360,7 @@ class VLLMEngine:
         self._publish()
 
     def _absorb(self, output: Any) -> int:
-        """Append one request's new tokens (with log-probs and the weight version vLLM reports for
-        each); returns their count."""
+        """Append one request's new tokens (with log-probs and vLLM's versions); returns their count."""
         request = self._live.get(output.request_id)
         if request is None:  # stopped in this very step
             return 0
@@ -383,7 +369,7 @@ class VLLMEngine:
         logprobs = completion.logprobs or []
         if len(logprobs) != len(new_ids):
             raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(new_ids)} tokens")
-        versions = self._token_versions(output, len(new_ids))
+        versions = token_versions(self._llm, output, self._internal_ids, len(new_ids))
         for token, candidates, version in zip(new_ids, logprobs, versions):
             request.output_ids.append(token)
             request.logprobs.append(float(candidates[token].logprob))
@@ -456,50 +442,14 @@ class VLLMEngine:
                 self._forget_internal(request.request_id)
         return stopped
 
-    def _token_versions(self, output: Any, count: int) -> list[int]:
-        """The weight versions of the last ``count`` output tokens of vLLM request ``output``, from
-        the spans vLLM keeps per request (the finished output's ``weight_versions``; the output
-        processor's record while it runs)."""
-        spans = output.outputs[0].weight_versions
-        if spans is not None:
-            starts = [(span.version, span.start) for span in spans]
-            total = spans[-1].end if spans else 0
-        else:
-            internal = next((i for i, rid in self._internal_ids.items() if rid == output.request_id), output.request_id)
-            state = self._llm.output_processor.request_states.get(internal)
-            if state is None or state.detokenizer is None:
-                raise RuntimeError(f"{self.instance_id}: vLLM keeps no weight versions for request {output.request_id!r}")
-            starts, total = list(state.weight_version_starts), state.detokenizer.num_output_tokens()
-        versions: list[int] = []
-        for index in range(total - count, total):
-            label = next(v for v, start in reversed(starts) if start <= index)
-            versions.append(int(label))
-        return versions
-
-    def _check_version(self, version: int) -> None:
+    def _do_load(self, version: int, source: Path | TransferWeights) -> None:
         if version < self._version:
             raise ValueError(f"{self.instance_id}: cannot load version {version} over version {self._version}")
-
-    def _do_load(self, version: int, source: Path) -> None:
-        self._check_version(version)
-        self._llm.collective_rpc("staleflow_reload_safetensors", args=(str(source),))
-        self._version = version
-        self._llm.set_weight_version(str(version))
-
-    def _do_transfer(self, version: int, weights: TransferWeights) -> None:
-        """Receive ``version`` through vLLM's weight-transfer API; the last call labels the tokens
-        sampled from now on with it."""
-        self._check_version(version)
-        assert self.sync_client is not None
-        if not self._transfer_connected:
-            receivers = int(self._engine_args.get("tensor_parallel_size", 1))
-            weights.connect(self.instance_id, receivers, self.sync_client, self.transfer_backend)
-            self._transfer_connected = True
-        try:
-            self.bytes_received += weights.deliver(self.instance_id, self.sync_client)
-        except Exception:
-            self._transfer_connected = False  # a failed transfer leaves the group unusable: make a new one
-            raise
+        if isinstance(source, TransferWeights):  # ends with set_weight_version, through finish_weight_update
+            self.bytes_received += self.weight_sync.receive(source)  # type: ignore[union-attr]
+        else:
+            self._llm.collective_rpc("staleflow_reload_safetensors", args=(str(source),))
+            self._llm.set_weight_version(str(version))
         self._version = version
 
     def _forget_internal(self, request_id: str) -> None:

@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
-
 from staleflow.adapters.rlkit.weight_sender import bucket_bytes_of, unpack_bucket
 from staleflow.adapters.vllm.weight_transfer import refresh_cpu_output_layer
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 
 @dataclass

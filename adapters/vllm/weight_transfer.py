@@ -16,11 +16,12 @@ half is :mod:`staleflow.adapters.rlkit.weight_sender`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from staleflow.adapters.rlkit.weight_sender import BACKENDS
+from staleflow.adapters.rlkit.weight_sender import BACKENDS, TransferWeights
+from staleflow.adapters.vllm.settings import set_vllm_env_defaults
 
 GLOO = "gloo"
 
@@ -40,6 +41,20 @@ def register_gloo_engine() -> None:
         WeightTransferEngineFactory.register_engine(GLOO, "staleflow.adapters.vllm.gloo_transfer", "GlooWeightTransferEngine")
     except ValueError:  # already registered in this process
         pass
+
+
+def with_weight_transfer(engine_args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """``engine_args`` with a weight-transfer engine for every worker (this build's default backend
+    unless ``weight_transfer_config`` is given), and that backend."""
+    args = dict(engine_args)
+    if "weight_transfer_config" not in args:
+        set_vllm_env_defaults()  # before vLLM is imported
+        args.update(weight_transfer_args(default_backend()))
+    config = args["weight_transfer_config"]
+    backend = config["backend"] if isinstance(config, Mapping) else config.backend
+    if backend == GLOO:
+        register_gloo_engine()
+    return args, str(backend)
 
 
 def weight_transfer_args(backend: str) -> dict[str, Any]:
@@ -78,6 +93,49 @@ class EngineWeightSyncClient:
         self._llm.collective_rpc("finish_weight_update")
         if weight_version is not None:
             self._llm.set_weight_version(weight_version)
+
+
+class InstanceWeightSync:
+    """One instance's side of weight sync: its :class:`EngineWeightSyncClient` (``client``), and its
+    long-lived group, made on the first transfer and again after a failed one (which leaves the
+    group unusable). ``engine_args``: the instance's (its worker count); ``version``: the weights'
+    version at start-up, the label of the tokens sampled until the first reload."""
+
+    def __init__(self, llm_engine: Any, instance_id: str, engine_args: Mapping[str, Any], backend: str, version: int) -> None:
+        llm_engine.set_weight_version(str(version))
+        self.client = EngineWeightSyncClient(llm_engine)
+        self.instance_id = instance_id
+        self.receivers = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
+        self.backend = backend
+        self._connected = False
+
+    def receive(self, weights: TransferWeights) -> int:
+        """Receive the version ``weights`` refers to; returns the bytes sent."""
+        if not self._connected:
+            weights.connect(self.instance_id, self.receivers, self.client, self.backend)
+            self._connected = True
+        try:
+            return weights.deliver(self.instance_id, self.client)
+        except Exception:
+            self._connected = False
+            raise
+
+
+def token_versions(llm_engine: Any, output: Any, internal_ids: Mapping[str, str], count: int) -> list[int]:
+    """The weight versions of the last ``count`` output tokens of ``output``, from the spans vLLM
+    keeps per request: the finished output's ``weight_versions``, else the output processor's record
+    of the running request (found by its internal id: ``internal_ids`` maps internal -> ours)."""
+    spans = output.outputs[0].weight_versions
+    if spans is not None:
+        starts = [(span.version, span.start) for span in spans]
+        total = spans[-1].end if spans else 0
+    else:
+        internal = next((i for i, rid in internal_ids.items() if rid == output.request_id), output.request_id)
+        state = llm_engine.output_processor.request_states.get(internal)
+        if state is None or state.detokenizer is None:
+            raise RuntimeError(f"vLLM keeps no weight versions for request {output.request_id!r}")
+        starts, total = list(state.weight_version_starts), state.detokenizer.num_output_tokens()
+    return [int(next(label for label, start in reversed(starts) if start <= index)) for index in range(total - count, total)]
 
 
 def refresh_cpu_output_layer(model: torch.nn.Module) -> None:
