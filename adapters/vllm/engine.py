@@ -4,8 +4,8 @@ One background thread owns a vLLM ``LLMEngine`` and steps it; the runtime's call
 abort, load_weights) are queued to that thread and run *between* two engine steps, so every call sees
 a consistent engine and needs no lock inside vLLM. This gives the three things StaleFlow needs:
 
-* **per-token versions**: a weight reload runs between steps, so the version current when a step's
-  output is processed is the version that produced its tokens;
+* **per-token versions**: each token gets the weight version vLLM recorded for the step that sampled
+  it (each reload ends with ``set_weight_version``), not the version current when it is absorbed;
 * **in-place reload keeping running requests**: the same as vLLM's ``pause_generation(mode="keep")``
   -> reload -> resume, without the pause: requests keep their KV cache and go on with the new
   weights;
@@ -33,9 +33,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from staleflow.adapters.rlkit.weight_broadcast import BroadcastWeights, TransferPlan
+from staleflow.adapters.rlkit.weight_sender import TransferWeights
 from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
+from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync, token_versions, with_weight_transfer
 from staleflow.runtime.coordination.cost_model import ProfileRecord
 from staleflow.runtime.interfaces import Clock, InstanceLostError, resolve_weights
 from staleflow.runtime.run.clock import RealClock
@@ -96,7 +97,8 @@ class VLLMEngine:
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {model_path} has no config.json (vLLM would try the hub)")
         self.instance_id = instance_id
-        self.bytes_received = 0  # weight bytes received by broadcast
+        self.bytes_received = 0  # weight bytes received through the weight-transfer API
+        self.weight_sync: InstanceWeightSync | None = None  # vLLM's weight-sync calls (engine thread), from start-up
         self._version = version
         self._sampling = sampling
         self._max_model_len = max_model_len
@@ -166,18 +168,14 @@ class VLLMEngine:
 
         ``weights``: a safetensors file, a folder holding ``model.safetensors``, a state dict
         (name -> tensor, checkpoint names), which is written to a temporary safetensors file first,
-        or a :class:`~staleflow.runtime.interfaces.WeightsReference`, fetched here first (from a
-        parameter server in another process, straight into this one).
+        a :class:`~staleflow.runtime.interfaces.WeightsReference`, fetched here first (from a parameter
+        server in another process), or a ``TransferWeights``, through vLLM's weight-transfer API.
         """
         with self._lock:
             self._published.loads_pending += 1
         try:
-            if isinstance(weights, BroadcastWeights):  # received by every worker, straight into the model
-                plan = weights.open(receivers=int(self._engine_args.get("tensor_parallel_size", 1)))
-                try:
-                    self._call(lambda: self._do_load(version, plan))
-                finally:
-                    self.bytes_received += weights.close()
+            if isinstance(weights, TransferWeights):
+                self._call(lambda: self._do_load(version, weights))
                 return
             weights = resolve_weights(weights)
             path, temporary = weights_file(weights, self._weights_dir, self.instance_id)
@@ -294,7 +292,9 @@ class VLLMEngine:
 
     def _run(self, started: Future[None]) -> None:
         try:
-            self._llm = make_llm_engine(self._engine_args)
+            args, backend = with_weight_transfer(self._engine_args)
+            self._llm = make_llm_engine(args)
+            self.weight_sync = InstanceWeightSync(self._llm, self.instance_id, args, backend, self._version)
         except BaseException as error:  # noqa: BLE001 - reported to the constructor
             self._failure = error
             started.set_exception(error)
@@ -360,7 +360,7 @@ class VLLMEngine:
         self._publish()
 
     def _absorb(self, output: Any) -> int:
-        """Append one request's new tokens (with log-probs and the current version); returns their count."""
+        """Append one request's new tokens (with log-probs and vLLM's versions); returns their count."""
         request = self._live.get(output.request_id)
         if request is None:  # stopped in this very step
             return 0
@@ -369,10 +369,11 @@ class VLLMEngine:
         logprobs = completion.logprobs or []
         if len(logprobs) != len(new_ids):
             raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(new_ids)} tokens")
-        for token, candidates in zip(new_ids, logprobs):
+        versions = token_versions(self._llm, output, self._internal_ids, len(new_ids))
+        for token, candidates, version in zip(new_ids, logprobs, versions):
             request.output_ids.append(token)
             request.logprobs.append(float(candidates[token].logprob))
-            request.versions.append(self._version)
+            request.versions.append(version)
         if output.finished:
             del self._live[request.request_id]
             self._forget_internal(request.request_id)
@@ -441,15 +442,15 @@ class VLLMEngine:
                 self._forget_internal(request.request_id)
         return stopped
 
-    def _do_load(self, version: int, source: Path | TransferPlan) -> None:
+    def _do_load(self, version: int, source: Path | TransferWeights) -> None:
         if version < self._version:
             raise ValueError(f"{self.instance_id}: cannot load version {version} over version {self._version}")
-        if isinstance(source, TransferPlan):
-            self._llm.collective_rpc("staleflow_receive_broadcast", args=(source.to_dict(),))
+        if isinstance(source, TransferWeights):  # ends with set_weight_version, through finish_weight_update
+            self.bytes_received += self.weight_sync.receive(source)  # type: ignore[union-attr]
         else:
             self._llm.collective_rpc("staleflow_reload_safetensors", args=(str(source),))
+            self._llm.set_weight_version(str(version))
         self._version = version
-        self._llm.set_weight_version(str(version))
 
     def _forget_internal(self, request_id: str) -> None:
         for internal in [i for i, rid in self._internal_ids.items() if rid == request_id]:

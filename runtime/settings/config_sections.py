@@ -181,10 +181,16 @@ class ServersConfig(ConfigSection):
     """CPUs each server actor reserves (``ray`` placement)."""
     weight_transfer: Literal["reference", "broadcast"] = "reference"
     """``ray`` placement: how an instance gets a version. ``reference``: its engine fetches the state
-    dict from the parameter server's actor; ``broadcast``: a collective broadcast from the server
-    into the instance's workers, in buckets (gloo on CPU, NCCL on GPU)."""
+    dict from the parameter server's actor; ``broadcast``: vLLM's weight-transfer API, the server
+    broadcasting into the instance's workers over a long-lived group per instance, in buckets."""
+    transfer_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Transport of a broadcast: ``nccl`` (GPU memory; the parameter server's actor must hold a GPU,
+    else it refuses to start), ``gloo`` (CPU memory and TCP), ``auto``: ``nccl`` where the parameter
+    server sees a GPU, else ``gloo``. The instances' vLLM workers must receive by the same one."""
+    transfer_host: str | None = None
+    """Rendezvous address of a broadcast's group (the parameter server's end); null: its node's IP."""
     wire_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Dtype of weights on the wire of a broadcast (the model's own dtype is restored on arrival)."""
+    """Dtype of weights on the wire of a broadcast (vLLM loads them into its parameters' dtype)."""
     bucket_mb: StrictInt = Field(64, ge=1, le=65536)
     """Size of one broadcast bucket, MiB."""
 
@@ -198,7 +204,10 @@ class ServersConfig(ConfigSection):
         """The broadcast settings of a Ray-placed parameter server (None: reference pulls)."""
         if self.weight_transfer != "broadcast":
             return None
-        return {"wire_dtype": self.wire_dtype, "bucket_bytes": self.bucket_mb << 20}
+        return {
+            "backend": self.transfer_backend, "host": self.transfer_host, "wire_dtype": self.wire_dtype,
+            "bucket_bytes": self.bucket_mb << 20,
+        }
 
 
 class ClusterConfig(ConfigSection):

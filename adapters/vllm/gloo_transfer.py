@@ -1,0 +1,97 @@
+"""vLLM's weight-transfer engine over gloo, for CPU workers (registered as backend ``gloo`` by
+:func:`staleflow.adapters.vllm.weight_transfer.register_gloo_engine`; imported by vLLM's factory in
+the worker process only).
+
+The lifecycle is that of vLLM's ``nccl`` engine: ``init_transfer_engine`` joins the sender's
+long-lived group once; ``start_weight_update`` / ``finish_weight_update`` run vLLM's layerwise reload
+around the model's ``load_weights`` (checkpoint names fused into vLLM's parameters, the CPU backend's
+repacked weights prepared again); ``receive_weights`` takes the buckets the sender broadcasts
+(:func:`staleflow.adapters.rlkit.weight_sender.pack_bucket`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from staleflow.adapters.rlkit.weight_sender import bucket_bytes_of, unpack_bucket
+from staleflow.adapters.vllm.weight_transfer import refresh_cpu_output_layer
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    """Where a worker joins the sender's long-lived gloo group; its rank is ``rank_offset`` + its
+    rank among the instance's workers."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    timeout_s: float = 120.0
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    """One version: every tensor's name, dtype and shape, and how many tensors each bucket holds."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    bucket_sizes: list[int] = field(default_factory=list)
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """vLLM's weight-transfer lifecycle over gloo (CPU): buckets of raw bytes broadcast from rank 0."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: Any = None
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        parallel = self.parallel_config
+        rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
+        timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, False, timeout=timeout)
+        self.group = dist.ProcessGroupGloo(store, rank, init_info.world_size, timeout)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        refresh_cpu_output_layer(self.model)
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("the gloo weight transfer is not initialised: call init_weight_transfer_engine first")
+        stream = self._received(update_info)
+        self.model.load_weights(stream)
+        for _ in stream:  # what the loader left: the broadcast runs to its end on every rank
+            pass
+
+    def _received(self, info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
+        specs = [(n, getattr(torch, d), tuple(s)) for n, d, s in zip(info.names, info.dtype_names, info.shapes)]
+        start = 0
+        for count in info.bucket_sizes:
+            bucket = specs[start : start + count]
+            start += count
+            flat = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8)
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            self.group.broadcast([flat], options).wait()
+            yield from unpack_bucket(flat, bucket)
+
+    def shutdown(self) -> None:
+        self.group = None

@@ -1,0 +1,154 @@
+"""Weight sync through vLLM's weight-transfer API (``vllm.distributed.weight_transfer``).
+
+The receiving side is vLLM's own: the worker builds a ``WeightTransferEngine`` from
+``EngineArgs.weight_transfer_config`` (backend ``nccl`` on GPUs, ``gloo`` on CPU) and the engine is
+driven by the four control-plane calls ``init_weight_transfer_engine`` (once: the worker joins a
+long-lived group with the sender), ``start_weight_update``, ``update_weights`` and
+``finish_weight_update`` with the version, which vLLM stamps on every token sampled afterwards.
+
+``nccl`` is vLLM's engine as shipped. ``gloo`` is registered here through
+``WeightTransferEngineFactory.register_engine``: the same lifecycle (layerwise reload around the
+model's ``load_weights``, so checkpoint names are fused into vLLM's parameters and a tied output
+layer is skipped), over a gloo group in CPU memory. CI therefore runs the GPU code path; only the
+transport differs. The ``gloo`` worker engine is :mod:`staleflow.adapters.vllm.gloo_transfer`; the sender's
+half is :mod:`staleflow.adapters.rlkit.weight_sender`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from staleflow.adapters.rlkit.weight_sender import BACKENDS, TransferWeights
+from staleflow.adapters.vllm.settings import set_vllm_env_defaults
+
+GLOO = "gloo"
+
+
+def default_backend() -> str:
+    """The weight-transfer backend of this machine's vLLM build: ``nccl`` on CUDA, else ``gloo``."""
+    from vllm.platforms import current_platform
+
+    return "nccl" if current_platform.is_cuda_alike() else GLOO
+
+
+def register_gloo_engine() -> None:
+    """Register :class:`GlooWeightTransferEngine` as vLLM's ``gloo`` backend (once per process)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(GLOO, "staleflow.adapters.vllm.gloo_transfer", "GlooWeightTransferEngine")
+    except ValueError:  # already registered in this process
+        pass
+
+
+def with_weight_transfer(engine_args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """``engine_args`` with a weight-transfer engine for every worker (this build's default backend
+    unless ``weight_transfer_config`` is given), and that backend."""
+    args = dict(engine_args)
+    if "weight_transfer_config" not in args:
+        set_vllm_env_defaults()  # before vLLM is imported
+        args.update(weight_transfer_args(default_backend()))
+    config = args["weight_transfer_config"]
+    backend = config["backend"] if isinstance(config, Mapping) else config.backend
+    if backend == GLOO:
+        register_gloo_engine()
+    return args, str(backend)
+
+
+def weight_transfer_args(backend: str) -> dict[str, Any]:
+    """The ``EngineArgs`` that give every worker a weight-transfer engine of ``backend``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"weight-transfer backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == GLOO:
+        register_gloo_engine()
+    return {"weight_transfer_config": {"backend": backend}}
+
+
+class EngineWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over an ``LLMEngine`` in this process: each call goes
+    to every worker (``collective_rpc``); ``finish_weight_update(weight_version)`` also sets the
+    version the engine core stamps on the tokens it samples from then on. ``calls`` records the
+    calls made, in order (their names)."""
+
+    def __init__(self, llm_engine: Any) -> None:
+        self._llm = llm_engine
+        self.calls: list[str] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append("init_weight_transfer_engine")
+        self._llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start_weight_update")
+        self._llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("update_weights")
+        self._llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append("finish_weight_update")
+        self._llm.collective_rpc("finish_weight_update")
+        if weight_version is not None:
+            self._llm.set_weight_version(weight_version)
+
+
+class InstanceWeightSync:
+    """One instance's side of weight sync: its :class:`EngineWeightSyncClient` (``client``), and its
+    long-lived group, made on the first transfer and again after a failed one (which leaves the
+    group unusable). ``engine_args``: the instance's (its worker count); ``version``: the weights'
+    version at start-up, the label of the tokens sampled until the first reload."""
+
+    def __init__(self, llm_engine: Any, instance_id: str, engine_args: Mapping[str, Any], backend: str, version: int) -> None:
+        llm_engine.set_weight_version(str(version))
+        self.client = EngineWeightSyncClient(llm_engine)
+        self.instance_id = instance_id
+        self.receivers = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
+        self.backend = backend
+        self._connected = False
+
+    def receive(self, weights: TransferWeights) -> int:
+        """Receive the version ``weights`` refers to; returns the bytes sent."""
+        if not self._connected:
+            weights.connect(self.instance_id, self.receivers, self.client, self.backend)
+            self._connected = True
+        try:
+            return weights.deliver(self.instance_id, self.client)
+        except Exception:
+            self._connected = False
+            raise
+
+
+def token_versions(llm_engine: Any, output: Any, internal_ids: Mapping[str, str], count: int) -> list[int]:
+    """The weight versions of the last ``count`` output tokens of ``output``, from the spans vLLM
+    keeps per request: the finished output's ``weight_versions``, else the output processor's record
+    of the running request (found by its internal id: ``internal_ids`` maps internal -> ours)."""
+    spans = output.outputs[0].weight_versions
+    if spans is not None:
+        starts = [(span.version, span.start) for span in spans]
+        total = spans[-1].end if spans else 0
+    else:
+        internal = next((i for i, rid in internal_ids.items() if rid == output.request_id), output.request_id)
+        state = llm_engine.output_processor.request_states.get(internal)
+        if state is None or state.detokenizer is None:
+            raise RuntimeError(f"vLLM keeps no weight versions for request {output.request_id!r}")
+        starts, total = list(state.weight_version_starts), state.detokenizer.num_output_tokens()
+    return [int(next(label for label, start in reversed(starts) if start <= index)) for index in range(total - count, total)]
+
+
+def refresh_cpu_output_layer(model: torch.nn.Module) -> None:
+    """vLLM-CPU computes logits with a GEMM it prepared from the output layer's weight at start-up; a
+    reload does not prepare it again for a vocabulary embedding, so with tied embeddings (the output
+    layer *is* the input embedding) the logits kept the old weights. Prepare it again."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
