@@ -43,7 +43,7 @@ class ConsumedBatch:
     dropped: tuple[GroupId, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CounterState:
     """The protocol's abstract state as counters: the head buffer and per-deadline group counts.
 
@@ -55,8 +55,16 @@ class CounterState:
     running: tuple[int, ...]
     done: tuple[int, ...]
 
+    def __init__(self, version: int, running: tuple[int, ...], done: tuple[int, ...]) -> None:
+        # The generated frozen __init__ sets each field through object.__setattr__ (about 1 us per
+        # event with ProtocolEvent's eight fields); filling __dict__ keeps tracing cheap.
+        fields = self.__dict__
+        fields["version"] = version
+        fields["running"] = running
+        fields["done"] = done
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class ProtocolEvent:
     """One operation on the manager, with its outcome and the state before and after it.
 
@@ -74,6 +82,71 @@ class ProtocolEvent:
     batch: ConsumedBatch | None
     before: CounterState
     after: CounterState
+
+    def __init__(
+        self,
+        seq: int,
+        op: str,
+        group_id: GroupId | None,
+        version: int | None,
+        accepted: bool | None,
+        batch: ConsumedBatch | None,
+        before: CounterState,
+        after: CounterState,
+    ) -> None:
+        fields = self.__dict__  # see CounterState.__init__
+        fields["seq"] = seq
+        fields["op"] = op
+        fields["group_id"] = group_id
+        fields["version"] = version
+        fields["accepted"] = accepted
+        fields["batch"] = batch
+        fields["before"] = before
+        fields["after"] = after
+
+
+#: The operations after which ``can_consume()`` may turn true: ``occupy`` (one more finished group),
+#: ``abort`` (a running group due soon is gone) and ``consume`` (the next buffer may be ready at
+#: once). A ``reserve`` never enables a consume (it only adds a running group), a refused one
+#: changes nothing. ``tests/test_protocol_waiting.py`` checks this claim on random runs.
+CONSUMABLE_AFTER = frozenset({"occupy", "abort", "consume"})
+
+#: The operations after which the admission room (``reserve_slack(v)``, ``can_reserve(v)``) may grow:
+#: ``abort`` (a place is freed) and ``consume`` (every deadline moves one buffer on, and versions up
+#: to the new ``manager.version`` become valid). ``occupy`` leaves it unchanged (a finished group keeps
+#: its place until consumed); an accepted ``reserve`` only shrinks it.
+ADMISSIBLE_AFTER = frozenset({"abort", "consume"})
+
+
+@dataclass(frozen=True)
+class ProtocolStats:
+    """What :meth:`~.manager.StalenessManager.stats` reports: the state by deadline and the counters
+    of the operations this manager object performed (a restored manager counts from 0 again).
+
+    ``deadlines[i]`` is buffer ``version + i``; ``running[i]`` and ``done[i]`` count the active groups
+    due in it. ``refused`` counts refused reserves by reason: ``"stale"`` (the version's deadline
+    has passed: the engine must sync) and ``"full"`` (no room by the group's deadline: wait for a
+    consume or an abort). ``staleness[s]`` counts consumed groups trained ``s`` versions after the
+    model that generated them (``0 <= s <= eta``). ``blocking`` are the running groups the next
+    batch waits for (:meth:`~.manager.StalenessManager.blocking_groups`); ``missing`` how many groups
+    must still be reserved before any batch can form (when fewer than ``batch_size`` are active).
+    """
+
+    version: int
+    deadlines: tuple[int, ...]
+    running: tuple[int, ...]
+    done: tuple[int, ...]
+    reserved: int
+    refused: dict[str, int]
+    occupied: int
+    aborted: int
+    batches: int
+    consumed: int
+    dropped: int
+    staleness: tuple[int, ...]
+    can_consume: bool
+    blocking: tuple[GroupId, ...]
+    missing: int
 
 
 EventHook = Callable[[ProtocolEvent], None]

@@ -123,7 +123,7 @@ def test_light_package_installs_alone_in_a_fresh_venv_offline(light_venv: Path, 
     assert used.returncode == 0, used.stderr
     assert used.stdout.splitlines() == ["[True, True, True, True, False]", "('a', 'b')", "[]"]
     checked = _run(light_venv, "-I", "-m", "staleflow_protocol.check", trace, cwd=tmp_path, env=CLEAN_ENV)
-    assert (checked.returncode, checked.stdout.strip()) == (0, f"{trace}: accepted (8 events in 1 segment(s))")
+    assert (checked.returncode, checked.stdout.strip()) == (0, f"{trace}: accepted (7 events in 1 segment(s))")  # the refused reserve is counted, not traced
     script_checked = _run(light_venv.parent / "staleflow-check-trace", trace, cwd=tmp_path, env=CLEAN_ENV)
     assert (script_checked.returncode, script_checked.stdout) == (0, checked.stdout)
 
@@ -194,12 +194,12 @@ def _check(*paths: Path) -> subprocess.CompletedProcess[str]:
 def good_trace(tmp_path: Path) -> Path:
     manager = StalenessManager(eta=2, batch_size=3, redundancy=1)
     path = tmp_path / "good.jsonl"
-    writer = protocol.trace.JsonlTraceWriter.attach(manager, path)
+    writer = protocol.trace.JsonlTraceWriter.attach(manager, path, refusals=True)
     _random_trace(manager, 600, seed=3)
     writer.close()
     # a second segment after a restore (a resumed run appends to the same file)
     resumed = StalenessManager.restore(manager.snapshot())
-    with protocol.trace.JsonlTraceWriter.attach(resumed, path, mode="a"):
+    with protocol.trace.JsonlTraceWriter.attach(resumed, path, mode="a", refusals=True):
         _random_trace(resumed, 200, seed=4)
     return path
 
@@ -411,7 +411,7 @@ def test_locked_manager_keeps_invariant_and_accounting_under_threads(tmp_path: P
 
     locked.add_event_hook(invariant_hook)
     trace = tmp_path / "threads.jsonl"
-    writer = locked.attach_trace(trace)
+    writer = locked.attach_trace(trace, refusals=True)
     accepted: list[set[str]] = [set() for _ in range(4)]
     aborted: list[set[str]] = [set() for _ in range(4)]
     batches: list[protocol.ConsumedBatch] = []
