@@ -86,6 +86,31 @@ def test_light_wheel_holds_exactly_the_protocol_sources(light_wheel: Path) -> No
     assert "Requires-Dist" not in text
 
 
+def test_light_package_builds_offline_with_setuptools_alone(tmp_path: Path) -> None:
+    """The stated build requirement (setuptools >= 70.1, no `wheel` package) is what the build needs:
+    it builds with build isolation off and no index in this venv, which has no `wheel` package."""
+    import re
+    from importlib.metadata import PackageNotFoundError, version
+
+    pyproject = (PROTOCOL / "pyproject.toml").read_text()
+    [requires] = re.findall(r"^requires = (.*)$", pyproject, flags=re.MULTILINE)
+    assert json.loads(requires) == ["setuptools>=70.1"]
+    assert tuple(int(p) for p in version("setuptools").split(".")[:2]) >= (70, 1)
+    try:  # the distribution, not the module: importing setuptools puts its vendored copy on sys.path
+        version("wheel")
+    except PackageNotFoundError:
+        pass
+    else:
+        pytest.skip("the `wheel` package is installed here; scripts/setup.sh's venv has none")
+    source = tmp_path / "src"
+    shutil.copytree(PROTOCOL, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    env = {**CLEAN_ENV, "PIP_NO_INDEX": "1"}
+    built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index", "--no-build-isolation",
+                 "--disable-pip-version-check", "-w", tmp_path / "dist", source, env=env)
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert len(list((tmp_path / "dist").glob("staleflow_protocol-0.1.0-py3-none-any.whl"))) == 1
+
+
 @pytest.fixture(scope="module")
 def light_venv(light_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv with only the light wheel installed (pip install --no-index): its python."""
