@@ -26,9 +26,9 @@ import random
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 from staleflow.protocol import LockedStalenessManager, ProtocolEvent, StalenessManager
 from staleflow.protocol.trace import JsonlTraceWriter

@@ -148,7 +148,8 @@ def test_light_package_installs_alone_in_a_fresh_venv_offline(light_venv: Path, 
     assert used.returncode == 0, used.stderr
     assert used.stdout.splitlines() == ["[True, True, True, True, False]", "('a', 'b')", "[]"]
     checked = _run(light_venv, "-I", "-m", "staleflow_protocol.check", trace, cwd=tmp_path, env=CLEAN_ENV)
-    assert (checked.returncode, checked.stdout.strip()) == (0, f"{trace}: accepted (7 events in 1 segment(s))")  # the refused reserve is counted, not traced
+    # 7 events: the refused reserve is counted, not traced
+    assert (checked.returncode, checked.stdout.strip()) == (0, f"{trace}: accepted (7 events in 1 segment(s))")
     script_checked = _run(light_venv.parent / "staleflow-check-trace", trace, cwd=tmp_path, env=CLEAN_ENV)
     assert (script_checked.returncode, script_checked.stdout) == (0, checked.stdout)
 

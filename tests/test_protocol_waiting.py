@@ -16,8 +16,8 @@ from staleflow.protocol import (
     AsyncWaiter,
     ConsumedBatch,
     LockedStalenessManager,
-    StaleVersionError,
     StalenessManager,
+    StaleVersionError,
 )
 
 
