@@ -35,6 +35,7 @@ from .errors import (
 from .events import (
     ADMISSIBLE_AFTER,
     CONSUMABLE_AFTER,
+    BufferView,
     ConsumedBatch,
     CounterState,
     EventHook,
@@ -42,10 +43,10 @@ from .events import (
     GroupRecord,
     GroupStatus,
     ProtocolEvent,
-    ProtocolStats,
 )
 from .locked import LockedStalenessManager
-from .manager import SNAPSHOT_FORMAT, BufferView, StalenessManager
+from .manager import SNAPSHOT_FORMAT, StalenessManager
+from .stats import ProtocolStats
 from .waiting import AsyncWaiter
 
 __all__ = [

@@ -118,35 +118,26 @@ CONSUMABLE_AFTER = frozenset({"occupy", "abort", "consume"})
 ADMISSIBLE_AFTER = frozenset({"abort", "consume"})
 
 
-@dataclass(frozen=True)
-class ProtocolStats:
-    """What :meth:`~.manager.StalenessManager.stats` reports: the state by deadline and the counters
-    of the operations this manager object performed (a restored manager counts from 0 again).
+class BufferView:
+    """One virtual buffer of the earliest-deadline-first placement, for display."""
 
-    ``deadlines[i]`` is buffer ``version + i``; ``running[i]`` and ``done[i]`` count the active groups
-    due in it. ``refused`` counts refused reserves by reason: ``"stale"`` (the version's deadline
-    has passed: the engine must sync) and ``"full"`` (no room by the group's deadline: wait for a
-    consume or an abort). ``staleness[s]`` counts consumed groups trained ``s`` versions after the
-    model that generated them (``0 <= s <= eta``). ``blocking`` are the running groups the next
-    batch waits for (:meth:`~.manager.StalenessManager.blocking_groups`); ``missing`` how many groups
-    must still be reserved before any batch can form (when fewer than ``batch_size`` are active).
-    """
+    __slots__ = ("index", "capacity", "running", "done")
 
-    version: int
-    deadlines: tuple[int, ...]
-    running: tuple[int, ...]
-    done: tuple[int, ...]
-    reserved: int
-    refused: dict[str, int]
-    occupied: int
-    aborted: int
-    batches: int
-    consumed: int
-    dropped: int
-    staleness: tuple[int, ...]
-    can_consume: bool
-    blocking: tuple[GroupId, ...]
-    missing: int
+    def __init__(self, index: int, capacity: int, running: int, done: int) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.running = running
+        self.done = done
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.running - self.done
+
+    def __repr__(self) -> str:
+        return (
+            f"BufferView(index={self.index}, capacity={self.capacity}, "
+            f"running={self.running}, done={self.done})"
+        )
 
 
 EventHook = Callable[[ProtocolEvent], None]

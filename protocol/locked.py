@@ -33,8 +33,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from .errors import StaleVersionError
-from .events import ConsumedBatch, CounterState, EventHook, GroupId, GroupRecord, ProtocolStats
-from .manager import BufferView, StalenessManager
+from .events import BufferView, ConsumedBatch, CounterState, EventHook, GroupId, GroupRecord
+from .manager import StalenessManager
+from .stats import ProtocolStats
 
 if TYPE_CHECKING:
     from pathlib import Path

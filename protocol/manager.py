@@ -4,18 +4,7 @@ State (design section 2): the head buffer ``c`` (``version``), and for each acti
 version ``v`` and status. A group's deadline is ``v + eta``: the last buffer it may be trained in.
 Groups are kept in ``eta + 1`` buckets by deadline offset ``v + eta - c``, so every decision reads
 ``eta + 1`` counters and never scans the groups.
-
-Operations are atomic (see :mod:`.errors`): each either raises a :class:`~.errors.ProtocolError`
-before changing anything, or is fully applied; then every event hook runs, and if any raised, the
-operation raises :class:`~.errors.HookError` (it was applied: do not retry it). Versions are
-accepted through ``operator.index`` (numpy or torch integer scalars work; ``bool`` does not) and
-stored as plain ints.
-
-Group ids are not remembered once a group leaves (consumed, dropped or aborted): an id may be
-reserved again as a new group, as the spec allows (``Reserve`` needs only that the id is not
-active). Refusing a consumed id would need memory that grows with every group a run ever trains;
-hosts that key groups by prompt reuse ids across epochs. A host that needs unique ids should
-draw them from a counter.
+Operations are atomic: see :mod:`.errors` for the contract.
 
 Invariant (Inv), for ``cap(k) = (k + 1) * batch_size + redundancy``:
 every active group has ``c <= deadline <= c + eta``, and for each ``k`` in ``0..eta`` at most
@@ -26,7 +15,6 @@ for nested intervals: the groups can be placed in buffers ``c..deadline`` with a
 
 from __future__ import annotations
 
-import operator
 from collections import deque
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -38,12 +26,12 @@ from .errors import (
     InvalidParameterError,
     InvalidTransitionError,
     InvalidVersionError,
-    ProtocolError,
     SnapshotError,
     UnknownGroupError,
     UnknownHookError,
 )
 from .events import (
+    BufferView,
     ConsumedBatch,
     CounterState,
     EventHook,
@@ -51,8 +39,10 @@ from .events import (
     GroupRecord,
     GroupStatus,
     ProtocolEvent,
-    ProtocolStats,
 )
+from .inputs import as_int
+from .inputs import check_int as _check_int
+from .stats import FULL, STALE, OperationTally, ProtocolStats
 
 SNAPSHOT_FORMAT = "staleflow.protocol/1"
 
@@ -70,48 +60,6 @@ class _Bucket:
         return len(self.running) + len(self.done)
 
 
-class BufferView:
-    """One virtual buffer of the earliest-deadline-first placement, for display."""
-
-    __slots__ = ("index", "capacity", "running", "done")
-
-    def __init__(self, index: int, capacity: int, running: int, done: int) -> None:
-        self.index = index
-        self.capacity = capacity
-        self.running = running
-        self.done = done
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.running - self.done
-
-    def __repr__(self) -> str:
-        return (
-            f"BufferView(index={self.index}, capacity={self.capacity}, "
-            f"running={self.running}, done={self.done})"
-        )
-
-
-def as_int(name: str, value: object, error: type[ProtocolError] = InvalidParameterError) -> int:
-    """``value`` as a plain int through ``operator.index`` (numpy/torch integer scalars pass; ``bool``,
-    floats and strings raise ``error``)."""
-    if type(value) is int:
-        return value
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise error(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    number = as_int(name, value)
-    if number < minimum:
-        raise InvalidParameterError(f"{name} must be >= {minimum}, got {number}")
-    return number
-
-
 class StalenessManager:
     """Admission and consumption of prompt groups so that every trained group is at most ``eta`` stale.
 
@@ -123,20 +71,11 @@ class StalenessManager:
         redundancy: extra groups that may be admitted beyond what the batches can take; surplus
             groups whose deadline passes are dropped at consume time and reported in
             ``ConsumedBatch.dropped`` (at most ``redundancy`` per batch).
-        on_event: optional hook called after every operation with a :class:`ProtocolEvent`.
-        hooks: more hooks, called after ``on_event`` in this order.
-
-    Raises :class:`~.errors.InvalidParameterError` (a ``ValueError``) for a parameter out of range.
+        on_event, hooks: hooks called after every operation with a :class:`ProtocolEvent`, in order.
     """
 
-    def __init__(
-        self,
-        eta: int,
-        batch_size: int,
-        redundancy: int = 0,
-        on_event: EventHook | None = None,
-        hooks: Iterable[EventHook] = (),
-    ) -> None:
+    def __init__(self, eta: int, batch_size: int, redundancy: int = 0, on_event: EventHook | None = None,
+                 hooks: Iterable[EventHook] = ()) -> None:
         self._eta = _check_int("eta", eta, 0)
         self._batch_size = _check_int("batch_size", batch_size, 1)
         self._redundancy = _check_int("redundancy", redundancy, 0)
@@ -149,10 +88,7 @@ class StalenessManager:
         self._seq = 0
         self._last_counts: CounterState | None = None  # the last event's after-state: the next one's before
         self._interrupted: dict[GroupId, None] = {}  # running groups of the snapshot restored from
-        # counters for stats(), since this object was built or restored
-        self._reserved = self._refused_stale = self._refused_full = 0
-        self._occupied = self._aborted = self._batches = self._consumed = self._dropped = 0
-        self._staleness = [0] * (self._eta + 1)
+        self._tally = OperationTally(self._eta)  # for stats(), since this object was built or restored
 
     # ----------------------------------------------------------------- parameters and queries
     @property
@@ -224,19 +160,16 @@ class StalenessManager:
         return None
 
     def start_capacity(self, version: int, max_in_flight: int) -> int:
-        """How many more groups may start generating now on an engine at ``version``, with at most
-        ``max_in_flight`` groups running at once (AReaL's ``get_capacity``): the reserve slack at
-        ``version``, capped by ``max_in_flight`` minus the running groups; never negative."""
+        """Groups that may start now at ``version`` with at most ``max_in_flight`` running (AReaL's
+        ``get_capacity``): the reserve slack, capped by ``max_in_flight`` minus the running groups."""
         slack = self.reserve_slack(version)
         limit = _check_int("max_in_flight", max_in_flight, 0)
         running = sum(len(bucket.running) for bucket in self._buckets)
         return max(0, min(slack, limit - running))
 
     def blocking_groups(self) -> tuple[GroupId, ...]:
-        """The running groups the next batch waits for: empty when ``can_consume()``; else the fewest
-        running groups which, once finished, enable ``consume``: those with the earliest deadlines
-        (earliest-deadline-first finishing is optimal), in deadline then arrival order. When fewer
-        than ``batch_size`` groups are active, every running group (and more reserves are needed)."""
+        """The fewest running groups whose finishing enables ``consume`` (earliest deadlines first, which
+        is optimal); every running group if fewer than ``batch_size`` are active; () if consumable."""
         done = [len(bucket.done) for bucket in self._buckets]
         if self._plan(done) is not None:
             return ()
@@ -250,38 +183,15 @@ class StalenessManager:
         return tuple(waiting)
 
     def stats(self) -> ProtocolStats:
-        """Counts by deadline, operation counters, refusals by reason, drops, the staleness histogram
-        of consumed groups and the groups blocking the next batch (see :class:`ProtocolStats`)."""
-        counts = self.counts()
-        blocking = self.blocking_groups()
-        return ProtocolStats(
-            version=self._version,
-            deadlines=tuple(range(self._version, self._version + self._eta + 1)),
-            running=counts.running,
-            done=counts.done,
-            reserved=self._reserved,
-            refused={"stale": self._refused_stale, "full": self._refused_full},
-            occupied=self._occupied,
-            aborted=self._aborted,
-            batches=self._batches,
-            consumed=self._consumed,
-            dropped=self._dropped,
-            staleness=tuple(self._staleness),
-            can_consume=self.can_consume(),
-            blocking=blocking,
-            missing=max(0, self._batch_size - len(self._versions)),
-        )
+        """Counts by deadline, operation counters, refusals, drops, staleness, blocking groups."""
+        return self._tally.report(self.counts(), self.can_consume(), self.blocking_groups(),
+                                  max(0, self._batch_size - len(self._versions)))
 
     def interrupted_groups(self) -> tuple[GroupId, ...]:
-        """The groups that were running in the snapshot this manager was restored from and are still
-        running: their generation died with the process that took the snapshot. Resume each (keep
-        its id: its version is the oldest token's, unchanged) or ``abort`` it; until then it holds
-        its place and may block the batch it is due in. Empty for a manager that was not restored."""
-        self._interrupted = {
-            group_id: None
-            for group_id in self._interrupted
-            if group_id in self._versions and group_id in self._bucket_at(self._versions[group_id]).running
-        }
+        """Groups running in the snapshot restored from, still running: their generation died in the
+        crash; resume (same id and version) or abort each. Empty for a manager not restored."""
+        self._interrupted = {g: None for g in self._interrupted if g in self._versions
+                             and g in self._bucket_at(self._versions[g]).running}
         return tuple(self._interrupted)
 
     def buffers(self) -> tuple[BufferView, ...]:
@@ -311,10 +221,9 @@ class StalenessManager:
         """Admit a group generated from model ``version``, or refuse it (returns False).
 
         Admission is exact: a group is refused only if no placement of all active groups plus this
-        one keeps every group within its bound. Raises ``InvalidVersionError`` for a version that is
-        not an integer, negative or above :attr:`version`, ``DuplicateGroupError`` for an active id,
-        ``InvalidGroupIdError`` for an id that is not a str or int. An id that was active before
-        (consumed, dropped or aborted) is a new group (see the module docstring).
+        one keeps every group within its bound. Raises ``InvalidVersionError`` (version not an int,
+        negative or above :attr:`version`), ``DuplicateGroupError`` (active id), ``InvalidGroupIdError``.
+        The id of a group that left may be reserved again: refusing it would need unbounded memory.
         """
         if isinstance(group_id, bool) or not isinstance(group_id, (str, int)):
             raise InvalidGroupIdError(f"group_id must be a str or int, got {type(group_id).__name__}")
@@ -326,11 +235,9 @@ class StalenessManager:
         if accepted:
             self._bucket_at(version).running[group_id] = None
             self._versions[group_id] = version
-            self._reserved += 1
-        elif version + self._eta < self._version:
-            self._refused_stale += 1
+            self._tally.reserved += 1
         else:
-            self._refused_full += 1
+            self._tally.refused[STALE if version + self._eta < self._version else FULL] += 1
         if before is not None:
             self._emit("reserve", group_id, version, accepted, None, before)
         return accepted
@@ -344,7 +251,7 @@ class StalenessManager:
         before = self._before() if self._hooks else None
         del bucket.running[group_id]
         bucket.done[group_id] = None
-        self._occupied += 1
+        self._tally.occupied += 1
         if before is not None:
             self._emit("occupy", group_id, version, None, None, before)
 
@@ -353,7 +260,7 @@ class StalenessManager:
         version = self._version_of(group_id)
         before = self._before() if self._hooks else None
         bucket = self._bucket_at(version)
-        self._aborted += 1
+        self._tally.aborted += 1
         if bucket.running.pop(group_id, bucket) is bucket:
             del bucket.done[group_id]
         del self._versions[group_id]
@@ -392,11 +299,7 @@ class StalenessManager:
         for group_id in dropped:
             del self._versions[group_id]
         batch = ConsumedBatch(self._version, tuple(taken), versions, dropped)
-        for group_version in versions:
-            self._staleness[self._version - group_version] += 1
-        self._batches += 1
-        self._consumed += len(taken)
-        self._dropped += len(dropped)
+        self._tally.count_batch(self._version, versions, len(dropped))
         self._version += 1
         if before is not None:
             self._emit("consume", None, batch.version, None, batch, before)
@@ -404,11 +307,7 @@ class StalenessManager:
 
     # ----------------------------------------------------------------- hooks and checkpoints
     def add_event_hook(self, hook: EventHook) -> None:
-        """Call ``hook`` after every operation (for traces, metrics and trace validation).
-
-        Hooks run after the operation is applied, in registration order, every one of them even if
-        an earlier one raises; the operation then raises :class:`~.errors.HookError`.
-        """
+        """Call ``hook`` after every operation (each hook runs even if an earlier one raises)."""
         self._last_counts = None  # operations without hooks did not record their after-state
         self._hooks.append(hook)
 
@@ -434,13 +333,8 @@ class StalenessManager:
     def restore(
         cls, snapshot: Mapping[str, Any], on_event: EventHook | None = None, hooks: Iterable[EventHook] = ()
     ) -> StalenessManager:
-        """Rebuild a manager from :meth:`snapshot` data, checking every field and the invariant.
-
-        ``on_event`` and ``hooks`` are registered as in the constructor (restoring emits no event).
-        A :class:`~.errors.SnapshotError` names the missing or bad field. The groups that were
-        running in the snapshot are reported by :meth:`interrupted_groups`: after a crash their
-        generation is gone, and the host must resume or abort each one.
-        """
+        """Rebuild a manager from :meth:`snapshot` data, checking every field (a ``SnapshotError`` names
+        it) and the invariant; hooks as in the constructor; see :meth:`interrupted_groups`."""
         if not isinstance(snapshot, Mapping) or snapshot.get("format") != SNAPSHOT_FORMAT:
             raise SnapshotError(f"not a staleness-manager snapshot (expected format {SNAPSHOT_FORMAT!r})")
         missing = [name for name in ("eta", "batch_size", "redundancy", "version", "groups") if name not in snapshot]
@@ -502,12 +396,9 @@ class StalenessManager:
         return self._plan([len(bucket.done) for bucket in self._buckets])
 
     def _plan(self, done: list[int]) -> list[int] | None:
-        """The consume plan if ``done[k]`` of the groups due at offset ``k`` were finished (the active
-        groups per offset unchanged), or None when that state would not enable consume.
-
-        Taking done groups earliest-deadline-first is optimal for every constraint at once: it
-        takes the most head-buffer groups (fewest drops) and lowers every prefix count the most.
-        """
+        """The consume plan if ``done[k]`` groups due at offset ``k`` were finished, else None. Taking
+        done groups earliest-deadline-first is optimal for every constraint at once: it takes the most
+        head-buffer groups (fewest drops) and lowers every prefix count the most."""
         need = self._batch_size
         plan: list[int] = []
         for finished in done:
@@ -565,15 +456,8 @@ class StalenessManager:
                     f"at most {self.capacity(k)} allowed"
                 )
 
-    def _emit(
-        self,
-        op: str,
-        group_id: GroupId | None,
-        version: int | None,
-        accepted: bool | None,
-        batch: ConsumedBatch | None,
-        before: CounterState,
-    ) -> None:
+    def _emit(self, op: str, group_id: GroupId | None, version: int | None, accepted: bool | None,
+              batch: ConsumedBatch | None, before: CounterState) -> None:
         after = self.counts()
         event = ProtocolEvent(self._seq, op, group_id, version, accepted, batch, before, after)
         self._seq += 1
@@ -588,6 +472,5 @@ class StalenessManager:
             raise HookError(event, failures) from failures[0][1]
 
     def _before(self) -> CounterState:
-        """The state before an operation, for its event: the last event's after-state when there is one
-        (every state change emits an event while hooks are registered), else counted now."""
+        """The state before an operation: the last event's after-state (hooks see every change), or counted."""
         return self.counts() if self._last_counts is None else self._last_counts

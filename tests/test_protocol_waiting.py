@@ -179,6 +179,7 @@ def test_blocking_waits_with_real_threads() -> None:
                 errors.append(TimeoutError("no batch within 10 s"))
                 return
             batches.append(batch)
+            time.sleep(0.005)  # train: the producers fill the buffers meanwhile and must wait
 
     threads = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
     consumer = threading.Thread(target=trainer)
