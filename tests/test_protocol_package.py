@@ -159,6 +159,7 @@ GUIDE_OUTPUT = [
     ["refused p4", "0 ('p1', 'p0') ()", "True True",
      "1 [('p3', 0, 'running'), ('p5', 1, 'running'), ('p6', 1, 'running')]"],
     ["0 True", "True True"],
+    ["12 6 12"],
     ["0 run.jsonl: accepted (4 events in 1 segment(s))",
      "1 bad.jsonl: REJECTED at segment 1: event #1 (line 3, seq 1, reserve('b', v=0)): "
      "reserve('b', v=0) accepted but Reserve is disabled"],
