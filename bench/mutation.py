@@ -55,7 +55,7 @@ _SLACK_NONNEGATIVE = ("slack is never negative (0 for a passed deadline, else mi
 _LAST_VIEW = ("slot may pass eta only when the last view is full; under Inv the views hold cap(eta) >= all "
               "active groups, so every later (bucket, field) has count 0 and views[slot] is never read again")
 EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
-    ("core/ReplaceBinaryOperator_Sub_RShift", 3): (
+    ("core/ReplaceBinaryOperator_Sub_RShift", 1): (
         "for version in range(max(0, self._version >> self._eta), self._version + 1):",
         ("c >> eta <= max(0, c - eta) for all c, eta >= 0, so the loop only starts earlier, at versions past "
          "their deadline, whose slack is 0: the first admissible version found is the same")),
@@ -81,14 +81,14 @@ EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
     ("core/ReplaceComparisonOperator_Eq_LtE", 1): (
         "if view.free <= 0 and slot < self._eta:",
         "a view's free room is never negative (each step places min(count, free)): <= 0 holds exactly when == 0"),
-    ("core/ReplaceComparisonOperator_Lt_LtE", 1): ("if view.free == 0 and slot <= self._eta:", _LAST_VIEW),
-    ("core/ReplaceComparisonOperator_Lt_NotEq", 1): ("if view.free == 0 and slot != self._eta:", _LAST_VIEW),
-    ("core/ReplaceComparisonOperator_Lt_IsNot", 1): ("if view.free == 0 and slot is not self._eta:", _LAST_VIEW),
-    ("core/ReplaceBinaryOperator_Add_Mul", 11): ("for k in range(1, self._eta * 1):", _LAST_GUARD),
-    ("core/NumberReplacer", 63): ("for k in range(1, self._eta + 0):", _LAST_GUARD),
-    ("core/ReplaceBinaryOperator_Add_FloorDiv", 11): ("for k in range(1, self._eta // 1):", _LAST_GUARD),
-    ("core/ReplaceBinaryOperator_Add_Pow", 11): ("for k in range(1, self._eta ** 1):", _LAST_GUARD),
-    ("core/ReplaceBinaryOperator_Add_BitOr", 11): (
+    ("core/ReplaceComparisonOperator_Lt_LtE", 0): ("if view.free == 0 and slot <= self._eta:", _LAST_VIEW),
+    ("core/ReplaceComparisonOperator_Lt_NotEq", 0): ("if view.free == 0 and slot != self._eta:", _LAST_VIEW),
+    ("core/ReplaceComparisonOperator_Lt_IsNot", 0): ("if view.free == 0 and slot is not self._eta:", _LAST_VIEW),
+    ("core/ReplaceBinaryOperator_Add_Mul", 14): ("for k in range(1, self._eta * 1):", _LAST_GUARD),
+    ("core/NumberReplacer", 79): ("for k in range(1, self._eta + 0):", _LAST_GUARD),
+    ("core/ReplaceBinaryOperator_Add_FloorDiv", 14): ("for k in range(1, self._eta // 1):", _LAST_GUARD),
+    ("core/ReplaceBinaryOperator_Add_Pow", 14): ("for k in range(1, self._eta ** 1):", _LAST_GUARD),
+    ("core/ReplaceBinaryOperator_Add_BitOr", 14): (
         "for k in range(1, self._eta | 1):",
         "for even eta the loop is unchanged (eta | 1 = eta + 1); for odd eta it stops before k = eta: "
         + _LAST_GUARD,

@@ -10,8 +10,12 @@ Two measurements:
   chosen so that the protocol holds that many), to show the cost does not grow with the group count.
 * lock cost: the steady state again through :class:`LockedStalenessManager` (one uncontended
   re-entrant lock per call), next to the plain manager: the per-operation price of thread safety.
+* trace cost: the same recorded calls untraced, traced to a JSONL file (refused reserves counted,
+  the default) and traced with every refusal; the cost per admitted group and the traced/untraced
+  ratio (goal: a traced group costs at most 3x an untraced one).
 
-Reproduce: ``staleflow bench protocol [--json]``.
+Reproduce: ``staleflow bench protocol [--json]``; the trace table alone:
+``python -m staleflow.bench.protocol --trace-cost``.
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 from staleflow.protocol import LockedStalenessManager, ProtocolEvent, StalenessManager
+from staleflow.protocol.trace import JsonlTraceWriter
 
 OPS = ("reserve", "occupy", "abort", "consume")
 GOAL_OPS_PER_S = 200_000
@@ -31,6 +39,8 @@ GOAL_SCALING_RATIO = 1.5
 CONSUME_SIZES = (500, 2_000, 8_000, 32_000)
 #: consume must stay linear in B: ns per group taken at the largest B over the smallest.
 GOAL_CONSUME_RATIO = 2.0
+#: a traced group (refused reserves counted, not traced) costs at most this many untraced ones
+GOAL_TRACE_RATIO = 3.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,6 +220,56 @@ def lock_cost(batches: int, seed: int, overhead_ns: float, repeats: int = 5) -> 
     return rows
 
 
+def trace_cost(batches: int, seed: int, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """ns per admitted group of one recorded steady-state call sequence replayed untraced, traced
+    (``JsonlTraceWriter`` to a file, refused reserves counted) and traced with every refusal,
+    alternately ``repeats`` times each; the fastest run of each counts. Writing the file is included
+    (the writer is closed inside the timed loop)."""
+    rows = {}
+    for eta, batch_size in ((1, 64), (3, 512)):
+        ops = _recorded_ops(eta, batch_size, batches, seed)
+        groups = sum(1 for op, _ in ops if op in ("occupy", "abort"))  # every admitted group ends so
+        best = {"untraced": float("inf"), "traced": float("inf"), "traced_refusals": float("inf")}
+        with tempfile.TemporaryDirectory() as folder:
+            for _ in range(repeats):
+                for mode in best:
+                    manager = StalenessManager(eta, batch_size)
+                    calls = [(getattr(manager, op), args) for op, args in ops]
+                    start = time.perf_counter_ns()
+                    writer = None if mode == "untraced" else JsonlTraceWriter.attach(
+                        manager, Path(folder) / "trace.jsonl", refusals=mode == "traced_refusals")
+                    for fn, args in calls:
+                        fn(*args)
+                    if writer is not None:
+                        writer.close()
+                    best[mode] = min(best[mode], (time.perf_counter_ns() - start) / groups)
+        rows[f"eta={eta},B={batch_size}"] = {
+            "groups": float(groups),
+            "refused_reserves": float(sum(1 for op, _ in ops if op == "reserve") - groups),
+            **{f"{mode}_ns_per_group": ns for mode, ns in best.items()},
+            "traced_ratio": best["traced"] / best["untraced"],
+            "traced_refusals_ratio": best["traced_refusals"] / best["untraced"],
+        }
+    return rows
+
+
+def _print_trace_table(rows: dict[str, dict[str, float]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Trace cost per admitted group: untraced vs JsonlTraceWriter (ns, 1 thread, best of 5)")
+    for column in ("setting", "untraced", "traced", "ratio", "traced + refusals", "ratio"):
+        table.add_column(column, justify="left" if column == "setting" else "right")
+    for setting, row in rows.items():
+        table.add_row(setting, f"{row['untraced_ns_per_group']:,.0f}", f"{row['traced_ns_per_group']:,.0f}",
+                      f"{row['traced_ratio']:.2f}x", f"{row['traced_refusals_ns_per_group']:,.0f}",
+                      f"{row['traced_refusals_ratio']:.2f}x")
+    worst = max(row["traced_ratio"] for row in rows.values())
+    Console().print(table)
+    Console().print(f"worst traced/untraced ratio {worst:.2f}x (goal <= {GOAL_TRACE_RATIO}x: "
+                    f"{'met' if worst <= GOAL_TRACE_RATIO else 'NOT met'})")
+
+
 def _print_lock_table(rows: dict[str, dict[str, float]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -278,11 +338,16 @@ def run(args: argparse.Namespace) -> int:
     }
     lock_rows = lock_cost(args.batches, args.seed, overhead_ns)
     result["lock_cost"] = lock_rows
+    trace_rows = trace_cost(args.batches, args.seed)
+    worst_trace = max(row["traced_ratio"] for row in trace_rows.values())
+    result["trace_cost"] = trace_rows
+    result["goals"]["trace_ratio"] = {"goal": GOAL_TRACE_RATIO, "met": worst_trace <= GOAL_TRACE_RATIO}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     _print_tables(result)
     _print_lock_table(lock_rows)
+    _print_trace_table(trace_rows)
     return 0
 
 
@@ -321,3 +386,7 @@ def _print_tables(result: dict) -> None:
         f"(goal <= {GOAL_CONSUME_RATIO}x: {'met' if goals['consume_linear']['met'] else 'NOT met'})"
     )
     console.print(f"reproduce: {result['command']}")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--trace-cost"]:
+    _print_trace_table(trace_cost(batches=200, seed=0))

@@ -3,8 +3,10 @@
 Inside StaleFlow it is ``staleflow.protocol``; alone it installs as the dependency-free
 distribution ``staleflow-protocol`` (``pip install ./protocol``, Python >= 3.9), imported as
 ``staleflow_protocol``: the same files. ``LockedStalenessManager`` is the thread-safe wrapper;
-``python -m staleflow_protocol.check TRACE.jsonl`` checks a trace against the spec's mirror.
-See ``docs/integrating.md``.
+``python -m staleflow_protocol.check TRACE.jsonl`` checks a trace against the spec's mirror;
+``AsyncWaiter`` (module ``waiting``) makes readiness awaitable. Operations are atomic: an error comes
+before any state change, or the operation is applied and every hook runs (a failing hook surfaces
+as ``HookError``; see ``errors``). See ``docs/integrating.md``.
 
 >>> from staleflow.protocol import StalenessManager
 >>> m = StalenessManager(eta=1, batch_size=2)
@@ -18,13 +20,22 @@ See ``docs/integrating.md``.
 from .errors import (
     ConsumeNotReadyError,
     DuplicateGroupError,
+    HookError,
+    InvalidGroupIdError,
+    InvalidParameterError,
     InvalidTransitionError,
     InvalidVersionError,
     ProtocolError,
     SnapshotError,
+    StaleVersionError,
+    TraceClosedError,
     UnknownGroupError,
+    UnknownHookError,
 )
 from .events import (
+    ADMISSIBLE_AFTER,
+    CONSUMABLE_AFTER,
+    BufferView,
     ConsumedBatch,
     CounterState,
     EventHook,
@@ -34,10 +45,15 @@ from .events import (
     ProtocolEvent,
 )
 from .locked import LockedStalenessManager
-from .manager import SNAPSHOT_FORMAT, BufferView, StalenessManager
+from .manager import SNAPSHOT_FORMAT, StalenessManager
+from .stats import ProtocolStats
+from .waiting import AsyncWaiter
 
 __all__ = [
+    "ADMISSIBLE_AFTER",
+    "CONSUMABLE_AFTER",
     "SNAPSHOT_FORMAT",
+    "AsyncWaiter",
     "BufferView",
     "ConsumeNotReadyError",
     "ConsumedBatch",
@@ -47,12 +63,19 @@ __all__ = [
     "GroupId",
     "GroupRecord",
     "GroupStatus",
+    "HookError",
+    "InvalidGroupIdError",
+    "InvalidParameterError",
     "InvalidTransitionError",
     "InvalidVersionError",
     "LockedStalenessManager",
     "ProtocolError",
     "ProtocolEvent",
+    "ProtocolStats",
     "SnapshotError",
+    "StaleVersionError",
     "StalenessManager",
+    "TraceClosedError",
     "UnknownGroupError",
+    "UnknownHookError",
 ]

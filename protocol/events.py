@@ -43,7 +43,7 @@ class ConsumedBatch:
     dropped: tuple[GroupId, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CounterState:
     """The protocol's abstract state as counters: the head buffer and per-deadline group counts.
 
@@ -55,8 +55,16 @@ class CounterState:
     running: tuple[int, ...]
     done: tuple[int, ...]
 
+    def __init__(self, version: int, running: tuple[int, ...], done: tuple[int, ...]) -> None:
+        # The generated frozen __init__ sets each field through object.__setattr__ (about 1 us per
+        # event with ProtocolEvent's eight fields); filling __dict__ keeps tracing cheap.
+        fields = self.__dict__
+        fields["version"] = version
+        fields["running"] = running
+        fields["done"] = done
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class ProtocolEvent:
     """One operation on the manager, with its outcome and the state before and after it.
 
@@ -74,6 +82,62 @@ class ProtocolEvent:
     batch: ConsumedBatch | None
     before: CounterState
     after: CounterState
+
+    def __init__(
+        self,
+        seq: int,
+        op: str,
+        group_id: GroupId | None,
+        version: int | None,
+        accepted: bool | None,
+        batch: ConsumedBatch | None,
+        before: CounterState,
+        after: CounterState,
+    ) -> None:
+        fields = self.__dict__  # see CounterState.__init__
+        fields["seq"] = seq
+        fields["op"] = op
+        fields["group_id"] = group_id
+        fields["version"] = version
+        fields["accepted"] = accepted
+        fields["batch"] = batch
+        fields["before"] = before
+        fields["after"] = after
+
+
+#: The operations after which ``can_consume()`` may turn true: ``occupy`` (one more finished group),
+#: ``abort`` (a running group due soon is gone) and ``consume`` (the next buffer may be ready at
+#: once). A ``reserve`` never enables a consume (it only adds a running group), a refused one
+#: changes nothing. ``tests/test_protocol_waiting.py`` checks this claim on random runs.
+CONSUMABLE_AFTER = frozenset({"occupy", "abort", "consume"})
+
+#: The operations after which the admission room (``reserve_slack(v)``, ``can_reserve(v)``) may grow:
+#: ``abort`` (a place is freed) and ``consume`` (every deadline moves one buffer on, and versions up
+#: to the new ``manager.version`` become valid). ``occupy`` leaves it unchanged (a finished group keeps
+#: its place until consumed); an accepted ``reserve`` only shrinks it.
+ADMISSIBLE_AFTER = frozenset({"abort", "consume"})
+
+
+class BufferView:
+    """One virtual buffer of the earliest-deadline-first placement, for display."""
+
+    __slots__ = ("index", "capacity", "running", "done")
+
+    def __init__(self, index: int, capacity: int, running: int, done: int) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.running = running
+        self.done = done
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.running - self.done
+
+    def __repr__(self) -> str:
+        return (
+            f"BufferView(index={self.index}, capacity={self.capacity}, "
+            f"running={self.running}, done={self.done})"
+        )
 
 
 EventHook = Callable[[ProtocolEvent], None]

@@ -14,17 +14,28 @@ the manager. Compound decisions take the lock explicitly::
 or use the atomic helpers :meth:`LockedStalenessManager.try_consume` and
 :meth:`LockedStalenessManager.attach_trace` (snapshot and hook registration in one step, so no event
 is missed). ``staleflow bench protocol`` reports what the lock costs per operation.
+
+Blocking waits for threads (a trainer thread, a Ray actor's threads): :meth:`~LockedStalenessManager.wait_consumable`,
+:meth:`~LockedStalenessManager.wait_admissible` and :meth:`~LockedStalenessManager.consume_when_ready`
+sleep on a ``threading.Condition`` over the same lock, woken by the wrapper's own operations that
+can make them true (``events.CONSUMABLE_AFTER``, ``events.ADMISSIBLE_AFTER``) and when a
+:meth:`~LockedStalenessManager.locked` block ends. With a ``timeout`` (seconds) they return
+``False`` (or ``None``) when it passes; ``wait_admissible`` raises
+:class:`~.errors.StaleVersionError` once the version can never be admitted again.
+Operations are atomic as :class:`StalenessManager`'s are (see :mod:`.errors`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from .events import ConsumedBatch, CounterState, EventHook, GroupId, GroupRecord
-from .manager import BufferView, StalenessManager
+from .errors import StaleVersionError
+from .events import BufferView, ConsumedBatch, CounterState, EventHook, GroupId, GroupRecord
+from .manager import StalenessManager
+from .stats import ProtocolStats
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -44,22 +55,73 @@ class LockedStalenessManager:
     def __init__(self, manager: StalenessManager) -> None:
         self._manager = manager
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._waiting = 0  # threads inside a wait: notify only when someone listens
 
     @classmethod
     def create(
-        cls, eta: int, batch_size: int, redundancy: int = 0, on_event: EventHook | None = None
+        cls, eta: int, batch_size: int, redundancy: int = 0, on_event: EventHook | None = None,
+        hooks: Iterable[EventHook] = (),
     ) -> LockedStalenessManager:
-        return cls(StalenessManager(eta, batch_size, redundancy, on_event))
+        return cls(StalenessManager(eta, batch_size, redundancy, on_event, hooks))
 
     @classmethod
-    def restore(cls, snapshot: Mapping[str, Any], on_event: EventHook | None = None) -> LockedStalenessManager:
-        return cls(StalenessManager.restore(snapshot, on_event))
+    def restore(
+        cls, snapshot: Mapping[str, Any], on_event: EventHook | None = None, hooks: Iterable[EventHook] = ()
+    ) -> LockedStalenessManager:
+        return cls(StalenessManager.restore(snapshot, on_event, hooks))
 
     @contextmanager
     def locked(self) -> Iterator[StalenessManager]:
-        """Hold the lock for a compound decision; yields the inner manager (use it only inside)."""
+        """Hold the lock for a compound decision; yields the inner manager (use it only inside).
+        Waiting threads are woken when the block ends (it may have changed anything)."""
         with self._lock:
-            yield self._manager
+            try:
+                yield self._manager
+            finally:
+                self._notify()
+
+    def _notify(self) -> None:
+        if self._waiting:
+            self._changed.notify_all()
+
+    # ----------------------------------------------------------------- blocking waits
+    def wait_consumable(self, timeout: float | None = None) -> bool:
+        """Block until ``can_consume()`` (True), or ``timeout`` seconds pass (False)."""
+        with self._lock:
+            return self._wait(self._manager.can_consume, timeout)
+
+    def wait_admissible(self, version: int, timeout: float | None = None) -> bool:
+        """Block until a group generated from ``version`` would be admitted now (True), or ``timeout``
+        seconds pass (False). Raises :class:`~.errors.StaleVersionError` once ``version`` is past
+        every deadline (``version + eta < self.version``): waiting longer would never succeed.
+        Another thread may take the room first: ``reserve`` still decides."""
+        with self._lock:
+            manager = self._manager
+
+            def admissible() -> bool:
+                if version + manager.eta < manager.version:
+                    raise StaleVersionError(
+                        f"version {version} can never be admitted again: the trainer is at "
+                        f"{manager.version} and eta is {manager.eta}; sync the engine"
+                    )
+                return manager.reserve_slack(version) > 0
+
+            return self._wait(admissible, timeout)
+
+    def consume_when_ready(self, timeout: float | None = None) -> ConsumedBatch | None:
+        """Wait until a batch can be taken and take it (one step under the lock); None on timeout."""
+        with self._lock:
+            if not self._wait(self._manager.can_consume, timeout):
+                return None
+            return self.consume()
+
+    def _wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        self._waiting += 1
+        try:
+            return self._changed.wait_for(ready, timeout)
+        finally:
+            self._waiting -= 1
 
     # ----------------------------------------------------------------- parameters and queries
     @property
@@ -99,6 +161,22 @@ class LockedStalenessManager:
     def capacity(self, offset: int) -> int:
         return self._manager.capacity(offset)
 
+    def start_capacity(self, version: int, max_in_flight: int) -> int:
+        with self._lock:
+            return self._manager.start_capacity(version, max_in_flight)
+
+    def blocking_groups(self) -> tuple[GroupId, ...]:
+        with self._lock:
+            return self._manager.blocking_groups()
+
+    def stats(self) -> ProtocolStats:
+        with self._lock:
+            return self._manager.stats()
+
+    def interrupted_groups(self) -> tuple[GroupId, ...]:
+        with self._lock:
+            return self._manager.interrupted_groups()
+
     def counts(self) -> CounterState:
         with self._lock:
             return self._manager.counts()
@@ -124,34 +202,45 @@ class LockedStalenessManager:
             return self._manager.can_consume()
 
     # ----------------------------------------------------------------- operations
+    # A reserve never makes a wait succeed (events.CONSUMABLE_AFTER, ADMISSIBLE_AFTER): it notifies
+    # nobody. The others notify in ``finally``: an operation whose hook failed was still applied.
     def reserve(self, group_id: GroupId, version: int) -> bool:
         with self._lock:
             return self._manager.reserve(group_id, version)
 
     def occupy(self, group_id: GroupId) -> None:
         with self._lock:
-            self._manager.occupy(group_id)
+            try:
+                self._manager.occupy(group_id)
+            finally:
+                self._notify()
 
     def abort(self, group_id: GroupId) -> None:
         with self._lock:
-            self._manager.abort(group_id)
+            try:
+                self._manager.abort(group_id)
+            finally:
+                self._notify()
 
     def abort_if_active(self, group_id: GroupId) -> bool:
         """Abort ``group_id`` if it is active (atomically); False if it was not."""
         with self._lock:
             if group_id not in self._manager:
                 return False
-            self._manager.abort(group_id)
+            self.abort(group_id)
             return True
 
     def consume(self) -> ConsumedBatch:
         with self._lock:
-            return self._manager.consume()
+            try:
+                return self._manager.consume()
+            finally:
+                self._notify()
 
     def try_consume(self) -> ConsumedBatch | None:
         """The next batch if consume is enabled now, else None (check and take in one step)."""
         with self._lock:
-            return self._manager.consume() if self._manager.can_consume() else None
+            return self.consume() if self._manager.can_consume() else None
 
     # ----------------------------------------------------------------- hooks, checkpoints, traces
     def add_event_hook(self, hook: EventHook) -> None:
@@ -166,9 +255,10 @@ class LockedStalenessManager:
         with self._lock:
             return self._manager.snapshot()
 
-    def attach_trace(self, path: str | Path, mode: str = "w") -> JsonlTraceWriter:
-        """Start a JSONL trace of this manager; the snapshot and the hook are taken atomically."""
+    def attach_trace(self, path: str | Path, mode: str = "w", refusals: bool = False) -> JsonlTraceWriter:
+        """Start a JSONL trace of this manager; the snapshot and the hook are taken atomically
+        (``refusals``: see :meth:`~.trace.JsonlTraceWriter.attach`)."""
         from .trace import JsonlTraceWriter
 
         with self._lock:
-            return JsonlTraceWriter.attach(self, path, mode)
+            return JsonlTraceWriter.attach(self, path, mode, refusals)

@@ -4,6 +4,7 @@ State (design section 2): the head buffer ``c`` (``version``), and for each acti
 version ``v`` and status. A group's deadline is ``v + eta``: the last buffer it may be trained in.
 Groups are kept in ``eta + 1`` buckets by deadline offset ``v + eta - c``, so every decision reads
 ``eta + 1`` counters and never scans the groups.
+Operations are atomic: see :mod:`.errors` for the contract.
 
 Invariant (Inv), for ``cap(k) = (k + 1) * batch_size + redundancy``:
 every active group has ``c <= deadline <= c + eta``, and for each ``k`` in ``0..eta`` at most
@@ -15,17 +16,22 @@ for nested intervals: the groups can be placed in buffers ``c..deadline`` with a
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from .errors import (
     ConsumeNotReadyError,
     DuplicateGroupError,
+    HookError,
+    InvalidGroupIdError,
+    InvalidParameterError,
     InvalidTransitionError,
     InvalidVersionError,
     SnapshotError,
     UnknownGroupError,
+    UnknownHookError,
 )
 from .events import (
+    BufferView,
     ConsumedBatch,
     CounterState,
     EventHook,
@@ -34,6 +40,9 @@ from .events import (
     GroupStatus,
     ProtocolEvent,
 )
+from .inputs import as_int
+from .inputs import check_int as _check_int
+from .stats import FULL, STALE, OperationTally, ProtocolStats
 
 SNAPSHOT_FORMAT = "staleflow.protocol/1"
 
@@ -51,36 +60,6 @@ class _Bucket:
         return len(self.running) + len(self.done)
 
 
-class BufferView:
-    """One virtual buffer of the earliest-deadline-first placement, for display."""
-
-    __slots__ = ("index", "capacity", "running", "done")
-
-    def __init__(self, index: int, capacity: int, running: int, done: int) -> None:
-        self.index = index
-        self.capacity = capacity
-        self.running = running
-        self.done = done
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.running - self.done
-
-    def __repr__(self) -> str:
-        return (
-            f"BufferView(index={self.index}, capacity={self.capacity}, "
-            f"running={self.running}, done={self.done})"
-        )
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 class StalenessManager:
     """Admission and consumption of prompt groups so that every trained group is at most ``eta`` stale.
 
@@ -92,16 +71,11 @@ class StalenessManager:
         redundancy: extra groups that may be admitted beyond what the batches can take; surplus
             groups whose deadline passes are dropped at consume time and reported in
             ``ConsumedBatch.dropped`` (at most ``redundancy`` per batch).
-        on_event: optional hook called after every operation with a :class:`ProtocolEvent`.
+        on_event, hooks: hooks called after every operation with a :class:`ProtocolEvent`, in order.
     """
 
-    def __init__(
-        self,
-        eta: int,
-        batch_size: int,
-        redundancy: int = 0,
-        on_event: EventHook | None = None,
-    ) -> None:
+    def __init__(self, eta: int, batch_size: int, redundancy: int = 0, on_event: EventHook | None = None,
+                 hooks: Iterable[EventHook] = ()) -> None:
         self._eta = _check_int("eta", eta, 0)
         self._batch_size = _check_int("batch_size", batch_size, 1)
         self._redundancy = _check_int("redundancy", redundancy, 0)
@@ -110,8 +84,11 @@ class StalenessManager:
         # group id -> version; the status is which dict of its bucket holds the id. Plain ints keep
         # this dict out of the garbage collector's way, so per-operation cost stays flat at 100k groups.
         self._versions: dict[GroupId, int] = {}
-        self._hooks: list[EventHook] = [] if on_event is None else [on_event]
+        self._hooks: list[EventHook] = ([] if on_event is None else [on_event]) + list(hooks)
         self._seq = 0
+        self._last_counts: CounterState | None = None  # the last event's after-state: the next one's before
+        self._interrupted: dict[GroupId, None] = {}  # running groups of the snapshot restored from
+        self._tally = OperationTally(self._eta)  # for stats(), since this object was built or restored
 
     # ----------------------------------------------------------------- parameters and queries
     @property
@@ -157,15 +134,14 @@ class StalenessManager:
 
     def counts(self) -> CounterState:
         """Running and done counts per deadline offset ``0..eta``: the state the spec tracks."""
+        buckets = self._buckets
         return CounterState(
-            version=self._version,
-            running=tuple(len(b.running) for b in self._buckets),
-            done=tuple(len(b.done) for b in self._buckets),
+            self._version, tuple([len(b.running) for b in buckets]), tuple([len(b.done) for b in buckets])
         )
 
     def reserve_slack(self, version: int) -> int:
         """How many more groups generated from ``version`` would be admitted right now (0: none)."""
-        self._check_version(version)
+        version = self._check_version(version)
         return self._slack_at(version + self._eta - self._version)
 
     def can_reserve(self, version: int) -> bool:
@@ -182,6 +158,41 @@ class StalenessManager:
             if self.reserve_slack(version) > 0:
                 return version
         return None
+
+    def start_capacity(self, version: int, max_in_flight: int) -> int:
+        """Groups that may start now at ``version`` with at most ``max_in_flight`` running (AReaL's
+        ``get_capacity``): the reserve slack, capped by ``max_in_flight`` minus the running groups."""
+        slack = self.reserve_slack(version)
+        limit = _check_int("max_in_flight", max_in_flight, 0)
+        running = sum(len(bucket.running) for bucket in self._buckets)
+        return max(0, min(slack, limit - running))
+
+    def blocking_groups(self) -> tuple[GroupId, ...]:
+        """The fewest running groups whose finishing enables ``consume`` (earliest deadlines first, which
+        is optimal); every running group if fewer than ``batch_size`` are active; () if consumable."""
+        done = [len(bucket.done) for bucket in self._buckets]
+        if self._plan(done) is not None:
+            return ()
+        waiting: list[GroupId] = []
+        for offset, bucket in enumerate(self._buckets):
+            for group_id in bucket.running:
+                waiting.append(group_id)
+                done[offset] += 1
+                if self._plan(done) is not None:
+                    return tuple(waiting)
+        return tuple(waiting)
+
+    def stats(self) -> ProtocolStats:
+        """Counts by deadline, operation counters, refusals, drops, staleness, blocking groups."""
+        return self._tally.report(self.counts(), self.can_consume(), self.blocking_groups(),
+                                  max(0, self._batch_size - len(self._versions)))
+
+    def interrupted_groups(self) -> tuple[GroupId, ...]:
+        """Groups running in the snapshot restored from, still running: their generation died in the
+        crash; resume (same id and version) or abort each. Empty for a manager not restored."""
+        self._interrupted = {g: None for g in self._interrupted if g in self._versions
+                             and g in self._bucket_at(self._versions[g]).running}
+        return tuple(self._interrupted)
 
     def buffers(self) -> tuple[BufferView, ...]:
         """The earliest-deadline-first placement of active groups into buffers ``version..version+eta``.
@@ -210,19 +221,23 @@ class StalenessManager:
         """Admit a group generated from model ``version``, or refuse it (returns False).
 
         Admission is exact: a group is refused only if no placement of all active groups plus this
-        one keeps every group within its bound. Raises ``InvalidVersionError`` for a negative
-        version or one above :attr:`version`, ``DuplicateGroupError`` for an active id.
+        one keeps every group within its bound. Raises ``InvalidVersionError`` (version not an int,
+        negative or above :attr:`version`), ``DuplicateGroupError`` (active id), ``InvalidGroupIdError``.
+        The id of a group that left may be reserved again: refusing it would need unbounded memory.
         """
         if isinstance(group_id, bool) or not isinstance(group_id, (str, int)):
-            raise TypeError(f"group_id must be a str or int, got {type(group_id).__name__}")
-        self._check_version(version)
+            raise InvalidGroupIdError(f"group_id must be a str or int, got {type(group_id).__name__}")
+        version = self._check_version(version)
         if group_id in self._versions:
             raise DuplicateGroupError(f"group {group_id!r} is already active")
-        before = self.counts() if self._hooks else None
+        before = self._before() if self._hooks else None
         accepted = self._slack_at(version + self._eta - self._version) > 0
         if accepted:
             self._bucket_at(version).running[group_id] = None
             self._versions[group_id] = version
+            self._tally.reserved += 1
+        else:
+            self._tally.refused[STALE if version + self._eta < self._version else FULL] += 1
         if before is not None:
             self._emit("reserve", group_id, version, accepted, None, before)
         return accepted
@@ -233,17 +248,19 @@ class StalenessManager:
         bucket = self._bucket_at(version)
         if group_id not in bucket.running:
             raise InvalidTransitionError(f"cannot occupy group {group_id!r}: it is already done")
-        before = self.counts() if self._hooks else None
+        before = self._before() if self._hooks else None
         del bucket.running[group_id]
         bucket.done[group_id] = None
+        self._tally.occupied += 1
         if before is not None:
             self._emit("occupy", group_id, version, None, None, before)
 
     def abort(self, group_id: GroupId) -> None:
         """Remove a running or finished, unconsumed group (failed instance, filter, cancellation)."""
         version = self._version_of(group_id)
-        before = self.counts() if self._hooks else None
+        before = self._before() if self._hooks else None
         bucket = self._bucket_at(version)
+        self._tally.aborted += 1
         if bucket.running.pop(group_id, bucket) is bucket:
             del bucket.done[group_id]
         del self._versions[group_id]
@@ -264,7 +281,7 @@ class StalenessManager:
         plan = self._consume_plan()
         if plan is None:
             raise ConsumeNotReadyError(self._not_ready_reason())
-        before = self.counts() if self._hooks else None
+        before = self._before() if self._hooks else None
         taken: list[GroupId] = []
         for bucket, count in zip(self._buckets, plan):
             if count:
@@ -282,6 +299,7 @@ class StalenessManager:
         for group_id in dropped:
             del self._versions[group_id]
         batch = ConsumedBatch(self._version, tuple(taken), versions, dropped)
+        self._tally.count_batch(self._version, versions, len(dropped))
         self._version += 1
         if before is not None:
             self._emit("consume", None, batch.version, None, batch, before)
@@ -289,11 +307,16 @@ class StalenessManager:
 
     # ----------------------------------------------------------------- hooks and checkpoints
     def add_event_hook(self, hook: EventHook) -> None:
-        """Call ``hook`` after every operation (for traces, metrics and trace validation)."""
+        """Call ``hook`` after every operation (each hook runs even if an earlier one raises)."""
+        self._last_counts = None  # operations without hooks did not record their after-state
         self._hooks.append(hook)
 
     def remove_event_hook(self, hook: EventHook) -> None:
-        self._hooks.remove(hook)
+        """Stop calling ``hook``; :class:`~.errors.UnknownHookError` if it is not registered."""
+        try:
+            self._hooks.remove(hook)
+        except ValueError:
+            raise UnknownHookError(f"event hook {hook!r} is not registered") from None
 
     def snapshot(self) -> dict[str, Any]:
         """The whole state as JSON-serialisable data; :meth:`restore` rebuilds an equal manager."""
@@ -308,35 +331,41 @@ class StalenessManager:
 
     @classmethod
     def restore(
-        cls, snapshot: Mapping[str, Any], on_event: EventHook | None = None
+        cls, snapshot: Mapping[str, Any], on_event: EventHook | None = None, hooks: Iterable[EventHook] = ()
     ) -> StalenessManager:
-        """Rebuild a manager from :meth:`snapshot` data, checking every field and the invariant."""
+        """Rebuild a manager from :meth:`snapshot` data, checking every field (a ``SnapshotError`` names
+        it) and the invariant; hooks as in the constructor; see :meth:`interrupted_groups`."""
         if not isinstance(snapshot, Mapping) or snapshot.get("format") != SNAPSHOT_FORMAT:
             raise SnapshotError(f"not a staleness-manager snapshot (expected format {SNAPSHOT_FORMAT!r})")
+        missing = [name for name in ("eta", "batch_size", "redundancy", "version", "groups") if name not in snapshot]
+        if missing:
+            raise SnapshotError(f"invalid snapshot: missing field(s) {', '.join(map(repr, missing))}")
         try:
             manager = cls(snapshot["eta"], snapshot["batch_size"], snapshot["redundancy"])
             manager._version = _check_int("version", snapshot["version"], 0)
-            groups = snapshot["groups"]
-        except (KeyError, ValueError) as error:
-            raise SnapshotError(f"invalid snapshot: {error}") from None
+        except InvalidParameterError as error:
+            raise SnapshotError(f"invalid snapshot field: {error}") from None
+        groups = snapshot["groups"]
         if not isinstance(groups, list):
-            raise SnapshotError("invalid snapshot: 'groups' must be a list")
+            raise SnapshotError("invalid snapshot field: 'groups' must be a list")
         for entry in groups:
             manager._restore_group(entry)
         manager._check_invariant()
-        manager._hooks = [] if on_event is None else [on_event]
+        manager._interrupted = {g: None for bucket in manager._buckets for g in bucket.running}
+        manager._hooks = ([] if on_event is None else [on_event]) + list(hooks)
         return manager
 
     # ----------------------------------------------------------------- internals
-    def _check_version(self, version: int) -> None:
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise InvalidVersionError(f"version must be an int, got {version!r}")
+    def _check_version(self, version: int) -> int:
+        """``version`` as a plain int, or :class:`InvalidVersionError` (not an integer, negative, ahead)."""
+        version = as_int("version", version, InvalidVersionError)
         if version < 0:
             raise InvalidVersionError(f"version must be >= 0, got {version}")
         if version > self._version:
             raise InvalidVersionError(
                 f"version {version} is ahead of the trainer: the newest model is {self._version}"
             )
+        return version
 
     def _slack_at(self, offset: int) -> int:
         """min over k >= offset of cap(k) - #{groups with deadline offset <= k}; 0 if offset < 0."""
@@ -363,15 +392,17 @@ class StalenessManager:
         return self._buckets[version + self._eta - self._version]
 
     def _consume_plan(self) -> list[int] | None:
-        """How many done groups to take per deadline offset, or None when consume is not enabled.
+        """How many done groups to take per deadline offset, or None when consume is not enabled."""
+        return self._plan([len(bucket.done) for bucket in self._buckets])
 
-        Taking done groups earliest-deadline-first is optimal for every constraint at once: it
-        takes the most head-buffer groups (fewest drops) and lowers every prefix count the most.
-        """
+    def _plan(self, done: list[int]) -> list[int] | None:
+        """The consume plan if ``done[k]`` groups due at offset ``k`` were finished, else None. Taking
+        done groups earliest-deadline-first is optimal for every constraint at once: it takes the most
+        head-buffer groups (fewest drops) and lowers every prefix count the most."""
         need = self._batch_size
         plan: list[int] = []
-        for bucket in self._buckets:
-            take = min(need, len(bucket.done))
+        for finished in done:
+            take = min(need, finished)
             plan.append(take)
             need -= take
         if need:
@@ -404,7 +435,7 @@ class StalenessManager:
         if group_id in self._versions:
             raise SnapshotError(f"invalid snapshot: group {group_id!r} appears twice")
         try:
-            self._check_version(version)
+            version = self._check_version(version)
             record = GroupRecord(group_id, version, GroupStatus(status))
         except ValueError as error:
             raise SnapshotError(f"invalid snapshot group {group_id!r}: {error}") from None
@@ -425,16 +456,21 @@ class StalenessManager:
                     f"at most {self.capacity(k)} allowed"
                 )
 
-    def _emit(
-        self,
-        op: str,
-        group_id: GroupId | None,
-        version: int | None,
-        accepted: bool | None,
-        batch: ConsumedBatch | None,
-        before: CounterState,
-    ) -> None:
-        event = ProtocolEvent(self._seq, op, group_id, version, accepted, batch, before, self.counts())
+    def _emit(self, op: str, group_id: GroupId | None, version: int | None, accepted: bool | None,
+              batch: ConsumedBatch | None, before: CounterState) -> None:
+        after = self.counts()
+        event = ProtocolEvent(self._seq, op, group_id, version, accepted, batch, before, after)
         self._seq += 1
-        for hook in self._hooks:
-            hook(event)
+        self._last_counts = after
+        failures: list[tuple[EventHook, BaseException]] = []
+        for hook in tuple(self._hooks):  # a copy: a hook may remove itself (a trace writer closing)
+            try:
+                hook(event)
+            except Exception as error:  # noqa: BLE001 - the other hooks must still see the event
+                failures.append((hook, error))
+        if failures:
+            raise HookError(event, failures) from failures[0][1]
+
+    def _before(self) -> CounterState:
+        """The state before an operation: the last event's after-state (hooks see every change), or counted."""
+        return self.counts() if self._last_counts is None else self._last_counts

@@ -25,12 +25,19 @@ def test_bench_protocol(capsys: pytest.CaptureFixture[str]) -> None:
     assert sorted(doc["steady_state"]) == ["eta=1,B=512", "eta=1,B=64", "eta=3,B=512", "eta=3,B=64"]
     assert all(row["consumed_batches"] >= 5 and row["all_ops_per_s"] > 0 for row in doc["steady_state"].values())
     assert sorted(doc["consume_by_batch_size"]) == ["4", "8"]
-    assert set(doc["goals"]) == {"ops_per_s", "scaling_ratio", "consume_linear"}
+    assert set(doc["goals"]) == {"ops_per_s", "scaling_ratio", "consume_linear", "trace_ratio"}
     assert doc["goals"]["ops_per_s"]["met"] == (doc["slowest_all_ops_per_s"] >= doc["goals"]["ops_per_s"]["goal"])
     assert doc["command"].startswith("staleflow bench protocol")
     assert set(doc["lock_cost"]) == {"eta=1,B=64", "eta=3,B=512"}
     rows = doc["lock_cost"].values()
     assert all(row["locked_ns_per_op"] - row["plain_ns_per_op"] == pytest.approx(row["lock_ns_per_op"]) for row in rows)
+    trace = doc["trace_cost"]
+    assert set(trace) == {"eta=1,B=64", "eta=3,B=512"}
+    for row in trace.values():
+        assert row["groups"] > 0 and row["refused_reserves"] > 0
+        assert row["traced_ratio"] == pytest.approx(row["traced_ns_per_group"] / row["untraced_ns_per_group"])
+    worst = max(row["traced_ratio"] for row in trace.values())
+    assert doc["goals"]["trace_ratio"] == {"goal": 3.0, "met": worst <= 3.0}
 
 
 def test_bench_protocol_tables_show_the_figures_and_verdicts(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,7 +55,10 @@ def test_bench_protocol_tables_show_the_figures_and_verdicts(capsys: pytest.Capt
     protocol._print_tables(result)
     protocol._print_lock_table({"eta=1,B=64": {"plain_ns_per_op": 100.0, "locked_ns_per_op": 150.0, "lock_ns_per_op": 50.0,
                                                 "lock_overhead_pct": 50.0}})
+    protocol._print_trace_table({"eta=1,B=64": {"untraced_ns_per_group": 1000.0, "traced_ns_per_group": 2500.0, "traced_ratio": 2.5,
+                                                 "traced_refusals_ns_per_group": 4000.0, "traced_refusals_ratio": 4.0}})
     out = " ".join(capsys.readouterr().out.split())
+    assert "│ 1,000 │ 2,500 │ 2.50x │ 4,000 │ 4.00x │" in out and "worst traced/untraced ratio 2.50x (goal <= 3.0x: met)" in out
     assert "eta=1,B=64" in out and "1,000" in out and "│ 1,000 │ 210 │ 320 │ 430 │" in out and "0.012" in out
     assert f"slowest steady state: 12,345 ops/s (goal >= {protocol.GOAL_OPS_PER_S:,}: NOT met)" in out
     assert "worst cost ratio 1k -> 100k groups: 1.50x" in out and "largest B over smallest: 3.25x" in out

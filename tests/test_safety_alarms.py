@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from staleflow.protocol.errors import HookError
 from staleflow.protocol.events import ConsumedBatch, CounterState, ProtocolEvent
 from staleflow.runtime.servers.trajectory_server import GroupState, RequestState, TrajectoryServer
 from staleflow.runtime.types import PromptGroup, TrainingBatch, Trajectory
@@ -120,8 +121,12 @@ def test_chaos_fires_on_a_livelock_past_the_event_budget(chaos_run: ChaosRun, mo
     """A step that takes more protocol events than the budget (here: a budget of 3 events, below
     what any step needs, stands for a runtime that admits and aborts without training)."""
     monkeypatch.setattr(chaos, "STEP_BUDGET_EVENTS", 3)
-    with pytest.raises(LivenessViolation, match="no training step finished within 3 protocol events"):
+    # raised by the check hook, so it reaches the caller inside the operation's HookError (issue 26)
+    with pytest.raises(HookError) as raised:
         chaos_run.step()
+    [(_, violation)] = raised.value.failures
+    assert isinstance(violation, LivenessViolation)
+    assert "no training step finished within 3 protocol events" in str(violation)
 
 
 def test_chaos_fires_when_the_trainer_stops_advancing(chaos_run: ChaosRun, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ def test_trace_round_trip(tmp_path: Path) -> None:
     seen: list[ProtocolEvent] = []
     manager.add_event_hook(seen.append)
     path = tmp_path / "trace.jsonl"
-    with JsonlTraceWriter.attach(manager, path) as writer:
+    with JsonlTraceWriter.attach(manager, path, refusals=True) as writer:
         assert manager.reserve("a", 0) and manager.reserve(7, 0) and manager.reserve("c", 0)
         manager.occupy("a")
         manager.occupy(7)

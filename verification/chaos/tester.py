@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from staleflow.protocol.errors import HookError
 from staleflow.protocol.events import ProtocolEvent
 from staleflow.runtime.run.clock import VirtualClock
 from staleflow.runtime.types import PromptGroup
@@ -70,6 +71,16 @@ class LivenessViolation(RuntimeError):
 
 class SafetyViolation(AssertionError):
     """A checked property failed (lost or duplicated data, staleness above eta, a rejected trace)."""
+
+
+def _violation_in(error: Exception) -> SafetyViolation | LivenessViolation | None:
+    """The violation ``error`` reports: itself, or the one a check hook raised inside a protocol
+    operation (the operation was applied and then raised ``HookError`` carrying it)."""
+    if isinstance(error, (SafetyViolation, LivenessViolation)):
+        return error
+    if isinstance(error, HookError):
+        return next((e for _, e in error.failures if isinstance(e, (SafetyViolation, LivenessViolation))), None)
+    return None
 
 
 class BudgetClock(VirtualClock):
@@ -292,14 +303,16 @@ class ChaosRun:
             self.loop.close()
             self.loop = None
             self.check_trace()
-        except (SafetyViolation, LivenessViolation) as error:
-            violation = f"{type(error).__name__}: {error}"
         except Exception as error:  # noqa: BLE001 - any crash of the runtime under a fault is a finding
-            frame = traceback.extract_tb(error.__traceback__)[-1]
-            violation = (
-                f"run crashed: {type(error).__name__}: {error} "
-                f"(at {Path(frame.filename).name}:{frame.lineno} in {frame.name})"
-            )
+            found = _violation_in(error)
+            if found is not None:
+                violation = f"{type(found).__name__}: {found}"
+            else:
+                frame = traceback.extract_tb(error.__traceback__)[-1]
+                violation = (
+                    f"run crashed: {type(error).__name__}: {error} "
+                    f"(at {Path(frame.filename).name}:{frame.lineno} in {frame.name})"
+                )
         finally:
             self.hung.release()
             self._close()

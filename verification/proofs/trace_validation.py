@@ -265,7 +265,7 @@ def record_workload_trace(
     """
     rng = random.Random(seed)
     manager = StalenessManager(eta, batch_size, redundancy)
-    writer = JsonlTraceWriter.attach(manager, path)
+    writer = JsonlTraceWriter.attach(manager, path, refusals=True)  # check every refusal too
     written, next_id, resumed = 0, 0, False
     try:
         while written < ops:
@@ -273,7 +273,7 @@ def record_workload_trace(
                 resumed = True
                 writer.close()
                 manager = StalenessManager.restore(manager.snapshot())
-                writer = JsonlTraceWriter.attach(manager, path, mode="a")
+                writer = JsonlTraceWriter.attach(manager, path, mode="a", refusals=True)
             groups = list(manager.groups())
             running = [g.group_id for g in groups if g.status.value == "running"]
             roll = rng.random()

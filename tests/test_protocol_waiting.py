@@ -1,0 +1,217 @@
+"""Waiting for the protocol (issue 26): the documented wake-up sets are right, AsyncWaiter with real
+asyncio tasks (and a locked manager driven from another thread), and the locked wrapper's blocking
+waits with real threads and timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+from staleflow.protocol import (
+    ADMISSIBLE_AFTER,
+    CONSUMABLE_AFTER,
+    AsyncWaiter,
+    ConsumedBatch,
+    LockedStalenessManager,
+    StalenessManager,
+    StaleVersionError,
+)
+
+
+def _slacks(manager: StalenessManager) -> list[int]:
+    return [manager.reserve_slack(v) for v in range(manager.version + 1)]
+
+
+@pytest.mark.parametrize("eta, batch_size, redundancy", [(0, 1, 0), (1, 2, 1), (2, 3, 0), (3, 2, 2)])
+def test_only_the_documented_operations_enable_consume_or_widen_admission(eta: int, batch_size: int, redundancy: int) -> None:
+    """On random runs: an operation outside CONSUMABLE_AFTER never turns can_consume() true, one
+    outside ADMISSIBLE_AFTER never raises any version's reserve slack; and the listed ones do sometimes."""
+    rng = random.Random(eta * 100 + batch_size)
+    manager = StalenessManager(eta, batch_size, redundancy)
+    enabled: set[str] = set()
+    widened: set[str] = set()
+    for n in range(3000):
+        consumable, slacks = manager.can_consume(), _slacks(manager)
+        running = [g.group_id for g in manager.groups() if g.status.value == "running"]
+        roll = rng.random()
+        if roll < 0.45:
+            op = "reserve"
+            manager.reserve(n, max(0, manager.version - rng.randint(0, eta + 1)))
+        elif roll < 0.75 and running:
+            op = "occupy"
+            manager.occupy(rng.choice(running))
+        elif roll < 0.85 and len(manager):
+            op = "abort"
+            manager.abort(rng.choice(list(manager.groups())).group_id)
+        elif consumable:
+            op = "consume"
+            manager.consume()
+        else:
+            continue
+        if manager.can_consume() and not consumable:
+            enabled.add(op)
+        after = _slacks(manager)
+        if any(a > b for a, b in zip(after, slacks)) or len(after) > len(slacks):
+            widened.add(op)
+    assert enabled <= CONSUMABLE_AFTER and widened <= ADMISSIBLE_AFTER
+    assert "occupy" in enabled and "consume" in widened and "abort" in widened
+
+
+# ----------------------------------------------------------------------------- asyncio
+
+
+def test_async_rollout_loop_awaits_admission_and_batches() -> None:
+    """4 producer tasks await admission when refused; the trainer task awaits a batch. Every group
+    is trained within its bound and nobody polls."""
+
+    async def main() -> tuple[list[ConsumedBatch], int]:
+        manager = StalenessManager(eta=1, batch_size=4)
+        waiter = AsyncWaiter(manager)
+        batches: list[ConsumedBatch] = []
+        waits = 0
+
+        async def producer(k: int) -> None:
+            nonlocal waits
+            rng = random.Random(k)
+            for n in range(40):
+                group, version = f"w{k}-{n}", manager.version
+                while not manager.reserve(group, version):
+                    waits += 1
+                    try:
+                        await waiter.wait_admissible(version)
+                    except StaleVersionError:
+                        version = manager.version  # sync to the newest model
+                await asyncio.sleep(rng.random() / 1000)  # generate
+                manager.occupy(group)
+
+        async def trainer() -> None:
+            while len(batches) < 40:
+                assert await waiter.wait_consumable(timeout=10)
+                batches.append(manager.consume())
+                await asyncio.sleep(0)
+
+        await asyncio.gather(trainer(), *(producer(k) for k in range(4)))
+        waiter.close()
+        return batches, waits
+
+    batches, waits = asyncio.run(main())
+    assert [b.version for b in batches] == list(range(40)) and waits > 0
+    assert all(v <= b.version <= v + 1 for b in batches for v in b.group_versions)
+    assert len({g for b in batches for g in b.group_ids}) == 160
+
+
+def test_async_waits_time_out_and_refuse_a_stale_version() -> None:
+    async def main() -> None:
+        manager = StalenessManager(eta=0, batch_size=1)
+        with AsyncWaiter(manager) as waiter:
+            started = time.monotonic()
+            assert await waiter.wait_consumable(timeout=0.05) is False
+            assert time.monotonic() - started >= 0.04
+            manager.reserve("a", 0)
+            assert await waiter.wait_admissible(0, timeout=0.05) is False  # buffer 0 is full
+            waiting = asyncio.ensure_future(waiter.wait_admissible(0))
+            await asyncio.sleep(0.01)
+            manager.occupy("a")
+            manager.consume()  # version 1: version 0's deadline passed while the task waited
+            with pytest.raises(StaleVersionError, match="can never be admitted again"):
+                await waiting
+            assert await waiter.wait_admissible(1) is True
+        assert manager.snapshot()["groups"] == []
+
+    asyncio.run(main())
+
+
+def test_async_waiter_is_woken_by_a_locked_manager_driven_from_a_thread() -> None:
+    async def main() -> ConsumedBatch | None:
+        locked = LockedStalenessManager.create(eta=1, batch_size=2)
+        waiter = AsyncWaiter(locked)
+
+        def worker() -> None:
+            for g in ("a", "b"):
+                time.sleep(0.02)
+                locked.reserve(g, 0)
+                locked.occupy(g)
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        ready = await waiter.wait_consumable(timeout=10)
+        thread.join()
+        waiter.close()
+        return locked.try_consume() if ready else None
+
+    batch = asyncio.run(main())
+    assert batch is not None and batch.group_ids == ("a", "b")
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def test_blocking_waits_with_real_threads() -> None:
+    """Producer threads block in wait_admissible when refused, the trainer thread in
+    consume_when_ready; no thread polls, and every group trained is within its bound."""
+    locked = LockedStalenessManager.create(eta=1, batch_size=4)
+    batches: list[ConsumedBatch] = []
+    errors: list[BaseException] = []
+    blocked = [0]
+
+    def producer(k: int) -> None:
+        try:
+            for n in range(40):  # 4 x 40 groups: exactly the 40 batches the trainer takes
+                group, version = f"t{k}-{n}", locked.version
+                while not locked.reserve(group, version):
+                    blocked[0] += 1
+                    try:
+                        locked.wait_admissible(version, timeout=10)
+                    except StaleVersionError:
+                        version = locked.version
+                time.sleep(0.0005)
+                locked.occupy(group)
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    def trainer() -> None:
+        while len(batches) < 40:
+            batch = locked.consume_when_ready(timeout=10)
+            if batch is None:
+                errors.append(TimeoutError("no batch within 10 s"))
+                return
+            batches.append(batch)
+            time.sleep(0.005)  # train: the producers fill the buffers meanwhile and must wait
+
+    threads = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
+    consumer = threading.Thread(target=trainer)
+    for t in (consumer, *threads):
+        t.start()
+    for t in (consumer, *threads):
+        t.join(timeout=60)
+    assert not errors and not consumer.is_alive() and len(batches) == 40 and blocked[0] > 0
+    assert all(v <= b.version <= v + 1 for b in batches for v in b.group_versions)
+
+
+def test_blocking_waits_time_out_and_wake_on_a_stale_version() -> None:
+    locked = LockedStalenessManager.create(eta=0, batch_size=1)
+    started = time.monotonic()
+    assert locked.wait_consumable(timeout=0.05) is False and locked.consume_when_ready(timeout=0.01) is None
+    assert time.monotonic() - started >= 0.05
+    locked.reserve("a", 0)
+    outcome: list[object] = []
+
+    def wait_for_room() -> None:
+        try:
+            outcome.append(locked.wait_admissible(0))
+        except StaleVersionError as error:
+            outcome.append(error)
+
+    waiting = threading.Thread(target=wait_for_room)
+    waiting.start()
+    time.sleep(0.02)
+    assert outcome == []  # blocked: buffer 0 is full
+    locked.occupy("a")
+    assert locked.wait_consumable(timeout=1) is True
+    with locked.locked() as manager:  # a compound step wakes waiters when the block ends
+        manager.consume()
+    waiting.join(timeout=5)
+    assert len(outcome) == 1 and isinstance(outcome[0], StaleVersionError)
