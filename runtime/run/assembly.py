@@ -23,7 +23,9 @@ def assemble_run(
     parts: RunParts,
     event_hooks: Sequence[EventHook] = (),
     trace_path: str | Path | None = None,
+    trace_refusals: bool = False,
 ) -> RunLoop:
     """The run loop for ``spec`` over ``parts``; with ``trace_path`` it writes the protocol trace
-    there (a resumed run appends a segment that starts from the restored protocol state)."""
-    return RunLoop(parts, spec, event_hooks=event_hooks, trace_path=trace_path)
+    there (a resumed run appends a segment that starts from the restored protocol state), refused
+    reserves included with ``trace_refusals``."""
+    return RunLoop(parts, spec, event_hooks=event_hooks, trace_path=trace_path, trace_refusals=trace_refusals)

@@ -110,6 +110,8 @@ class RunLoop:
         event_hooks: protocol event hooks (metrics, checkers).
         trace_path: write the protocol trace here (JSONL, checkable by ``staleflow verify``); a
             resumed run appends a new segment that starts from the restored protocol state.
+        trace_refusals: trace every refused reserve too (the chaos tester validates them); by
+            default they are only counted (``manager.stats()``), which keeps a trace small.
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class RunLoop:
         spec: RunSpec,
         event_hooks: Sequence[EventHook] = (),
         trace_path: str | Path | None = None,
+        trace_refusals: bool = False,
     ) -> None:
         self.spec = spec
         self.policy = policy = spec.policy
@@ -129,6 +132,7 @@ class RunLoop:
         self.ps = parts.parameter_server if parts.parameter_server is not None else ParameterServer()
         self._event_hooks = list(event_hooks)
         self._trace_path = trace_path
+        self._trace_refusals = trace_refusals
         self._trace: JsonlTraceWriter | None = None
         self._resumed = False
         eta = policy.protocol_eta(spec.eta)
@@ -203,7 +207,8 @@ class RunLoop:
         """Start writing the trace before the first protocol operation (after a checkpoint load,
         so that a resumed segment starts from the restored state)."""
         if self._trace_path is not None and self._trace is None:
-            self._trace = JsonlTraceWriter.attach(self.manager, self._trace_path, "a" if self._resumed else "w")
+            self._trace = JsonlTraceWriter.attach(
+                self.manager, self._trace_path, "a" if self._resumed else "w", refusals=self._trace_refusals)
 
     def _start(self) -> None:
         self._started = True

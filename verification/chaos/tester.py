@@ -285,7 +285,8 @@ class ChaosRun:
                 parameter_server=self.ps,  # type: ignore[arg-type]
                 reward_fn=self.reward,
             )
-            return assemble_run(self.spec, parts, event_hooks=[self.check_event], trace_path=self.trace_path)
+            return assemble_run(
+                self.spec, parts, event_hooks=[self.check_event], trace_path=self.trace_path, trace_refusals=True)  # validate every refusal
         finally:
             self.plan.active = active
 
