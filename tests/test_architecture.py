@@ -118,7 +118,7 @@ def test_only_the_group_owner_changes_groups() -> None:
 GROUP_CHANGES = {"add", "admit", "finish", "reward", "abort", "requeue", "consume", "restore", "load_state_dict"}
 
 
-def _imports(path: Path) -> set[str]:
+def _imported_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
@@ -129,7 +129,7 @@ def test_the_coordinator_is_fed_not_called_back() -> None:
     """The instance driver returns what it observed and holds no coordinator (no ``bind``); the
     coordinator reads GroupLife but changes no group (it asks, in a Ready)."""
     driver = ROOT / "runtime" / "run" / "instance_driver.py"
-    assert "staleflow.runtime.coordination.coordinator" not in _imports(driver)
+    assert "staleflow.runtime.coordination.coordinator" not in _imported_modules(driver)
     assert "coordinator" not in {
         n.attr for n in ast.walk(ast.parse(driver.read_text(encoding="utf-8"))) if isinstance(n, ast.Attribute)
     }
@@ -152,7 +152,7 @@ def test_the_runtimes_servers_know_no_simulation_key(module: str) -> None:
     """The trajectory server and group life carry a group's per-sample metadata without reading it."""
     text = (ROOT / module).read_text(encoding="utf-8")
     assert [key for key in SIMULATION_KEYS if key in text] == []
-    assert "staleflow.runtime.settings.workload" not in _imports(ROOT / module)
+    assert "staleflow.runtime.settings.workload" not in _imported_modules(ROOT / module)
 
 
 @pytest.mark.parametrize("folder", ["protocol", "spec", "verification", "runtime", "adapters", "app", "cli", "bench"])
