@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from staleflow.app.checkpoints import CHECKPOINTS, latest_checkpoint
 from staleflow.runtime.settings.config import ConfigError, JobConfig, dump_config, load_config
@@ -61,12 +62,37 @@ def data_paths_near(config: JobConfig, folder: Path) -> JobConfig:
     return config.model_copy(update={"task": task.model_copy(update=updates)}) if updates else config
 
 
+def run_decisions(config: JobConfig) -> dict[str, Any]:
+    """What the run will use beyond placement: how weights travel, the dtypes, the vLLM executor and
+    the training attention kernel (decided where it runs: each trainer rank checks for flash-attention
+    and CUDA itself; this is what the driver's environment would pick)."""
+    from staleflow.adapters.rlkit.causal_lm import attention_kernel
+
+    servers, rollout, train = config.servers, config.rollout, config.train
+    engine = rollout.engine_settings()
+    broadcast = servers.broadcast_settings()
+    return {
+        "weight_transfer": servers.weight_transfer,
+        "transfer_backend": broadcast["backend"] if broadcast else None,
+        "transfer_host": (broadcast["host"] or "the parameter server's node IP") if broadcast else None,
+        "wire_dtype": servers.wire_dtype if broadcast else None,
+        "rollout_dtype": engine["dtype"],
+        "rollout_executor": engine.get("distributed_executor_backend", "uni"),
+        "tensor_parallel_size": rollout.tensor_parallel_size,
+        "train_dtype": train.dtype if train.dtype != "auto" else ("bf16" if train.gpus > 0 else "fp32"),
+        "train_device": "cuda" if train.gpus > 0 else "cpu",
+        "attention_kernel": attention_kernel() if train.gpus == 0 else "flash_attention_2 where flash-attn is installed, else sdpa",
+    }
+
+
 def dry_run_text(config: JobConfig, as_json: bool) -> str:
-    """The resolved config and the placement plan, as text or JSON."""
+    """The resolved config, the placement plan and the run's decisions (:func:`run_decisions`), as text or JSON."""
     plan = plan_placement(config, os.environ.get("RAY_ADDRESS") if config.cluster.address is None else None)
+    decisions = run_decisions(config)
     if as_json:
-        return json.dumps({"config": config.model_dump(mode="json"), "placement": plan.to_dict()}, indent=1)
-    return f"{dump_config(config)}\n# placement plan\n{plan.describe()}"
+        return json.dumps({"config": config.model_dump(mode="json"), "placement": plan.to_dict(), "run": decisions}, indent=1)
+    lines = "\n".join(f"  {key}: {value}" for key, value in decisions.items())
+    return f"{dump_config(config)}\n# placement plan\n{plan.describe()}\n# run\n{lines}"
 
 
 def check_installed(config: JobConfig) -> None:

@@ -305,3 +305,37 @@ def test_a_tensor_parallel_cpu_instance_runs_vllms_multiprocessing_executor() ->
     assert (actor.num_cpus, actor.num_gpus, actor.environment) == (1.0, 0.0, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     with pytest.raises(Exception, match="rollout.tensor_parallel=2 differs from rollout.gpus_per_instance=4"):
         load_config(overrides=["rollout.tensor_parallel=2", "rollout.gpus_per_instance=4"])
+
+
+def test_the_dry_run_shows_every_bundle_its_user_and_the_runs_transfer_dtypes_and_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    from staleflow.__main__ import main
+
+    argv = ["train", "--dry-run", "--json", "rollout.instances=2", "rollout.gpus_per_instance=2", "train.backend=fsdp",
+            "train.world_size=4", "train.gpus=1", "servers.placement=ray", "servers.weight_transfer=broadcast",
+            "servers.transfer_backend=nccl"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    groups = {g["name"]: g for g in out["placement"]["groups"]}
+    assert groups["rollout-1"]["node_constraint"] == "one node"
+    assert [(b["gpus"], b["used_by"]) for b in groups["rollout-1"]["bundles"]] == [
+        (1.0, "rollout-1 (engine actor and worker 0)"), (1.0, "rollout-1 worker 1")]
+    assert [b["used_by"] for b in groups["trainer"]["bundles"]] == ["trainer-0", "trainer-1", "trainer-2", "trainer-3"]
+    run = out["run"]
+    assert (run["transfer_backend"], run["transfer_host"], run["wire_dtype"]) == ("nccl", "the parameter server's node IP", "bfloat16")
+    assert (run["rollout_dtype"], run["rollout_executor"], run["train_dtype"], run["train_device"]) == ("bfloat16", "ray", "bf16", "cuda")
+
+
+def test_the_trainer_picks_flash_attentions_varlen_path_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 9 (issue 24): no attn_implementation was set, so training attention was sdpa with a
+    dense [T, T] mask even where flash-attention was installed."""
+    import importlib.util
+
+    import torch
+    from staleflow.adapters.rlkit import causal_lm
+
+    assert causal_lm.attention_kernel() == "sdpa"  # this machine: no CUDA
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(causal_lm.importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else real_find_spec(name))
+    assert causal_lm.attention_kernel() == "sdpa"  # flash-attn without a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert causal_lm.attention_kernel() == "flash_attention_2"

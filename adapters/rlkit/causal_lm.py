@@ -4,12 +4,23 @@ multi-process trainer's published weights in the driver."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from staleflow.adapters.rlkit.hf_folder import check_model_folder
+
+
+def attention_kernel() -> str:
+    """The attention implementation the trainer's model uses in this process: flash-attention's
+    variable-length path (``flash_attention_2``) where the ``flash_attn`` package is installed and a
+    CUDA device is visible, so packed rows need no dense ``[T, T]`` mask; else ``sdpa``, whose packed
+    mask is dense and costs T^2 (the micro-batch budget ``auto`` is then 512 tokens, rlkit.packing)."""
+    if importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available():
+        return "flash_attention_2"
+    return "sdpa"
 
 
 def load_causal_lm(path: str | os.PathLike[str]) -> Any:
@@ -22,7 +33,7 @@ def load_causal_lm(path: str | os.PathLike[str]) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation=attention_kernel())
 
 
 def empty_causal_lm(path: str | os.PathLike[str]) -> Any:
@@ -34,7 +45,7 @@ def empty_causal_lm(path: str | os.PathLike[str]) -> Any:
 
     config = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention_kernel())
 
 
 class PublishedWeightsDecoder:
