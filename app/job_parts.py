@@ -135,12 +135,13 @@ def warm_start(config: JobConfig, base: Path, target: Path, tokens: Tokens, data
 
 
 def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_group: Any = None) -> Any:
-    import torch
     from staleflow.adapters.rlkit.settings import TrainerSettings
     from staleflow.adapters.torch.trainer import TorchTrainer
 
     settings = TrainerSettings.from_config(config)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # The config decides, not the driver's torch (a CPU-only head node, or a GPU box with train.gpus=0
+    # whose driver GPU no placement reserved); each rank then checks it sees a GPU (fsdp.rank_device).
+    device = "cuda" if config.train.gpus > 0 else "cpu"
     # Multi-process trainers' ranks are Ray actors (placed by Ray, a GPU each) on GPUs, and wherever the
     # servers are Ray actors: then rank 0 publishes into Ray's object store and no weights pass the driver.
     ray = sys.modules.get("ray")
@@ -152,11 +153,11 @@ def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_g
         t = config.train
         return MegatronTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, tensor_parallel=t.tensor_parallel,
                                pipeline_parallel=t.pipeline_parallel, world_size=t.world_size, launcher=launcher,
-                               gpus_per_rank=t.gpus or 1.0, placement_group=placement_group if t.gpus else None)
+                               gpus_per_rank=t.gpus, placement_group=placement_group if t.gpus else None)
     if config.train.backend == "fsdp":
         from staleflow.adapters.fsdp.trainer import FSDPTrainer
 
         return FSDPTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads,
                            world_size=config.train.world_size, device=device, launcher=launcher,
-                           gpus_per_rank=config.train.gpus or 1.0, placement_group=placement_group if config.train.gpus else None)
+                           gpus_per_rank=config.train.gpus, placement_group=placement_group if config.train.gpus else None)
     return TorchTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads, device=device)

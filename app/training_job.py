@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -56,6 +56,20 @@ TRACE_FILE = "trace.jsonl"
 START_ERRORS = (PlacementError, VLLMBuildError, PromptFileError, RewardSpecError, ScorerCheckError)
 #: scratch folders of a run, removed when it ends
 SCRATCH = (".weights", ".eval-weights", ".eval-snapshots")
+
+
+def start_engines(starts: list[Callable[[], Any]], one_at_a_time: bool) -> list[Any]:
+    """Start the engines; with ``one_at_a_time`` (GPU instances) each is ready before the next
+    starts. vLLM charges every change of free GPU memory during its start-up profiling to itself
+    (vllm/utils/mem_utils.py), so an engine starting beside another one on a shared GPU sizes its KV
+    cache wrongly or fails; the trainer starts after all of them (:meth:`TrainingJob.build`)."""
+    engines = []
+    for start in starts:
+        engine = start()
+        if one_at_a_time:
+            engine.idle()  # returns once the engine's actor has built the engine
+        engines.append(engine)
+    return engines
 
 
 def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> dict[str, Any]:
@@ -172,15 +186,18 @@ class TrainingJob:
 
         rollout = self.config.rollout
         sampling = SamplingConfig(temperature=rollout.temperature, stop_token_ids=(self.tokens.eos_id,))
-        return [
-            self._placement.place_reserved(
-                f"rollout-{i}", VLLMEngine, f"rollout-{i}", str(base),
-                sampling=sampling, max_model_len=rollout.max_model_len, max_num_seqs=rollout.max_num_seqs,
-                seed=self.config.seed * 1000 + i, clock=clock, weights_dir=str(self.run_dir / ".weights"),
-                engine_kwargs=rollout.engine_settings(), start_timeout_s=rollout.start_timeout_s,
-            )
-            for i in range(rollout.instances)
-        ]
+        return start_engines(
+            [
+                lambda i=i: self._placement.place_reserved(
+                    f"rollout-{i}", VLLMEngine, f"rollout-{i}", str(base),
+                    sampling=sampling, max_model_len=rollout.max_model_len, max_num_seqs=rollout.max_num_seqs,
+                    seed=self.config.seed * 1000 + i, clock=clock, weights_dir=str(self.run_dir / ".weights"),
+                    engine_kwargs=rollout.engine_settings(), start_timeout_s=rollout.start_timeout_s,
+                )
+                for i in range(rollout.instances)
+            ],
+            one_at_a_time=rollout.gpus_per_instance > 0,
+        )
 
     def _start_model(self, base: Path, engines: list[Any]) -> None:
         """Version 0 (after the warm-up, for a new run), the trainer on it, and the engines at the trainer's version."""

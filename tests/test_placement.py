@@ -339,3 +339,64 @@ def test_the_trainer_picks_flash_attentions_varlen_path_only_where_it_can_run(mo
     assert causal_lm.attention_kernel() == "sdpa"  # flash-attn without a GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert causal_lm.attention_kernel() == "flash_attention_2"
+
+
+def test_the_trainers_device_follows_the_config_and_each_rank_checks_its_own_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Finding 5 (issue 24): the driver decided the trainer's device from its own torch.cuda, so
+    train.gpus=0 on a GPU box asked Ray for GPUs outside the placement group (waiting forever), and a
+    CPU-only head with train.gpus=1 trained silently in fp32 on CPU. Now the config decides, each
+    rank checks what it sees, and a Ray worker group's call has a deadline."""
+    import torch
+    from staleflow.adapters.fsdp import trainer as fsdp
+    from staleflow.app import job_parts
+
+    built: dict[str, object] = {}
+    monkeypatch.setattr(fsdp, "FSDPTrainer", lambda *args, **kwargs: built.update(kwargs))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the driver sees a GPU
+    tokens = type("T", (), {"pad_id": 0})()
+    job_parts.make_trainer(load_config(overrides=["train.backend=fsdp", "train.world_size=2"]), tmp_path, tokens)  # type: ignore[arg-type]
+    assert (built["device"], built["gpus_per_rank"], built["placement_group"]) == ("cpu", 0, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a rank on a node without CUDA
+    with pytest.raises(RuntimeError, match=r"trainer rank 1 was given GPUs \(train.gpus > 0\) but sees no CUDA device"):
+        fsdp.rank_device("cuda", 1)
+    assert fsdp.rank_device("cpu", 1) == torch.device("cpu")
+
+
+@pytest.mark.ray
+def test_a_ray_worker_group_call_that_gets_no_answer_fails_naming_the_ranks(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from staleflow.adapters.rlkit.worker_group import RayWorkers, WorkerGroupError
+
+    workers = RayWorkers(lambda: time, 1, num_cpus=0, timeout_s=2.0)
+    try:
+        assert workers.call_all("sleep", [(0.0,)]) == [None]
+        with pytest.raises(WorkerGroupError, match=r"ranks \[0\] did not answer 'sleep' within 2 s"):
+            workers.call_all("sleep", [(30.0,)])
+    finally:
+        workers.close()
+
+
+def test_gpu_engines_start_one_at_a_time_and_cpu_engines_together() -> None:
+    """Finding 4 (issue 24): vLLM attributes every change of free GPU memory during its start-up
+    profiling to itself, so engines started side by side on shared GPUs break each other. GPU
+    engines start one at a time, each ready before the next."""
+    from staleflow.app.training_job import start_engines
+
+    events: list[str] = []
+
+    class Engine:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            events.append(f"start {name}")
+
+        def idle(self) -> bool:
+            events.append(f"ready {self.name}")
+            return True
+
+    starts = [lambda n=n: Engine(n) for n in ("rollout-0", "rollout-1")]
+    assert [e.name for e in start_engines(starts, one_at_a_time=True)] == ["rollout-0", "rollout-1"]
+    assert events == ["start rollout-0", "ready rollout-0", "start rollout-1", "ready rollout-1"]
+    events.clear()
+    start_engines(starts, one_at_a_time=False)
+    assert events == ["start rollout-0", "start rollout-1"]

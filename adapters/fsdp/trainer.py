@@ -51,6 +51,21 @@ CHECKPOINT_FORMAT = "staleflow-fsdp/1"
 _PREFIX = "causal_lm."  # the LogProbModel's name for the Hugging Face model
 
 
+def rank_device(requested: str, rank: int) -> torch.device:
+    """The device of trainer rank ``rank``, decided in the rank's own process (the driver may be a
+    CPU-only head node): ``cuda`` takes one of the GPUs Ray made visible to the rank, and a rank that
+    sees none is an error naming it, never a silent fp32 run on CPU."""
+    if requested != "cuda":
+        return torch.device("cpu")
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise RuntimeError(
+            f"trainer rank {rank} was given GPUs (train.gpus > 0) but sees no CUDA device (CUDA_VISIBLE_DEVICES={visible}); "
+            "check the node's driver and torch build, or set train.gpus=0 to train on CPU"
+        )
+    return torch.device("cuda", rank % torch.cuda.device_count())  # one visible GPU per Ray actor, or all of them
+
+
 class FSDPRank:
     """One rank of the FSDP trainer (lives in its own process)."""
 
@@ -66,12 +81,9 @@ class FSDPRank:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         torch.set_num_threads(threads)
-        if device == "cuda":
-            index = rank % torch.cuda.device_count()  # one visible GPU per Ray actor, or all of them
-            torch.cuda.set_device(index)
-            self.device = torch.device("cuda", index)
-        else:
-            self.device = torch.device("cpu")
+        self.device = rank_device(device, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
         self.rank, self.settings, self.by_reference = rank, settings, by_reference

@@ -11,6 +11,7 @@ raises :class:`WorkerGroupError` naming the rank, never a hang.
 from __future__ import annotations
 
 import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -157,14 +158,17 @@ class RayWorkers:
     """The ranks as Ray actors (``num_gpus`` each; Ray sets each actor's ``CUDA_VISIBLE_DEVICES``).
 
     Ray must be running (``ray.init`` or an existing cluster). ``placement_group``: an optional Ray
-    placement group with one bundle per rank, bundle ``rank`` for rank ``rank``.
+    placement group with one bundle per rank, bundle ``rank`` for rank ``rank``. ``timeout_s``: the
+    longest wait for one call's answers, as :class:`ProcessWorkers` (a rank Ray cannot schedule, e.g.
+    one asking for GPUs outside any placement group on a busy cluster, would otherwise wait forever).
     """
 
     def __init__(self, factory: Callable[[], Any], world_size: int, *, num_gpus: float = 0, num_cpus: float = 1,
-                 placement_group: Any = None) -> None:
+                 placement_group: Any = None, timeout_s: float = 3600.0) -> None:
         import ray
 
         self.world_size = world_size
+        self._timeout = timeout_s
         self._actors = []
         for rank in range(world_size):
             options: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": num_cpus, "name": None}
@@ -185,8 +189,13 @@ class RayWorkers:
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         answers: list[Any] = [None] * self.world_size
         remaining = list(refs)
+        deadline = time.monotonic() + self._timeout
         while remaining:  # the first failure (of any rank) stops the group: the others may be in a collective
-            ready, remaining = ray.wait(remaining, num_returns=1)
+            ready, remaining = ray.wait(remaining, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._broken = f"ranks {sorted(rank_of[r] for r in remaining)} did not answer {name!r} within {self._timeout:.0f} s"
+                self.close()
+                raise WorkerGroupError(self._broken)
             rank = rank_of[ready[0]]
             try:
                 answers[rank] = ray.get(ready[0])
