@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from .errors import StaleVersionError
 from .events import BufferView, ConsumedBatch, CounterState, EventHook, GroupId, GroupRecord
 from .manager import StalenessManager
 from .stats import ProtocolStats
+from .waiting import admissible_now
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -97,17 +97,7 @@ class LockedStalenessManager:
         every deadline (``version + eta < self.version``): waiting longer would never succeed.
         Another thread may take the room first: ``reserve`` still decides."""
         with self._lock:
-            manager = self._manager
-
-            def admissible() -> bool:
-                if version + manager.eta < manager.version:
-                    raise StaleVersionError(
-                        f"version {version} can never be admitted again: the trainer is at "
-                        f"{manager.version} and eta is {manager.eta}; sync the engine"
-                    )
-                return manager.reserve_slack(version) > 0
-
-            return self._wait(admissible, timeout)
+            return self._wait(admissible_now(self._manager, version), timeout)
 
     def consume_when_ready(self, timeout: float | None = None) -> ConsumedBatch | None:
         """Wait until a batch can be taken and take it (one step under the lock); None on timeout."""

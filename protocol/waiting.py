@@ -27,7 +27,7 @@ from typing import Callable, Protocol
 from .errors import StaleVersionError
 from .events import ADMISSIBLE_AFTER, CONSUMABLE_AFTER, EventHook, ProtocolEvent
 
-__all__ = ["AsyncWaiter", "Waitable"]
+__all__ = ["AsyncWaiter", "Waitable", "admissible_now"]
 
 
 class Waitable(Protocol):
@@ -41,6 +41,22 @@ class Waitable(Protocol):
     def reserve_slack(self, version: int) -> int: ...
     def add_event_hook(self, hook: EventHook) -> None: ...
     def remove_event_hook(self, hook: EventHook) -> None: ...
+
+
+def admissible_now(manager: Waitable, version: int) -> Callable[[], bool]:
+    """The predicate both waits test: a group from ``version`` would be admitted now. It raises
+    :class:`~.errors.StaleVersionError` once ``version`` is past every deadline (waiting longer would
+    never succeed)."""
+
+    def admissible() -> bool:
+        if version + manager.eta < manager.version:
+            raise StaleVersionError(
+                f"version {version} can never be admitted again: the trainer is at {manager.version} "
+                f"and eta is {manager.eta}; sync the engine"
+            )
+        return manager.reserve_slack(version) > 0
+
+    return admissible
 
 
 class AsyncWaiter:
@@ -78,17 +94,7 @@ class AsyncWaiter:
     async def wait_admissible(self, version: int, timeout: float | None = None) -> bool:
         """True once a group from ``version`` would be admitted; False if ``timeout`` seconds pass
         first; :class:`~.errors.StaleVersionError` when ``version`` can never be admitted again."""
-        manager = self._manager
-
-        def admissible() -> bool:
-            if version + manager.eta < manager.version:
-                raise StaleVersionError(
-                    f"version {version} can never be admitted again: the trainer is at {manager.version} "
-                    f"and eta is {manager.eta}; sync the engine"
-                )
-            return manager.reserve_slack(version) > 0
-
-        return await self._wait(self._admissible, admissible, timeout)
+        return await self._wait(self._admissible, admissible_now(self._manager, version), timeout)
 
     async def _wait(self, waiters: list[asyncio.Future[None]], ready: Callable[[], bool], timeout: float | None) -> bool:
         async def until_ready() -> None:
