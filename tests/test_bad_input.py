@@ -34,6 +34,8 @@ from pydantic import BaseModel
 from staleflow.protocol import (
     ConsumeNotReadyError,
     DuplicateGroupError,
+    InvalidGroupIdError,
+    InvalidParameterError,
     InvalidTransitionError,
     InvalidVersionError,
     SnapshotError,
@@ -331,9 +333,9 @@ def _restore(mutate: Callable[[dict[str, Any]], None]) -> Callable[[Path], Any]:
 
 
 PROTOCOL_CASES = [
-    Case("protocol", "StalenessManager(eta=-1)", lambda tmp: StalenessManager(-1, 2), ValueError, ("eta", ">= 0")),
-    Case("protocol", "StalenessManager(batch_size=0)", lambda tmp: StalenessManager(1, 0), ValueError, ("batch_size", ">= 1")),
-    Case("protocol", "StalenessManager(eta='2')", lambda tmp: StalenessManager("2", 2), ValueError, ("eta", "int")),  # type: ignore[arg-type]
+    Case("protocol", "StalenessManager(eta=-1)", lambda tmp: StalenessManager(-1, 2), InvalidParameterError, ("eta", ">= 0")),
+    Case("protocol", "StalenessManager(batch_size=0)", lambda tmp: StalenessManager(1, 0), InvalidParameterError, ("batch_size", ">= 1")),
+    Case("protocol", "StalenessManager(eta='2')", lambda tmp: StalenessManager("2", 2), InvalidParameterError, ("eta", "int")),  # type: ignore[arg-type]
     Case("protocol", "reserve an active group again", _misuse(lambda m: m.reserve("a", 0)), DuplicateGroupError, ("'a'", "already active")),
     Case(
         "protocol",
@@ -343,7 +345,7 @@ PROTOCOL_CASES = [
         ("version 1", "ahead"),
     ),
     Case("protocol", "reserve at version -1", _misuse(lambda m: m.reserve("d", -1)), InvalidVersionError, (">= 0",)),
-    Case("protocol", "reserve with group id True", _misuse(lambda m: m.reserve(True, 0)), TypeError, ("group_id",)),
+    Case("protocol", "reserve with group id True", _misuse(lambda m: m.reserve(True, 0)), InvalidGroupIdError, ("group_id",)),
     Case("protocol", "occupy an unknown group", _misuse(lambda m: m.occupy("z")), UnknownGroupError, ("'z'", "not active")),
     Case("protocol", "occupy a finished group", _misuse(lambda m: m.occupy("a")), InvalidTransitionError, ("'a'", "already done")),
     Case("protocol", "abort an unknown group", _misuse(lambda m: m.abort("z")), UnknownGroupError, ("'z'",)),

@@ -210,7 +210,7 @@ def test_fsdp_ranks_with_gpus_come_first_in_the_plan_and_the_smoke_run_fits_one_
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(["bash", "scripts/gpu-smoke.sh", "--plan"], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.rstrip().endswith("total: 1 CPU, 1 GPU")
+    assert "\ntotal: 1 CPU, 1 GPU\n" in out.stdout
     assert "trainer-0         trainer rank      0.5 GPU (actor: 1 CPU, 0.5 GPU)" in out.stdout
 
 
