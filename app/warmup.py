@@ -3,7 +3,7 @@
 A randomly initialised tiny model never produces a correct answer, so every group's rewards are
 equal and GRPO's advantages are zero. A few dozen supervised steps on ``prompt -> answer <eos>``
 (loss on the answer tokens only) bring the sampled reward to about 0.25-0.3 with 15-20% exact
-answers (``shared/reference/cpu-rl-demo.md``): enough variance inside groups to learn from.
+answers: enough variance inside groups to learn from.
 
 :func:`warm_up` writes the warmed model (and the tokenizer) to a new folder, which becomes model
 version 0 for both the rollout instances and the trainer.

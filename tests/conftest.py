@@ -1,6 +1,6 @@
 """Test-wide setup: CPU vLLM and Ray settings, the test tiers, timeouts, and the shared fixtures.
 
-Environment: set before any test module imports vllm, torch or ray (see shared/reference/environment.md).
+Environment: set before any test module imports vllm, torch or ray.
 
 Tiers (markers applied here, automatically, from :data:`TIERS`; a test file not in the table is
 ``integration``): ``unit`` (pure Python, no subprocess, seconds in all: ``pytest -m unit``),

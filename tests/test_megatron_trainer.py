@@ -1,8 +1,8 @@
 """Megatron-core trainer on CPU: install/import, model build and weight conversion (GPU-only training).
 
 Megatron's optimizer and DDP need CUDA, so :class:`MegatronTrainer` is not trained here. The build
-test runs Megatron's forward pass on CPU with the two monkeypatches of
-``shared/reference/environment.md`` section 4 (only in this test), to check that the converted
+test runs Megatron's forward pass on CPU with two monkeypatches that let
+megatron-core's CUDA-only pieces run on CPU (only in this test), to check that the converted
 weights give the Hugging Face model's log-probs and that the conversion round-trips exactly.
 """
 

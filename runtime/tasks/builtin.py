@@ -1,6 +1,6 @@
 """The built-in tasks: "repeat the letter" (the default job) and generated arithmetic word problems.
 
-"Repeat the letter" (see ``shared/reference/cpu-rl-demo.md``): the prompt ``k*13=`` asks for
+"Repeat the letter": the prompt ``k*13=`` asks for
 thirteen ``k``; the count ``N`` is drawn log-uniformly from ``1..max_count`` so most answers are short
 and a few are long (for ``max_count=64``: median 8, mean about 15, 90th percentile about 40). That long
 tail is what makes a synchronous step wait on its stragglers.
