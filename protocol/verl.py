@@ -105,23 +105,38 @@ class ProtocolMessageQueue:
             deadline passes are dropped (reported by :meth:`param_synced`).
         manager: a manager to use instead (a restored one); ``eta``/``batch_size`` are then ignored.
 
-    Build it inside the event loop that will call it (an async Ray actor's ``__init__`` is).
+    Call its methods from one event loop (its waits are made on the first call, in that loop), so
+    it may be built anywhere, as Ray builds an actor.
     """
 
     def __init__(self, eta: int = 1, batch_size: int = 1, redundancy: int = 0,
                  manager: Optional[StalenessManager] = None) -> None:
         self.manager = manager if manager is not None else StalenessManager(eta, batch_size, redundancy)
-        self._waiter = AsyncWaiter(self.manager)
+        self._waiter_or_none: Optional[AsyncWaiter] = None  # built on first use, inside the event loop
         self._samples: Dict[GroupId, Any] = {}  # finished samples not yet handed to the trainer
         self._handing: Deque[Any] = deque()  # the rest of the batch get_sample is handing out
         self._dropped: List[GroupId] = []  # dropped since the last param_synced
         self._validation: Deque[Any] = deque()
         self.running = True
-        self._stopped = asyncio.Event()
+        self._stopped_or_none: Optional[asyncio.Event] = None
         self.total_produced = 0
         self.total_consumed = 0
         self.dropped_samples = 0
         self.refused_late = 0  # finished samples whose group had been dropped or aborted
+
+    @property
+    def _waiter(self) -> AsyncWaiter:
+        if self._waiter_or_none is None:
+            self._waiter_or_none = AsyncWaiter(self.manager)
+        return self._waiter_or_none
+
+    @property
+    def _stopped(self) -> asyncio.Event:
+        if self._stopped_or_none is None:
+            self._stopped_or_none = asyncio.Event()
+            if not self.running:
+                self._stopped_or_none.set()
+        return self._stopped_or_none
 
     # ----------------------------------------------------------------- rollouter side
     async def reserve(self, sample_id: GroupId, version: int, timeout: Optional[float] = None) -> bool:
@@ -225,7 +240,8 @@ class ProtocolMessageQueue:
     async def shutdown(self) -> None:
         """verl's end signal: ``get_batch`` and ``get_sample`` return None once no batch is ready."""
         self.running = False
-        self._stopped.set()
+        if self._stopped_or_none is not None:
+            self._stopped_or_none.set()
 
     async def put_validate(self, data: Any) -> None:
         self._validation.append(data)
@@ -250,9 +266,10 @@ class ProtocolMessageQueue:
         lost = [record.group_id for record in restored.groups()]
         for sample_id in lost:
             restored.abort(sample_id)
-        self._waiter.close()
+        if self._waiter_or_none is not None:
+            self._waiter_or_none.close()
+            self._waiter_or_none = None
         self.manager = restored
-        self._waiter = AsyncWaiter(restored)
         self._samples.clear()
         self._handing.clear()
         self._dropped = []

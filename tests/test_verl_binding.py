@@ -99,10 +99,11 @@ def test_a_checkpoint_of_another_parameter_version_is_refused(tmp_path: Path) ->
 
 def test_get_sample_hands_out_exactly_the_consumed_ids_and_late_samples_are_refused() -> None:
     """verl's trainer pulls one sample at a time: it gets the batch's ids in batch order, a sample
-    of a dropped group is refused at put_sample, and shutdown ends get_sample with None."""
+    of a dropped group is refused at put_sample, and shutdown ends get_sample with None. The queue is
+    built outside the event loop that uses it, as Ray builds an actor."""
+    queue = ProtocolMessageQueue(eta=0, batch_size=2, redundancy=1)
 
     async def go() -> None:
-        queue = ProtocolMessageQueue(eta=0, batch_size=2, redundancy=1)
         assert [await queue.reserve(g, 0) for g in "abc"] == [True, True, True]
         assert not await queue.reserve("d", 0, timeout=0.01)  # buffer 0 is full: waits, times out
         for g in "ba":
@@ -111,7 +112,11 @@ def test_get_sample_hands_out_exactly_the_consumed_ids_and_late_samples_are_refu
         assert await queue.param_synced(1) == ["c"]  # c was due in batch 0: dropped
         assert not await queue.put_sample({"id": "c"}, sample_id="c") and queue.refused_late == 1
         assert not await queue.reserve("e", 0)  # version 0 is past every deadline: sync first
-        await queue.shutdown()
+        waiting = asyncio.ensure_future(queue.get_sample())  # the trainer waits for batch 1 ...
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        await queue.put_sample(None)  # ... and verl's end signal wakes it
+        assert await asyncio.wait_for(waiting, 5) is None
         assert await queue.get_sample() is None
 
     asyncio.run(go())
