@@ -178,15 +178,24 @@ class ProtocolMessageQueue:
     # ----------------------------------------------------------------- trainer side
     async def get_batch(self, timeout: Optional[float] = None) -> Optional[TrainBatch]:
         """The protocol's next batch and its samples; None if shut down with no batch ready, or on timeout."""
-        if not self.manager.can_consume() and self.running:
-            consumable = asyncio.ensure_future(self._waiter.wait_consumable(timeout))
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        # a loop, not one wait: a reserve from an engine still on the previous version may land in
+        # the head buffer between the wake-up and this task running, and disable consume again
+        while not self.manager.can_consume():
+            left = None if deadline is None else deadline - loop.time()
+            if not self.running or (left is not None and left <= 0):
+                return None
+            consumable = asyncio.ensure_future(self._waiter.wait_consumable(left))
             stopped = asyncio.ensure_future(self._stopped.wait())
             await asyncio.wait({consumable, stopped}, return_when=asyncio.FIRST_COMPLETED)
             for waiting in (consumable, stopped):
                 waiting.cancel()
-            await asyncio.gather(consumable, stopped, return_exceptions=True)
-        if not self.manager.can_consume():
-            return None
+            await asyncio.gather(stopped, return_exceptions=True)
+            if consumable.done() and not consumable.cancelled():
+                consumable.result()  # a failed wait raises here, not as "no batch"
+            else:
+                await asyncio.gather(consumable, return_exceptions=True)
         batch = self.manager.consume()
         samples = [self._samples.pop(sample_id) for sample_id in batch.group_ids]
         for sample_id in batch.dropped:

@@ -153,3 +153,31 @@ def test_the_guides_verl_example_runs_on_the_light_package_alone(tmp_path: Path)
                           cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [*expected, "[]"]
+
+
+def test_get_batch_waits_on_when_a_stale_reserve_disables_consume_after_the_wake_up() -> None:
+    """Between the wake-up of a waiting get_batch and its task running, an engine still on the
+    previous version reserves a sample due in the head buffer: consume is disabled again, and
+    get_batch must wait on (it returned None, "no batch", when verl's own rollouter drove it)."""
+
+    async def go(turns: int) -> None:
+        queue = ProtocolMessageQueue(eta=1, batch_size=1)
+        assert await queue.reserve("x", 0) and await queue.put_sample("x", sample_id="x")
+        assert (await queue.get_batch()).batch.group_ids == ("x",)  # type: ignore[union-attr]
+        waiting = asyncio.ensure_future(queue.get_batch())
+        await asyncio.sleep(0.01)
+        assert await queue.reserve("a", 1) and await queue.put_sample("a", sample_id="a")  # wakes get_batch
+        for _ in range(turns):  # the waiter sees consume enabled; get_batch has not run yet
+            await asyncio.sleep(0)
+        if waiting.done():
+            return  # get_batch ran first: nothing to race with
+        assert await queue.reserve("b", 0)  # b is due in batch 1 and still running
+        assert not queue.manager.can_consume()
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        assert await queue.put_sample("b", sample_id="b")
+        got = await asyncio.wait_for(waiting, 5)
+        assert got is not None and got.batch.group_ids == ("b",) and got.samples == ["b"]
+
+    for turns in range(4):
+        asyncio.run(go(turns))
