@@ -4,10 +4,10 @@ trained sample, exactly the consumed ids trained, the trace accepted by the stan
 checker, a resume from verl's checkpoint folder mid-run; and verl's own count-based control on the
 same job, for the comparison in docs/integrating.md.
 
-verl's real classes are not driven here: verl 0.9.1's ``fully_async_rollouter`` and
-``message_queue`` do import on CPU with torch 2.13 (installed with ``--no-deps`` plus about 50
-light packages, see docs/integrating.md), but this repository's CI has no venv with verl, and the
-rollouter's constructor needs verl's dataset, tokenizer and Ray worker-group setup."""
+verl's own rollouter and trainer code is driven by ``tests/verl_real_scenario.py`` (last test): verl
+0.9.1's ``fully_async_rollouter``, ``fully_async_trainer`` and ``message_queue`` import on CPU with
+torch 2.13 (installed ``--no-deps`` plus about 50 light packages, see docs/integrating.md), but this
+repository's CI has no venv with verl, so that test runs only where ``STALEFLOW_VERL_PYTHON`` is set."""
 
 from __future__ import annotations
 
@@ -181,3 +181,35 @@ def test_get_batch_waits_on_when_a_stale_reserve_disables_consume_after_the_wake
 
     for turns in range(4):
         asyncio.run(go(turns))
+
+
+@pytest.mark.slow
+def test_verls_own_rollouter_and_trainer_code_with_the_protocol_queue(tmp_path: Path) -> None:
+    """tests/verl_real_scenario.py in a Python that has verl 0.9.1 (``STALEFLOW_VERL_PYTHON``; this
+    repository's CI has none, so it is skipped there): verl's own ``_processor_worker`` and
+    ``_get_samples_from_queue`` with ``ProtocolMessageQueue``, 50 steps, no sample past eta and the
+    trace accepted; verl's own queue and count on the same seed train samples past eta."""
+    import os
+
+    python = os.environ.get("STALEFLOW_VERL_PYTHON")
+    if not python:
+        pytest.skip("set STALEFLOW_VERL_PYTHON to a Python with verl 0.9.1 (--no-deps) to run verl's own code")
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "staleflow_protocol").symlink_to(root / "protocol")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    past = {}
+    for mode in ("protocol", "verl"):
+        done = subprocess.run([python, str(root / "tests" / "verl_real_scenario.py"), mode, str(tmp_path / mode), "0"],
+                              capture_output=True, text=True, check=False, timeout=600, cwd=tmp_path, env=env)
+        if done.returncode == 3:
+            pytest.skip(done.stderr.strip())
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads((tmp_path / mode / "result.json").read_text())
+        assert [b["version"] for b in result["trained"]] == list(range(50))
+        ids = [sample_id for b in result["trained"] for sample_id, _ in b["samples"]]
+        assert len(ids) == len(set(ids)) == 200
+        past[mode] = sum(b["version"] - v > 1 for b in result["trained"] for _, v in b["samples"])
+    assert past["protocol"] == 0 and past["verl"] > 0, past
+    checked = subprocess.run([python, "-m", "staleflow_protocol.check", str(tmp_path / "protocol" / "trace.jsonl")],
+                             capture_output=True, text=True, check=False, timeout=120, cwd=tmp_path, env=env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -10,7 +10,8 @@ protocol mode). Exit 3 when verl is not importable.
 The objects are made with ``__new__`` and given the attributes these two methods read (their
 constructors need verl's dataset, tokenizer and Ray worker groups); the rollouter subclass overrides
 ``_process_single_sample_streaming`` (reserve before generating, ``put_sample`` with the sample id)
-and ``_should_pause_generation`` (the protocol decides admission); the trainer's
+``_should_pause_generation`` (the protocol decides admission) and ``reset_staleness`` (no count to
+reset, and its lock would deadlock: see the method); the trainer's
 ``assemble_batch_from_rollout_samples`` (tensor padding) is replaced by a list of the samples.
 """
 
@@ -52,7 +53,16 @@ class ProtocolRollouter(plain_class(FullyAsyncRollouter)):  # type: ignore[misc]
     """verl's rollouter with admission by the protocol before each generation."""
 
     async def _should_pause_generation(self) -> bool:
-        return False
+        return False  # no sample count: the protocol admits each sample in reserve
+
+    async def reset_staleness(self) -> dict[str, Any]:
+        """verl resets its sample count here under the rollouter's lock. The protocol has no count,
+        and must not take that lock: ``_processor_worker`` holds it while it waits for a free slot,
+        and every slot may be a sample waiting in ``reserve`` for the consume that this sync
+        follows (verl's own method deadlocked here after 31 steps)."""
+        self.paused = False
+        self._resume_event.set()
+        return {}
 
     async def _process_single_sample_streaming(self, rollout_sample: RolloutSample) -> None:
         sample_id = rollout_sample.sample_id
