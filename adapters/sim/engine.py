@@ -128,6 +128,7 @@ class SimEngine:
         self._seq = 0
         self._finished: list[Trajectory] = []
         self._tokens = 0  # tokens generated so far
+        self._trajectories = 0  # trajectories finished so far
         self._last_snapshot = (self._t, 0)
         self._last_rate = 0.0
         self._changes = 0  # bumped whenever the running or waiting set changes
@@ -170,6 +171,7 @@ class SimEngine:
                 )
             live = self._live(request)
             if live.produced >= live.target:
+                self._trajectories += 1
                 self._finished.append(self._trajectory(live))
             else:
                 self._waiting[request.request_id] = live
@@ -268,6 +270,16 @@ class SimEngine:
         """Decode tokens produced so far (including tokens of requests later interrupted or aborted)."""
         return self._tokens
 
+    def progress(self) -> tuple[int, int]:
+        """Decode tokens generated and trajectories finished on this instance up to now (the steps of
+        a decode segment in progress counted, as :meth:`snapshot` does, without taking a snapshot)."""
+        now = self._clock.now()
+        self._advance(now)
+        tokens = self._tokens
+        if self._running and self._busy_until <= self._t < now:
+            tokens += len(self._running) * self._cost.steps_within(now - self._t, len(self._running), self._kv, self._segment()[0])
+        return tokens, self._trajectories
+
     # ------------------------------------------------------------------ execution
     def _live(self, request: RolloutRequest) -> _Live:
         wanted = int(request.metadata.get(REQUEST_LENGTH_KEY, request.max_new_tokens))
@@ -365,6 +377,7 @@ class SimEngine:
             if live is None or live.base_step + live.target - live.produced != step:
                 continue
             self._stop(request_id)
+            self._trajectories += 1
             self._finished.append(self._trajectory(live))
 
     def _admit(self) -> None:

@@ -57,7 +57,7 @@ from staleflow.runtime.coordination.observations import (
     StepStarted,
     Tick,
 )
-from staleflow.runtime.coordination.routing import LeastLoadedRouter, RoundRobinRouter, ThroughputRouter
+from staleflow.runtime.coordination.routing import LeastLoadedRouter, PromptAffinityRouter, RoundRobinRouter, ThroughputRouter
 from staleflow.runtime.coordination.sync import plan_pulls
 from staleflow.runtime.run.group_life import GroupLife
 from staleflow.runtime.servers.request_queue import request_tokens
@@ -95,11 +95,13 @@ class Coordinator:
         self.cost_model = cost_model
         self.fleet = Fleet(snapshots)
         self.views = self.fleet.views  # one list: a view that starts afresh replaces its entry
-        self.router: ThroughputRouter | LeastLoadedRouter | RoundRobinRouter = (
+        self.router: ThroughputRouter | LeastLoadedRouter | RoundRobinRouter | PromptAffinityRouter = (
             ThroughputRouter(cost_model, policy.mu)
             if policy.routing == "throughput"
             else RoundRobinRouter(policy.max_running)
             if policy.routing == "round_robin"
+            else PromptAffinityRouter(policy.max_running)
+            if policy.routing == "prompt_affinity"
             else LeastLoadedRouter(policy.max_running)
         )
         self._outbox: list[Command] = []  # decided, not handed out yet
@@ -203,6 +205,8 @@ class Coordinator:
         index = self.fleet.lose(instance_id)
         if self._resubmit_to:  # its interrupted requests go wherever routing places them
             self._resubmit_to = {rid: i for rid, i in self._resubmit_to.items() if i != index}
+        if isinstance(self.router, PromptAffinityRouter):  # its groups are pinned afresh
+            self.router.unpin_instance(index)
 
     @property
     def manager(self) -> StalenessManager:
@@ -235,6 +239,8 @@ class Coordinator:
                 if self.policy.resubmit_same_instance:
                     self._resubmit_to.update(dict.fromkeys(rids, i))
             commands.append(self._pull(view.instance_id, ps_version))
+        if pulls and isinstance(self.router, PromptAffinityRouter):
+            self.router.clear_pins()  # ROLL's abort_all at the weight update clears the prompt pins
         fleet = self.fleet.synced()
         if full and self.policy.migration and not pulls:
             for i, rids in plan_migration(
@@ -280,6 +286,8 @@ class Coordinator:
             return True
         if self._resubmit_to:
             return self._route_queue_resubmitting(fleet, routes)
+        if isinstance(self.router, PromptAffinityRouter):
+            return self._route_queue_pinned(self.router, fleet, routes)
         queue = self.ts.queue_view()
         for start, stop, largest in queue.runs(self.policy.request_budget):
             version = int(queue.versions[start])
@@ -319,10 +327,38 @@ class Coordinator:
                 self._assign(chosen[0], rid, tokens, version, routes)
         return placed_all
 
-    def _choose(self, fleet: FleetArrays, version: int, tokens: int, count: int) -> list[int]:
+    def _route_queue_pinned(self, router: PromptAffinityRouter, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
+        """:meth:`_route_queue` with prompt affinity (one request at a time): a request of a pinned
+        group waits only for its own instance (ROLL's ``reacquire``), while the first request of an
+        unpinned group that finds no instance holds back the other unpinned groups (ROLL's
+        ``acquire`` runs under one lock). False if a request stays queued."""
+        queue = self.ts.queue_view()
+        placed_all, new_groups_wait = True, False
+        for request, tokens in zip(queue.requests(0, len(queue)), queue.tokens.tolist()):
+            pinned = router.is_pinned(request.group_id)
+            if not pinned and new_groups_wait:
+                continue
+            chosen = self._choose(fleet, request.group_version, tokens, 1, request.group_id)
+            if chosen:
+                self._assign(chosen[0], request.request_id, tokens, request.group_version, routes)
+                continue
+            placed_all = False
+            new_groups_wait |= not pinned
+        return placed_all
+
+    def _choose(self, fleet: FleetArrays, version: int, tokens: int, count: int, group: GroupId | None = None) -> list[int]:
         """Instances for ``count`` requests of a group ``version``, each planned as ``tokens`` (the
-        largest of them: the router's estimate errs on the safe side); fewer if some stay queued."""
-        return self.router.choose(fleet, tokens, fleet.version >= version, count, oldest_first=True)
+        largest of them: the router's estimate errs on the safe side); fewer if some stay queued.
+        ``group``: the requests' group (prompt affinity pins on it; other routers ignore it)."""
+        return self._pick(fleet, tokens, fleet.version >= version, count, group, oldest_first=True)
+
+    def _pick(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int, group: GroupId | None, oldest_first: bool
+    ) -> list[int]:
+        """The router's choice; only prompt affinity is told the group."""
+        if isinstance(self.router, PromptAffinityRouter):
+            return self.router.choose(fleet, tokens, eligible, count, group=group)
+        return self.router.choose(fleet, tokens, eligible, count, oldest_first=oldest_first)
 
     def _assign(self, i: int, rid: str, tokens: int, group_version: int, routes: dict[int, list[str]]) -> None:
         self.views[i].add(rid, tokens, group_version)
@@ -386,9 +422,9 @@ class Coordinator:
             fleet = self.fleet.arrays
             chosen = []
             if self.policy.freshness:  # the newest version first: its groups start freshest
-                chosen = self.router.choose(fleet, tokens, fleet.version == max(admissible))
+                chosen = self._pick(fleet, tokens, fleet.version == max(admissible), 1, group.group_id, oldest_first=False)
             if not chosen:
-                chosen = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible))
+                chosen = self._pick(fleet, tokens, np.isin(fleet.version, admissible), 1, group.group_id, oldest_first=False)
             if not chosen:
                 self._admitting = False
                 self._starved = True
@@ -405,7 +441,7 @@ class Coordinator:
         if not members:
             return
         sizes = [request_tokens(r) for r in members]
-        chosen = self._choose(self.fleet.arrays, members[0].group_version, max(sizes), len(members))
+        chosen = self._choose(self.fleet.arrays, members[0].group_version, max(sizes), len(members), members[0].group_id)
         for i, request, size in zip(chosen, members, sizes):
             self._assign(i, request.request_id, size, request.group_version, self._routes)
         if len(chosen) < len(members):

@@ -14,9 +14,17 @@ candidates by ``(reserve indicator, version)``, which gives exactly these two or
 :class:`LeastLoadedRouter` (the vanilla counterpart and the baselines): the eligible instance with
 the fewest requests, up to ``max_running``, preferring instances with no waiting queue; the engine
 queues what it cannot run yet.
+
+:class:`PromptAffinityRouter` (ROLL Flash as its code runs): every request of a group goes to the
+instance its group was pinned to; a group is pinned on its first request to the instance with the
+fewest requests in flight among those below ``max_running`` (count only: no KV-cache or waiting-queue
+awareness); a request waits while its instance holds ``max_running``; the pins are cleared at every
+weight update (ROLL's ``abort_all``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import numpy as np
 from staleflow.runtime.coordination.cost_model import CostModel
@@ -159,3 +167,58 @@ class RoundRobinRouter:
             if fleet.n[index] >= self.max_running:
                 open_[index] = False
         return chosen
+
+
+class PromptAffinityRouter:
+    """ROLL's ``PromptAffinityRouter`` (alibaba/ROLL ``roll/distributed/scheduler/router.py``, commit
+    8eb27cc2): the group of a request is its prompt (``uid``).
+
+    A group without a pin takes the instance with the fewest requests in flight among those below
+    ``max_running`` (the first such instance on a tie, as ROLL's linear scan in ``acquire``) and is
+    pinned there; every later request of the group goes to that instance once it holds fewer than
+    ``max_running`` (``reacquire``), whatever its KV cache or waiting queue. :meth:`clear_pins` is
+    ROLL's ``abort_all``, which clears ``id_to_dp_rank`` at every weight update.
+    """
+
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+        self.pins: dict[Hashable, int] = {}
+
+    def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
+        """Whether a new group could be pinned now (the fleet is not changed)."""
+        return bool(np.any(eligible & ~fleet.loading & (fleet.n < self.max_running)))
+
+    def choose(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
+        group: Hashable | None = None,
+    ) -> list[int]:
+        """Instances for up to ``count`` requests of ``group`` (all the same one: its pin, made now if
+        it has none); fewer while the pinned instance is at ``max_running`` (the fleet is updated)."""
+        pin = self.pins.get(group) if group is not None else None
+        if pin is None:
+            open_ = np.flatnonzero(eligible & ~fleet.loading & (fleet.n < self.max_running))
+            if open_.size == 0:
+                return []
+            pin = int(open_[np.argmin(fleet.n[open_])])
+            if group is not None:
+                self.pins[group] = pin
+        elif not eligible[pin] or fleet.loading[pin]:
+            return []
+        chosen: list[int] = []
+        for _ in range(count):
+            if fleet.n[pin] >= self.max_running:
+                break
+            fleet.add(pin, tokens)
+            chosen.append(pin)
+        return chosen
+
+    def is_pinned(self, group: Hashable) -> bool:
+        return group in self.pins
+
+    def clear_pins(self) -> None:
+        """Forget every pin (ROLL's ``abort_all`` at a weight update)."""
+        self.pins.clear()
+
+    def unpin_instance(self, index: int) -> None:
+        """Forget the pins to instance ``index`` (it failed: its groups are pinned afresh)."""
+        self.pins = {group: i for group, i in self.pins.items() if i != index}
