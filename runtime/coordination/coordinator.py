@@ -331,9 +331,10 @@ class Coordinator:
         """:meth:`_route_queue` with prompt affinity (one request at a time): a request of a pinned
         group waits only for its own instance (ROLL's ``reacquire``), while the first request of an
         unpinned group that finds no instance holds back the other unpinned groups (ROLL's
-        ``acquire`` runs under one lock). False if a request stays queued."""
+        ``acquire`` runs under one lock). False if an unpinned request stays queued: new groups
+        may be admitted while only pinned requests wait (ROLL starts new prompts meanwhile)."""
         queue = self.ts.queue_view()
-        placed_all, new_groups_wait = True, False
+        new_groups_wait = False
         for request, tokens in zip(queue.requests(0, len(queue)), queue.tokens.tolist()):
             pinned = router.is_pinned(request.group_id)
             if not pinned and new_groups_wait:
@@ -342,9 +343,8 @@ class Coordinator:
             if chosen:
                 self._assign(chosen[0], request.request_id, tokens, request.group_version, routes)
                 continue
-            placed_all = False
             new_groups_wait |= not pinned
-        return placed_all
+        return not new_groups_wait
 
     def _choose(self, fleet: FleetArrays, version: int, tokens: int, count: int, group: GroupId | None = None) -> list[int]:
         """Instances for ``count`` requests of a group ``version``, each planned as ``tokens`` (the
@@ -444,8 +444,8 @@ class Coordinator:
         chosen = self._choose(self.fleet.arrays, members[0].group_version, max(sizes), len(members), members[0].group_id)
         for i, request, size in zip(chosen, members, sizes):
             self._assign(i, request.request_id, size, request.group_version, self._routes)
-        if len(chosen) < len(members):
-            self._admitting = False
+        if len(chosen) < len(members) and not isinstance(self.router, PromptAffinityRouter):
+            self._admitting = False  # with prompt affinity the rest waits for its own instance only
 
     def _take_routes(self) -> None:
         """The Route commands of the decision in progress, which ends here."""
