@@ -146,6 +146,7 @@ class SystemPolicy:
             every instance's weight load; when > 0 the trainer is blocked through the whole update
             (this pause, the broadcast and the instances' ``weight_load_s``), as ROLL's driver runs
             them in sequence before the next ``get_batch``. 0: the broadcast alone blocks the trainer.
+            A simulated cost (``staleflow simulate``); a training job pays its engines' real one.
     """
 
     name: str
