@@ -171,7 +171,6 @@ class SimEngine:
                 )
             live = self._live(request)
             if live.produced >= live.target:
-                self._trajectories += 1
                 self._finished.append(self._trajectory(live))
             else:
                 self._waiting[request.request_id] = live
@@ -213,12 +212,8 @@ class SimEngine:
     def snapshot(self) -> InstanceSnapshot:
         now = self._clock.now()
         self._advance(now)
-        kv, tokens = self._kv, self._tokens
-        if self._running and self._busy_until <= self._t < now:  # mid-segment: count the steps done
-            n = len(self._running)
-            done = self._cost.steps_within(now - self._t, n, kv, self._segment()[0])
-            kv += n * done
-            tokens += n * done
+        done = len(self._running) * self._steps_done_in_segment(now)  # mid-segment: count the steps done
+        kv, tokens = self._kv + done, self._tokens + done
         last_time, last_tokens = self._last_snapshot
         if now > last_time:
             self._last_rate = (tokens - last_tokens) / (now - last_time)
@@ -265,20 +260,16 @@ class SimEngine:
     def version(self) -> int:
         return self._version
 
-    @property
-    def tokens_generated(self) -> int:
-        """Decode tokens produced so far (including tokens of requests later interrupted or aborted)."""
-        return self._tokens
-
     def progress(self) -> tuple[int, int]:
-        """Decode tokens generated and trajectories finished on this instance up to now (the steps of
-        a decode segment in progress counted, as :meth:`snapshot` does, without taking a snapshot)."""
-        now = self._clock.now()
-        self._advance(now)
-        tokens = self._tokens
+        """Decode tokens made here by now (of interrupted requests too, a segment in progress counted), trajectories finished."""
+        self._advance(now := self._clock.now())
+        return self._tokens + len(self._running) * self._steps_done_in_segment(now), self._trajectories
+
+    def _steps_done_in_segment(self, now: float) -> int:
+        """Whole decode steps of the segment in progress done by ``now`` (0 outside a segment)."""
         if self._running and self._busy_until <= self._t < now:
-            tokens += len(self._running) * self._cost.steps_within(now - self._t, len(self._running), self._kv, self._segment()[0])
-        return tokens, self._trajectories
+            return self._cost.steps_within(now - self._t, len(self._running), self._kv, self._segment()[0])
+        return 0
 
     # ------------------------------------------------------------------ execution
     def _live(self, request: RolloutRequest) -> _Live:
@@ -364,9 +355,7 @@ class SimEngine:
         now = self._clock.now()
         self._advance(now)
         if self._running and self._busy_until <= self._t < now:
-            steps = self._segment()[0]
-            done = self._cost.steps_within(now - self._t, len(self._running), self._kv, steps)
-            self._do_steps(done + 1)  # <= steps: the segment ends after now
+            self._do_steps(self._steps_done_in_segment(now) + 1)  # <= the segment's steps: it ends after now
             self._finish_due()
 
     def _finish_due(self) -> None:
@@ -377,7 +366,6 @@ class SimEngine:
             if live is None or live.base_step + live.target - live.produced != step:
                 continue
             self._stop(request_id)
-            self._trajectories += 1
             self._finished.append(self._trajectory(live))
 
     def _admit(self) -> None:
@@ -460,6 +448,7 @@ class SimEngine:
         return replace(live.request, output_ids=output_ids, logprobs=logprobs, versions=versions)
 
     def _trajectory(self, live: _Live) -> Trajectory:
+        self._trajectories += 1  # called once per finished request
         request = live.request
         output_ids, logprobs, versions = self._outputs(live)
         reason = "length" if live.target >= request.max_new_tokens else "stop"

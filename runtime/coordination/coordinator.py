@@ -57,7 +57,7 @@ from staleflow.runtime.coordination.observations import (
     StepStarted,
     Tick,
 )
-from staleflow.runtime.coordination.routing import LeastLoadedRouter, PromptAffinityRouter, RoundRobinRouter, ThroughputRouter
+from staleflow.runtime.coordination.routing import PromptAffinityRouter, make_router
 from staleflow.runtime.coordination.sync import plan_pulls
 from staleflow.runtime.run.group_life import GroupLife
 from staleflow.runtime.servers.request_queue import request_tokens
@@ -95,15 +95,7 @@ class Coordinator:
         self.cost_model = cost_model
         self.fleet = Fleet(snapshots)
         self.views = self.fleet.views  # one list: a view that starts afresh replaces its entry
-        self.router: ThroughputRouter | LeastLoadedRouter | RoundRobinRouter | PromptAffinityRouter = (
-            ThroughputRouter(cost_model, policy.mu)
-            if policy.routing == "throughput"
-            else RoundRobinRouter(policy.max_running)
-            if policy.routing == "round_robin"
-            else PromptAffinityRouter(policy.max_running)
-            if policy.routing == "prompt_affinity"
-            else LeastLoadedRouter(policy.max_running)
-        )
+        self.router = make_router(policy.routing, cost_model, policy.mu, policy.max_running)
         self._outbox: list[Command] = []  # decided, not handed out yet
         self._decision: Iterator[Ready] | None = None  # the decision in progress (after a Tick)
         self._asked: Ready | None = None  # a Ready whose group change has no outcome stepped yet
@@ -286,9 +278,12 @@ class Coordinator:
             return True
         if self._resubmit_to:
             return self._route_queue_resubmitting(fleet, routes)
-        if isinstance(self.router, PromptAffinityRouter):
-            return self._route_queue_pinned(self.router, fleet, routes)
         queue = self.ts.queue_view()
+        if isinstance(self.router, PromptAffinityRouter):  # request by request; new groups go on while only pinned ones wait
+            placed, new_groups_wait = self.router.route_each(fleet, queue.requests(0, len(queue)), queue.tokens.tolist())
+            for i, request, size in placed:
+                self._assign(i, request.request_id, size, request.group_version, routes)
+            return not new_groups_wait
         for start, stop, largest in queue.runs(self.policy.request_budget):
             version = int(queue.versions[start])
             chosen = self._choose(fleet, version, largest, stop - start)
@@ -327,38 +322,10 @@ class Coordinator:
                 self._assign(chosen[0], rid, tokens, version, routes)
         return placed_all
 
-    def _route_queue_pinned(self, router: PromptAffinityRouter, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        """:meth:`_route_queue` with prompt affinity (one request at a time): a request of a pinned
-        group waits only for its own instance (ROLL's ``reacquire``), while the first request of an
-        unpinned group that finds no instance holds back the other unpinned groups (ROLL's
-        ``acquire`` runs under one lock). False if an unpinned request stays queued: new groups
-        may be admitted while only pinned requests wait (ROLL starts new prompts meanwhile)."""
-        queue = self.ts.queue_view()
-        new_groups_wait = False
-        for request, tokens in zip(queue.requests(0, len(queue)), queue.tokens.tolist()):
-            pinned = router.is_pinned(request.group_id)
-            if not pinned and new_groups_wait:
-                continue
-            chosen = self._choose(fleet, request.group_version, tokens, 1, request.group_id)
-            if chosen:
-                self._assign(chosen[0], request.request_id, tokens, request.group_version, routes)
-                continue
-            new_groups_wait |= not pinned
-        return not new_groups_wait
-
     def _choose(self, fleet: FleetArrays, version: int, tokens: int, count: int, group: GroupId | None = None) -> list[int]:
         """Instances for ``count`` requests of a group ``version``, each planned as ``tokens`` (the
-        largest of them: the router's estimate errs on the safe side); fewer if some stay queued.
-        ``group``: the requests' group (prompt affinity pins on it; other routers ignore it)."""
-        return self._pick(fleet, tokens, fleet.version >= version, count, group, oldest_first=True)
-
-    def _pick(
-        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int, group: GroupId | None, oldest_first: bool
-    ) -> list[int]:
-        """The router's choice; only prompt affinity is told the group."""
-        if isinstance(self.router, PromptAffinityRouter):
-            return self.router.choose(fleet, tokens, eligible, count, group=group)
-        return self.router.choose(fleet, tokens, eligible, count, oldest_first=oldest_first)
+        largest of them: the router's estimate errs on the safe side); fewer if some stay queued. ``group``: theirs."""
+        return self.router.choose(fleet, tokens, fleet.version >= version, count, oldest_first=True, group=group)
 
     def _assign(self, i: int, rid: str, tokens: int, group_version: int, routes: dict[int, list[str]]) -> None:
         self.views[i].add(rid, tokens, group_version)
@@ -422,9 +389,9 @@ class Coordinator:
             fleet = self.fleet.arrays
             chosen = []
             if self.policy.freshness:  # the newest version first: its groups start freshest
-                chosen = self._pick(fleet, tokens, fleet.version == max(admissible), 1, group.group_id, oldest_first=False)
+                chosen = self.router.choose(fleet, tokens, fleet.version == max(admissible), group=group.group_id)
             if not chosen:
-                chosen = self._pick(fleet, tokens, np.isin(fleet.version, admissible), 1, group.group_id, oldest_first=False)
+                chosen = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible), group=group.group_id)
             if not chosen:
                 self._admitting = False
                 self._starved = True

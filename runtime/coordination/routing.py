@@ -24,11 +24,38 @@ weight update (ROLL's ``abort_all``).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 import numpy as np
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import FleetArrays
+from staleflow.runtime.types import RolloutRequest
+
+
+class Router(Protocol):
+    """What the coordinator asks of a routing strategy. ``choose`` places up to ``count`` requests of
+    ``tokens`` tokens each among the ``eligible`` instances and updates ``fleet``; ``oldest_first``:
+    the requests belong to reserved groups (the waterfall's order); ``group``: their group (only
+    prompt affinity routes by it)."""
+
+    def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool: ...
+
+    def choose(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
+        group: Hashable | None = None,
+    ) -> list[int]: ...
+
+
+def make_router(routing: str, cost_model: CostModel, mu: float, max_running: int) -> Router:
+    """The router of a policy's ``routing`` rule (:class:`~staleflow.runtime.settings.policies.SystemPolicy`)."""
+    if routing == "throughput":
+        return ThroughputRouter(cost_model, mu)
+    if routing == "round_robin":
+        return RoundRobinRouter(max_running)
+    if routing == "prompt_affinity":
+        return PromptAffinityRouter(max_running)
+    return LeastLoadedRouter(max_running)
 
 
 def fleet_throughput(model: CostModel, n: np.ndarray, kv: np.ndarray) -> np.ndarray:
@@ -46,7 +73,8 @@ class ThroughputRouter:
         self.mu = mu
 
     def choose(
-        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
+        group: Hashable | None = None,
     ) -> list[int]:
         """Instances for up to ``count`` requests of ``tokens`` tokens each, one decision per request
         (the fleet is updated after each); stops at the first request that stays queued.
@@ -115,7 +143,8 @@ class LeastLoadedRouter:
         return bool(np.any(fleet.n[np.flatnonzero(eligible & ~fleet.loading)] < self.max_running))
 
     def choose(
-        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
+        group: Hashable | None = None,
     ) -> list[int]:
         """Instances for up to ``count`` requests, the least loaded first (the fleet is updated)."""
         candidates = np.flatnonzero(eligible & ~fleet.loading)
@@ -149,7 +178,8 @@ class RoundRobinRouter:
         return bool(np.any(eligible & ~fleet.loading & (fleet.n < self.max_running)))
 
     def choose(
-        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
+        group: Hashable | None = None,
     ) -> list[int]:
         """Instances for up to ``count`` requests, each the next eligible one after the last chosen."""
         open_ = eligible & ~fleet.loading & (fleet.n < self.max_running)
@@ -212,8 +242,22 @@ class PromptAffinityRouter:
             chosen.append(pin)
         return chosen
 
-    def is_pinned(self, group: Hashable) -> bool:
-        return group in self.pins
+    def route_each(
+        self, fleet: FleetArrays, requests: Sequence[RolloutRequest], tokens: Sequence[int]
+    ) -> tuple[list[tuple[int, RolloutRequest, int]], bool]:
+        """Queued requests one at a time, in order: ``(instance, request, tokens)`` of those placed,
+        and whether a new group is left waiting. A request of a pinned group waits only for its own
+        instance (ROLL's ``reacquire``); the first request of an unpinned group that finds no
+        instance holds back the other unpinned ones (ROLL's ``acquire`` runs under one lock)."""
+        placed: list[tuple[int, RolloutRequest, int]] = []
+        new_groups_wait = False
+        for request, size in zip(requests, tokens):
+            pinned = request.group_id in self.pins
+            if pinned or not new_groups_wait:
+                chosen = self.choose(fleet, size, fleet.version >= request.group_version, group=request.group_id)
+                placed += [(chosen[0], request, size)] if chosen else []
+                new_groups_wait |= not chosen and not pinned
+        return placed, new_groups_wait
 
     def clear_pins(self) -> None:
         """Forget every pin (ROLL's ``abort_all`` at a weight update)."""
