@@ -67,6 +67,26 @@ def test_affinity_respects_the_cap_and_waits_for_the_pinned_instance():
     assert not router.has_room(fleet, 10, np.ones(2, bool))
 
 
+def _request(rid: str, group: str) -> RolloutRequest:
+    return RolloutRequest(rid, group, [1] * 4, 10, 0)
+
+
+def test_affinity_queue_walk_lets_a_pinned_request_wait_for_its_instance_only():
+    router = PromptAffinityRouter(2)
+    fleet = FleetArrays.of([view("i0", n=2), view("i1", n=1)])
+    router.pins["old"] = 0  # i0 is at the cap
+    queue = [_request("old/1", "old"), _request("a/0", "a"), _request("a/1", "a"), _request("b/0", "b"), _request("old/2", "old")]
+    placed, new_groups_wait = router.route_each(fleet, queue, [4] * 5)
+    # old/1 waits for i0; a pins i1 (a/0 fills it to the cap, a/1 waits there); b finds no instance
+    # below the cap: it holds back later new groups, while old/2 still waits for i0 only
+    assert [(i, r.request_id) for i, r, _ in placed] == [(1, "a/0")]
+    assert new_groups_wait and router.pins == {"old": 0, "a": 1}
+    fleet.n[:] = [1, 1]  # one request each finished
+    placed, new_groups_wait = router.route_each(fleet, queue[:1] + queue[2:], [4] * 4)
+    assert [(i, r.request_id) for i, r, _ in placed] == [(0, "old/1"), (1, "a/1")]
+    assert new_groups_wait  # b: both instances are at the cap again
+
+
 def test_affinity_pins_are_cleared_and_a_lost_instance_unpinned():
     router = PromptAffinityRouter(128)
     fleet = FleetArrays.of([view("i0"), view("i1")])
