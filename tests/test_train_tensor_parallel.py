@@ -76,5 +76,7 @@ def test_a_tensor_parallel_cpu_instance_serves_a_run_whose_weights_arrive_throug
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert all(r["update_norm"] > 0 for r in steps[:-1])  # each version differs from the one before
     for record in steps:  # both ranks serve the trainer's version: vLLM's log-probs are the trainer's
-        assert abs(record["behaviour_kl"]) < 2e-3, record
+        # (measured: |kl| ~ 1e-8 and weights within 1e-6 of 1, after updates of norm 0.17-0.27 that a
+        # rank left on the old weights would turn into gaps orders of magnitude above these bounds)
+        assert abs(record["behaviour_kl"]) < 1e-4 and record["behaviour_weight_max"] < 1.001, record
     assert summary["instances"]["weight_syncs"] >= STEPS - 1
