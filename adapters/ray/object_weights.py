@@ -28,19 +28,25 @@ def put_object(value: Any) -> Any:
 class ObjectStoreWeights:
     """Version ``version``'s weights in Ray's object store, as buckets of named tensors (a ``WeightsReference``)."""
 
-    def __init__(self, refs: list[Any], version: int) -> None:
+    def __init__(self, refs: list[Any], version: int, specs: list[tuple[str, str, tuple[int, ...]]] | None = None) -> None:
         self._refs = refs
         self.version = version
+        self._specs = specs or []
 
     @classmethod
     def put_buckets(cls, buckets: Iterable[dict[str, Any]], version: int) -> ObjectStoreWeights:
         """Put each bucket into the object store as it comes, keeping none of them here (from a
         process connected to Ray)."""
-        refs = []
+        refs, specs = [], []
         for bucket in buckets:
+            specs.extend((name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in bucket.items())
             refs.append(put_object(bucket))
             del bucket  # not held while the next bucket is gathered
-        return cls(refs, version)
+        return cls(refs, version, specs)
+
+    def tensor_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``(name, dtype, shape)`` of every tensor, in the buckets' order (known without fetching)."""
+        return list(self._specs)
 
     def buckets(self) -> Iterator[dict[str, Any]]:
         """The buckets, read from the object store into this process one at a time."""
