@@ -17,10 +17,8 @@ decides with the policy's strategies:
    re-queued through GroupLife; their running requests are aborted.
 1. **Pull** (:mod:`~staleflow.runtime.coordination.sync`): instances that should load the newest version now
    (their requests are interrupted first unless the policy keeps them in place).
-2. **Interrupt** (:mod:`~staleflow.runtime.coordination.migration`): with ``waiting_bounce``, at every
-   decision the waiting requests beyond ``phi_wait``; on full ticks when nothing was pulled, the
-   policy's migration rule (``split`` or ``evacuate``): they go back to the trajectory server and
-   are routed again.
+2. **Interrupt** (:mod:`~staleflow.runtime.coordination.migration`): the ``waiting_bounce`` at every decision,
+   migration on full ticks when nothing was pulled: the requests go back to be routed again.
 3. **Route**: queued requests (partials and group members not placed yet) in priority order, each
    only to instances whose version is at least its group's version; the queue is served in order
    and a request that cannot be placed holds back the rest until the next decision.
@@ -46,7 +44,7 @@ from staleflow.runtime.coordination.commands import Abort, Admission, Command, I
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import Fleet, FleetArrays, InstanceView
 from staleflow.runtime.coordination.freshness import Lookahead
-from staleflow.runtime.coordination.migration import plan_bounce, plan_evacuation, plan_migration
+from staleflow.runtime.coordination.migration import plan_bounce, plan_moves
 from staleflow.runtime.coordination.observations import (
     Admitted,
     Cancelled,
@@ -239,11 +237,10 @@ class Coordinator:
             commands.append(self._pull(view.instance_id, ps_version))
         fleet = self.fleet.synced()
         if self.policy.waiting_bounce:
-            self._interrupt(plan_bounce(self.views, fleet, self.policy.phi_wait), "bounced_requests")
-            fleet = self.fleet.synced()
+            fleet = self._interrupt(plan_bounce(self.views, fleet, self.policy.phi_wait), "bounced_requests")
         if full and self.policy.migration and not pulls:
-            self._interrupt(self._plan_migration(fleet), "migrated_requests")
-            fleet = self.fleet.synced()
+            moves = plan_moves(self.policy, self.views, fleet, self.cost_model, self._starved_instances(fleet))
+            fleet = self._interrupt(moves, "migrated_requests")
         self._routes = {}
         self._ps_version = ps_version
         self._starved = False
@@ -255,20 +252,13 @@ class Coordinator:
         self.stats["pulls"] += len(pulls)
         self.decision_seconds += time.perf_counter() - started
 
-    def _plan_migration(self, fleet: FleetArrays) -> dict[int, list[str]]:
-        """The policy's migration rule (:mod:`~staleflow.runtime.coordination.migration`)."""
-        policy = self.policy
-        starved = self._starved_instances(fleet)
-        if policy.migration_rule == "evacuate":
-            return plan_evacuation(self.views, fleet, self.cost_model, policy.phi_throughput, policy.evacuate_min_requests, starved)
-        return plan_migration(self.views, fleet, self.cost_model, policy.phi_wait, policy.phi_throughput, starved)
-
-    def _interrupt(self, plan: dict[int, list[str]], counter: str) -> None:
-        """Interrupt commands for ``plan`` (instance index -> request ids), counted under ``counter``."""
+    def _interrupt(self, plan: dict[int, list[str]], counter: str) -> FleetArrays:
+        """Interrupt ``plan`` (instance index -> request ids), counted under ``counter``; the fleet's arrays after."""
         for i, rids in plan.items():
             self.fleet.forget(self.views[i].instance_id, rids)
             self._outbox.append(Interrupt(self.views[i].instance_id, tuple(rids)))
             self.stats[counter] += len(rids)
+        return self.fleet.synced()
 
     def _starved_instances(self, fleet: FleetArrays) -> np.ndarray:
         """Instances that can get no other work: nothing queued, and no pending group admissible at

@@ -32,6 +32,16 @@ import numpy as np
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import FleetArrays, InstanceView
 from staleflow.runtime.coordination.routing import fleet_throughput
+from staleflow.runtime.settings.policies import SystemPolicy
+
+
+def plan_moves(
+    policy: SystemPolicy, views: Sequence[InstanceView], fleet: FleetArrays, cost_model: CostModel, starved: np.ndarray
+) -> dict[int, list[str]]:
+    """The policy's migration rule: :func:`plan_evacuation` (``evacuate``) or :func:`plan_migration` (``split``)."""
+    if policy.migration_rule == "evacuate":
+        return plan_evacuation(views, fleet, cost_model, policy.phi_throughput, policy.evacuate_min_requests, starved)
+    return plan_migration(views, fleet, cost_model, policy.phi_wait, policy.phi_throughput, starved)
 
 
 def plan_migration(
