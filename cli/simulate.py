@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 from staleflow.app import simulation, simulation_plots
-from staleflow.app.simulation import ABLATIONS, DEFAULT_SYSTEMS, UPPER_BOUND
+from staleflow.app.simulation import ABLATIONS, BASELINE_ABLATIONS, DEFAULT_SYSTEMS, UPPER_BOUND
 from staleflow.runtime.settings.workload import WorkloadError, load_workload
 
 
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_SYSTEMS),
         metavar="SYSTEM",
         help=f"systems to run (default: {' '.join(DEFAULT_SYSTEMS)}); 'ablation' adds {' '.join(ABLATIONS)}; "
-        f"'all' runs every system; '{UPPER_BOUND}' is always reported",
+        f"'all' runs every system (the baseline ablations {' '.join(BASELINE_ABLATIONS)} included); '{UPPER_BOUND}' is always reported",
     )
     parser.add_argument("--eta", nargs="+", type=int, default=[3], help="staleness bound(s) (default: 3)")
     parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")

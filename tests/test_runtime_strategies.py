@@ -592,7 +592,8 @@ def test_authors_engine_bounces_waiting_requests_beyond_phi_wait_with_no_starved
     a = view("a", n=8)
     a.waiting = tuple(f"a-r{k}" for k in range(2, 8))  # 6 waiting
     views = [a, view("b", n=8)]
-    assert plan_bounce(views, FleetArrays.of(views), 3) == {0: ["a-r5", "a-r6", "a-r7"]}
+    assert plan_bounce(make_policy("staleflow-authors"), views, FleetArrays.of(views)) == {0: ["a-r5", "a-r6", "a-r7"]}
+    assert plan_bounce(make_policy("staleflow"), views, FleetArrays.of(views)) == {}  # ours does not bounce
     # the coordinator carries it out at every decision (not only on full ticks), while today's
     # coordinator-side rule moves nothing when no instance is starved
     c, _, ts = _coordinator("staleflow-authors", eta=1, batch=4, instances=2)

@@ -110,9 +110,13 @@ def plan_evacuation(
     return {high: list(views[high].requests)}
 
 
-def plan_bounce(views: Sequence[InstanceView], fleet: FleetArrays, phi_wait: int) -> dict[int, list[str]]:
-    """Instance index -> its waiting requests beyond the first ``phi_wait`` (instances not loading)."""
+def plan_bounce(policy: SystemPolicy, views: Sequence[InstanceView], fleet: FleetArrays) -> dict[int, list[str]]:
+    """With ``waiting_bounce``: instance index -> its waiting requests beyond the first ``phi_wait``
+    (instances not loading); else nothing."""
     plan: dict[int, list[str]] = {}
+    if not policy.waiting_bounce:
+        return plan
+    phi_wait = policy.phi_wait
     for i, view in enumerate(views):
         if len(view.waiting) > phi_wait and not fleet.loading[i]:
             excess = [rid for rid in view.waiting[phi_wait:] if rid in view.requests]

@@ -35,12 +35,21 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
 ``areal-filter``
     ``areal`` with a filter that drops finished groups past ``eta`` at consume (``should_accept_fn``);
     their tokens are reported as wasted.
-``roll-flash`` (ROLL ``generate_scheduler.py``; old name ``start-version-gc``)
+``roll-flash`` (ROLL ``generate_scheduler.py``, ``router.py``, ``rlvr_pipeline.py``, commit 8eb27cc2; old name ``start-version-gc``)
     Each prompt is bound to its start step (``async_generation_ratio`` = ``eta``); the batch waits
     for the oldest start-step groups and leftovers past their start step are aborted only after the
-    batch is assembled (never a group that could still be trained); global broadcast, abort and
-    resubmit around it; least-requests routing. Without additional prompts (ROLL's default) no
-    leftover is ever past its step, so this is the protocol's earliest-deadline consumption.
+    batch is assembled (never a group that could still be trained). Without additional prompts
+    (ROLL's default) no leftover is ever past its step, so this is the protocol's earliest-deadline
+    consumption. Routing is ROLL's ``PromptAffinityRouter`` (``prompt_affinity``): a group's requests
+    all go to one instance, picked by requests in flight only, at most ``max_running_requests`` = 128
+    per instance, pins cleared at each ``abort_all``. Each step every instance pauses at once
+    (``pause_sampling``: router suspended, ``abort_all``, ``wait_complete``; ``offload_states``,
+    ``model_update`` broadcast, ``load_states``) with the trainer blocked throughout
+    (``update_pause_s``); every request in flight is resent as prompt plus partial output (a full
+    re-prefill).
+``roll-flash-ideal-routing``
+    ``roll-flash`` with the least-requests routing the simulator gave it before (no pins, no cap,
+    instances with a waiting queue avoided): an ablation row that shows what routing alone is worth.
 ``inflight-cap``
     A hybrid kept for comparison: AReaL's admission cap through the strict protocol (a straggler
     holds the trainer back instead of being trained stale); global immediate updates.
@@ -72,7 +81,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-Routing = Literal["throughput", "least_loaded", "round_robin"]
+Routing = Literal["throughput", "least_loaded", "round_robin", "prompt_affinity"]
 Sync = Literal["per_instance", "global_immediate", "global_drained"]
 Admission = Literal["protocol", "inflight_cap"]
 Consumption = Literal["deadline", "oldest_finished", "finish_order"]
@@ -154,6 +163,13 @@ class SystemPolicy:
         resubmit_same_instance: a request interrupted by a pull goes back to the instance it ran on
             once that instance has the new weights (AReaL's ``agenerate`` keeps one server per
             request id across interruptions), not wherever routing would place it.
+        update_pause_s: with a ``broadcast`` weight transfer, seconds of ROLL's whole-fleet pause
+            around each update (router suspended, ``abort_all`` round trip, ``wait_complete``, the
+            prefix-cache reset and memory clear of ``offload_states`` / ``load_states``), added to
+            every instance's weight load; when > 0 the trainer is blocked through the whole update
+            (this pause, the broadcast and the instances' ``weight_load_s``), as ROLL's driver runs
+            them in sequence before the next ``get_batch``. 0: the broadcast alone blocks the trainer.
+            A simulated cost (``staleflow simulate``); a training job pays its engines' real one.
     """
 
     name: str
@@ -185,9 +201,10 @@ class SystemPolicy:
     pull_keeps_requests: bool = False
     request_budget: int = 1024
     resubmit_same_instance: bool = False
+    update_pause_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin"))
+        _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin", "prompt_affinity"))
         _choice("consumption", self.consumption, ("deadline", "oldest_finished", "finish_order"))
         _choice("weight_transfer", self.weight_transfer, ("ps_pull", "broadcast", "colocated"))
         _choice("sync", self.sync, ("per_instance", "global_immediate", "global_drained"))
@@ -205,7 +222,7 @@ class SystemPolicy:
             raise ValueError(f"policy {self.name!r}: batch_redundancy must be 0 (this system admits exactly one batch per version)")
         if self.filter_stale and self.keeps_bound:
             raise ValueError(f"policy {self.name!r}: filter_stale needs an unbounded consumption (the protocol keeps the bound)")
-        for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency", "check_period_s"):
+        for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency", "update_pause_s", "check_period_s"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
                 raise ValueError(f"policy {self.name!r}: {name} must be a number >= 0")
 
@@ -261,6 +278,14 @@ _AREAL: dict[str, Any] = {
     "consumption": "oldest_finished", "rollout_concurrency": 1.0, "resubmit_same_instance": True,
 }
 
+#: ROLL's ``max_running_requests`` default (``roll/configs/base_config.py``), the RLVR router's cap per instance.
+ROLL_MAX_RUNNING_REQUESTS = 128
+#: ROLL Flash's update (``roll/pipeline/rlvr/rlvr_pipeline.py``): global sync, a blocking broadcast and
+#: the pause around it. 1 s for the pause is our estimate (an ``abort_requests`` RPC to every instance,
+#: ``wait_complete``, two prefix-cache resets and a ``gc.collect`` / ``empty_cache`` per instance), not a
+#: measurement; the broadcast runs at the workload's ``network.broadcast_gb_per_s``.
+_ROLL: dict[str, Any] = {**_BASELINE, "sync": "global_immediate", "update_pause_s": 1.0}
+
 
 def _staleflow(name: str, **knobs: Any) -> SystemPolicy:
     return SystemPolicy(name, **{**_STALEFLOW, **knobs})
@@ -283,7 +308,8 @@ POLICIES: dict[str, SystemPolicy] = {
                                consumption="finish_order", **_BASELINE),
     "areal": SystemPolicy("areal", **_AREAL),
     "areal-filter": SystemPolicy("areal-filter", filter_stale=True, **_AREAL),
-    "roll-flash": SystemPolicy("roll-flash", sync="global_immediate", **_BASELINE),
+    "roll-flash": SystemPolicy("roll-flash", **{**_ROLL, "routing": "prompt_affinity", "max_running": ROLL_MAX_RUNNING_REQUESTS}),
+    "roll-flash-ideal-routing": SystemPolicy("roll-flash-ideal-routing", **_ROLL),
     "inflight-cap": SystemPolicy("inflight-cap", sync="global_immediate", admission="inflight_cap", **_BASELINE),
 }
 
