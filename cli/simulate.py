@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="StaleFlow samples N_EXTRA more responses per group, keeps the first (default: 0)")
     parser.add_argument("--batch-redundancy", type=int, default=0, metavar="X",
                         help="StaleFlow admits X groups beyond the batches, drops the surplus (default: 0)")
+    parser.add_argument("--rollout-gpus", type=int, default=None, metavar="N",
+                        help="give N of the workload's GPUs to rollout and the rest to the trainer (default: the workload's split)")
     parser.add_argument("--tick", type=float, default=None, help="coordinator tick in seconds (default: the workload's)")
     parser.add_argument("--quantum", type=float, default=None, help="engine event grid in seconds (default: the workload's)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout (nothing else)")
@@ -54,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         workload = load_workload(args.workload)
+        if args.rollout_gpus is not None:
+            workload = workload.with_rollout_gpus(args.rollout_gpus)
         systems = simulation.expand_systems(args.systems)
     except (WorkloadError, ValueError) as exc:
         err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)

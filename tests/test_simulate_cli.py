@@ -152,3 +152,12 @@ def test_a_run_that_does_not_depend_on_eta_runs_once_and_matches_a_fresh_run(cap
     assert areal["past_eta_share"] == pytest.approx(sum(v for k, v in hist.items() if k > 2) / sum(hist.values()))
     assert tight["past_eta_share"] == pytest.approx(sum(v for k, v in hist.items() if k > 3) / sum(hist.values()))
     assert areal["past_eta_share"] > tight["past_eta_share"]
+
+
+def test_rollout_gpus_re_splits_the_workload(capsys) -> None:
+    base = ["--workload", "small-ci", "--systems", "staleflow", "--eta", "1", "--steps", "3", "--json"]
+    assert run_cli([*base, "--rollout-gpus", "2"]) == 0
+    split = json.loads(capsys.readouterr().out)["systems"]["staleflow"]
+    assert split["instances"] == 2  # 2 of small-ci's 5 GPUs roll out, 3 train
+    assert run_cli([*base, "--rollout-gpus", "5"]) == 2
+    assert "gpus_per_instance (1) from 1 to 4 (the job has 5 GPUs), got 5" in " ".join(capsys.readouterr().err.split())

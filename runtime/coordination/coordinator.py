@@ -13,12 +13,11 @@ It keeps a speculative view of every instance (:mod:`staleflow.runtime.coordinat
 snapshots that agree with it, and on each :class:`~staleflow.runtime.coordination.observations.Tick`
 decides with the policy's strategies:
 
-0. **Re-queue** (proactive abort, while the trainer waits): the last stragglers of the head buffer,
-   re-queued through GroupLife; their running requests are aborted.
+0. **Re-queue** (proactive abort, while the trainer waits): the head buffer's last stragglers, through GroupLife.
 1. **Pull** (:mod:`~staleflow.runtime.coordination.sync`): instances that should load the newest version now
    (their requests are interrupted first unless the policy keeps them in place).
-2. **Interrupt** (:mod:`~staleflow.runtime.coordination.migration`, on full ticks when nothing was pulled):
-   waiting or excess requests go back to the trajectory server and are routed again.
+2. **Interrupt** (:mod:`~staleflow.runtime.coordination.migration`): the ``waiting_bounce`` at every decision,
+   migration on full ticks when nothing was pulled: the requests go back to be routed again.
 3. **Route**: queued requests (partials and group members not placed yet) in priority order, each
    only to instances whose version is at least its group's version; the queue is served in order
    and a request that cannot be placed holds back the rest until the next decision.
@@ -27,8 +26,7 @@ decides with the policy's strategies:
    :class:`~staleflow.protocol.StalenessManager` is the only authority); a Ready asks for the
    admission, GroupLife reserves the group, and its requests, stepped back, are routed.
 
-Its own state is the speculative view of the fleet, the decision in progress, the commands not yet
-handed out and its counters.
+Its own state: the speculative view of the fleet, the decision in progress, commands not handed out, counters.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ from staleflow.runtime.coordination.commands import Abort, Admission, Command, I
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import Fleet, FleetArrays, InstanceView
 from staleflow.runtime.coordination.freshness import Lookahead
-from staleflow.runtime.coordination.migration import plan_migration
+from staleflow.runtime.coordination.migration import plan_bounce, plan_moves
 from staleflow.runtime.coordination.observations import (
     Admitted,
     Cancelled,
@@ -234,15 +232,10 @@ class Coordinator:
         if pulls and isinstance(self.router, PromptAffinityRouter):
             self.router.clear_pins()  # ROLL's abort_all at the weight update clears the prompt pins
         fleet = self.fleet.synced()
+        fleet = self._interrupt(plan_bounce(self.policy, self.views, fleet), "bounced_requests")
         if full and self.policy.migration and not pulls:
-            for i, rids in plan_migration(
-                self.views, fleet, self.cost_model, self.policy.phi_wait, self.policy.phi_throughput,
-                self._starved_instances(fleet),
-            ).items():
-                self.fleet.forget(self.views[i].instance_id, rids)
-                commands.append(Interrupt(self.views[i].instance_id, tuple(rids)))
-                self.stats["migrated_requests"] += len(rids)
-            fleet = self.fleet.synced()
+            moves = plan_moves(self.policy, self.views, fleet, self.cost_model, self._starved_instances(fleet))
+            fleet = self._interrupt(moves, "migrated_requests")
         self._routes = {}
         self._ps_version = ps_version
         self._starved = False
@@ -253,6 +246,14 @@ class Coordinator:
             self._starved = True  # no instance version is admissible (or the cap is reached)
         self.stats["pulls"] += len(pulls)
         self.decision_seconds += time.perf_counter() - started
+
+    def _interrupt(self, plan: dict[int, list[str]], counter: str) -> FleetArrays:
+        """Interrupt ``plan`` (instance index -> request ids), counted under ``counter``; the fleet's arrays after."""
+        for i, rids in plan.items():
+            self.fleet.forget(self.views[i].instance_id, rids)
+            self._outbox.append(Interrupt(self.views[i].instance_id, tuple(rids)))
+            self.stats[counter] += len(rids)
+        return self.fleet.synced()
 
     def _starved_instances(self, fleet: FleetArrays) -> np.ndarray:
         """Instances that can get no other work: nothing queued, and no pending group admissible at

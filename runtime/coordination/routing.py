@@ -50,7 +50,7 @@ class Router(Protocol):
 def make_router(routing: str, cost_model: CostModel, mu: float, max_running: int) -> Router:
     """The router of a policy's ``routing`` rule (:class:`~staleflow.runtime.settings.policies.SystemPolicy`)."""
     if routing == "throughput":
-        return ThroughputRouter(cost_model, mu)
+        return ThroughputRouter(cost_model, mu, max_running)
     if routing == "round_robin":
         return RoundRobinRouter(max_running)
     if routing == "prompt_affinity":
@@ -66,11 +66,14 @@ def fleet_throughput(model: CostModel, n: np.ndarray, kv: np.ndarray) -> np.ndar
 
 
 class ThroughputRouter:
-    """Cost-model routing with the waterfall over version tiers and the threshold ``mu``."""
+    """Cost-model routing with the waterfall over version tiers and the threshold ``mu``; an
+    instance holding ``max_running`` requests takes no more (the reference's
+    ``max_concurrent_seqs_per_instance``)."""
 
-    def __init__(self, cost_model: CostModel, mu: float) -> None:
+    def __init__(self, cost_model: CostModel, mu: float, max_running: int = 1_000_000) -> None:
         self.cost_model = cost_model
         self.mu = mu
+        self.max_running = max_running
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
@@ -100,7 +103,7 @@ class ThroughputRouter:
             kv[pick] += tokens
             running, resident = int(n[pick]), int(kv[pick])
             new_gain = model.throughput(running + 1, resident + tokens) - model.throughput(running, resident)
-            fits = new_gain >= threshold and resident + tokens <= cap[pick]
+            fits = new_gain >= threshold and resident + tokens <= cap[pick] and running < self.max_running
             score[pick] = new_gain if fits else -np.inf
         return chosen
 
@@ -116,7 +119,8 @@ class ThroughputRouter:
         model = self.cost_model
         gain = fleet_throughput(model, n + 1, kv + tokens) - fleet_throughput(model, n, kv)
         threshold = self.mu / model.step_latency(1, tokens)
-        return candidates, np.where((gain >= threshold) & (kv + tokens <= cap), gain, -np.inf)
+        fits = (gain >= threshold) & (kv + tokens <= cap) & (n < self.max_running)
+        return candidates, np.where(fits, gain, -np.inf)
 
     @staticmethod
     def _best(score: np.ndarray, tiers: list[np.ndarray] | None) -> int | None:

@@ -63,6 +63,17 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     the paper is silent (``mu`` 0.2, sync at KV use <= 0.6, migration ratio 5, ``phi_wait`` 3,
     proactive-abort threshold 2). ``staleflow-no-routing`` / ``-no-sync`` / ``-no-migration`` /
     ``-no-proactive-abort`` switch one strategy to its vanilla counterpart for the ablation.
+``staleflow-authors`` (psrl ``examples/paper_exp/e2e/moe_ours.sh``, ``14b_ours.sh``; the coordinator's
+``sync_and_migrate/status_based.py`` and ``sync_and_migrate_mixin.py``)
+    StaleFlow as the authors' code runs it: ``mu`` 0.3, sync when the KV cache is at most half full
+    (``sync.threshold=0.5``), and a SYNC interrupts the instance's requests, which come back to the
+    router as partials and are prefilled again (``pause_for_sync``, then the interrupted partials
+    loop back); migration evacuates the whole instance of the highest throughput ratio over a
+    starved instance (ratio above 5) when it holds at least 10 requests (``stop_threshold``), checked
+    every 100 ms (``check_interval_in_ms``); the engine sends the requests waiting beyond
+    ``phi_wait`` = 3 back to the router (``max_num_waiting_reqs_after_preemption``); at most 128
+    requests per instance (``max_concurrent_seqs_per_instance``); no proactive abort.
+    ``staleflow-authors-sync99`` is the same with ``sync.threshold=0.99`` (``14b_ours.sh``).
 """
 
 from __future__ import annotations
@@ -74,6 +85,7 @@ Routing = Literal["throughput", "least_loaded", "round_robin", "prompt_affinity"
 Sync = Literal["per_instance", "global_immediate", "global_drained"]
 Admission = Literal["protocol", "inflight_cap"]
 Consumption = Literal["deadline", "oldest_finished", "finish_order"]
+MigrationRule = Literal["split", "evacuate"]
 WeightTransfer = Literal["ps_pull", "broadcast", "colocated"]
 
 
@@ -116,8 +128,19 @@ class SystemPolicy:
         mu: routing threshold, a fraction of an empty instance's throughput.
         phi_wait: migrate an instance's waiting requests beyond this many.
         phi_throughput: migrate when one instance's throughput is this many times another's.
+        migration_rule: what an imbalance migration moves: ``split`` (half the request-count
+            difference between the busiest instance and the least busy starved one, and the waiting
+            requests beyond ``phi_wait`` while starved instances can start them) or ``evacuate``
+            (every request of the instance whose throughput is the highest multiple of a starved
+            instance's, when it holds at least ``evacuate_min_requests``: the authors' coordinator).
+        evacuate_min_requests: the ``evacuate`` rule leaves an instance with fewer requests alone.
+        waiting_bounce: at every decision, every instance's waiting requests beyond ``phi_wait``
+            go back to the router, whether or not another instance could start them (the authors'
+            engine-side loop-back after a preemption).
+        check_period_s: the period of full coordinator ticks (snapshots, migration) this system
+            runs with in simulation when none is asked for (0: the workload's).
         sync_kv_fraction: per-instance sync pulls an instance whose KV cache is at most this full.
-        max_running: least-loaded, round-robin and prompt-affinity routing's per-instance cap on requests.
+        max_running: per-instance cap on the requests the router places (every routing rule).
         freshness: freshness-aware admission: admit work for later buffers only when the trainer
             would otherwise wait. Admission stops once the active groups fill the head buffer and
             ``lookahead`` more (starting at ``eta``, the protocol's own limit, and never above it); the lookahead
@@ -167,6 +190,10 @@ class SystemPolicy:
     mu: float = 0.3
     phi_wait: int = 3
     phi_throughput: float = 5.0
+    migration_rule: MigrationRule = "split"
+    evacuate_min_requests: int = 10
+    waiting_bounce: bool = False
+    check_period_s: float = 0.0
     sync_kv_fraction: float = 0.1
     max_running: int = 1_000_000
     freshness: bool = False
@@ -182,8 +209,9 @@ class SystemPolicy:
         _choice("weight_transfer", self.weight_transfer, ("ps_pull", "broadcast", "colocated"))
         _choice("sync", self.sync, ("per_instance", "global_immediate", "global_drained"))
         _choice("admission", self.admission, ("protocol", "inflight_cap"))
+        _choice("migration_rule", self.migration_rule, ("split", "evacuate"))
         counts = ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort",
-                  "request_budget")
+                  "request_budget", "evacuate_min_requests")
         for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -194,7 +222,7 @@ class SystemPolicy:
             raise ValueError(f"policy {self.name!r}: batch_redundancy must be 0 (this system admits exactly one batch per version)")
         if self.filter_stale and self.keeps_bound:
             raise ValueError(f"policy {self.name!r}: filter_stale needs an unbounded consumption (the protocol keeps the bound)")
-        for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency", "update_pause_s"):
+        for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency", "update_pause_s", "check_period_s"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
                 raise ValueError(f"policy {self.name!r}: {name} must be a number >= 0")
 
@@ -238,6 +266,13 @@ _STALEFLOW: dict[str, Any] = {
     "pull_keeps_requests": True, "mu": 0.2, "sync_kv_fraction": 0.6, "phi_wait": 3, "phi_throughput": 5.0,
     "proactive_abort": 2,
 }
+#: StaleFlow as the authors' code runs it (psrl ``examples/paper_exp/e2e/moe_ours.sh``): see the
+#: module docstring for each knob's source.
+_STALEFLOW_AUTHORS: dict[str, Any] = {
+    "pull_keeps_requests": False, "mu": 0.3, "sync_kv_fraction": 0.5, "phi_wait": 3, "phi_throughput": 5.0,
+    "proactive_abort": 0, "max_running": 128, "migration_rule": "evacuate", "evacuate_min_requests": 10,
+    "waiting_bounce": True, "check_period_s": 0.1,
+}
 _AREAL: dict[str, Any] = {
     **_BASELINE, "routing": "round_robin", "sync": "global_immediate", "admission": "inflight_cap",
     "consumption": "oldest_finished", "rollout_concurrency": 1.0, "resubmit_same_instance": True,
@@ -263,6 +298,8 @@ POLICIES: dict[str, SystemPolicy] = {
     "staleflow-no-migration": _staleflow("staleflow-no-migration", migration=False),
     "staleflow-no-proactive-abort": _staleflow("staleflow-no-proactive-abort", proactive_abort=0),
     "staleflow-fresh": _staleflow("staleflow-fresh", freshness=True),
+    "staleflow-authors": SystemPolicy("staleflow-authors", **_STALEFLOW_AUTHORS),
+    "staleflow-authors-sync99": SystemPolicy("staleflow-authors-sync99", **{**_STALEFLOW_AUTHORS, "sync_kv_fraction": 0.99}),
     "verl-sync": SystemPolicy("verl-sync", sync="global_drained", fixed_eta=0, takes_redundancy=False, colocated=True,
                               **{**_BASELINE, "weight_transfer": "colocated"}),
     "sync": SystemPolicy("sync", sync="global_drained", fixed_eta=0, takes_redundancy=False, **_BASELINE),
