@@ -169,6 +169,11 @@ class LeastLoadedRouter:
         return chosen
 
 
+def below_cap(fleet: FleetArrays, eligible: np.ndarray, max_running: int) -> np.ndarray:
+    """The eligible instances not loading weights and holding fewer than ``max_running`` requests."""
+    return eligible & ~fleet.loading & (fleet.n < max_running)
+
+
 class RoundRobinRouter:
     """The next eligible instance in turn, up to ``max_running`` requests each (AReaL's
     ``round_robin``, ``areal/core/remote_inf_engine.py``)."""
@@ -179,14 +184,14 @@ class RoundRobinRouter:
 
     def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
         """Whether :meth:`choose` would place one request now (the fleet is not changed)."""
-        return bool(np.any(eligible & ~fleet.loading & (fleet.n < self.max_running)))
+        return bool(np.any(below_cap(fleet, eligible, self.max_running)))
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
         group: Hashable | None = None,
     ) -> list[int]:
         """Instances for up to ``count`` requests, each the next eligible one after the last chosen."""
-        open_ = eligible & ~fleet.loading & (fleet.n < self.max_running)
+        open_ = below_cap(fleet, eligible, self.max_running)
         chosen: list[int] = []
         size = len(open_)
         for _ in range(count):
@@ -220,7 +225,7 @@ class PromptAffinityRouter:
 
     def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
         """Whether a new group could be pinned now (the fleet is not changed)."""
-        return bool(np.any(eligible & ~fleet.loading & (fleet.n < self.max_running)))
+        return bool(np.any(below_cap(fleet, eligible, self.max_running)))
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
@@ -230,7 +235,7 @@ class PromptAffinityRouter:
         it has none); fewer while the pinned instance is at ``max_running`` (the fleet is updated)."""
         pin = self.pins.get(group) if group is not None else None
         if pin is None:
-            open_ = np.flatnonzero(eligible & ~fleet.loading & (fleet.n < self.max_running))
+            open_ = np.flatnonzero(below_cap(fleet, eligible, self.max_running))
             if open_.size == 0:
                 return []
             pin = int(open_[np.argmin(fleet.n[open_])])
