@@ -33,10 +33,12 @@ import torch
 import torch.distributed as dist
 from areal.api import RolloutWorkflow, StepInfo
 from areal.api.cli_args import InferenceEngineConfig
+from areal.infra import workflow_context
+from areal.infra.workflow_context import WorkflowContext
 from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils.recover import RecoverInfo
 from staleflow_protocol import LockedStalenessManager
-from staleflow_protocol.areal import ProtocolWorkflowExecutor, RecoverableLoader
+from staleflow_protocol.areal import ProtocolBatches, ProtocolStalenessManager, ProtocolWorkflowExecutor, RecoverableLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 ETA, BATCH, REDUNDANCY, WORLD = 1, 2, 1, 2  # BATCH groups per rank and step (4 per step in all)
@@ -210,6 +212,34 @@ def check(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
     return result
 
 
+def refusal_check() -> list[list[int]]:
+    """A task refused at episode start keeps its prompt: AReaL's callbacks played by hand (task 1 is
+    refused because another group holds the room), then the prompt is submitted again as task 2."""
+    protocol = LockedStalenessManager.create(eta=1, batch_size=1)
+    protocol.reserve("other", 0)
+    staleness = ProtocolStalenessManager(protocol, FakeEngine(torch.zeros(VOCAB), 0))
+    submitted: list[list[int]] = []
+    batches = ProtocolBatches(staleness, lambda task_id, timeout, raise_timeout=True: {"task": task_id}, lambda: None)
+
+    def submit(data: dict[str, Any], task_id: int) -> None:
+        submitted.append([task_id, data["prompt"]])
+        staleness.on_rollout_enqueued()
+        staleness.on_rollout_submitted()
+
+    got: list[Any] = []
+    trainer = threading.Thread(target=lambda: got.extend(batches.prepare([[{"prompt": 10}, {"prompt": 11}, {"prompt": 12}]], submit, 30)))
+    trainer.start()
+    while len(submitted) < 2:
+        time.sleep(0.01)
+    for task_id, accepted in ((0, True), (1, False)):
+        workflow_context.set(WorkflowContext(task_id=task_id))
+        assert staleness.admit(task_id, 0) is accepted
+        (staleness.on_rollout_accepted if accepted else staleness.on_rollout_rejected)()
+    trainer.join(30)
+    assert got == [{"task": 0}], got
+    return submitted
+
+
 def control(out: Path, steps: int) -> dict[str, Any]:
     """AReaL unchanged: its StalenessManager (max_head_offpolicyness = eta) and FIFO prepare_batch."""
     policy = torch.zeros(VOCAB, requires_grad=True)
@@ -248,9 +278,11 @@ def main(argv: list[str]) -> None:
     recover_at = int(argv[2]) if len(argv) > 2 else steps // 2
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    refused = refusal_check()
     spawn(out, steps, recover_at, resume=False)
     spawn(out, steps, recover_at, resume=True)
     result = check(out, steps, recover_at)
+    result["refusal_submissions"] = refused
     result["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result))
 

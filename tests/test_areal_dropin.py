@@ -9,10 +9,12 @@ GB); so the venv has torch 2.13.0 and areal is installed with ``--no-deps`` (as 
 dependencies below, which would otherwise resolve areal's torch pin). Everything else areal imports
 on its rollout path is installed normally.
 
-The venv is built once per set of inputs (this file's package lists, Python's version and the light
-package's sources: a hash names the folder under ``build/``) with the ordinary pip configuration, so
-a rerun is offline and fast; a cold build needs the package index (or a wheel folder in pip's
-``find-links`` holding these wheels). ``pytest -m "not areal"`` deselects it.
+The venv is built once per package set (this file's lists and Python's version: a hash names the
+folder in the system's temporary directory, outside the repository the other tests scan) with the
+ordinary pip configuration, and the light package is reinstalled from ``protocol/`` (offline)
+whenever its sources changed, so a rerun is offline and fast; a cold build needs the package index
+(or a wheel folder in pip's ``find-links`` holding these wheels).
+``pytest -m "not areal"`` deselects it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import venv
 from pathlib import Path
@@ -48,11 +51,15 @@ NO_DEPS = [
 pytestmark = [pytest.mark.areal, pytest.mark.slow]
 
 
-def _inputs_hash() -> str:
-    digest = hashlib.sha256(json.dumps([WITH_DEPS, NO_DEPS, sys.version]).encode())
+def _packages_hash() -> str:
+    return hashlib.sha256(json.dumps([WITH_DEPS, NO_DEPS, sys.version]).encode()).hexdigest()[:16]
+
+
+def _light_sources_hash() -> str:
+    digest = hashlib.sha256()
     for path in sorted((ROOT / "protocol").glob("*.py")) + [ROOT / "protocol" / "pyproject.toml"]:
         digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
 
 
 def _pip(python: Path, *args: str) -> None:
@@ -63,8 +70,9 @@ def _pip(python: Path, *args: str) -> None:
 
 @pytest.fixture(scope="session")
 def areal_python() -> tuple[Path, float]:
-    """AReaL's venv (built, or reused when its inputs are unchanged): its python, and the build's seconds."""
-    env_dir = ROOT / "build" / f"areal-venv-{_inputs_hash()}"
+    """AReaL's venv (built once per package set, reused after) with the light package installed from
+    the current sources (reinstalled when they changed): its python, and the seconds this took."""
+    env_dir = Path(tempfile.gettempdir()) / f"staleflow-areal-venv-{_packages_hash()}"  # outside the repository
     python = env_dir / "bin" / "python"
     started = time.perf_counter()
     if not (env_dir / "ready").exists():
@@ -72,10 +80,14 @@ def areal_python() -> tuple[Path, float]:
         venv.EnvBuilder(with_pip=True).create(env_dir)
         _pip(python, "install", "--no-compile", *WITH_DEPS)
         _pip(python, "install", "--no-compile", "--no-deps", *NO_DEPS)
-        source = env_dir / "protocol-src"  # a copy: the build writes build/ and *.egg-info next to the sources
-        shutil.copytree(ROOT / "protocol", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-        _pip(python, "install", "--no-deps", "--no-build-isolation", "--no-index", str(source))
         (env_dir / "ready").write_text("ok\n")
+    stamp, sources = env_dir / "light-package.sha256", _light_sources_hash()
+    if not stamp.exists() or stamp.read_text() != sources:
+        source = env_dir / "protocol-src"  # a copy: the build writes build/ and *.egg-info next to the sources
+        shutil.rmtree(source, ignore_errors=True)
+        shutil.copytree(ROOT / "protocol", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        _pip(python, "install", "--force-reinstall", "--no-deps", "--no-build-isolation", "--no-index", str(source))
+        stamp.write_text(sources)
     return python, time.perf_counter() - started
 
 
@@ -84,7 +96,7 @@ def test_areal_venv_has_the_light_package_and_not_staleflow(areal_python: tuple[
     probe = ("import importlib.util, json, areal, torch, staleflow_protocol.areal as a; "
              "print(json.dumps([areal.__version__, torch.__version__, importlib.util.find_spec('staleflow') is None, "
              "a.__name__, sorted(m for m in __import__('sys').modules if m.split('.')[0] == 'staleflow')]))")
-    done = subprocess.run([str(python), "-I", "-c", probe], capture_output=True, text=True, cwd=ROOT / "build", timeout=300)
+    done = subprocess.run([str(python), "-I", "-c", probe], capture_output=True, text=True, cwd=python.parent, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == ["1.0.4", "2.13.0+cpu", True, "staleflow_protocol.areal", []]
 
@@ -99,6 +111,8 @@ def test_areal_two_ranks_recover_mid_run_bound_kept_trace_accepted(areal_python:
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     print(f"AReaL venv: {built:.1f} s; two-rank run with recover: {time.perf_counter() - started:.1f} s")
     assert (result["steps"], result["recover_at"]) == (50, 25)
+    # the prompt of task 1, refused at episode start, is submitted again (task 2) before a new prompt
+    assert result["refusal_submissions"][:3] == [[0, 10], [1, 11], [2, 11]]
     for rank in ("0", "1"):
         got = result["ranks"][rank]
         assert got["trained"] == 100 and got["past_eta"] == 0  # 50 batches of 2 groups, none past eta
