@@ -101,6 +101,27 @@ def test_areal_venv_has_the_light_package_and_not_staleflow(areal_python: tuple[
     assert json.loads(done.stdout.splitlines()[-1]) == ["1.0.4", "2.13.0+cpu", True, "staleflow_protocol.areal", []]
 
 
+SIGNATURES = """
+import inspect, json
+from areal.infra import RolloutController, WorkflowExecutor
+from staleflow_protocol.areal import ProtocolRolloutController, ProtocolWorkflowExecutor
+params = lambda f: list(inspect.signature(f).parameters)
+print(json.dumps([params(ProtocolWorkflowExecutor.prepare_batch) == params(WorkflowExecutor.prepare_batch),
+                  params(ProtocolRolloutController.prepare_batch) == params(RolloutController.prepare_batch),
+                  issubclass(ProtocolRolloutController, RolloutController), params(RolloutController.prepare_batch)]))
+"""
+
+
+def test_the_drop_ins_take_areals_prepare_batch_arguments(areal_python: tuple[Path, float]) -> None:
+    """Both paths keep AReaL's own prepare_batch parameters: the controller's are RLTrainer's call
+    (RemoteInfEngine.prepare_batch has the same and passes the executor its subset)."""
+    python, _ = areal_python
+    done = subprocess.run([str(python), "-I", "-c", SIGNATURES], capture_output=True, text=True, cwd=python.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [True, True, True, [
+        "self", "dataloader", "workflow", "workflow_kwargs", "should_accept_fn", "group_size", "dynamic_bs"]]
+
+
 def test_areal_two_ranks_recover_mid_run_bound_kept_trace_accepted(areal_python: tuple[Path, float], tmp_path: Path) -> None:
     python, built = areal_python
     started = time.perf_counter()
