@@ -3,7 +3,8 @@
 :func:`export` reads the trainer's weights from a run's checkpoint (``checkpoints/step-N/trainer/``: the torch or
 FSDP trainer's ``model.safetensors``, or the Megatron trainer's ``megatron_trainer.pt``, converted
 back to Hugging Face names), checks them against the run's starting model (``model-v0/``: every
-tensor name and shape), and writes ``config.json``, the tokenizer files and sharded safetensors
+tensor name and shape, after turning transformers' in-memory names into its checkpoint layout: a
+Qwen3-MoE's fused experts are written one tensor per expert), and writes ``config.json``, the tokenizer files and sharded safetensors
 (``model.safetensors.index.json`` above ``--max-shard-size``) to ``--out``, loadable by
 transformers and vLLM. Bad input (no such run, step or checkpoint, weights of another model, an output
 folder that is not empty) raises FileNotFoundError, FileExistsError or ValueError.
@@ -15,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from staleflow.adapters.rlkit.causal_lm import checkpoint_layout
 from staleflow.adapters.rlkit.hf_folder import INDEX, check_model_folder, read_weights, weight_shapes, write_hf_folder
 from staleflow.app.checkpoints import CHECKPOINTS, TRAINER_DIR, latest_checkpoint
 
@@ -36,7 +38,7 @@ def export(run_dir: Path, out: Path, *, step: int | None = None, dtype: str = "b
         if not checkpoint.is_dir():
             found = sorted(p.name for p in (run_dir / CHECKPOINTS).glob("step-*"))
             raise FileNotFoundError(f"{run_dir} has no checkpoint of step {step} (found: {', '.join(found) or 'none'})")
-    weights = trainer_weights(checkpoint / TRAINER_DIR, base)
+    weights = checkpoint_layout(trainer_weights(checkpoint / TRAINER_DIR, base), base)
     expected = weight_shapes(base)
     _check_against(weights, expected, checkpoint / TRAINER_DIR)
     target = write_hf_folder(out, weights, source=base, dtype=dtype, max_shard_bytes=max_shard_bytes)

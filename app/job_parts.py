@@ -151,7 +151,9 @@ def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_g
         from staleflow.adapters.megatron.trainer import MegatronTrainer
 
         t = config.train
-        return MegatronTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, tensor_parallel=t.tensor_parallel,
+        # Megatron trains on GPUs only, where train.dtype=auto is bf16; fp32 only when asked for.
+        return MegatronTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, bf16=settings.dtype != "fp32",
+                               tensor_parallel=t.tensor_parallel,
                                pipeline_parallel=t.pipeline_parallel, world_size=t.world_size, launcher=launcher,
                                gpus_per_rank=t.gpus, placement_group=placement_group if t.gpus else None)
     if config.train.backend == "fsdp":

@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -189,6 +189,15 @@ class OnlineRefit:
         return True
 
 
+def run_engine_settings(config: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """vLLM's ``EngineArgs`` of the rollout engines of the job in ``config`` (None: the built-in job)
+    with ``overrides``, as ``staleflow train`` builds them (dtype, CUDA graphs or eager, GPU memory,
+    tensor parallelism); raises ``ConfigError`` for a config that does not load."""
+    from staleflow.runtime.settings.config import load_config
+
+    return load_config(config, overrides).rollout.engine_settings()
+
+
 def profile_model(
     model: str | None,
     *,
@@ -198,10 +207,14 @@ def profile_model(
     decode_tokens: int = 64,
     max_model_len: int = 512,
     seed: int = 0,
+    engine_kwargs: Mapping[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> ProfileResult:
     """Profile ``model`` (a local folder; None: the built-in tiny model) on a vLLM engine, measure its
-    in-place reload, and write the fitted coefficients to ``out``; ``log`` gets one line per batch."""
+    in-place reload, and write the fitted coefficients to ``out``; ``log`` gets one line per batch.
+    ``engine_kwargs``: vLLM's ``EngineArgs`` of the run the coefficients are for (its rollout dtype,
+    CUDA graphs or eager, tensor parallelism: ``RolloutConfig.engine_settings``), so the engine
+    measured is the one the run will use."""
     from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
 
     model_dir = Path(model) if model else ensure_tiny_model(Path(default_tiny_model_dir()).expanduser())
@@ -218,6 +231,7 @@ def profile_model(
         max_model_len=max_model_len,
         max_num_seqs=max(batch_sizes),
         seed=seed,
+        engine_kwargs=engine_kwargs,
     ) as engine:
         result = profile_engine(engine, batch_sizes, prompt_lengths, decode_tokens, seed=seed, on_batch=show)
         result = replace(result, reload_ms=measure_reload_ms(engine, model_dir))

@@ -1,5 +1,5 @@
 """The plots of a simulated comparison (``staleflow simulate --out``): throughput per system, staleness
-per buffer and time per step for each ``eta``, as PNG files."""
+per buffer, time per step and the per-instance skew per step for each ``eta``, as PNG files."""
 
 from __future__ import annotations
 
@@ -72,4 +72,31 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+        written.append(_skew_plot(plt, systems, eta, out / f"instance_skew_eta{eta}.png"))
     return written
+
+
+def _skew_plot(plt: Any, systems: dict[str, Any], eta: str, path: Path) -> Path:
+    """Per step: the spread of the tokens each instance generated (median line, min-max band), the
+    coefficient of variation of the trajectories finished per instance, and the mean instance
+    utilisation (the paper's Fig. 4)."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    for name, figures in systems.items():
+        steps = figures["instance_skew"]["per_step"]
+        x = range(1, len(steps) + 1)
+        line = axes[0].plot(x, [s["tokens"]["median"] for s in steps], label=name)[0]
+        axes[0].fill_between(x, [s["tokens"]["min"] for s in steps], [s["tokens"]["max"] for s in steps],
+                             color=line.get_color(), alpha=0.15)
+        axes[1].plot(x, [s["trajectories"]["cv"] for s in steps], label=name)
+        axes[2].plot(x, [s["utilisation"] for s in steps], label=name)
+    for ax, label in zip(axes, ("tokens per instance (median, min-max)", "CV of trajectories per instance",
+                                "mean instance utilisation")):
+        ax.set_xlabel("training step")
+        ax.set_ylabel(label)
+    axes[2].set_ylim(0, 1.05)
+    axes[0].legend(fontsize="small")
+    fig.suptitle(f"per-instance skew, eta={eta}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

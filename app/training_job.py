@@ -37,6 +37,7 @@ from staleflow.app.metrics import EngineLedger, MetricsLog, TrackedEngine
 from staleflow.app.report import write_report
 from staleflow.app.rewards import ScorerCheckError, check_scorer, pooled_reward
 from staleflow.app.summary import RunOutcome, step_record, summarise
+from staleflow.app.weights_scratch import DISK_SCRATCH, model_bytes, weights_scratch_dir
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.run.assembly import assemble_run
 from staleflow.runtime.run.clock import RealClock
@@ -55,7 +56,7 @@ TRACE_FILE = "trace.jsonl"
 #: what a job raises before anything starts for a config it cannot run (the command's exit 2)
 START_ERRORS = (PlacementError, VLLMBuildError, PromptFileError, RewardSpecError, ScorerCheckError)
 #: scratch folders of a run, removed when it ends
-SCRATCH = (".weights", ".eval-weights", ".eval-snapshots")
+SCRATCH = (DISK_SCRATCH, ".eval-weights", ".eval-snapshots")
 
 
 def start_engines(starts: list[Callable[[], Any]], one_at_a_time: bool) -> list[Any]:
@@ -97,6 +98,7 @@ class TrainingJob:
         self._evaluated: set[int] = set()
         self._deferred: DeferredEvaluation | None = None  # task.eval_timing=deferred: evaluated after the run loop
         self._placement: Any = None
+        self._weights_dir: Path | None = None  # where the engines write the weight files they reload
         self._evaluator: Any = None
         self._log: MetricsLog | None = None
         self._ledger: EngineLedger | None = None
@@ -126,7 +128,8 @@ class TrainingJob:
         clock = RealClock()
         self._reserve()
         engine_start = time.perf_counter()
-        engines = self._start_engines(base, clock)
+        self._weights_dir = weights_scratch_dir(self.run_dir, model_bytes(base), self.config.rollout.instances)
+        engines = self._start_engines(base, clock, self._weights_dir)
         self._evaluator = make_evaluator(self.config, self.tokens, self.data, self._placement, base, clock, self.run_dir)
         self._start_model(base, engines)
         self._engine_s = time.perf_counter() - engine_start
@@ -166,6 +169,8 @@ class TrainingJob:
             self._ledger.close()
         if self._placement is not None:
             self._placement.close()
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
         self._log = self._evaluator = self._loop = self._ledger = self._placement = None
 
     # ---------------------------------------------------------------------------------- building
@@ -174,14 +179,16 @@ class TrainingJob:
         cluster = self.config.cluster
         self._placement = RayPlacement(
             attributes=(), address=cluster.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
-            include_dashboard=False, log_to_driver=False,
+            # vLLM's and NCCL's errors in the actors reach the driver's output (``log_to_driver=False`` hid them)
+            include_dashboard=False, log_to_driver=True,
         )
         self._placement.reserve(plan_placement(self.config))
         check_build_fits(self.config.rollout.gpus_per_instance, installed_build())  # before any engine starts
 
-    def _start_engines(self, base: Path, clock: RealClock) -> list[Any]:
+    def _start_engines(self, base: Path, clock: RealClock, weights_dir: Path) -> list[Any]:
         """The vLLM rollout instances as Ray actors (vLLM keeps per-process global state), on the base
-        model: they start while the warm-up runs here, then load the warmed weights as version 0."""
+        model: they start while the warm-up runs here, then load the warmed weights as version 0.
+        ``weights_dir``: where they write the weight files they reload (:mod:`~staleflow.app.weights_scratch`)."""
         from staleflow.adapters.vllm.engine import VLLMEngine  # torch and vLLM: after the job set vLLM's environment
 
         rollout = self.config.rollout
@@ -191,7 +198,7 @@ class TrainingJob:
                 lambda i=i: self._placement.place_reserved(
                     f"rollout-{i}", VLLMEngine, f"rollout-{i}", str(base),
                     sampling=sampling, max_model_len=rollout.max_model_len, max_num_seqs=rollout.max_num_seqs,
-                    seed=self.config.seed * 1000 + i, clock=clock, weights_dir=str(self.run_dir / ".weights"),
+                    seed=self.config.seed * 1000 + i, clock=clock, weights_dir=str(weights_dir),
                     engine_kwargs=rollout.engine_settings(), start_timeout_s=rollout.start_timeout_s,
                 )
                 for i in range(rollout.instances)

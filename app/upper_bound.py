@@ -18,7 +18,8 @@ seconds of prompt prefill, spread over its ``E[R]`` tokens, so one instance reac
 and the rollout bound is that times the number of instances. Weight loads are not charged.
 
 Training side. A batch of ``B`` groups of ``N`` responses holds ``B N E[R]`` response tokens and
-takes ``base + per_token * B N (P + E[R])`` seconds, so training consumes at most
+takes ``base + per_token * B N (P + E[R]) + per_token2 * B N E[(P + R)^2]`` seconds (the workload's
+training model on its trainer GPUs), so training consumes at most
 ``B N E[R] / step_time`` tokens/s. The upper bound is the smaller of the two.
 
 ``E[R]`` and ``E[R^2]`` are estimated from a large seeded sample of the workload's length
@@ -66,7 +67,9 @@ def upper_bound(workload: Workload, seed: int = 0, samples: int = 200_000) -> Up
     rollout = per_instance * workload.cluster.rollout_instances
 
     responses = workload.batch.groups_per_step * workload.batch.group_size
-    step_time = workload.training.step_time(round(responses * (workload.prompt_tokens + mean_r)))
+    lengths = workload.prompt_tokens + draws
+    step_time = workload.training.step_time(
+        round(responses * (workload.prompt_tokens + mean_r)), workload.cluster.trainer_gpus, responses * float((lengths**2).mean()))
     training = responses * mean_r / step_time if step_time > 0 else float("inf")
     return UpperBound(
         tokens_per_s=min(rollout, training),

@@ -13,6 +13,10 @@ DEFAULT_PROMPT_LENGTHS = (16, 128, 384)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="job config overrides; the engine is built with the job's rollout settings, e.g. rollout.gpus_per_instance=1")
+    parser.add_argument("--config", metavar="YAML", help="job file whose rollout settings (dtype, CUDA graphs, tensor parallelism) "
+                        "the profiled engine uses (default: the built-in job)")
     parser.add_argument("--model", help="local model folder (default: the built-in tiny model, see model.tiny_model_dir)")
     parser.add_argument("--out", default="cost_model.json", help="coefficients file to write, .json or .yaml (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the full result (points, fit) as JSON")
@@ -34,10 +38,18 @@ def run(args: argparse.Namespace) -> int:
     if longest > args.max_model_len:
         print(f"error: longest prompt + decode tokens = {longest} exceeds --max-model-len {args.max_model_len}", file=sys.stderr)
         return 2
+    from staleflow.runtime.settings.config import ConfigError
+
+    try:
+        engine_kwargs = profile.run_engine_settings(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     result = profile.profile_model(
         args.model, out=args.out, batch_sizes=args.batch_sizes, prompt_lengths=args.prompt_lengths,
-        decode_tokens=args.decode_tokens, max_model_len=args.max_model_len, seed=args.seed, log=log,
+        decode_tokens=args.decode_tokens, max_model_len=args.max_model_len, seed=args.seed,
+        engine_kwargs=engine_kwargs, log=log,
     )
     if args.json:
         print(json.dumps({**result.to_dict(), "out": str(args.out)}, indent=2))

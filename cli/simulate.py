@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 from staleflow.app import simulation, simulation_plots
-from staleflow.app.simulation import ABLATIONS, DEFAULT_SYSTEMS, UPPER_BOUND
+from staleflow.app.simulation import ABLATIONS, BASELINE_ABLATIONS, DEFAULT_SYSTEMS, UPPER_BOUND
 from staleflow.runtime.settings.workload import WorkloadError, load_workload
 
 
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_SYSTEMS),
         metavar="SYSTEM",
         help=f"systems to run (default: {' '.join(DEFAULT_SYSTEMS)}); 'ablation' adds {' '.join(ABLATIONS)}; "
-        f"'all' runs every system; '{UPPER_BOUND}' is always reported",
+        f"'all' runs every system (the baseline ablations {' '.join(BASELINE_ABLATIONS)} included); '{UPPER_BOUND}' is always reported",
     )
     parser.add_argument("--eta", nargs="+", type=int, default=[3], help="staleness bound(s) (default: 3)")
     parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")
@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="StaleFlow samples N_EXTRA more responses per group, keeps the first (default: 0)")
     parser.add_argument("--batch-redundancy", type=int, default=0, metavar="X",
                         help="StaleFlow admits X groups beyond the batches, drops the surplus (default: 0)")
+    parser.add_argument("--rollout-gpus", type=int, default=None, metavar="N",
+                        help="give N of the workload's GPUs to rollout and the rest to the trainer (default: the workload's split)")
     parser.add_argument("--tick", type=float, default=None, help="coordinator tick in seconds (default: the workload's)")
     parser.add_argument("--quantum", type=float, default=None, help="engine event grid in seconds (default: the workload's)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout (nothing else)")
@@ -54,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         workload = load_workload(args.workload)
+        if args.rollout_gpus is not None:
+            workload = workload.with_rollout_gpus(args.rollout_gpus)
         systems = simulation.expand_systems(args.systems)
     except (WorkloadError, ValueError) as exc:
         err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)

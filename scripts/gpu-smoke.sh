@@ -8,13 +8,71 @@
 #                                    servers, weights by broadcast; checks the audit and the bound and
 #                                    prints GPU-SMOKE-RUN {json} (tokens/s, seconds per weight sync)
 #   scripts/gpu-smoke.sh --plan   on any machine: the whole run's resolved config and placement plan
-#   scripts/gpu-smoke.sh --trainer-only --device cpu --size tiny --world-size 2 --steps 3   part 1 on a CPU
-#   scripts/gpu-smoke.sh --trainer-only --backend megatron [--world-size 2 --tensor-parallel 2]   part 1 on Megatron (GPUs)
+#   scripts/gpu-smoke.sh --trainer-only   the trainer check for one GPU without vLLM or Ray (under 6 minutes):
+#                                 bf16 FSDP world size 1, the plain torch backend, Megatron world size 1,
+#                                 SMOKE_STEPS (12) steps each; one GPU-SMOKE-TRAINER {json} line per backend
+#                                 (tokens/s, MFU, peak GPU memory, checkpoint -> bf16 export -> transformers)
+#   scripts/gpu-smoke.sh --trainer-only --dry-run   the same three import paths only (any machine)
+#   scripts/gpu-smoke.sh --trainer-only --device cpu --size tiny --steps 2   the three on a CPU (Megatron: imports)
+#   scripts/gpu-smoke.sh --trainer-only --backend megatron [--world-size 2 --tensor-parallel 2]   one backend only
+#
+# Without vLLM and Ray: on a machine where `import staleflow` fails, the repository is put on the path
+# (it is the package), and the small packages the trainer path needs that the machine lacks are
+# installed from a local wheel folder, WHEELS (default ./wheels; no network needed), into the
+# smoke folder. Bring them with, on a machine with the registry:
+#   pip download --no-deps -d wheels megatron-core==0.16.1    # 2.6 MB; needs numpy and packaging only
+# The rest of the path needs torch, transformers (with its tokenizers, numpy, pyyaml) and
+# safetensors: the check machine's, used as they are. Without the wheel, Megatron is skipped and
+# the check ends non-zero, saying so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-.venv/bin/python}"
+repo="$PWD"
+if [[ -z "${PYTHON:-}" ]]; then PYTHON=.venv/bin/python; [[ -x "$PYTHON" ]] || PYTHON=python3; fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 out="${STALEFLOW_SMOKE_DIR:-$(mktemp -d /tmp/staleflow-gpu-smoke.XXXXXX)}"
+#: module -> wheel name, for the trainer-only path (see above)
+SMALL_WHEELS=(megatron.core:megatron-core)
+
+# Make `import staleflow` and the small packages work without a network (trainer-only path).
+bring_trainer_path() {
+  if ! "$PYTHON" -c "import staleflow" 2>/dev/null; then
+    mkdir -p "$out/path" && ln -sfn "$repo" "$out/path/staleflow"
+    export PYTHONPATH="$out/path${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  local wheels="${WHEELS:-$repo/wheels}" missing=() entry
+  for entry in "${SMALL_WHEELS[@]}"; do
+    "$PYTHON" -c "import ${entry%%:*}" 2>/dev/null || missing+=("${entry#*:}")
+  done
+  ((${#missing[@]})) || return 0
+  if ! compgen -G "$wheels/*.whl" >/dev/null; then
+    echo "gpu-smoke: missing ${missing[*]} and no wheels in $wheels (set WHEELS=DIR; see the top of this script)" >&2
+    return 0
+  fi
+  echo "gpu-smoke: installing ${missing[*]} from $wheels into $out/site" >&2
+  if "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$out/site" "$wheels"/*.whl; then
+    export PYTHONPATH="$out/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "gpu-smoke: could not install the wheels in $wheels (needed: ${missing[*]})" >&2
+  fi
+}
+
+# The three trainer backends one after the other, or one backend when --backend is given.
+trainer_only() {
+  bring_trainer_path
+  if [[ " $* " == *" --backend "* ]]; then exec "$PYTHON" scripts/gpu_smoke_trainer.py --out "$out/trainer" "$@"; fi
+  local started=$SECONDS backend failed=()
+  for backend in fsdp torch megatron; do
+    echo "== gpu-smoke trainer: $backend (world size 1) =="
+    if [[ $backend == megatron ]] && ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
+      echo "gpu-smoke: megatron SKIPPED: megatron-core is not importable (bring its wheel: see the top of this script)" >&2
+      failed+=("megatron (no megatron-core)"); continue
+    fi
+    "$PYTHON" scripts/gpu_smoke_trainer.py --out "$out/trainer" --backend "$backend" --world-size 1 \
+      --steps "${SMOKE_STEPS:-12}" "$@" || failed+=("$backend")
+  done
+  echo "gpu-smoke trainer-only: $((SECONDS - started)) s${failed:+, FAILED: ${failed[*]}}"
+  ((${#failed[@]} == 0))
+}
 model="$out/model-100m"
 run=(
   train --run-dir "$out/run" model.path="$model" train.steps=30
@@ -25,7 +83,7 @@ run=(
 )
 case "${1:-}" in
   --plan) exec "$PYTHON" -m staleflow "${run[@]}" --dry-run ;;
-  --trainer-only) shift; exec "$PYTHON" scripts/gpu_smoke_trainer.py "$@" ;;
+  --trainer-only) shift; trainer_only "$@"; exit ;;
 esac
 "$PYTHON" scripts/gpu_smoke_trainer.py "$@"
 "$PYTHON" -c "

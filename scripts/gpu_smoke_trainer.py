@@ -6,9 +6,12 @@ it for ``--steps`` steps on synthetic GRPO batches shaped like real ones (16 gro
 prompts 64-256 tokens, long-tailed responses up to ``--max-response`` tokens) with the FSDP trainer
 (or the torch trainer), then checkpoints, exports a bf16 Hugging Face folder and checks that
 transformers reloads it with the trainer's log-probs. Prints one JSON line of figures: trained
-tokens/s, step and weight-gather seconds, peak GPU memory per rank, export seconds, log-prob gap.
+tokens/s, MFU (model FLOPs, ``6 x parameters`` per token, over the GPU's dense bf16 peak), step and
+weight-gather seconds, peak GPU memory per rank, export seconds, log-prob gap.
 
 On a CPU (``--size tiny --device cpu``) the same script runs the tiny model as a self-check.
+``--dry-run`` imports what the chosen backend runs (the trainer, the export, megatron-core) and
+stops: the import path of a machine without vLLM and Ray. Neither may be imported on this path.
 """
 
 from __future__ import annotations
@@ -40,6 +43,41 @@ def build_model(folder: Path, size: str) -> Path:
     model.save_pretrained(folder, max_shard_size="100MB")  # sharded, as real checkpoints are
     build_tokenizer().save_pretrained(folder)
     return folder
+
+
+#: dense bf16 peak FLOP/s by GPU name (NVIDIA data sheets, SXM parts, without sparsity)
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
+#: what the trainer-only path must not need: the GPU check machine has neither
+ROLLOUT_PACKAGES = ("ray", "vllm")
+
+
+def peak_flops(device: str, override_tflops: float | None) -> float | None:
+    """The device's dense bf16 peak in FLOP/s (``--peak-tflops``, else by GPU name; None: unknown)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def import_backend(backend: str) -> None:
+    """Import what ``backend``'s run needs; raise if that pulled in vLLM or Ray."""
+    import staleflow.adapters.rlkit.causal_lm  # noqa: F401
+    import staleflow.app.export  # noqa: F401
+
+    if backend == "fsdp":
+        import staleflow.adapters.fsdp.trainer  # noqa: F401
+    elif backend == "megatron":
+        import megatron.core  # noqa: F401
+        import staleflow.adapters.megatron.trainer  # noqa: F401
+    else:
+        import staleflow.adapters.torch.trainer  # noqa: F401
+    pulled = [name for name in ROLLOUT_PACKAGES if name in sys.modules]
+    if pulled:
+        raise RuntimeError(f"the trainer-only path imported {', '.join(pulled)}: the GPU check machine has neither")
 
 
 def synthetic_batch(version: int, rng: random.Random, groups: int, size: int, max_response: int, vocab: int):  # type: ignore[no-untyped-def]
@@ -76,8 +114,14 @@ def main() -> int:
     parser.add_argument("--max-response", type=int, default=1024)
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--logprob-chunk", type=int, default=2048)
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: by GPU name)")
+    parser.add_argument("--dry-run", action="store_true", help="import the backend's path (no vLLM, no Ray) and stop")
     args = parser.parse_args()
 
+    import_backend(args.backend)
+    if args.dry_run:
+        print(f"GPU-SMOKE-DRY-RUN {args.backend}: imports ok without {' or '.join(ROLLOUT_PACKAGES)}")
+        return 0
     import torch
     from staleflow.adapters.rlkit.algorithms import token_logprobs
     from staleflow.adapters.rlkit.causal_lm import load_causal_lm
@@ -89,6 +133,9 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu-smoke: no CUDA device (use --device cpu --size tiny for the CPU self-check)", file=sys.stderr)
         return 2
+    if args.backend == "megatron" and args.device != "cuda":
+        print("gpu-smoke: megatron trains on CUDA only; its imports are checked (--dry-run), its run needs a GPU", file=sys.stderr)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     run = args.out / "run"
     shutil.rmtree(run, ignore_errors=True)
@@ -142,13 +189,18 @@ def main() -> int:
         want = LogProbModel(reference)(mb.input_ids, mb.position_ids, mb.targets)[:-1]
         got = token_logprobs(exported(input_ids=mb.input_ids).logits, mb.input_ids)[0]
     timed = steps[1:] or steps  # the first step includes warm-up (kernels, allocator)
+    parameters = sum(p.numel() for p in reference.parameters())
+    tokens_per_s = sum(m["packed_tokens"] for m in timed) / sum(m["train_s"] for m in timed)
+    peak = peak_flops(args.device, args.peak_tflops)
+    in_process_peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0  # the torch backend's
     figures = {
         "size": args.size, "backend": args.backend, "world_size": args.world_size, "device": args.device,
-        "parameters": sum(p.numel() for p in reference.parameters()), "startup_s": round(startup, 1),
-        "steps": len(steps), "train_tokens_per_s": round(sum(m["packed_tokens"] for m in timed) / sum(m["train_s"] for m in timed)),
+        "parameters": parameters, "startup_s": round(startup, 1),
+        "steps": len(steps), "train_tokens_per_s": round(tokens_per_s),
+        "mfu": round(6 * parameters * tokens_per_s / peak, 4) if peak else None,
         "step_s_mean": round(sum(m["train_s"] for m in timed) / len(timed), 3),
         "gather_s_mean": round(sum(m.get("gather_s", 0.0) for m in timed) / len(timed), 3),
-        "gpu_peak_gib_max": round(max(m.get("gpu_peak_gib", 0.0) for m in steps), 2),
+        "gpu_peak_gib_max": round(max(in_process_peak, *(m.get("gpu_peak_gib", 0.0) for m in steps)), 2),
         "export_s": round(export_s, 1), "export_logprob_gap_bf16": float((got - want).abs().max()),
         "loss_first_last": [round(steps[0]["loss"], 4), round(steps[-1]["loss"], 4)],
     }

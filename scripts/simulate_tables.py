@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 BASELINES = ("verl-sync", "one-step-off", "verl-async", "areal", "areal-filter", "areal-tight", "roll-flash")
+#: Baselines with one mechanism idealised: columns of a grid where they ran, never the best bound-keeping one.
+BASELINE_ABLATIONS = ("roll-flash-ideal-routing",)
 BEST = "best bound-keeping"
 
 
@@ -79,7 +81,7 @@ def past_eta(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> str:
 
 def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
     etas = sorted(next(iter(seeds.values()))["by_eta"])
-    systems = [s for s in BASELINES if with_system(seeds, s)]
+    systems = [s for s in (*BASELINES, *BASELINE_ABLATIONS) if with_system(seeds, s)]
     first = next(iter(seeds.values()))
     ran = "; ".join(f"{name}: seeds {', '.join(map(str, sorted(with_system(seeds, name))))}" for name in ("staleflow", *systems))
     lines = [f"Upper bound {first['bound']:,.0f} tokens/s; {first['steps']} steps; {ran}. "

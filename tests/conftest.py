@@ -91,7 +91,7 @@ TIERS = {
     "test_verify_cli.py": INTEGRATION,
     "test_verify_real.py": INTEGRATION,
     "test_z3_proofs.py": INTEGRATION,
-    "test_areal_adapter.py": E2E,
+    "test_areal_dropin.py": E2E,
     "test_bench_weight_sync.py": E2E,
     "test_driver_kill.py": E2E,
     "test_profile_command.py": E2E,

@@ -91,7 +91,7 @@ def _transition_calls(path: Path) -> list[str]:
 
 #: A peer system's binding drives the protocol from the peer's own rollout code (its executor is
 #: the host; docs/integrating.md): StaleFlow's runtime and trajectory server are not involved.
-PEER_HOSTS = ("adapters/areal/",)
+PEER_HOSTS: tuple[str, ...] = ()
 
 
 def test_only_the_group_owner_changes_groups() -> None:

@@ -95,3 +95,42 @@ def test_profile_measures_a_real_engine_and_writes_loadable_coefficients(tmp_pat
     assert result["fit"]["records"] == 24
     assert result["reload_ms"] > 0 and result["peak_tokens_per_s"] > 0
     assert CostModel.load(out).to_dict() == result["coefficients"]
+
+
+class _EngineBuilt(Exception):
+    """Raised by the stand-in engine once it has recorded the arguments it was built with."""
+
+
+def _record_engine_arguments(monkeypatch: pytest.MonkeyPatch) -> dict:
+    import staleflow.adapters.vllm.engine as engine_module
+
+    seen: dict = {}
+
+    def fake_engine(instance_id, model, **kwargs):
+        seen.update(kwargs)
+        raise _EngineBuilt
+
+    monkeypatch.setattr(engine_module, "VLLMEngine", fake_engine)
+    return seen
+
+
+def test_profile_builds_the_engine_with_the_runs_rollout_dtype_and_cuda_graphs(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A GPU job's instances run bf16 with CUDA graphs: the profiled engine must too, not fp32 eager."""
+    from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
+
+    seen = _record_engine_arguments(monkeypatch)
+    model = ensure_tiny_model(tmp_path / "tiny", TinyModelSpec())
+    args = _parser().parse_args(["rollout.gpus_per_instance=1", "rollout.gpu_memory_utilization=0.5", "--model", str(model),
+                                 "--out", str(tmp_path / "cm.json")])
+    with pytest.raises(_EngineBuilt):
+        run(args)
+    assert seen["engine_kwargs"] == {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1}
+    seen.clear()
+    with pytest.raises(_EngineBuilt):  # the built-in (CPU) job: fp32 eager, as its instances run
+        run(_parser().parse_args(["--model", str(model), "--out", str(tmp_path / "cm.json")]))
+    assert seen["engine_kwargs"] == {"dtype": "float32", "enforce_eager": True}
+
+
+def test_profile_refuses_a_config_that_does_not_load(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    assert run(_parser().parse_args(["rollout.dtype=int3", "--out", str(tmp_path / "cm.json")])) == 2
+    assert "rollout.dtype" in capsys.readouterr().err

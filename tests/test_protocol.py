@@ -390,10 +390,15 @@ def test_restore_rejects_a_non_mapping() -> None:
 # ----------------------------------------------------------------------------- packaging
 
 
+#: The peer drop-ins in the light package: each may import its peer system too (only it), and no
+#: other module imports them (``import staleflow_protocol`` needs nothing but the standard library).
+PEER_DROP_INS = {"areal.py": "areal"}
+
+
 def test_protocol_imports_only_the_standard_library() -> None:
     folder = Path(protocol.__file__).parent
-    stdlib = sys.stdlib_module_names
     for path in sorted(folder.glob("*.py")):
+        stdlib = sys.stdlib_module_names | ({PEER_DROP_INS[path.name]} if path.name in PEER_DROP_INS else set())
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -406,6 +411,8 @@ def test_protocol_imports_only_the_standard_library() -> None:
                 top = name.split(".")[0]
                 ok = top in stdlib or name.startswith("staleflow.protocol") or top == "__future__"
                 assert ok, f"{path.name} imports {name}"
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert f"{node.module}.py" not in PEER_DROP_INS, f"{path.name} imports the drop-in {node.module}"
 
 
 def test_doctest_example_in_the_package_docstring() -> None:

@@ -83,7 +83,9 @@ def test_light_wheel_holds_exactly_the_protocol_sources(light_wheel: Path) -> No
         [metadata] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
         text = wheel.read(metadata).decode()
     assert "Requires-Python: >=3.9" in text
-    assert "Requires-Dist" not in text
+    # no dependency; only the `areal` extra declares one (for staleflow_protocol.areal)
+    assert [line for line in text.splitlines() if line.startswith("Requires-Dist")] == [
+        'Requires-Dist: areal<1.1,>=1.0.4; extra == "areal"']
 
 
 def test_light_package_builds_offline_with_setuptools_alone(tmp_path: Path) -> None:

@@ -561,3 +561,104 @@ def test_completion_ledger_consumes_in_the_peers_orders_without_a_bound():
     assert batch.group_ids == ("new",) and set(batch.dropped) == {"old", "z"}
     with pytest.raises(ValueError, match="no protocol events"):
         ledger.add_event_hook(print)
+
+
+# ----------------------------------------------------------------------------- StaleFlow as the authors run it
+def test_evacuation_empties_the_highest_ratio_instance_only_from_ten_requests_and_only_for_a_starved_one():
+    from staleflow.runtime.coordination.migration import plan_evacuation
+
+    def fleet_of(busy_n: int, other_n: int = 2):
+        views = [view("busy", n=busy_n), view("other", n=other_n), view("idle")]
+        return views, FleetArrays.of(views)
+
+    starved = np.array([False, False, True])
+    views, fleet = fleet_of(10)
+    assert plan_evacuation(views, fleet, MODEL, 5.0, 10, starved) == {0: [f"busy-r{k}" for k in range(10)]}  # all of them
+    views, fleet = fleet_of(9)
+    assert plan_evacuation(views, fleet, MODEL, 5.0, 10, starved) == {}  # the highest-ratio one holds 9 < 10
+    views, fleet = fleet_of(10)
+    assert plan_evacuation(views, fleet, MODEL, 5.0, 10, np.zeros(3, bool)) == {}  # no starved instance
+    # a starved instance at an older version than the busy one cannot take its requests: no ratio
+    views = [view("busy", version=1, n=12, group_version=1), view("idle", version=0)]
+    assert plan_evacuation(views, FleetArrays.of(views), MODEL, 5.0, 10, np.array([False, True])) == {}
+    # a ratio of at most phi_throughput moves nothing
+    views = [view("a", n=12), view("b", n=11)]
+    assert plan_evacuation(views, FleetArrays.of(views), MODEL, 5.0, 10, np.array([False, True])) == {}
+
+
+def test_authors_engine_bounces_waiting_requests_beyond_phi_wait_with_no_starved_instance():
+    from staleflow.runtime.coordination.migration import plan_bounce
+
+    a = view("a", n=8)
+    a.waiting = tuple(f"a-r{k}" for k in range(2, 8))  # 6 waiting
+    views = [a, view("b", n=8)]
+    assert plan_bounce(make_policy("staleflow-authors"), views, FleetArrays.of(views)) == {0: ["a-r5", "a-r6", "a-r7"]}
+    assert plan_bounce(make_policy("staleflow"), views, FleetArrays.of(views)) == {}  # ours does not bounce
+    # the coordinator carries it out at every decision (not only on full ticks), while today's
+    # coordinator-side rule moves nothing when no instance is starved
+    c, _, ts = _coordinator("staleflow-authors", eta=1, batch=4, instances=2)
+    for cmd in _decide(c, 0, True):
+        ts.mark_routed(cmd.request_ids, cmd.instance_id)
+    held = tuple(c.views[0].requests)
+    assert len(held) >= 5
+    c.step(snap("i0", running=held[:1], waiting=held[1:], kv=sum(len(r) for r in held)))
+    interrupts = [cmd for cmd in _decide(c, 0, False) if isinstance(cmd, Interrupt)]
+    assert [(cmd.instance_id, cmd.request_ids) for cmd in interrupts] == [("i0", held[4:])]
+    assert c.stats["bounced_requests"] == len(held) - 4
+
+
+def test_authors_policy_knobs_follow_their_script():
+    authors = make_policy("staleflow-authors")
+    assert (authors.mu, authors.sync_kv_fraction, authors.proactive_abort, authors.max_running) == (0.3, 0.5, 0, 128)
+    assert (authors.migration_rule, authors.evacuate_min_requests, authors.waiting_bounce) == ("evacuate", 10, True)
+    assert authors.check_period_s == 0.1 and not authors.pull_keeps_requests and authors.keeps_bound
+    assert make_policy("staleflow-authors-sync99").sync_kv_fraction == 0.99
+    # our own StaleFlow stays as it was
+    ours = make_policy("staleflow")
+    assert (ours.migration_rule, ours.waiting_bounce, ours.check_period_s, ours.pull_keeps_requests) == ("split", False, 0.0, True)
+    with pytest.raises(ValueError, match="migration_rule must be one of split, evacuate"):
+        make_policy("staleflow", migration_rule="all")
+    # the throughput router of the authors' policy places at most 128 requests on an instance
+    router = ThroughputRouter(MODEL, 0.0, max_running=3)
+    fleet = FleetArrays.of([view("a"), view("b")])
+    assert sorted(router.choose(fleet, 100, np.ones(2, bool), count=10)) == [0, 0, 0, 1, 1, 1]
+
+
+def test_authors_sync_interrupts_requests_which_pay_a_re_prefill_where_they_resume():
+    from staleflow.adapters.sim.engine import SimEngine
+    from staleflow.adapters.sim.network import prefill_seconds
+    from staleflow.runtime.run.clock import VirtualClock
+    from staleflow.runtime.settings.workload import REQUEST_LENGTH_KEY
+    from staleflow.runtime.types import RolloutRequest
+
+    c, m, ts = _coordinator("staleflow-authors", eta=1, batch=2)
+    for cmd in _decide(c, 0, True):
+        ts.mark_routed(cmd.request_ids, cmd.instance_id)
+    for g in list(m.groups())[:2]:
+        m.occupy(g.group_id)
+    m.consume()  # version 1 is pushed; every instance's KV is below half full: both pull
+    commands = _decide(c, 1, False)
+    held = {cmd.instance_id: cmd.request_ids for cmd in commands if isinstance(cmd, Interrupt)}
+    assert set(held) == {"i0", "i1"} and all(held.values())
+    assert [type(cmd).__name__ for cmd in commands if cmd.instance_id == "i0"][:2] == ["Interrupt", "Pull"]
+    # the interrupted request resumes as prompt + partial output: the engine that takes it prefills all of it
+    clock = VirtualClock()
+    old = SimEngine("i0", clock, MODEL, 100_000)
+    old.submit([RolloutRequest("r", "g", [1] * 10, 500, 0, metadata={REQUEST_LENGTH_KEY: 400})])
+    clock.sleep_until(1.0)
+    old.snapshot()
+    partial = old.interrupt(["r"])[0]
+    context = len(partial.prompt_ids) + len(partial.output_ids)
+    assert context > 10
+
+    def finish_time(prefill_s_per_token: float) -> float:
+        clock = VirtualClock()
+        engine = SimEngine("i1", clock, MODEL, 100_000, prefill_s_per_token=prefill_s_per_token)
+        engine.submit([partial])
+        while (t := engine.next_event_time()) is not None:
+            clock.sleep_until(t)
+            if engine.collect():
+                return clock.now()
+        raise AssertionError("the partial never finished")
+
+    assert finish_time(0.01) - finish_time(0.0) == pytest.approx(prefill_seconds(context, 0.01, 0.0))

@@ -64,7 +64,7 @@ def test_step_latency_follows_the_cost_model() -> None:
     assert len(trajectory.output_ids) == 120 and trajectory.versions == [0] * 120
     assert trajectory.logprobs == [FAKE_LOGPROB] * 120
     assert trajectory.finish_reason == "stop"
-    assert engine.tokens_generated == 50 + 120 + 120
+    assert engine.progress() == (50 + 120 + 120, 3)
 
 
 def test_snapshot_mid_run_reports_running_kv_and_throughput() -> None:
@@ -231,7 +231,7 @@ def test_many_requests_take_events_not_tokens() -> None:
         clock.sleep_until(t)
         engine.collect()
         events += 1
-    assert engine.tokens_generated == sum(20 * (i + 1) for i in range(1000))
+    assert engine.progress()[0] == sum(20 * (i + 1) for i in range(1000))
     assert events == 1000
 
 

@@ -36,7 +36,7 @@ def test_kv_capacity_is_derived_from_gpu_memory_minus_weights(tmp_path) -> None:
     """Qwen3-30B-A3B on one H20: 0.9 x 96 GB - 3 GB - 61.1 GB = 22.3 GB at 98,304 B/token (the
     reference note's ~224k); the 32B models on two GPUs: 2 x 83.4 - 65.5 = 101.3 GB at 262,144 B/token."""
     qwen3 = load_workload("qwen3-30b-a3b-128gpu")
-    assert qwen3.cluster.gpus_per_instance == 1 and qwen3.cluster.rollout_instances == 96
+    assert qwen3.cluster.gpus_per_instance == 1 and qwen3.cluster.rollout_instances == 64
     assert qwen3.instance.kv_capacity_tokens == int(22.3e9 // 98304) == 226_847
     assert load_workload("deepseek-r1-distill-qwen-32b-128gpu").instance.kv_capacity_tokens == int(101.3e9 // 262144)
     assert load_workload("deepseek-r1-distill-qwen-14b-64gpu").instance.kv_capacity_tokens == int(53.9e9 // 196608)
@@ -147,3 +147,64 @@ def test_upper_bound_by_hand_on_fixed_lengths(tmp_path) -> None:
     train = 16 * 4 * 1000 / (0.2 + 2e-5 * 16 * 4 * 1064)
     assert bound.training_tokens_per_s == pytest.approx(train)
     assert bound.tokens_per_s == pytest.approx(min(train, 4 * per_instance))
+
+
+def _flops_training(d: dict) -> None:
+    d["training"] = {"base_s": 1.0, "active_params": 1e9, "mfu": 0.5, "gpu_tflops": 100, "attn_flops_per_token2": 1000}
+    d["cluster"]["trainer_gpus"] = 2
+
+
+def test_training_time_from_flops_by_hand(tmp_path) -> None:
+    workload = load_workload(write(tmp_path, _flops_training))
+    training = workload.training
+    # 8 FLOPs per active parameter per token (forward 2, backward 4, log-prob recompute 2) over
+    # 0.5 x 100 TFLOP/s x 2 GPUs = 1e14 FLOP/s: 8e9 / 1e14 = 8e-5 s per token
+    assert training.seconds_per_token(2) == pytest.approx(8e-5)
+    # attention: 4 passes x 1000 FLOPs per pair x c^2 / 2 pairs: 2000 c^2 / 1e14
+    assert training.seconds_per_token2(2) == pytest.approx(2e-11)
+    assert training.step_time(10_000, 2, 1e8) == pytest.approx(1.0 + 0.8 + 2e-3)
+    # the simulated trainer times a batch on the workload's trainer GPUs, per trajectory length
+    from staleflow.adapters.sim.trainer import SimTrainer
+    from staleflow.runtime.run.clock import VirtualClock
+    from staleflow.runtime.types import TrainingBatch, Trajectory
+
+    trajectories = [Trajectory(f"r{k}", "g", [1] * 64, [2] * 936, [0.0] * 936, [0] * 936, "stop") for k in range(4)]
+    clock = VirtualClock()
+    trainer = SimTrainer.from_workload(workload, clock)
+    trainer.start_step(TrainingBatch(0, {"g": trajectories}))
+    clock.sleep_until(100.0)
+    result = trainer.poll()
+    assert result is not None and result.metrics["step_time_s"] == pytest.approx(1.0 + 8e-5 * 4000 + 2e-11 * 4 * 1000**2)
+    # re-split: twice the trainer GPUs halve the FLOPs part; the total stays
+    wide = load_workload("qwen3-30b-a3b-128gpu")
+    narrow = wide.with_rollout_gpus(96)
+    assert (narrow.cluster.rollout_instances, narrow.cluster.trainer_gpus, narrow.gpus) == (96, 32, 128)
+    assert narrow.training.seconds_per_token(narrow.cluster.trainer_gpus) == pytest.approx(
+        2 * wide.training.seconds_per_token(wide.cluster.trainer_gpus))
+    with pytest.raises(WorkloadError, match="rollout GPUs must be a multiple of gpus_per_instance \\(2\\)"):
+        load_workload("qwen2.5-32b-128gpu").with_rollout_gpus(33)
+    with pytest.raises(WorkloadError, match="from 1 to 127"):
+        wide.with_rollout_gpus(128)
+
+
+@pytest.mark.parametrize(
+    "training, message",
+    [
+        ({"active_params": 1e9, "mfu": 0.3}, "training: Value error, the FLOPs model needs gpu_tflops"),
+        ({"per_token_s": 1e-5, "active_params": 1e9}, "give per_token_s or the FLOPs model .* not both"),
+        ({"active_params": 1e9, "mfu": 1.5, "gpu_tflops": 148}, "training.mfu: Input should be less than or equal to 1"),
+        ({"per_token_s": 1e-5, "attn_flops_per_token2": 10}, "attn_flops_per_token2 needs the FLOPs model"),
+        ({"base_s": 1.0}, "the FLOPs model needs active_params, mfu, gpu_tflops"),
+    ],
+)
+def test_a_bad_training_section_names_the_field(tmp_path, training: dict, message: str) -> None:
+    with pytest.raises(WorkloadError, match=message):
+        load_workload(write(tmp_path, lambda d: d.update(training=training)))
+
+
+def test_paper_workloads_derive_training_from_flops_with_the_authors_half_split() -> None:
+    for name in PAPER:
+        workload = load_workload(name)
+        assert workload.training.per_token_s is None and workload.training.mfu_source  # FLOPs model, MFU cited
+        rollout = workload.cluster.rollout_instances * workload.cluster.gpus_per_instance
+        assert rollout == workload.cluster.trainer_gpus == workload.gpus // 2  # 4 + 4 nodes (psrl e2e scripts)

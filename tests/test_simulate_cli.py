@@ -41,8 +41,10 @@ def test_json_output_has_every_system_within_the_bound(capsys, tmp_path) -> None
         report["systems"]["staleflow"]["tokens_per_s"] / report["systems"]["sync"]["tokens_per_s"]
     )
     assert json.loads((tmp_path / "results.json").read_text())["by_eta"]["2"]["systems"].keys() == report["systems"].keys()
-    for name in ("throughput.png", "staleness_eta2.png", "step_times_eta2.png"):
+    for name in ("throughput.png", "staleness_eta2.png", "step_times_eta2.png", "instance_skew_eta2.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    results = json.loads((tmp_path / "results.json").read_text())["by_eta"]["2"]["systems"]
+    assert all(len(f["instance_skew"]["per_step"]) == 5 for f in results.values())  # the skew of every step
 
 
 def test_same_seed_gives_the_same_figures(capsys) -> None:
@@ -150,3 +152,12 @@ def test_a_run_that_does_not_depend_on_eta_runs_once_and_matches_a_fresh_run(cap
     assert areal["past_eta_share"] == pytest.approx(sum(v for k, v in hist.items() if k > 2) / sum(hist.values()))
     assert tight["past_eta_share"] == pytest.approx(sum(v for k, v in hist.items() if k > 3) / sum(hist.values()))
     assert areal["past_eta_share"] > tight["past_eta_share"]
+
+
+def test_rollout_gpus_re_splits_the_workload(capsys) -> None:
+    base = ["--workload", "small-ci", "--systems", "staleflow", "--eta", "1", "--steps", "3", "--json"]
+    assert run_cli([*base, "--rollout-gpus", "2"]) == 0
+    split = json.loads(capsys.readouterr().out)["systems"]["staleflow"]
+    assert split["instances"] == 2  # 2 of small-ci's 5 GPUs roll out, 3 train
+    assert run_cli([*base, "--rollout-gpus", "5"]) == 2
+    assert "gpus_per_instance (1) from 1 to 4 (the job has 5 GPUs), got 5" in " ".join(capsys.readouterr().err.split())

@@ -84,3 +84,34 @@ def test_every_version_goes_over_one_long_lived_group_with_vllms_calls():
     assert receiver.calls == ["init_weight_transfer_engine"] + ["start_weight_update", "update_weights", "finish_weight_update"] * 3
     with pytest.raises(TransferFailedError, match="no weight channel is open for instance 'i1'"):
         TransferWeights(server, 3).deliver("i1", GlooReceiver())
+
+
+def test_a_version_published_in_buckets_is_sent_bucket_by_bucket_never_fetched_whole():
+    """Finding 8 (issue 24): a version a trainer published as buckets in Ray's object store was fetched
+    whole into the parameter server's process before it was sent (a full copy per version there).
+    Now its specs announce the update and its buckets are fetched one at a time as they are sent."""
+    from staleflow.adapters.ray.object_weights import ObjectStoreWeights
+
+    weights = {f"layer{i}.weight": torch.randn(64, 32).to(torch.bfloat16) for i in range(6)} | {"step": torch.arange(3)}
+    stored = [dict(list(weights.items())[:3]), dict(list(weights.items())[3:])]
+    fetched: list[int] = []
+
+    class Buckets(ObjectStoreWeights):  # the object store stood in for by a list; whole fetches refused
+        def _get(self, ref):  # type: ignore[no-untyped-def]
+            fetched.append(ref)
+            return stored[ref]
+
+        def fetch(self):  # type: ignore[no-untyped-def]
+            raise AssertionError("the parameter server fetched the whole version")
+
+    specs = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights.items()]
+    transfer = {"backend": "gloo", "wire_dtype": "bfloat16", "bucket_bytes": 8 << 10}
+    server = TransferParameterServer(transfer=transfer, copy_weights=lambda w: w)
+    server.push(1, Buckets([0, 1], 1, specs))
+    receiver = GlooReceiver()
+    reference = TransferWeights(server, 1)
+    reference.connect("i0", 1, receiver, backend="gloo")
+    sent = reference.deliver("i0", receiver)
+    assert fetched == [0, 1]  # each bucket once, in order, while sending
+    assert sent == sum(t.numel() * t.element_size() for t in weights.values())
+    assert receiver.received.keys() == weights.keys() and all(torch.equal(receiver.received[k], v) for k, v in weights.items())

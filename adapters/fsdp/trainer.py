@@ -11,12 +11,14 @@ taken over the whole minibatch on all ranks. Mixed precision on GPU: parameters 
 
 The driver side (:class:`FSDPTrainer`) checks and lays out each batch, spreads every minibatch's
 sequences over the ranks with balanced token counts and runs the step on all ranks; after each step
-the ranks gather the full weights on rank 0 (on CPU), the published version. Rank 0 keeps that copy:
-it writes checkpoints and decodes the greedy evaluation itself. With Ray actors as ranks it puts the
-copy into Ray's object store once and the driver gets an
+the ranks publish the full weights from rank 0 in the training dtype, gathered one bucket of
+``settings.publish_bucket_bytes`` at a time (:mod:`~staleflow.adapters.rlkit.bucketed_publish`):
+rank 0 never holds a full fp32 copy of a version. With Ray actors as ranks it puts each bucket into
+Ray's object store as it is gathered and the driver gets an
 :class:`~staleflow.adapters.ray.object_weights.ObjectStoreWeights` reference, which the parameter
 server keeps and the instances fetch: weights never travel through the driver (with spawned
-processes they come to the driver, where the parameter server then is). Checkpoints hold the full
+processes they come to the driver, where the parameter server then is). Checkpoints and the greedy
+evaluation gather the fp32 weights when they run (rank 0 writes and decodes). Checkpoints hold the full
 weights (``model.safetensors``) and the full optimiser state keyed by parameter name, so a
 checkpoint does not depend on the world size; rank 0 reads and checks every file and key of a
 checkpoint before any rank is touched, and a refused one raises in the driver, the group intact.
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from staleflow.adapters.rlkit.bucketed_publish import gathered_buckets
 from staleflow.adapters.rlkit.causal_lm import PublishedWeightsDecoder, empty_causal_lm, load_causal_lm
 from staleflow.adapters.rlkit.checkpoint import CHECKPOINT_MODEL, CHECKPOINT_STATE, check_trainer_state, read_trainer_checkpoint
 from staleflow.adapters.rlkit.hf_folder import check_model_folder
@@ -87,7 +90,6 @@ class FSDPRank:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
         self.rank, self.settings, self.by_reference = rank, settings, by_reference
-        self.full: dict[str, torch.Tensor] = {}  # rank 0: the published version's full weights, on CPU
         self.decoder = PublishedWeightsDecoder(model_path, pad_id)
         self.restoring: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # rank 0: a checked checkpoint
         torch.manual_seed(seed)
@@ -145,30 +147,39 @@ class FSDPRank:
         return metrics if self.rank == 0 else None
 
     def publish(self, version: int) -> Any:
-        """Gather the full weights on rank 0 (a collective: every rank calls it) and keep them there;
-        rank 0 returns them, or a reference to them in Ray's object store (``by_reference``)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        """Gather the full weights on rank 0 in the training dtype, one bucket at a time (a
+        collective: every rank calls it); rank 0 returns them, or a reference to its buckets in
+        Ray's object store (``by_reference``: each bucket is put there as it is gathered)."""
+        buckets = gathered_buckets(self.model.state_dict(), self.settings.compute_dtype(self.device),
+                                   self.settings.publish_bucket_bytes, keep=self.rank == 0, prefix=_PREFIX)
         if self.rank != 0:
+            for _ in buckets:
+                pass
             return None
-        self.full = {k.removeprefix(_PREFIX): v for k, v in state.items()}
         if self.by_reference:
             from staleflow.adapters.ray.object_weights import ObjectStoreWeights
 
-            return ObjectStoreWeights.put(self.full, version)
-        return self.full
+            return ObjectStoreWeights.put_buckets(buckets, version)
+        return {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+
+    def _full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The fp32 weights gathered on rank 0, on CPU (a collective); None on the other ranks."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k.removeprefix(_PREFIX): v for k, v in state.items()} if self.rank == 0 else None
 
     def save(self, folder: str, version: int, python_rng: Any) -> None:
         """Write a checkpoint to ``folder`` from rank 0 (a collective: the optimiser state is gathered)."""
         from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+        weights = self._full_weights()
         state = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank != 0:
+        if weights is None:
             return
         target = Path(folder)
-        save_file({k: v.contiguous() for k, v in self.full.items()}, str(target / CHECKPOINT_MODEL))
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(target / CHECKPOINT_MODEL))
         torch.save({"format": CHECKPOINT_FORMAT, "version": version, "torch_rng": torch.get_rng_state(), "python_rng": python_rng,
                     "optimizer": state, "scheduler": self.scheduler.state_dict()}, target / CHECKPOINT_STATE)
 
@@ -204,10 +215,12 @@ class FSDPRank:
         torch.set_rng_state(small["torch_rng"])
 
     def generate_greedy(self, prompts: Any, max_new_tokens: int, eos_id: int, batch_size: int) -> list[list[int]] | None:
-        """Rank 0: greedy responses of the published weights, on a CPU copy of the model."""
-        if self.rank != 0:
+        """Rank 0: greedy responses of the current (published) weights, on a CPU copy of the model in
+        fp32 (a collective: every rank joins the gather)."""
+        weights = self._full_weights()
+        if weights is None:
             return None
-        return self.decoder.generate(self.full, prompts, max_new_tokens, eos_id, batch_size)  # type: ignore[no-any-return]
+        return self.decoder.generate(weights, prompts, max_new_tokens, eos_id, batch_size)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         import torch.distributed as dist

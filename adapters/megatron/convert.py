@@ -3,7 +3,9 @@
 Qwen2 (qkv bias), Qwen3 (``q_norm``/``k_norm`` as ``q_layernorm``/``k_layernorm``, an explicit
 ``head_dim``) and Llama-style models, as full (TP = PP = 1) state dicts (``parallel.py`` splits them). Each direction refuses a
 tensor it has no rule for, so a weight is never silently dropped (``tests/test_megatron_trainer.py``
-checks that every weight of a Qwen2 and a Qwen3 model maps both ways).
+checks that every weight of a Qwen2 and a Qwen3 model maps both ways). Mixture-of-experts models
+(Qwen3-MoE, Mixtral, DeepSeek) have no conversion of their router and experts and are refused by
+their model type before any rank starts (:func:`check_convertible`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,27 @@ from typing import Any
 import torch
 from staleflow.adapters.megatron.parallel import Stage
 
+#: config attributes that give a model's number of routed experts (Qwen3-MoE/Qwen2-MoE, Mixtral, DeepSeek)
+EXPERT_COUNT_ATTRIBUTES = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+class UnsupportedModelError(ValueError):
+    """A Hugging Face model the Megatron conversion has no rules for."""
+
+
+def check_convertible(hf_config: Any) -> None:
+    """Refuse, naming the model type, a model whose weights this conversion cannot map: a
+    mixture-of-experts model (its router and experts), or per-projection q/k norms."""
+    model_type = str(getattr(hf_config, "model_type", "unknown"))
+    experts = next((int(n) for a in EXPERT_COUNT_ATTRIBUTES if (n := getattr(hf_config, a, None))), 0)
+    if experts:
+        raise UnsupportedModelError(
+            f"train.backend=megatron cannot train model_type={model_type!r}: a mixture-of-experts model ({experts} experts) "
+            "whose router and expert weights have no Hugging Face <-> Megatron conversion here; Megatron converts dense "
+            "SwiGLU decoders (llama, qwen2, qwen3 and alike). Use train.backend=fsdp for this model"
+        )
+    qk_norm(hf_config)
+
 
 def transformer_config_from_hf(hf_config: Any, *, bf16: bool = False, use_cpu_initialization: bool = False,
                                tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Any:
@@ -23,6 +46,7 @@ def transformer_config_from_hf(hf_config: Any, *, bf16: bool = False, use_cpu_in
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    check_convertible(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"only SwiGLU (hidden_act=silu) models are supported, got {hf_config.hidden_act!r}")
     return TransformerConfig(
@@ -32,7 +56,7 @@ def transformer_config_from_hf(hf_config: Any, *, bf16: bool = False, use_cpu_in
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
         kv_channels=_head_dim(hf_config),
-        qk_layernorm=_qk_norm(hf_config),
+        qk_layernorm=qk_norm(hf_config),
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
@@ -55,9 +79,26 @@ def _head_dim(hf_config: Any) -> int:
     return int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)
 
 
-def _qk_norm(hf_config: Any) -> bool:
-    """Qwen3 normalises each query and key head (``q_norm``/``k_norm``, RMSNorm over ``head_dim``)."""
-    return str(getattr(hf_config, "model_type", "")) == "qwen3"
+def qk_norm(hf_config: Any) -> bool:
+    """Whether the model normalises each query and key head (``q_norm``/``k_norm``, RMSNorm over
+    ``head_dim``: Qwen3, Qwen3-MoE and alike), read from the modules transformers builds for the
+    config on the meta device, not from its model type. A q/k norm over a whole projection (OLMo-2)
+    is not Megatron's per-head ``q_layernorm`` and is refused."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    norms = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+    shapes = {tuple(p.shape) for name, p in model.named_parameters() if name.endswith(norms)}
+    if not shapes:
+        return False
+    head_dim = _head_dim(hf_config)
+    if shapes != {(head_dim,)}:
+        raise UnsupportedModelError(
+            f"model_type={getattr(hf_config, 'model_type', 'unknown')!r} normalises queries and keys over {sorted(shapes)}, "
+            f"not per head ({head_dim},): Megatron's q_layernorm/k_layernorm have no equivalent"
+        )
+    return True
 
 
 def _has_qkv_bias(hf_config: Any) -> bool:
@@ -85,7 +126,7 @@ def build_gpt_model(hf_config: Any, transformer_config: Any) -> Any:
 
     return GPTModel(
         config=transformer_config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=_qk_norm(hf_config)),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=transformer_config.qk_layernorm),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         position_embedding_type="rope",

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from staleflow.adapters.megatron.convert import (  # noqa: F401 - re-exported: the trainer's public conversion API
     build_gpt_model,
+    check_convertible,
     hf_to_megatron,
     load_hf_into_megatron,
     megatron_to_hf,
@@ -76,6 +77,7 @@ class MegatronTrainer(WorkerGroupTrainer):
         self._layout = layout = MegatronLayout(tensor_parallel, pipeline_parallel, world_size)
         folder = check_model_folder(model_path)
         self._hf_config = AutoConfig.from_pretrained(str(folder))
+        check_convertible(self._hf_config)  # a model without a conversion (MoE) is refused by name, before any rank starts
         layout.check_model(self._hf_config)
         if not torch.cuda.is_available():
             raise RuntimeError(

@@ -48,6 +48,16 @@ def empty_causal_lm(path: str | os.PathLike[str]) -> Any:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention_kernel())
 
 
+def checkpoint_layout(weights: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """``weights`` (a trainer's: transformers' names in memory) under the names and layout the model's
+    checkpoints use, by transformers' own reverse conversion: a Qwen3-MoE's fused 3-D expert tensors
+    (``mlp.experts.gate_up_proj``) become one ``gate_proj``/``up_proj``/``down_proj`` per expert, as
+    its published checkpoints hold them; a dense model's weights pass unchanged."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(empty_causal_lm(path), dict(weights)))
+
+
 class PublishedWeightsDecoder:
     """Greedy decoding of a multi-process trainer's published weights on a CPU copy of the model, in
     the driver (evaluation only; rollout is vLLM's). The copy is built on first use."""

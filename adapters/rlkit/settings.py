@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from staleflow.adapters.rlkit.algorithms import Correction, LossSettings
+from staleflow.adapters.rlkit.bucketed_publish import DEFAULT_PUBLISH_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class TrainerSettings:
     logprob_chunk: int = 1024
     activation_checkpointing: bool = False
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: the compute dtype
+    publish_bucket_bytes: int = DEFAULT_PUBLISH_BUCKET_BYTES  # rank 0 gathers a version this much at a time
 
     @classmethod
     def from_config(cls, job: Any) -> TrainerSettings:
@@ -46,6 +48,7 @@ class TrainerSettings:
             logprob_chunk=t.logprob_chunk,
             activation_checkpointing=t.activation_checkpointing,
             dtype=t.dtype,
+            publish_bucket_bytes=t.publish_bucket_mb << 20,
         )
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:

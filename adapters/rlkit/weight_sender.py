@@ -21,9 +21,9 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from staleflow.runtime.interfaces import TransferFailedError, WeightsReference, resolve_weights
@@ -108,27 +108,42 @@ def unpack_bucket(flat: torch.Tensor, specs: Sequence[tuple[str, torch.dtype, tu
         offset += size
 
 
-def wire_tensors(weights: Mapping[str, torch.Tensor], wire_dtype: str) -> list[tuple[str, torch.Tensor]]:
-    """The floating-point tensors in ``wire_dtype`` (others as they are), in the weights' order."""
+def wire_tensors(tensors: Iterable[tuple[str, torch.Tensor]], wire_dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The floating-point tensors in ``wire_dtype`` (others as they are), in order, one at a time."""
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
     wire = WIRE_DTYPES[wire_dtype]
-    return [(name, t.to(wire) if t.is_floating_point() else t) for name, t in weights.items()]
+    return ((name, t.to(wire) if t.is_floating_point() else t) for name, t in tensors)
 
 
-def bucket_sizes(tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[int]:
-    """How many tensors each bucket of at most ``bucket_bytes`` holds (a larger tensor: its own)."""
-    sizes: list[int] = []
+def wire_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor: its own), as they fill."""
+    bucket: list[tuple[str, torch.Tensor]] = []
     used = 0
-    for _, tensor in tensors:
+    for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if sizes and used + nbytes <= bucket_bytes:
-            sizes[-1] += 1
-            used += nbytes
-        else:
-            sizes.append(1)
-            used = nbytes
-    return sizes
+        if bucket and used + nbytes > bucket_bytes:
+            yield bucket
+            bucket, used = [], 0
+        bucket.append((name, tensor))
+        used += nbytes
+    if bucket:
+        yield bucket
+
+
+def bucket_sizes(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[int]:
+    """How many tensors each bucket of at most ``bucket_bytes`` holds (a larger tensor: its own)."""
+    return [len(bucket) for bucket in wire_buckets(tensors, bucket_bytes)]
+
+
+@runtime_checkable
+class BucketedWeights(Protocol):
+    """A version stored as buckets somewhere else (Ray's object store: ``ObjectStoreWeights``) that
+    can be sent without fetching it whole: its tensors' specs, and its buckets one at a time."""
+
+    def tensor_specs(self) -> list[tuple[str, str, tuple[int, ...]]]: ...
+
+    def buckets(self) -> Iterator[dict[str, Any]]: ...
 
 
 # ------------------------------------------------------------------------------------ the channel
@@ -165,8 +180,9 @@ class WeightChannel:
         self._group = dist.ProcessGroupGloo(store, 0, self.world_size, timeout)
 
     def update_info(self, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """What every worker's ``update_weights`` takes for ``weights`` (names, dtypes, shapes)."""
-        tensors = wire_tensors(_shapes_only(weights), self.settings.wire_dtype)
+        """What every worker's ``update_weights`` takes for ``weights`` (names, dtypes, shapes; the
+        values may be meta tensors)."""
+        tensors = list(wire_tensors(_shapes_only(weights).items(), self.settings.wire_dtype))
         info: dict[str, Any] = {
             "names": [n for n, _ in tensors],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
@@ -176,27 +192,33 @@ class WeightChannel:
             info["bucket_sizes"] = bucket_sizes(tensors, self.settings.bucket_bytes)
         return info
 
-    def send(self, weights: Mapping[str, torch.Tensor]) -> int:
-        """Broadcast ``weights`` (rank 0) as :meth:`update_info` announced; returns the bytes sent."""
+    def send(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Broadcast the ``(name, tensor)`` pairs (rank 0), consumed one at a time in the order
+        :meth:`update_info` announced; returns the bytes sent."""
         if self._group is None:
             raise RuntimeError("join() the channel first")
-        tensors = wire_tensors(weights, self.settings.wire_dtype)
-        sent = sum(t.numel() * t.element_size() for _, t in tensors)
+        sent = 0
+
+        def counted(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal sent
+            for name, tensor in stream:
+                sent += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        stream = counted(wire_tensors(tensors, self.settings.wire_dtype))
         if self.backend == "nccl":
             from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
             packed_nccl_broadcast_producer(
-                iterator=((n, t.cuda()) for n, t in tensors), group=self._group, src=0, post_iter_func=lambda item: item[1],
+                iterator=((n, t.cuda()) for n, t in stream), group=self._group, src=0, post_iter_func=lambda item: item[1],
                 buffer_size_bytes=self.settings.bucket_bytes, num_buffers=PACKED_NUM_BUFFERS,
             )
             torch.cuda.current_stream().synchronize()
             return sent
         import torch.distributed as dist
 
-        start = 0
-        for count in bucket_sizes(tensors, self.settings.bucket_bytes):
-            flat = pack_bucket([t for _, t in tensors[start : start + count]])
-            start += count
+        for bucket in wire_buckets(stream, self.settings.bucket_bytes):
+            flat = pack_bucket([t for _, t in bucket])
             options = dist.BroadcastOptions()
             options.rootRank = 0
             self._group.broadcast([flat], options).wait()
@@ -222,9 +244,11 @@ def _free_port(host: str) -> int:
 # ------------------------------------------------------------------------------------ the server
 class TransferParameterServer(ParameterServer):
     """A parameter server that also sends a version to an instance over that instance's long-lived
-    group (it runs where the weights are). A version pushed as a reference (a trainer rank's copy
-    in Ray's object store) is fetched into this process for its first send; the newest version
-    fetched is kept for the next ones. ``channels_opened`` counts the groups made."""
+    group (it runs where the weights are). A version pushed as buckets elsewhere
+    (:class:`BucketedWeights`: a trainer rank's buckets in Ray's object store) is sent bucket by
+    bucket as each is fetched, never whole in this process; another reference is fetched whole for
+    its first send and the newest one fetched is kept for the next ones. ``channels_opened`` counts
+    the groups made."""
 
     def __init__(self, *args: Any, transfer: TransferSettings | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -257,11 +281,18 @@ class TransferParameterServer(ParameterServer):
         self._channel(instance_id).join()
 
     def update_info(self, instance_id: str, version: int) -> dict[str, Any]:
+        stored = self.pull(version)[1]
+        if isinstance(stored, BucketedWeights):
+            specs = stored.tensor_specs()
+            return self._channel(instance_id).update_info({n: torch.empty(s, dtype=getattr(torch, d), device="meta") for n, d, s in specs})
         return self._channel(instance_id).update_info(self._weights(version))
 
     def send(self, instance_id: str, version: int) -> int:
         """Broadcast ``version`` to ``instance_id``'s workers; the bytes sent once they have it."""
-        return self._channel(instance_id).send(self._weights(version))
+        stored = self.pull(version)[1]
+        if isinstance(stored, BucketedWeights):
+            return self._channel(instance_id).send(item for bucket in stored.buckets() for item in bucket.items())
+        return self._channel(instance_id).send(self._weights(version).items())
 
     def _channel(self, instance_id: str) -> WeightChannel:
         if instance_id not in self._channels:

@@ -72,7 +72,7 @@ class ProcessWorkers:
         import torch.multiprocessing as mp
 
         context = mp.get_context("spawn")
-        self._timeout = timeout_s
+        self.timeout_s = timeout_s
         self._conns, self._procs = [], []
         self.world_size = world_size
         for rank in range(world_size):
@@ -99,7 +99,7 @@ class ProcessWorkers:
 
         answers: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + self.timeout_s
         while pending:
             for rank in sorted(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
@@ -115,7 +115,7 @@ class ProcessWorkers:
                 elif not proc.is_alive():
                     self._fail(f"rank {rank} died during {name!r} (exit code {proc.exitcode})")
             if time.monotonic() > deadline:
-                self._fail(f"ranks {sorted(pending)} did not answer {name!r} within {self._timeout:.0f} s")
+                self._fail(f"ranks {sorted(pending)} did not answer {name!r} within {self.timeout_s:.0f} s")
         return answers
 
     def _fail(self, reason: str) -> None:
@@ -160,7 +160,8 @@ class RayWorkers:
     Ray must be running (``ray.init`` or an existing cluster). ``placement_group``: an optional Ray
     placement group with one bundle per rank, bundle ``rank`` for rank ``rank``. ``timeout_s``: the
     longest wait for one call's answers, as :class:`ProcessWorkers` (a rank Ray cannot schedule, e.g.
-    one asking for GPUs outside any placement group on a busy cluster, would otherwise wait forever).
+    one asking for GPUs outside any placement group on a busy cluster, would otherwise wait forever);
+    the first call's wait includes the actors' start-up. The attribute may be changed between calls.
     """
 
     def __init__(self, factory: Callable[[], Any], world_size: int, *, num_gpus: float = 0, num_cpus: float = 1,
@@ -168,7 +169,7 @@ class RayWorkers:
         import ray
 
         self.world_size = world_size
-        self._timeout = timeout_s
+        self.timeout_s = timeout_s
         self._actors = []
         for rank in range(world_size):
             options: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": num_cpus, "name": None}
@@ -189,11 +190,11 @@ class RayWorkers:
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         answers: list[Any] = [None] * self.world_size
         remaining = list(refs)
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + self.timeout_s
         while remaining:  # the first failure (of any rank) stops the group: the others may be in a collective
             ready, remaining = ray.wait(remaining, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                self._broken = f"ranks {sorted(rank_of[r] for r in remaining)} did not answer {name!r} within {self._timeout:.0f} s"
+                self._broken = f"ranks {sorted(rank_of[r] for r in remaining)} did not answer {name!r} within {self.timeout_s:.0f} s"
                 self.close()
                 raise WorkerGroupError(self._broken)
             rank = rank_of[ready[0]]

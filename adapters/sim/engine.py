@@ -128,6 +128,7 @@ class SimEngine:
         self._seq = 0
         self._finished: list[Trajectory] = []
         self._tokens = 0  # tokens generated so far
+        self._trajectories = 0  # trajectories finished so far
         self._last_snapshot = (self._t, 0)
         self._last_rate = 0.0
         self._changes = 0  # bumped whenever the running or waiting set changes
@@ -211,12 +212,8 @@ class SimEngine:
     def snapshot(self) -> InstanceSnapshot:
         now = self._clock.now()
         self._advance(now)
-        kv, tokens = self._kv, self._tokens
-        if self._running and self._busy_until <= self._t < now:  # mid-segment: count the steps done
-            n = len(self._running)
-            done = self._cost.steps_within(now - self._t, n, kv, self._segment()[0])
-            kv += n * done
-            tokens += n * done
+        done = len(self._running) * self._steps_done_in_segment(now)  # mid-segment: count the steps done
+        kv, tokens = self._kv + done, self._tokens + done
         last_time, last_tokens = self._last_snapshot
         if now > last_time:
             self._last_rate = (tokens - last_tokens) / (now - last_time)
@@ -263,10 +260,16 @@ class SimEngine:
     def version(self) -> int:
         return self._version
 
-    @property
-    def tokens_generated(self) -> int:
-        """Decode tokens produced so far (including tokens of requests later interrupted or aborted)."""
-        return self._tokens
+    def progress(self) -> tuple[int, int]:
+        """Decode tokens made here by now (of interrupted requests too, a segment in progress counted), trajectories finished."""
+        self._advance(now := self._clock.now())
+        return self._tokens + len(self._running) * self._steps_done_in_segment(now), self._trajectories
+
+    def _steps_done_in_segment(self, now: float) -> int:
+        """Whole decode steps of the segment in progress done by ``now`` (0 outside a segment)."""
+        if self._running and self._busy_until <= self._t < now:
+            return self._cost.steps_within(now - self._t, len(self._running), self._kv, self._segment()[0])
+        return 0
 
     # ------------------------------------------------------------------ execution
     def _live(self, request: RolloutRequest) -> _Live:
@@ -352,9 +355,7 @@ class SimEngine:
         now = self._clock.now()
         self._advance(now)
         if self._running and self._busy_until <= self._t < now:
-            steps = self._segment()[0]
-            done = self._cost.steps_within(now - self._t, len(self._running), self._kv, steps)
-            self._do_steps(done + 1)  # <= steps: the segment ends after now
+            self._do_steps(self._steps_done_in_segment(now) + 1)  # <= the segment's steps: it ends after now
             self._finish_due()
 
     def _finish_due(self) -> None:
@@ -447,6 +448,7 @@ class SimEngine:
         return replace(live.request, output_ids=output_ids, logprobs=logprobs, versions=versions)
 
     def _trajectory(self, live: _Live) -> Trajectory:
+        self._trajectories += 1  # called once per finished request
         request = live.request
         output_ids, logprobs, versions = self._outputs(live)
         reason = "length" if live.target >= request.max_new_tokens else "stop"

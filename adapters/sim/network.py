@@ -6,8 +6,9 @@
   pull that starts while many others run is slower (the share is fixed at its start, a
   simplification of fair sharing).
 * :class:`Broadcast`: a global NCCL broadcast (the peers): every instance receives the version at
-  once in ``weights_gb / broadcast_gb_per_s``; the trainer is blocked as long (``SimTrainer``'s
-  ``after_step_s``).
+  once in ``weights_gb / broadcast_gb_per_s``, after ``pause_s`` of a whole-fleet pause if the
+  system pauses around its updates (ROLL's ``pause_sampling``); the trainer is blocked as long
+  (``SimTrainer``'s ``after_step_s``).
 * :func:`prefill_seconds`: rebuilding the KV cache of ``c`` context tokens (a new request's prompt, or
   a resubmitted partial's prompt and tokens so far) with chunked prefill costs a linear term
   ``per_token * c`` (the matmuls) and an attention term: chunk after chunk attends to every earlier
@@ -47,10 +48,11 @@ class ParameterServerLink:
 
 
 class Broadcast:
-    """A global broadcast: the same time for every instance, whatever the others do."""
+    """A global broadcast: the same time for every instance, whatever the others do; ``pause_s``: a
+    pause of the whole fleet before it (ROLL's router suspension, ``abort_all`` and ``wait_complete``)."""
 
-    def __init__(self, network: NetworkSpec) -> None:
-        self.seconds = network.weights_gb / network.broadcast_gb_per_s
+    def __init__(self, network: NetworkSpec, pause_s: float = 0.0) -> None:
+        self.seconds = pause_s + network.weights_gb / network.broadcast_gb_per_s
 
     def transfer_s(self, start: float) -> float:
         return self.seconds

@@ -1,7 +1,8 @@
 """A simulated trainer: each step takes the workload's training time for its batch, in virtual time.
 
-Step time is ``base_s + per_token_s * tokens`` where ``tokens`` counts the prompt and response
-tokens of every trajectory in the batch (:class:`~staleflow.runtime.settings.workload.TrainingSpec`).
+Step time is the workload's training model over the batch: ``tokens`` counts the prompt and response
+tokens of every trajectory, and with attention FLOPs the squared length of each trajectory adds its
+share (:class:`~staleflow.runtime.settings.workload.TrainingSpec`, on the workload's trainer GPUs).
 Weights are a version token (:class:`SimWeights`): the simulator moves versions, not tensors.
 ``scale`` multiplies the step time (a colocated system trains on every GPU: ``trainer_gpus / gpus``);
 ``after_step_s`` keeps the trainer busy after each step (a blocking weight broadcast).
@@ -43,12 +44,14 @@ class SimTrainer:
     """
 
     def __init__(
-        self, clock: Clock, training: TrainingSpec, version: int = 0, scale: float = 1.0, after_step_s: float = 0.0
+        self, clock: Clock, training: TrainingSpec, version: int = 0, scale: float = 1.0, after_step_s: float = 0.0,
+        trainer_gpus: int = 1,
     ) -> None:
         if scale <= 0 or after_step_s < 0:
             raise ValueError(f"need scale > 0 and after_step_s >= 0, got {scale} and {after_step_s}")
         self._clock = clock
         self._training = training
+        self._trainer_gpus = trainer_gpus
         self._scale = scale
         self._after = after_step_s
         self._version = version
@@ -58,7 +61,7 @@ class SimTrainer:
     def from_workload(
         cls, workload: Workload, clock: Clock, version: int = 0, scale: float = 1.0, after_step_s: float = 0.0
     ) -> SimTrainer:
-        return cls(clock, workload.training, version, scale, after_step_s)
+        return cls(clock, workload.training, version, scale, after_step_s, workload.cluster.trainer_gpus)
 
     @property
     def version(self) -> int:
@@ -69,17 +72,18 @@ class SimTrainer:
             raise RuntimeError(f"trainer is busy with buffer {self._step.version}; poll() it first")
         if batch.version != self._version:
             raise ValueError(f"trainer is at version {self._version}, cannot train on buffer {batch.version}")
-        prompt = response = trajectories = 0
+        prompt = response = trajectories = squares = 0
         for group in batch.groups.values():
             for trajectory in group:
                 prompt += len(trajectory.prompt_ids)
                 response += len(trajectory.output_ids)
+                squares += (len(trajectory.prompt_ids) + len(trajectory.output_ids)) ** 2
                 trajectories += 1
         start = self._clock.now()
         self._step = _Step(
             version=batch.version,
             start=start,
-            end=start + self._scale * self._training.step_time(prompt + response) + self._after,
+            end=start + self._scale * self._training.step_time(prompt + response, self._trainer_gpus, squares) + self._after,
             tokens=prompt + response,
             response_tokens=response,
             groups=len(batch.groups),

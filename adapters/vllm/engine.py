@@ -7,8 +7,8 @@ a consistent engine and needs no lock inside vLLM. This gives the three things S
 * **per-token versions**: each token gets the weight version vLLM recorded for the step that sampled
   it (each reload ends with ``set_weight_version``), not the version current when it is absorbed;
 * **in-place reload keeping running requests**: the same as vLLM's ``pause_generation(mode="keep")``
-  -> reload -> resume, without the pause: requests keep their KV cache and go on with the new
-  weights;
+  -> reload -> resume (paused only when the engine core runs in another process, :mod:`.pause`):
+  requests keep their KV cache and go on with the new weights;
 * **resumable partials**: an interrupted request comes back with its tokens, behaviour log-probs and
   versions; any engine resumes it with ``prompt + output so far`` as its prompt.
 
@@ -35,6 +35,7 @@ from typing import Any, Self, TypeVar
 
 from staleflow.adapters.rlkit.weight_sender import TransferWeights
 from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
+from staleflow.adapters.vllm.pause import reload_weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync, token_versions, with_weight_transfer
 from staleflow.runtime.coordination.cost_model import ProfileRecord
@@ -448,8 +449,7 @@ class VLLMEngine:
         if isinstance(source, TransferWeights):  # ends with set_weight_version, through finish_weight_update
             self.bytes_received += self.weight_sync.receive(source)  # type: ignore[union-attr]
         else:
-            self._llm.collective_rpc("staleflow_reload_safetensors", args=(str(source),))
-            self._llm.set_weight_version(str(version))
+            reload_weights_file(self._llm, source, version)
         self._version = version
 
     def _forget_internal(self, request_id: str) -> None:

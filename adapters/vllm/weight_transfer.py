@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from staleflow.adapters.rlkit.weight_sender import BACKENDS, TransferWeights
+from staleflow.adapters.vllm.pause import scheduling_paused
 from staleflow.adapters.vllm.settings import set_vllm_env_defaults
 
 GLOO = "gloo"
@@ -103,6 +104,7 @@ class InstanceWeightSync:
 
     def __init__(self, llm_engine: Any, instance_id: str, engine_args: Mapping[str, Any], backend: str, version: int) -> None:
         llm_engine.set_weight_version(str(version))
+        self._llm = llm_engine
         self.client = EngineWeightSyncClient(llm_engine)
         self.instance_id = instance_id
         self.receivers = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
@@ -110,12 +112,14 @@ class InstanceWeightSync:
         self._connected = False
 
     def receive(self, weights: TransferWeights) -> int:
-        """Receive the version ``weights`` refers to; returns the bytes sent."""
+        """Receive the version ``weights`` refers to, the engine core's scheduling paused if it runs
+        in another process (:mod:`~staleflow.adapters.vllm.pause`); returns the bytes sent."""
         if not self._connected:
             weights.connect(self.instance_id, self.receivers, self.client, self.backend)
             self._connected = True
         try:
-            return weights.deliver(self.instance_id, self.client)
+            with scheduling_paused(self._llm):
+                return weights.deliver(self.instance_id, self.client)
         except Exception:
             self._connected = False
             raise

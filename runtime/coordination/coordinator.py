@@ -13,12 +13,11 @@ It keeps a speculative view of every instance (:mod:`staleflow.runtime.coordinat
 snapshots that agree with it, and on each :class:`~staleflow.runtime.coordination.observations.Tick`
 decides with the policy's strategies:
 
-0. **Re-queue** (proactive abort, while the trainer waits): the last stragglers of the head buffer,
-   re-queued through GroupLife; their running requests are aborted.
+0. **Re-queue** (proactive abort, while the trainer waits): the head buffer's last stragglers, through GroupLife.
 1. **Pull** (:mod:`~staleflow.runtime.coordination.sync`): instances that should load the newest version now
    (their requests are interrupted first unless the policy keeps them in place).
-2. **Interrupt** (:mod:`~staleflow.runtime.coordination.migration`, on full ticks when nothing was pulled):
-   waiting or excess requests go back to the trajectory server and are routed again.
+2. **Interrupt** (:mod:`~staleflow.runtime.coordination.migration`): the ``waiting_bounce`` at every decision,
+   migration on full ticks when nothing was pulled: the requests go back to be routed again.
 3. **Route**: queued requests (partials and group members not placed yet) in priority order, each
    only to instances whose version is at least its group's version; the queue is served in order
    and a request that cannot be placed holds back the rest until the next decision.
@@ -27,8 +26,7 @@ decides with the policy's strategies:
    :class:`~staleflow.protocol.StalenessManager` is the only authority); a Ready asks for the
    admission, GroupLife reserves the group, and its requests, stepped back, are routed.
 
-Its own state is the speculative view of the fleet, the decision in progress, the commands not yet
-handed out and its counters.
+Its own state: the speculative view of the fleet, the decision in progress, commands not handed out, counters.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ from staleflow.runtime.coordination.commands import Abort, Admission, Command, I
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import Fleet, FleetArrays, InstanceView
 from staleflow.runtime.coordination.freshness import Lookahead
-from staleflow.runtime.coordination.migration import plan_migration
+from staleflow.runtime.coordination.migration import plan_bounce, plan_moves
 from staleflow.runtime.coordination.observations import (
     Admitted,
     Cancelled,
@@ -57,7 +55,7 @@ from staleflow.runtime.coordination.observations import (
     StepStarted,
     Tick,
 )
-from staleflow.runtime.coordination.routing import LeastLoadedRouter, RoundRobinRouter, ThroughputRouter
+from staleflow.runtime.coordination.routing import PromptAffinityRouter, make_router
 from staleflow.runtime.coordination.sync import plan_pulls
 from staleflow.runtime.run.group_life import GroupLife
 from staleflow.runtime.servers.request_queue import request_tokens
@@ -95,13 +93,7 @@ class Coordinator:
         self.cost_model = cost_model
         self.fleet = Fleet(snapshots)
         self.views = self.fleet.views  # one list: a view that starts afresh replaces its entry
-        self.router: ThroughputRouter | LeastLoadedRouter | RoundRobinRouter = (
-            ThroughputRouter(cost_model, policy.mu)
-            if policy.routing == "throughput"
-            else RoundRobinRouter(policy.max_running)
-            if policy.routing == "round_robin"
-            else LeastLoadedRouter(policy.max_running)
-        )
+        self.router = make_router(policy.routing, cost_model, policy.mu, policy.max_running)
         self._outbox: list[Command] = []  # decided, not handed out yet
         self._decision: Iterator[Ready] | None = None  # the decision in progress (after a Tick)
         self._asked: Ready | None = None  # a Ready whose group change has no outcome stepped yet
@@ -203,6 +195,8 @@ class Coordinator:
         index = self.fleet.lose(instance_id)
         if self._resubmit_to:  # its interrupted requests go wherever routing places them
             self._resubmit_to = {rid: i for rid, i in self._resubmit_to.items() if i != index}
+        if isinstance(self.router, PromptAffinityRouter):  # its groups are pinned afresh
+            self.router.unpin_instance(index)
 
     @property
     def manager(self) -> StalenessManager:
@@ -235,16 +229,13 @@ class Coordinator:
                 if self.policy.resubmit_same_instance:
                     self._resubmit_to.update(dict.fromkeys(rids, i))
             commands.append(self._pull(view.instance_id, ps_version))
+        if pulls and isinstance(self.router, PromptAffinityRouter):
+            self.router.clear_pins()  # ROLL's abort_all at the weight update clears the prompt pins
         fleet = self.fleet.synced()
+        fleet = self._interrupt(plan_bounce(self.policy, self.views, fleet), "bounced_requests")
         if full and self.policy.migration and not pulls:
-            for i, rids in plan_migration(
-                self.views, fleet, self.cost_model, self.policy.phi_wait, self.policy.phi_throughput,
-                self._starved_instances(fleet),
-            ).items():
-                self.fleet.forget(self.views[i].instance_id, rids)
-                commands.append(Interrupt(self.views[i].instance_id, tuple(rids)))
-                self.stats["migrated_requests"] += len(rids)
-            fleet = self.fleet.synced()
+            moves = plan_moves(self.policy, self.views, fleet, self.cost_model, self._starved_instances(fleet))
+            fleet = self._interrupt(moves, "migrated_requests")
         self._routes = {}
         self._ps_version = ps_version
         self._starved = False
@@ -255,6 +246,14 @@ class Coordinator:
             self._starved = True  # no instance version is admissible (or the cap is reached)
         self.stats["pulls"] += len(pulls)
         self.decision_seconds += time.perf_counter() - started
+
+    def _interrupt(self, plan: dict[int, list[str]], counter: str) -> FleetArrays:
+        """Interrupt ``plan`` (instance index -> request ids), counted under ``counter``; the fleet's arrays after."""
+        for i, rids in plan.items():
+            self.fleet.forget(self.views[i].instance_id, rids)
+            self._outbox.append(Interrupt(self.views[i].instance_id, tuple(rids)))
+            self.stats[counter] += len(rids)
+        return self.fleet.synced()
 
     def _starved_instances(self, fleet: FleetArrays) -> np.ndarray:
         """Instances that can get no other work: nothing queued, and no pending group admissible at
@@ -281,6 +280,11 @@ class Coordinator:
         if self._resubmit_to:
             return self._route_queue_resubmitting(fleet, routes)
         queue = self.ts.queue_view()
+        if isinstance(self.router, PromptAffinityRouter):  # request by request; new groups go on while only pinned ones wait
+            placed, new_groups_wait = self.router.route_each(fleet, queue.requests(0, len(queue)), queue.tokens.tolist())
+            for i, request, size in placed:
+                self._assign(i, request.request_id, size, request.group_version, routes)
+            return not new_groups_wait
         for start, stop, largest in queue.runs(self.policy.request_budget):
             version = int(queue.versions[start])
             chosen = self._choose(fleet, version, largest, stop - start)
@@ -319,10 +323,10 @@ class Coordinator:
                 self._assign(chosen[0], rid, tokens, version, routes)
         return placed_all
 
-    def _choose(self, fleet: FleetArrays, version: int, tokens: int, count: int) -> list[int]:
+    def _choose(self, fleet: FleetArrays, version: int, tokens: int, count: int, group: GroupId | None = None) -> list[int]:
         """Instances for ``count`` requests of a group ``version``, each planned as ``tokens`` (the
-        largest of them: the router's estimate errs on the safe side); fewer if some stay queued."""
-        return self.router.choose(fleet, tokens, fleet.version >= version, count, oldest_first=True)
+        largest of them: the router's estimate errs on the safe side); fewer if some stay queued. ``group``: theirs."""
+        return self.router.choose(fleet, tokens, fleet.version >= version, count, oldest_first=True, group=group)
 
     def _assign(self, i: int, rid: str, tokens: int, group_version: int, routes: dict[int, list[str]]) -> None:
         self.views[i].add(rid, tokens, group_version)
@@ -386,9 +390,9 @@ class Coordinator:
             fleet = self.fleet.arrays
             chosen = []
             if self.policy.freshness:  # the newest version first: its groups start freshest
-                chosen = self.router.choose(fleet, tokens, fleet.version == max(admissible))
+                chosen = self.router.choose(fleet, tokens, fleet.version == max(admissible), group=group.group_id)
             if not chosen:
-                chosen = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible))
+                chosen = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible), group=group.group_id)
             if not chosen:
                 self._admitting = False
                 self._starved = True
@@ -405,11 +409,11 @@ class Coordinator:
         if not members:
             return
         sizes = [request_tokens(r) for r in members]
-        chosen = self._choose(self.fleet.arrays, members[0].group_version, max(sizes), len(members))
+        chosen = self._choose(self.fleet.arrays, members[0].group_version, max(sizes), len(members), members[0].group_id)
         for i, request, size in zip(chosen, members, sizes):
             self._assign(i, request.request_id, size, request.group_version, self._routes)
-        if len(chosen) < len(members):
-            self._admitting = False
+        if len(chosen) < len(members) and not isinstance(self.router, PromptAffinityRouter):
+            self._admitting = False  # with prompt affinity the rest waits for its own instance only
 
     def _take_routes(self) -> None:
         """The Route commands of the decision in progress, which ends here."""

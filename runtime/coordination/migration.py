@@ -13,6 +13,15 @@ Two triggers, as in the paper's Algorithm 5 (thresholds ``phi_wait`` and ``phi_t
 
 Interrupted requests keep their tokens and group version; the router places them again. At most
 one imbalance migration per decision, like the reference coordinator.
+
+:func:`plan_evacuation` is the authors' coordinator's rule (psrl
+``psrl/workers/gen/rollout_coordination/sync_and_migrate/sync_and_migrate_mixin.py``,
+``_check_should_migrate``): every instance whose version is at most a starved instance's gets the
+ratio of its throughput to that instance's (infinite over an idle one); the instance of the highest
+ratio above ``phi_throughput`` gives up *all* its requests if it holds at least ``min_requests``.
+:func:`plan_bounce` is the authors' engine-side loop-back (vLLM's preemption notification,
+``max_num_waiting_reqs_after_preemption``): the waiting requests beyond ``phi_wait`` go back to the
+router whether or not another instance could start them.
 """
 
 from __future__ import annotations
@@ -23,6 +32,16 @@ import numpy as np
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import FleetArrays, InstanceView
 from staleflow.runtime.coordination.routing import fleet_throughput
+from staleflow.runtime.settings.policies import SystemPolicy
+
+
+def plan_moves(
+    policy: SystemPolicy, views: Sequence[InstanceView], fleet: FleetArrays, cost_model: CostModel, starved: np.ndarray
+) -> dict[int, list[str]]:
+    """The policy's migration rule: :func:`plan_evacuation` (``evacuate``) or :func:`plan_migration` (``split``)."""
+    if policy.migration_rule == "evacuate":
+        return plan_evacuation(views, fleet, cost_model, policy.phi_throughput, policy.evacuate_min_requests, starved)
+    return plan_migration(views, fleet, cost_model, policy.phi_wait, policy.phi_throughput, starved)
 
 
 def plan_migration(
@@ -61,4 +80,46 @@ def plan_migration(
     movable = [rid for rid, (_, gv) in views[high].requests.items() if gv <= target_version]
     if count > 0 and movable:
         plan[high] = movable[-count:]
+    return plan
+
+
+def plan_evacuation(
+    views: Sequence[InstanceView],
+    fleet: FleetArrays,
+    cost_model: CostModel,
+    phi_throughput: float,
+    min_requests: int,
+    starved: np.ndarray,
+) -> dict[int, list[str]]:
+    """The one instance to empty (index -> all its request ids), or nothing. ``starved`` as for
+    :func:`plan_migration`; an instance with a waiting queue is never a starved one."""
+    active = ~fleet.loading
+    targets = np.flatnonzero(active & starved & (fleet.waiting == 0))
+    if not targets.size:
+        return {}
+    throughput = fleet_throughput(cost_model, fleet.n, fleet.kv)
+    ratio = np.zeros(len(views))
+    for i in np.flatnonzero(active & (fleet.n > 0)):
+        peers = targets[(targets != i) & (fleet.version[targets] >= fleet.version[i])]
+        if peers.size:
+            lowest = float(throughput[peers].min())
+            ratio[i] = np.inf if lowest == 0 else throughput[i] / lowest
+    high = int(np.argmax(ratio))
+    if ratio[high] <= phi_throughput or len(views[high].requests) < min_requests:
+        return {}
+    return {high: list(views[high].requests)}
+
+
+def plan_bounce(policy: SystemPolicy, views: Sequence[InstanceView], fleet: FleetArrays) -> dict[int, list[str]]:
+    """With ``waiting_bounce``: instance index -> its waiting requests beyond the first ``phi_wait``
+    (instances not loading); else nothing."""
+    plan: dict[int, list[str]] = {}
+    if not policy.waiting_bounce:
+        return plan
+    phi_wait = policy.phi_wait
+    for i, view in enumerate(views):
+        if len(view.waiting) > phi_wait and not fleet.loading[i]:
+            excess = [rid for rid in view.waiting[phi_wait:] if rid in view.requests]
+            if excess:
+                plan[i] = excess
     return plan

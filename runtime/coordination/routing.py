@@ -14,13 +14,48 @@ candidates by ``(reserve indicator, version)``, which gives exactly these two or
 :class:`LeastLoadedRouter` (the vanilla counterpart and the baselines): the eligible instance with
 the fewest requests, up to ``max_running``, preferring instances with no waiting queue; the engine
 queues what it cannot run yet.
+
+:class:`PromptAffinityRouter` (ROLL Flash as its code runs): every request of a group goes to the
+instance its group was pinned to; a group is pinned on its first request to the instance with the
+fewest requests in flight among those below ``max_running`` (count only: no KV-cache or waiting-queue
+awareness); a request waits while its instance holds ``max_running``; the pins are cleared at every
+weight update (ROLL's ``abort_all``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from typing import Protocol
+
 import numpy as np
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import FleetArrays
+from staleflow.runtime.types import RolloutRequest
+
+
+class Router(Protocol):
+    """What the coordinator asks of a routing strategy. ``choose`` places up to ``count`` requests of
+    ``tokens`` tokens each among the ``eligible`` instances and updates ``fleet``; ``oldest_first``:
+    the requests belong to reserved groups (the waterfall's order); ``group``: their group (only
+    prompt affinity routes by it)."""
+
+    def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool: ...
+
+    def choose(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
+        group: Hashable | None = None,
+    ) -> list[int]: ...
+
+
+def make_router(routing: str, cost_model: CostModel, mu: float, max_running: int) -> Router:
+    """The router of a policy's ``routing`` rule (:class:`~staleflow.runtime.settings.policies.SystemPolicy`)."""
+    if routing == "throughput":
+        return ThroughputRouter(cost_model, mu, max_running)
+    if routing == "round_robin":
+        return RoundRobinRouter(max_running)
+    if routing == "prompt_affinity":
+        return PromptAffinityRouter(max_running)
+    return LeastLoadedRouter(max_running)
 
 
 def fleet_throughput(model: CostModel, n: np.ndarray, kv: np.ndarray) -> np.ndarray:
@@ -31,14 +66,18 @@ def fleet_throughput(model: CostModel, n: np.ndarray, kv: np.ndarray) -> np.ndar
 
 
 class ThroughputRouter:
-    """Cost-model routing with the waterfall over version tiers and the threshold ``mu``."""
+    """Cost-model routing with the waterfall over version tiers and the threshold ``mu``; an
+    instance holding ``max_running`` requests takes no more (the reference's
+    ``max_concurrent_seqs_per_instance``)."""
 
-    def __init__(self, cost_model: CostModel, mu: float) -> None:
+    def __init__(self, cost_model: CostModel, mu: float, max_running: int = 1_000_000) -> None:
         self.cost_model = cost_model
         self.mu = mu
+        self.max_running = max_running
 
     def choose(
-        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
+        group: Hashable | None = None,
     ) -> list[int]:
         """Instances for up to ``count`` requests of ``tokens`` tokens each, one decision per request
         (the fleet is updated after each); stops at the first request that stays queued.
@@ -64,7 +103,7 @@ class ThroughputRouter:
             kv[pick] += tokens
             running, resident = int(n[pick]), int(kv[pick])
             new_gain = model.throughput(running + 1, resident + tokens) - model.throughput(running, resident)
-            fits = new_gain >= threshold and resident + tokens <= cap[pick]
+            fits = new_gain >= threshold and resident + tokens <= cap[pick] and running < self.max_running
             score[pick] = new_gain if fits else -np.inf
         return chosen
 
@@ -80,7 +119,8 @@ class ThroughputRouter:
         model = self.cost_model
         gain = fleet_throughput(model, n + 1, kv + tokens) - fleet_throughput(model, n, kv)
         threshold = self.mu / model.step_latency(1, tokens)
-        return candidates, np.where((gain >= threshold) & (kv + tokens <= cap), gain, -np.inf)
+        fits = (gain >= threshold) & (kv + tokens <= cap) & (n < self.max_running)
+        return candidates, np.where(fits, gain, -np.inf)
 
     @staticmethod
     def _best(score: np.ndarray, tiers: list[np.ndarray] | None) -> int | None:
@@ -107,7 +147,8 @@ class LeastLoadedRouter:
         return bool(np.any(fleet.n[np.flatnonzero(eligible & ~fleet.loading)] < self.max_running))
 
     def choose(
-        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
+        group: Hashable | None = None,
     ) -> list[int]:
         """Instances for up to ``count`` requests, the least loaded first (the fleet is updated)."""
         candidates = np.flatnonzero(eligible & ~fleet.loading)
@@ -128,6 +169,11 @@ class LeastLoadedRouter:
         return chosen
 
 
+def below_cap(fleet: FleetArrays, eligible: np.ndarray, max_running: int) -> np.ndarray:
+    """The eligible instances not loading weights and holding fewer than ``max_running`` requests."""
+    return eligible & ~fleet.loading & (fleet.n < max_running)
+
+
 class RoundRobinRouter:
     """The next eligible instance in turn, up to ``max_running`` requests each (AReaL's
     ``round_robin``, ``areal/core/remote_inf_engine.py``)."""
@@ -138,13 +184,14 @@ class RoundRobinRouter:
 
     def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
         """Whether :meth:`choose` would place one request now (the fleet is not changed)."""
-        return bool(np.any(eligible & ~fleet.loading & (fleet.n < self.max_running)))
+        return bool(np.any(below_cap(fleet, eligible, self.max_running)))
 
     def choose(
-        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
+        group: Hashable | None = None,
     ) -> list[int]:
         """Instances for up to ``count`` requests, each the next eligible one after the last chosen."""
-        open_ = eligible & ~fleet.loading & (fleet.n < self.max_running)
+        open_ = below_cap(fleet, eligible, self.max_running)
         chosen: list[int] = []
         size = len(open_)
         for _ in range(count):
@@ -159,3 +206,72 @@ class RoundRobinRouter:
             if fleet.n[index] >= self.max_running:
                 open_[index] = False
         return chosen
+
+
+class PromptAffinityRouter:
+    """ROLL's ``PromptAffinityRouter`` (alibaba/ROLL ``roll/distributed/scheduler/router.py``, commit
+    8eb27cc2): the group of a request is its prompt (``uid``).
+
+    A group without a pin takes the instance with the fewest requests in flight among those below
+    ``max_running`` (the first such instance on a tie, as ROLL's linear scan in ``acquire``) and is
+    pinned there; every later request of the group goes to that instance once it holds fewer than
+    ``max_running`` (``reacquire``), whatever its KV cache or waiting queue. :meth:`clear_pins` is
+    ROLL's ``abort_all``, which clears ``id_to_dp_rank`` at every weight update.
+    """
+
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+        self.pins: dict[Hashable, int] = {}
+
+    def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
+        """Whether a new group could be pinned now (the fleet is not changed)."""
+        return bool(np.any(below_cap(fleet, eligible, self.max_running)))
+
+    def choose(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
+        group: Hashable | None = None,
+    ) -> list[int]:
+        """Instances for up to ``count`` requests of ``group`` (all the same one: its pin, made now if
+        it has none); fewer while the pinned instance is at ``max_running`` (the fleet is updated)."""
+        pin = self.pins.get(group) if group is not None else None
+        if pin is None:
+            open_ = np.flatnonzero(below_cap(fleet, eligible, self.max_running))
+            if open_.size == 0:
+                return []
+            pin = int(open_[np.argmin(fleet.n[open_])])
+            if group is not None:
+                self.pins[group] = pin
+        elif not eligible[pin] or fleet.loading[pin]:
+            return []
+        chosen: list[int] = []
+        for _ in range(count):
+            if fleet.n[pin] >= self.max_running:
+                break
+            fleet.add(pin, tokens)
+            chosen.append(pin)
+        return chosen
+
+    def route_each(
+        self, fleet: FleetArrays, requests: Sequence[RolloutRequest], tokens: Sequence[int]
+    ) -> tuple[list[tuple[int, RolloutRequest, int]], bool]:
+        """Queued requests one at a time, in order: ``(instance, request, tokens)`` of those placed,
+        and whether a new group is left waiting. A request of a pinned group waits only for its own
+        instance (ROLL's ``reacquire``); the first request of an unpinned group that finds no
+        instance holds back the other unpinned ones (ROLL's ``acquire`` runs under one lock)."""
+        placed: list[tuple[int, RolloutRequest, int]] = []
+        new_groups_wait = False
+        for request, size in zip(requests, tokens):
+            pinned = request.group_id in self.pins
+            if pinned or not new_groups_wait:
+                chosen = self.choose(fleet, size, fleet.version >= request.group_version, group=request.group_id)
+                placed += [(chosen[0], request, size)] if chosen else []
+                new_groups_wait |= not chosen and not pinned
+        return placed, new_groups_wait
+
+    def clear_pins(self) -> None:
+        """Forget every pin (ROLL's ``abort_all`` at a weight update)."""
+        self.pins.clear()
+
+    def unpin_instance(self, index: int) -> None:
+        """Forget the pins to instance ``index`` (it failed: its groups are pinned afresh)."""
+        self.pins = {group: i for group, i in self.pins.items() if i != index}

@@ -65,13 +65,11 @@ class RunSpec:
     def from_workload(
         cls, workload: Workload, system: str, eta: int, tick_s: float | None = None, **knobs: Any
     ) -> RunSpec:
-        """A simulated workload's run of ``system`` (``knobs`` override the policy's)."""
-        return cls(
-            make_policy(system, **knobs),
-            eta=eta,
-            batch_size=workload.batch.groups_per_step,
-            tick_s=workload.simulation.tick_s if tick_s is None else tick_s,
-        )
+        """A simulated workload's run of ``system`` (``knobs`` override the policy's); the tick is
+        ``tick_s``, else the policy's ``check_period_s``, else the workload's."""
+        policy = make_policy(system, **knobs)
+        default_tick = policy.check_period_s or workload.simulation.tick_s
+        return cls(policy, eta=eta, batch_size=workload.batch.groups_per_step, tick_s=default_tick if tick_s is None else tick_s)
 
     def tick_for(self, clock: Clock) -> float:
         """The tick period on ``clock``: :attr:`tick_s`, or the clock's default."""

@@ -122,6 +122,13 @@ class RunStats:
                 self._busy_total[iid] = self._busy_total.get(iid, 0.0) + (now - since)
                 del self._busy_since[iid]
 
+    def busy_seconds(self, now: float) -> dict[str, float]:
+        """Seconds each instance held requests from the start up to ``now`` (nothing is changed)."""
+        busy = dict(self._busy_total)
+        for iid, since in self._busy_since.items():
+            busy[iid] = busy.get(iid, 0.0) + now - since
+        return busy
+
     def metrics(
         self,
         now: float,
@@ -135,9 +142,7 @@ class RunStats:
     ) -> RunMetrics:
         """``groups``: the run's :class:`~staleflow.runtime.run.group_life.GroupLife`; ``eta``: the bound asked for."""
         elapsed = max(now - self.run_start, 1e-12)
-        busy = dict(self._busy_total)
-        for iid, since in self._busy_since.items():
-            busy[iid] = busy.get(iid, 0.0) + now - since
+        busy = self.busy_seconds(now)
         busy_fraction = {iid: busy.get(iid, 0.0) / elapsed for iid in instance_ids}
         histogram: Counter[int] = Counter()
         for counts in self.staleness.values():

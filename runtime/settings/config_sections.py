@@ -298,6 +298,9 @@ class TrainConfig(ConfigSection):
     logprob_chunk: StrictInt = Field(1024, ge=1, le=1_000_000)  # positions per [chunk, vocab] log-softmax
     activation_checkpointing: StrictBool = False
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    publish_bucket_mb: StrictInt = Field(512, ge=1, le=65536)
+    """Each version is published in the training dtype, gathered on rank 0 one bucket of this many
+    MiB at a time (fsdp; the torch trainer copies whole): never a full fp32 copy of the weights."""
     gpus: StrictFloat = Field(0, ge=0, le=1)
     """GPUs of each trainer rank (``fsdp``, ``megatron``: Ray actors, one rank per bundle; a share
     below 1 lets a rank share a GPU with rollout instances); 0: the trainer runs on CPU."""

@@ -35,12 +35,21 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
 ``areal-filter``
     ``areal`` with a filter that drops finished groups past ``eta`` at consume (``should_accept_fn``);
     their tokens are reported as wasted.
-``roll-flash`` (ROLL ``generate_scheduler.py``; old name ``start-version-gc``)
+``roll-flash`` (ROLL ``generate_scheduler.py``, ``router.py``, ``rlvr_pipeline.py``, commit 8eb27cc2; old name ``start-version-gc``)
     Each prompt is bound to its start step (``async_generation_ratio`` = ``eta``); the batch waits
     for the oldest start-step groups and leftovers past their start step are aborted only after the
-    batch is assembled (never a group that could still be trained); global broadcast, abort and
-    resubmit around it; least-requests routing. Without additional prompts (ROLL's default) no
-    leftover is ever past its step, so this is the protocol's earliest-deadline consumption.
+    batch is assembled (never a group that could still be trained). Without additional prompts
+    (ROLL's default) no leftover is ever past its step, so this is the protocol's earliest-deadline
+    consumption. Routing is ROLL's ``PromptAffinityRouter`` (``prompt_affinity``): a group's requests
+    all go to one instance, picked by requests in flight only, at most ``max_running_requests`` = 128
+    per instance, pins cleared at each ``abort_all``. Each step every instance pauses at once
+    (``pause_sampling``: router suspended, ``abort_all``, ``wait_complete``; ``offload_states``,
+    ``model_update`` broadcast, ``load_states``) with the trainer blocked throughout
+    (``update_pause_s``); every request in flight is resent as prompt plus partial output (a full
+    re-prefill).
+``roll-flash-ideal-routing``
+    ``roll-flash`` with the least-requests routing the simulator gave it before (no pins, no cap,
+    instances with a waiting queue avoided): an ablation row that shows what routing alone is worth.
 ``inflight-cap``
     A hybrid kept for comparison: AReaL's admission cap through the strict protocol (a straggler
     holds the trainer back instead of being trained stale); global immediate updates.
@@ -54,6 +63,17 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     the paper is silent (``mu`` 0.2, sync at KV use <= 0.6, migration ratio 5, ``phi_wait`` 3,
     proactive-abort threshold 2). ``staleflow-no-routing`` / ``-no-sync`` / ``-no-migration`` /
     ``-no-proactive-abort`` switch one strategy to its vanilla counterpart for the ablation.
+``staleflow-authors`` (psrl ``examples/paper_exp/e2e/moe_ours.sh``, ``14b_ours.sh``; the coordinator's
+``sync_and_migrate/status_based.py`` and ``sync_and_migrate_mixin.py``)
+    StaleFlow as the authors' code runs it: ``mu`` 0.3, sync when the KV cache is at most half full
+    (``sync.threshold=0.5``), and a SYNC interrupts the instance's requests, which come back to the
+    router as partials and are prefilled again (``pause_for_sync``, then the interrupted partials
+    loop back); migration evacuates the whole instance of the highest throughput ratio over a
+    starved instance (ratio above 5) when it holds at least 10 requests (``stop_threshold``), checked
+    every 100 ms (``check_interval_in_ms``); the engine sends the requests waiting beyond
+    ``phi_wait`` = 3 back to the router (``max_num_waiting_reqs_after_preemption``); at most 128
+    requests per instance (``max_concurrent_seqs_per_instance``); no proactive abort.
+    ``staleflow-authors-sync99`` is the same with ``sync.threshold=0.99`` (``14b_ours.sh``).
 """
 
 from __future__ import annotations
@@ -61,10 +81,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-Routing = Literal["throughput", "least_loaded", "round_robin"]
+Routing = Literal["throughput", "least_loaded", "round_robin", "prompt_affinity"]
 Sync = Literal["per_instance", "global_immediate", "global_drained"]
 Admission = Literal["protocol", "inflight_cap"]
 Consumption = Literal["deadline", "oldest_finished", "finish_order"]
+MigrationRule = Literal["split", "evacuate"]
 WeightTransfer = Literal["ps_pull", "broadcast", "colocated"]
 
 
@@ -107,8 +128,19 @@ class SystemPolicy:
         mu: routing threshold, a fraction of an empty instance's throughput.
         phi_wait: migrate an instance's waiting requests beyond this many.
         phi_throughput: migrate when one instance's throughput is this many times another's.
+        migration_rule: what an imbalance migration moves: ``split`` (half the request-count
+            difference between the busiest instance and the least busy starved one, and the waiting
+            requests beyond ``phi_wait`` while starved instances can start them) or ``evacuate``
+            (every request of the instance whose throughput is the highest multiple of a starved
+            instance's, when it holds at least ``evacuate_min_requests``: the authors' coordinator).
+        evacuate_min_requests: the ``evacuate`` rule leaves an instance with fewer requests alone.
+        waiting_bounce: at every decision, every instance's waiting requests beyond ``phi_wait``
+            go back to the router, whether or not another instance could start them (the authors'
+            engine-side loop-back after a preemption).
+        check_period_s: the period of full coordinator ticks (snapshots, migration) this system
+            runs with in simulation when none is asked for (0: the workload's).
         sync_kv_fraction: per-instance sync pulls an instance whose KV cache is at most this full.
-        max_running: least-loaded routing's per-instance cap on requests.
+        max_running: per-instance cap on the requests the router places (every routing rule).
         freshness: freshness-aware admission: admit work for later buffers only when the trainer
             would otherwise wait. Admission stops once the active groups fill the head buffer and
             ``lookahead`` more (starting at ``eta``, the protocol's own limit, and never above it); the lookahead
@@ -131,6 +163,13 @@ class SystemPolicy:
         resubmit_same_instance: a request interrupted by a pull goes back to the instance it ran on
             once that instance has the new weights (AReaL's ``agenerate`` keeps one server per
             request id across interruptions), not wherever routing would place it.
+        update_pause_s: with a ``broadcast`` weight transfer, seconds of ROLL's whole-fleet pause
+            around each update (router suspended, ``abort_all`` round trip, ``wait_complete``, the
+            prefix-cache reset and memory clear of ``offload_states`` / ``load_states``), added to
+            every instance's weight load; when > 0 the trainer is blocked through the whole update
+            (this pause, the broadcast and the instances' ``weight_load_s``), as ROLL's driver runs
+            them in sequence before the next ``get_batch``. 0: the broadcast alone blocks the trainer.
+            A simulated cost (``staleflow simulate``); a training job pays its engines' real one.
     """
 
     name: str
@@ -151,6 +190,10 @@ class SystemPolicy:
     mu: float = 0.3
     phi_wait: int = 3
     phi_throughput: float = 5.0
+    migration_rule: MigrationRule = "split"
+    evacuate_min_requests: int = 10
+    waiting_bounce: bool = False
+    check_period_s: float = 0.0
     sync_kv_fraction: float = 0.1
     max_running: int = 1_000_000
     freshness: bool = False
@@ -158,15 +201,17 @@ class SystemPolicy:
     pull_keeps_requests: bool = False
     request_budget: int = 1024
     resubmit_same_instance: bool = False
+    update_pause_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin"))
+        _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin", "prompt_affinity"))
         _choice("consumption", self.consumption, ("deadline", "oldest_finished", "finish_order"))
         _choice("weight_transfer", self.weight_transfer, ("ps_pull", "broadcast", "colocated"))
         _choice("sync", self.sync, ("per_instance", "global_immediate", "global_drained"))
         _choice("admission", self.admission, ("protocol", "inflight_cap"))
+        _choice("migration_rule", self.migration_rule, ("split", "evacuate"))
         counts = ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort",
-                  "request_budget")
+                  "request_budget", "evacuate_min_requests")
         for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -177,7 +222,7 @@ class SystemPolicy:
             raise ValueError(f"policy {self.name!r}: batch_redundancy must be 0 (this system admits exactly one batch per version)")
         if self.filter_stale and self.keeps_bound:
             raise ValueError(f"policy {self.name!r}: filter_stale needs an unbounded consumption (the protocol keeps the bound)")
-        for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency"):
+        for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency", "update_pause_s", "check_period_s"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
                 raise ValueError(f"policy {self.name!r}: {name} must be a number >= 0")
 
@@ -221,10 +266,25 @@ _STALEFLOW: dict[str, Any] = {
     "pull_keeps_requests": True, "mu": 0.2, "sync_kv_fraction": 0.6, "phi_wait": 3, "phi_throughput": 5.0,
     "proactive_abort": 2,
 }
+#: StaleFlow as the authors' code runs it (psrl ``examples/paper_exp/e2e/moe_ours.sh``): see the
+#: module docstring for each knob's source.
+_STALEFLOW_AUTHORS: dict[str, Any] = {
+    "pull_keeps_requests": False, "mu": 0.3, "sync_kv_fraction": 0.5, "phi_wait": 3, "phi_throughput": 5.0,
+    "proactive_abort": 0, "max_running": 128, "migration_rule": "evacuate", "evacuate_min_requests": 10,
+    "waiting_bounce": True, "check_period_s": 0.1,
+}
 _AREAL: dict[str, Any] = {
     **_BASELINE, "routing": "round_robin", "sync": "global_immediate", "admission": "inflight_cap",
     "consumption": "oldest_finished", "rollout_concurrency": 1.0, "resubmit_same_instance": True,
 }
+
+#: ROLL's ``max_running_requests`` default (``roll/configs/base_config.py``), the RLVR router's cap per instance.
+ROLL_MAX_RUNNING_REQUESTS = 128
+#: ROLL Flash's update (``roll/pipeline/rlvr/rlvr_pipeline.py``): global sync, a blocking broadcast and
+#: the pause around it. 1 s for the pause is our estimate (an ``abort_requests`` RPC to every instance,
+#: ``wait_complete``, two prefix-cache resets and a ``gc.collect`` / ``empty_cache`` per instance), not a
+#: measurement; the broadcast runs at the workload's ``network.broadcast_gb_per_s``.
+_ROLL: dict[str, Any] = {**_BASELINE, "sync": "global_immediate", "update_pause_s": 1.0}
 
 
 def _staleflow(name: str, **knobs: Any) -> SystemPolicy:
@@ -238,6 +298,8 @@ POLICIES: dict[str, SystemPolicy] = {
     "staleflow-no-migration": _staleflow("staleflow-no-migration", migration=False),
     "staleflow-no-proactive-abort": _staleflow("staleflow-no-proactive-abort", proactive_abort=0),
     "staleflow-fresh": _staleflow("staleflow-fresh", freshness=True),
+    "staleflow-authors": SystemPolicy("staleflow-authors", **_STALEFLOW_AUTHORS),
+    "staleflow-authors-sync99": SystemPolicy("staleflow-authors-sync99", **{**_STALEFLOW_AUTHORS, "sync_kv_fraction": 0.99}),
     "verl-sync": SystemPolicy("verl-sync", sync="global_drained", fixed_eta=0, takes_redundancy=False, colocated=True,
                               **{**_BASELINE, "weight_transfer": "colocated"}),
     "sync": SystemPolicy("sync", sync="global_drained", fixed_eta=0, takes_redundancy=False, **_BASELINE),
@@ -246,7 +308,8 @@ POLICIES: dict[str, SystemPolicy] = {
                                consumption="finish_order", **_BASELINE),
     "areal": SystemPolicy("areal", **_AREAL),
     "areal-filter": SystemPolicy("areal-filter", filter_stale=True, **_AREAL),
-    "roll-flash": SystemPolicy("roll-flash", sync="global_immediate", **_BASELINE),
+    "roll-flash": SystemPolicy("roll-flash", **{**_ROLL, "routing": "prompt_affinity", "max_running": ROLL_MAX_RUNNING_REQUESTS}),
+    "roll-flash-ideal-routing": SystemPolicy("roll-flash-ideal-routing", **_ROLL),
     "inflight-cap": SystemPolicy("inflight-cap", sync="global_immediate", admission="inflight_cap", **_BASELINE),
 }
 

@@ -61,7 +61,7 @@ class CostModelSpec(_Strict):
 class ClusterSpec(_Strict):
     rollout_instances: int = Field(ge=1, description="rollout instances (vLLM engines)")
     gpus_per_instance: int = Field(ge=1, description="GPUs per rollout instance (TP x PP)")
-    trainer_gpus: int = Field(ge=0, description="GPUs of the trainer (reported; the step time is the training model)")
+    trainer_gpus: int = Field(ge=0, description="GPUs of the trainer (the FLOPs training model divides over them)")
 
 
 class MemorySpec(_Strict):
@@ -202,13 +202,63 @@ class NetworkSpec(_Strict):
 
 
 class TrainingSpec(_Strict):
-    """Training step time ``base_s + per_token_s * tokens`` for the batch's prompt + response tokens."""
+    """Training step time ``base_s + per_token_s * tokens + per_token2_s * sum(c^2)`` over the batch's
+    trajectories (``c`` a trajectory's prompt + response tokens).
 
-    base_s: float = Field(ge=0)
-    per_token_s: float = Field(ge=0)
+    Either ``per_token_s`` is given (a measured or assumed rate: small test workloads), or it is
+    derived from FLOPs: ``active_params``, ``mfu`` and ``gpu_tflops`` (all three) give
+    ``flops_per_param x active_params / (mfu x gpu_tflops x 1e12 x trainer GPUs)`` seconds per token,
+    where ``flops_per_param`` = 8 counts the forward (2) and backward (4) passes and the log-prob
+    recompute of the trainer (2). ``attn_flops_per_token2`` (optional): forward attention FLOPs per
+    (token, earlier token) pair, ``4 x layers x query heads x head dim``; the step then also
+    costs ``4 x attn_flops_per_token2 x c^2 / 2`` FLOPs per trajectory (forward, backward, recompute;
+    causal: half the pairs) at the same rate.
+    """
 
-    def step_time(self, batch_tokens: int) -> float:
-        return self.base_s + self.per_token_s * batch_tokens
+    base_s: float = Field(default=0.0, ge=0, description="fixed cost of a step (optimizer, gradient all-reduce)")
+    per_token_s: float | None = Field(default=None, ge=0, description="seconds per batch token (instead of the FLOPs model)")
+    active_params: float | None = Field(default=None, gt=0, description="parameters a token passes through (MoE: the active ones)")
+    mfu: float | None = Field(default=None, gt=0, le=1, description="model FLOPs utilisation of the trainer")
+    gpu_tflops: float | None = Field(default=None, gt=0, description="dense bf16 peak of one trainer GPU, TFLOP/s")
+    flops_per_param: float = Field(default=8.0, gt=0, description="FLOPs per active parameter per trained token")
+    attn_flops_per_token2: float = Field(default=0.0, ge=0, description="forward attention FLOPs per (token, earlier token) pair")
+    mfu_source: str = Field(default="", description="where the MFU figure comes from (reported, not used)")
+
+    @model_validator(mode="after")
+    def _one_rate(self) -> TrainingSpec:
+        flops = {"active_params": self.active_params, "mfu": self.mfu, "gpu_tflops": self.gpu_tflops}
+        given = [k for k, v in flops.items() if v is not None]
+        if self.per_token_s is not None and given:
+            raise ValueError(f"give per_token_s or the FLOPs model ({', '.join(flops)}), not both (got per_token_s and {', '.join(given)})")
+        if self.per_token_s is None and len(given) != len(flops):
+            missing = [k for k in flops if k not in given]
+            raise ValueError(f"the FLOPs model needs {', '.join(missing)} (or give per_token_s instead)")
+        if self.per_token_s is not None and self.attn_flops_per_token2:
+            raise ValueError("attn_flops_per_token2 needs the FLOPs model (active_params, mfu, gpu_tflops), not per_token_s")
+        return self
+
+    def flop_rate(self, trainer_gpus: int) -> float:
+        """FLOP/s the trainer achieves on ``trainer_gpus`` GPUs (FLOPs model only)."""
+        assert self.mfu is not None and self.gpu_tflops is not None
+        return self.mfu * self.gpu_tflops * 1e12 * max(1, trainer_gpus)
+
+    def seconds_per_token(self, trainer_gpus: int) -> float:
+        """``per_token_s``, or the FLOPs model's on ``trainer_gpus`` GPUs."""
+        if self.per_token_s is not None:
+            return self.per_token_s
+        assert self.active_params is not None
+        return self.flops_per_param * self.active_params / self.flop_rate(trainer_gpus)
+
+    def seconds_per_token2(self, trainer_gpus: int) -> float:
+        """Seconds per squared trajectory length (causal attention of training and recompute)."""
+        if not self.attn_flops_per_token2:
+            return 0.0
+        return 4 * self.attn_flops_per_token2 / 2 / self.flop_rate(trainer_gpus)
+
+    def step_time(self, batch_tokens: int, trainer_gpus: int, sum_sq_tokens: float = 0.0) -> float:
+        """Seconds of one step over ``batch_tokens`` tokens whose trajectories' squared lengths sum to ``sum_sq_tokens``."""
+        return (self.base_s + self.seconds_per_token(trainer_gpus) * batch_tokens
+                + self.seconds_per_token2(trainer_gpus) * sum_sq_tokens)
 
 
 class SimulationSpec(_Strict):
@@ -261,6 +311,18 @@ class Workload(_Strict):
     @property
     def gpus(self) -> int:
         return self.cluster.rollout_instances * self.cluster.gpus_per_instance + self.cluster.trainer_gpus
+
+    def with_rollout_gpus(self, rollout_gpus: int) -> Workload:
+        """The same job with ``rollout_gpus`` of its GPUs rolling out and the rest training (the total
+        stays; the training time follows the trainer's GPUs). :class:`WorkloadError` if the split
+        does not fit whole instances or leaves no GPU to either side."""
+        per = self.cluster.gpus_per_instance
+        if rollout_gpus % per or not per <= rollout_gpus < self.gpus:
+            raise WorkloadError(
+                f"{self.name}: rollout GPUs must be a multiple of gpus_per_instance ({per}) from {per} to "
+                f"{self.gpus - 1} (the job has {self.gpus} GPUs), got {rollout_gpus}")
+        cluster = self.cluster.model_copy(update={"rollout_instances": rollout_gpus // per, "trainer_gpus": self.gpus - rollout_gpus})
+        return self.model_copy(update={"cluster": cluster})
 
     def build_cost_model(self) -> CostModel:
         return self.cost_model.build()

@@ -1,0 +1,291 @@
+"""AReaL 1.0.4 with ``staleflow_protocol.areal``, run INSIDE AReaL's own venv (tests/test_areal_dropin.py
+builds it: areal, its light dependencies, CPU torch and the light ``staleflow-protocol`` package,
+never ``staleflow``).
+
+``python areal_dropin_run.py OUT [STEPS] [RECOVER_AT]`` starts two data-parallel ranks (processes,
+gloo all-reduce of the policy gradient), each with AReaL's own ``WorkflowExecutor`` machinery (its
+dispatcher threads and async task runner) as :class:`ProtocolWorkflowExecutor`, a CPU fake engine
+and a tiny torch policy trained on exactly the consumed batches. At step RECOVER_AT the ranks dump
+AReaL's ``RecoverInfo`` (the protocol travels in the dataloader state through ``RecoverableLoader``)
+and die with tasks in flight; two new ranks load it and run to STEPS. The parent checks the bound on
+every trained sample (per-token versions recorded by the engine), that each batch trained exactly
+its consumed ids, that no prompt was lost, and the traces (``python -m staleflow_protocol.check``);
+it prints one JSON line and exits 0, or raises.
+
+``python areal_dropin_run.py --control OUT [STEPS]``: the same job on AReaL's own staleness manager
+and FIFO ``prepare_batch`` (one rank); prints how many trained samples were past eta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from areal.api import RolloutWorkflow, StepInfo
+from areal.api.cli_args import InferenceEngineConfig
+from areal.infra import workflow_context
+from areal.infra.workflow_context import WorkflowContext
+from areal.infra.workflow_executor import WorkflowExecutor
+from areal.utils.recover import RecoverInfo
+from staleflow_protocol import LockedStalenessManager
+from staleflow_protocol.areal import ProtocolBatches, ProtocolStalenessManager, ProtocolWorkflowExecutor, RecoverableLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+ETA, BATCH, REDUNDANCY, WORLD = 1, 2, 1, 2  # BATCH groups per rank and step (4 per step in all)
+VOCAB, TARGET = 12, 7
+
+
+class FakeEngine:
+    """The inference-engine surface AReaL's executor uses (``get_version``), on CPU: samples tokens
+    from the policy it was last synced with, one at a time, recording each token's model version (a
+    trajectory may span a weight update, as with AReaL's interruptible generation)."""
+
+    def __init__(self, policy: torch.Tensor, seed: int) -> None:
+        self.config = None
+        self._version = 0
+        self._weights = policy.detach().clone()
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def get_version(self) -> int:
+        return self._version
+
+    def sync(self, policy: torch.Tensor, version: int) -> None:
+        with self._lock:
+            self._weights, self._version = policy.detach().clone(), version
+
+    async def generate(self) -> tuple[list[int], list[int]]:
+        tokens, versions = [], []
+        for _ in range(self._rng.randint(2, 6)):
+            await asyncio.sleep(self._rng.uniform(0.001, 0.008))
+            with self._lock:
+                probs, version = torch.softmax(self._weights, 0).tolist(), self._version
+            tokens.append(self._rng.choices(range(VOCAB), weights=probs)[0])
+            versions.append(version)
+        return tokens, versions
+
+
+class TargetWorkflow(RolloutWorkflow):  # the host's workflow: reward = share of target tokens
+    async def arun_episode(self, engine: FakeEngine, data: dict[str, Any]) -> dict[str, Any]:
+        tokens, versions = await engine.generate()
+        return {"input_ids": torch.tensor([tokens]), "versions": torch.tensor([versions]),
+                "rewards": torch.tensor([sum(t == TARGET for t in tokens) / len(tokens)]),
+                "prompt": torch.tensor([data["prompt"]])}
+
+
+FILTERED: list[int] = []  # prompts the host filter threw away (AReaL's semantics: spent)
+
+
+def keep(trajectory: dict[str, Any]) -> bool:
+    """AReaL's should_accept_fn: a host filter dropping every trajectory of length 4."""
+    if int(trajectory["input_ids"].shape[1]) == 4:
+        FILTERED.append(int(trajectory["prompt"][0]))
+        return False
+    return True
+
+
+def config() -> InferenceEngineConfig:
+    return InferenceEngineConfig(consumer_batch_size=BATCH * WORLD, max_head_offpolicyness=ETA, max_concurrent_rollouts=8)
+
+
+def loader(rank: int) -> StatefulDataLoader:
+    prompts = [{"prompt": rank * 100_000 + i} for i in range(100_000)]
+    return StatefulDataLoader(prompts, batch_size=BATCH, collate_fn=list)
+
+
+def train_step(policy: torch.Tensor, optimizer: torch.optim.Optimizer, trajectories: list[dict[str, Any]]) -> None:
+    loss = torch.zeros(())
+    for traj in trajectories:
+        out = traj["input_ids"][0]
+        loss = loss - (float(traj["rewards"][0]) - 0.2) * torch.log_softmax(policy, 0)[out].sum()
+    optimizer.zero_grad()
+    (loss / len(trajectories)).backward()
+    if dist.is_initialized():
+        dist.all_reduce(policy.grad)
+        policy.grad /= dist.get_world_size()
+    optimizer.step()
+
+
+def rank_main(out: Path, rank: int, steps: int, recover_at: int, resume: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    policy = torch.zeros(VOCAB, requires_grad=True)
+    optimizer = torch.optim.SGD([policy], lr=0.5)
+    engine = FakeEngine(policy, seed=rank + 10 * resume)
+    protocol = LockedStalenessManager.create(ETA, BATCH, REDUNDANCY)
+    executor = ProtocolWorkflowExecutor(config(), engine, protocol, trace_path=out / f"trace-{rank}.jsonl")
+    executor.initialize(train_data_parallel_size=WORLD)
+    data = RecoverableLoader(loader(rank), executor.batches)
+    start = 0
+    if resume:  # what RecoverHandler.load and RLTrainer do, minus a real TrainEngine
+        info = RecoverInfo.load(str(out / "recover_info"))
+        data.load_state_dict(info.dataloader_info)
+        with torch.no_grad():
+            policy.copy_(torch.load(out / "policy.pt"))
+        start = info.last_step_info.global_step + 1
+        engine.sync(policy, start)
+        executor.staleness.on_version_recovered(start)
+    log = (out / f"trained-{rank}.jsonl").open("a")
+    for step in range(start, steps):
+        trajectories = executor.prepare_batch(data, TargetWorkflow(), should_accept_fn=keep)
+        got = executor.batches.last
+        assert got is not None and got.batch.version == step
+        train_step(policy, optimizer, trajectories)
+        log.write(json.dumps({"step": step, "ids": [int(g) for g in got.batch.group_ids],
+                              "reserved": list(got.batch.group_versions), "dropped": [int(g) for g in got.batch.dropped],
+                              "prompts": [int(t["prompt"][0]) for t in trajectories],
+                              "heads": [int(t["versions"][0].min()) for t in trajectories]}) + "\n")
+        log.flush()
+        executor.pause()  # AReaL's weight update: pause, push weights and version, resume
+        engine.sync(policy, executor.batches.protocol.version)
+        executor.resume()
+        if step == recover_at and not resume:  # RecoverHandler.dump: checkpoint, then die mid-flight
+            if rank == 0:
+                torch.save(policy.detach(), out / "policy.pt")
+            RecoverInfo(last_step_info=StepInfo(epoch=0, epoch_step=step, global_step=step, steps_per_epoch=10**6),
+                        saver_info={}, evaluator_info={}, stats_logger_info={}, dataloader_info=data.state_dict(),
+                        checkpoint_info={}).dump(str(out / "recover_info"))
+            (out / f"filtered-{rank}-0.json").write_text(json.dumps(FILTERED))
+            dist.barrier()
+            executor.batches.close()
+            os._exit(0)  # a crash: AReaL's threads and the episodes in flight die with the process
+    (out / f"filtered-{rank}-1.json").write_text(json.dumps(FILTERED))
+    final = executor.batches.state_dict()
+    (out / f"final-{rank}.json").write_text(json.dumps({
+        "pending": [p["prompt"] for p in final["prompts"]], "drawn": data.loader.state_dict(),
+        "refused": executor.batches.protocol.stats().refused}))
+    dist.barrier()
+    executor.destroy()
+
+
+def spawn(out: Path, steps: int, recover_at: int, resume: bool) -> None:
+    env = {**os.environ, "PORT": str(29500 + random.Random().randint(0, 2000)), "OMP_NUM_THREADS": "1"}
+    args = [str(out), "RANK", str(steps), str(recover_at), str(int(resume))]
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank", *(str(rank) if a == "RANK" else a for a in args)], env=env)
+             for rank in range(WORLD)]
+    codes = [p.wait(timeout=600) for p in procs]
+    assert codes == [0] * WORLD, codes
+
+
+def check(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
+    result: dict[str, Any] = {"steps": steps, "recover_at": recover_at, "ranks": {}}
+    for rank in range(WORLD):
+        rows = [json.loads(line) for line in (out / f"trained-{rank}.jsonl").read_text().splitlines()]
+        # the rows of the steps after the checkpoint, from the first life, were redone by the second
+        by_step = {row["step"]: row for row in rows}
+        assert sorted(by_step) == list(range(steps)), sorted(by_step)
+        trained = [by_step[s] for s in range(steps)]
+        ids = [i for row in trained for i in row["ids"]]
+        assert len(ids) == len(set(ids)) == steps * BATCH, "each consumed id is trained exactly once"
+        past = 0
+        for row in trained:
+            assert len(row["prompts"]) == len(row["ids"]) == BATCH
+            for reserved, head in zip(row["reserved"], row["heads"]):
+                assert reserved <= head <= row["step"] <= reserved + ETA, (row, reserved, head)
+                past += row["step"] - reserved > ETA
+        prompts = [p for row in trained for p in row["prompts"]]
+        assert len(prompts) == len(set(prompts)), "no prompt trained twice"
+        final = json.loads((out / f"final-{rank}.json").read_text())
+        # nothing lost: every prompt drawn is trained, still pending, filtered by the host, or dropped
+        filtered = {p for life in (0, 1) for p in json.loads((out / f"filtered-{rank}-{life}.json").read_text())}
+        seen = set(prompts) | set(final["pending"])
+        missing = set(range(rank * 100_000, max(seen) + 1)) - seen - filtered
+        dropped = sum(len(row["dropped"]) for row in trained)
+        assert len(missing) <= dropped, (sorted(missing), dropped)
+        checked = subprocess.run([sys.executable, "-m", "staleflow_protocol.check", str(out / f"trace-{rank}.jsonl")],
+                                 capture_output=True, text=True, check=False)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        stale = sum(row["step"] - v == ETA for row in trained for v in row["reserved"])
+        result["ranks"][rank] = {"trained": len(ids), "past_eta": past, "stale": stale, "pending_at_end": len(final["pending"]),
+                                 "refused": final["refused"], "filtered": len(filtered), "dropped": dropped,
+                                 "unaccounted": max(0, len(missing) - dropped), "trace": checked.stdout.strip()}
+    return result
+
+
+def refusal_check() -> list[list[int]]:
+    """A task refused at episode start keeps its prompt: AReaL's callbacks played by hand (task 1 is
+    refused because another group holds the room), then the prompt is submitted again as task 2."""
+    protocol = LockedStalenessManager.create(eta=1, batch_size=1)
+    protocol.reserve("other", 0)
+    staleness = ProtocolStalenessManager(protocol, FakeEngine(torch.zeros(VOCAB), 0))
+    submitted: list[list[int]] = []
+    batches = ProtocolBatches(staleness, lambda task_id, timeout, raise_timeout=True: {"task": task_id}, lambda: None)
+
+    def submit(data: dict[str, Any], task_id: int) -> None:
+        submitted.append([task_id, data["prompt"]])
+        staleness.on_rollout_enqueued()
+        staleness.on_rollout_submitted()
+
+    got: list[Any] = []
+    trainer = threading.Thread(target=lambda: got.extend(batches.prepare([[{"prompt": 10}, {"prompt": 11}, {"prompt": 12}]], submit, 30)))
+    trainer.start()
+    while len(submitted) < 2:
+        time.sleep(0.01)
+    for task_id, accepted in ((0, True), (1, False)):
+        workflow_context.set(WorkflowContext(task_id=task_id))
+        assert staleness.admit(task_id, 0) is accepted
+        (staleness.on_rollout_accepted if accepted else staleness.on_rollout_rejected)()
+    trainer.join(30)
+    assert got == [{"task": 0}], got
+    return submitted
+
+
+def control(out: Path, steps: int) -> dict[str, Any]:
+    """AReaL unchanged: its StalenessManager (max_head_offpolicyness = eta) and FIFO prepare_batch."""
+    policy = torch.zeros(VOCAB, requires_grad=True)
+    optimizer = torch.optim.SGD([policy], lr=0.5)
+    engine = FakeEngine(policy, seed=0)
+    executor = WorkflowExecutor(InferenceEngineConfig(consumer_batch_size=BATCH * WORLD, max_head_offpolicyness=ETA,
+                                                      max_concurrent_rollouts=8), engine)
+    executor.initialize(train_data_parallel_size=1)
+    data = StatefulDataLoader([{"prompt": i} for i in range(100_000)], batch_size=BATCH * WORLD, collate_fn=list)
+    staleness: dict[int, int] = {}
+    try:
+        for step in range(steps):
+            trajectories = executor.prepare_batch(data, TargetWorkflow(), should_accept_fn=keep)
+            train_step(policy, optimizer, trajectories)
+            for t in trajectories:
+                lag = step - int(t["versions"][0].min())
+                staleness[lag] = staleness.get(lag, 0) + 1
+            executor.pause()
+            engine.sync(policy, step + 1)
+            executor.resume()
+    finally:
+        executor.destroy()
+    return {"samples": sum(staleness.values()), "past_eta": sum(n for lag, n in staleness.items() if lag > ETA),
+            "staleness": dict(sorted(staleness.items()))}
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "--rank":
+        rank_main(Path(argv[1]), int(argv[2]), int(argv[3]), int(argv[4]), bool(int(argv[5])))
+        return
+    if argv[0] == "--control":
+        print(json.dumps(control(Path(argv[1]), int(argv[2]) if len(argv) > 2 else 50)))
+        return
+    out = Path(argv[0])
+    steps = int(argv[1]) if len(argv) > 1 else 50
+    recover_at = int(argv[2]) if len(argv) > 2 else steps // 2
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    refused = refusal_check()
+    spawn(out, steps, recover_at, resume=False)
+    spawn(out, steps, recover_at, resume=True)
+    result = check(out, steps, recover_at)
+    result["refusal_submissions"] = refused
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

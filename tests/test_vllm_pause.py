@@ -1,0 +1,85 @@
+"""A weight update pauses the engine core's scheduling when the core runs in another process
+(tensor parallelism): every call of the update, and the version label, fall inside the pause, so no
+step runs a half-loaded model or samples new weights under the old label. In-process there is no
+pause (the engine's own thread steps the core)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync
+
+
+class _InProcessCore:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+
+class _SubprocessCore(_InProcessCore):
+    """The multiprocessing client: utility calls go to the engine core's process."""
+
+    def call_utility(self, method: str, *args: Any) -> None:
+        self.calls.append(f"{method}{args}")
+
+
+class _Engine:
+    def __init__(self, core_type: type) -> None:
+        self.calls: list[str] = []
+        self.engine_core = core_type(self.calls)
+
+    def collective_rpc(self, method: str, **kwargs: Any) -> list[None]:
+        self.calls.append(method)
+        return [None, None]
+
+    def set_weight_version(self, version: str) -> None:
+        self.calls.append(f"set_weight_version {version}")
+
+
+class _Weights:
+    """Stands in for ``TransferWeights``: the calls vLLM's trainer-side engines make for one version."""
+
+    def connect(self, instance_id: str, receivers: int, client: Any, backend: str) -> None:
+        client.init_weight_transfer_engine({"receivers": receivers})
+
+    def deliver(self, instance_id: str, client: Any) -> int:
+        client.start_weight_update()
+        client.update_weights({})
+        client.finish_weight_update(weight_version="3")
+        return 10
+
+
+def _receive(core_type: type) -> list[str]:
+    engine = _Engine(core_type)
+    sync = InstanceWeightSync(engine, "rollout-0", {"tensor_parallel_size": 2}, "gloo", version=2)
+    engine.calls.clear()
+    assert sync.receive(_Weights()) == 10
+    return engine.calls
+
+
+def test_an_update_into_a_subprocess_engine_core_runs_with_its_scheduling_paused() -> None:
+    assert _receive(_SubprocessCore) == [
+        "init_weight_transfer_engine",
+        "pause_scheduler('keep', False)",  # keep: running requests keep their KV cache and go on after it
+        "start_weight_update", "update_weights", "finish_weight_update", "set_weight_version 3",
+        "resume_scheduler()",
+    ]
+
+
+def test_an_update_into_an_in_process_engine_core_needs_no_pause() -> None:
+    assert _receive(_InProcessCore) == [
+        "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update", "set_weight_version 3",
+    ]
+
+
+def test_a_failed_update_resumes_scheduling() -> None:
+    class Failing(_Weights):
+        def deliver(self, instance_id: str, client: Any) -> int:
+            client.start_weight_update()
+            raise ConnectionError("sender gone")
+
+    engine = _Engine(_SubprocessCore)
+    sync = InstanceWeightSync(engine, "rollout-0", {}, "gloo", version=0)
+    with pytest.raises(ConnectionError):
+        sync.receive(Failing())
+    assert engine.calls[-2:] == ["start_weight_update", "resume_scheduler()"]
