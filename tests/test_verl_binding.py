@@ -137,12 +137,12 @@ def test_verl_count_control_trains_samples_past_the_bound_on_the_same_job() -> N
 
 
 def test_the_guides_verl_example_runs_on_the_light_package_alone(tmp_path: Path) -> None:
-    """The ``## verl`` block of docs/integrating.md, run against ``staleflow_protocol`` (the protocol
+    """The verl section's block of docs/integrating.md, run against ``staleflow_protocol`` (the protocol
     folder under the light package's name), prints what its comments say and imports no staleflow."""
     import re
 
     guide = (Path(__file__).resolve().parents[1] / "docs" / "integrating.md").read_text()
-    section = guide[guide.index("\n## verl\n"):]
+    section = guide[guide.index("\n## 8. verl"):]
     [block] = re.findall(r"```python verl\n(.*?)```", section, flags=re.DOTALL)
     expected = ["12 12 6", "[] 6"]
     for line in expected:
