@@ -18,7 +18,7 @@ The layout follows what vLLM's Ray executor accepts and what OpenRLHF and verl d
 - the evaluation engine, when the job has one, is planned like a rollout instance (its own group);
 - trainer ranks with GPUs share one group, rank ``r`` in bundle ``r``, one GPU (or a share) each;
 - Ray-placed servers share a CPU-only group, except a parameter server that broadcasts over NCCL
-  (:func:`parameter_server_needs_gpu`): it sends from a GPU, as verl and OpenRLHF send from trainer
+  (:func:`parameter_server_needs_gpu`): it sends from a GPU, as OpenRLHF sends from trainer
   rank 0's. It shares trainer rank 0's bundle and GPU (:data:`PARAMETER_SERVER_GPU_SHARE` of it;
   rank 0 keeps the rest), on the node where rank 0 puts each version's buckets into Ray's object
   store. Both processes then see the same device, which NCCL allows: it refuses two ranks of *one*
