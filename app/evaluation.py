@@ -21,6 +21,7 @@ answered correctly), ``eval_exact`` (the same number, under the name the built-i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.adapters.vllm.settings import SamplingConfig
-from staleflow.app.job_parts import TaskData, Tokens, prompt_source
+from staleflow.app.job_parts import TaskData, Tokens, prompt_source, start_engines
 from staleflow.app.rewards import pooled_reward, scorer_arguments
 from staleflow.runtime.interfaces import resolve_weights
 from staleflow.runtime.run.rewarding import PooledReward, RewardRunner
@@ -240,7 +241,8 @@ class Evaluator:
 def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, run_dir: Path) -> Any:
     """The trainer's greedy :class:`Evaluator` for the built-in stream, or a disabled one
     (``task.eval_prompts=0``); for prompts from files, an :class:`EngineEvaluator` on its own rollout
-    engine (a Ray actor of ``placement``)."""
+    engine (a Ray actor of ``placement``), which on GPUs is ready when this returns, so that the
+    trainer does not start during its memory profiling (:func:`~staleflow.app.job_parts.start_engines`)."""
     if data.train is None and data.held_out is None:
         return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data, model_dir=base)
     if config.task.eval_prompts == 0:
@@ -250,7 +252,9 @@ def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement:
     held_out = data.held_out is not None
     prompts = data.held_out if data.held_out is not None else list(itertools.islice(data.stream(config.seed + 2), config.task.eval_prompts))
     greedy = config.task.eval_sampling == "greedy"
-    engine = placement.place_reserved(  # its own group, planned like a rollout instance (placement_plan.has_eval_engine)
+    # its own group, planned like a rollout instance (placement_plan.has_eval_engine); on GPUs ready before the trainer starts
+    start = functools.partial(
+        placement.place_reserved,
         "eval",
         VLLMEngine,
         "eval",
@@ -264,6 +268,7 @@ def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement:
         engine_kwargs=config.rollout.engine_settings(),
         start_timeout_s=config.rollout.start_timeout_s,
     )
+    [engine] = start_engines([start], one_at_a_time=config.rollout.gpus_per_instance > 0)
     return EngineEvaluator(
         engine,
         prompts,

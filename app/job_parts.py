@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
 from staleflow.runtime.settings.config_sections import default_tiny_model_dir
+from staleflow.runtime.settings.placement_plan import trainer_rank_gpus
 from staleflow.runtime.tasks import Prompt, cycle_prompts, plain_render, read_prompt_file, repeat_letter_prompts
 
 if TYPE_CHECKING:
@@ -134,6 +135,22 @@ def warm_start(config: JobConfig, base: Path, target: Path, tokens: Tokens, data
     return result.path, result.seconds
 
 
+def start_engines(starts: list[Callable[[], Any]], one_at_a_time: bool) -> list[Any]:
+    """Start the engines; with ``one_at_a_time`` (GPU instances) each is ready before the next
+    starts. vLLM charges every change of free GPU memory during its start-up profiling to itself
+    (vllm/utils/mem_utils.py), so an engine starting beside another one on a shared GPU sizes its KV
+    cache wrongly or fails; the evaluation engine starts after the rollout instances the same way
+    (:func:`~staleflow.app.evaluation.make_evaluator`), and the trainer after all of them
+    (:meth:`~staleflow.app.training_job.TrainingJob.build`)."""
+    engines = []
+    for start in starts:
+        engine = start()
+        if one_at_a_time:
+            engine.idle()  # returns once the engine's actor has built the engine
+        engines.append(engine)
+    return engines
+
+
 def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_group: Any = None) -> Any:
     from staleflow.adapters.rlkit.settings import TrainerSettings
     from staleflow.adapters.torch.trainer import TorchTrainer
@@ -155,11 +172,11 @@ def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_g
         return MegatronTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, bf16=settings.dtype != "fp32",
                                tensor_parallel=t.tensor_parallel,
                                pipeline_parallel=t.pipeline_parallel, world_size=t.world_size, launcher=launcher,
-                               gpus_per_rank=t.gpus, placement_group=placement_group if t.gpus else None)
+                               gpus_per_rank=trainer_rank_gpus(config) or 0.0, placement_group=placement_group if t.gpus else None)
     if config.train.backend == "fsdp":
         from staleflow.adapters.fsdp.trainer import FSDPTrainer
 
         return FSDPTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads,
                            world_size=config.train.world_size, device=device, launcher=launcher,
-                           gpus_per_rank=config.train.gpus, placement_group=placement_group if config.train.gpus else None)
+                           gpus_per_rank=trainer_rank_gpus(config) or 0.0, placement_group=placement_group if config.train.gpus else None)
     return TorchTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads, device=device)

@@ -13,7 +13,7 @@ from typing import Any
 
 from staleflow.app.checkpoints import CHECKPOINTS, latest_checkpoint
 from staleflow.runtime.settings.config import ConfigError, JobConfig, dump_config, load_config
-from staleflow.runtime.settings.placement_plan import plan_placement
+from staleflow.runtime.settings.placement_plan import parameter_server_needs_gpu, plan_placement
 
 #: what :func:`prepare_job` and :func:`check_installed` raise for a job that cannot start (the command's exit 2)
 PREPARATION_ERRORS = (ConfigError, FileNotFoundError, ValueError, ImportError)
@@ -73,7 +73,7 @@ def run_decisions(config: JobConfig) -> dict[str, Any]:
     broadcast = servers.broadcast_settings()
     return {
         "weight_transfer": servers.weight_transfer,
-        "transfer_backend": broadcast["backend"] if broadcast else None,
+        "transfer_backend": transfer_backend(config) if broadcast else None,
         "transfer_host": (broadcast["host"] or "the parameter server's node IP") if broadcast else None,
         "wire_dtype": servers.wire_dtype if broadcast else None,
         "rollout_dtype": engine["dtype"],
@@ -83,6 +83,13 @@ def run_decisions(config: JobConfig) -> dict[str, Any]:
         "train_device": "cuda" if train.gpus > 0 else "cpu",
         "attention_kernel": attention_kernel() if train.gpus == 0 else "flash_attention_2 where flash-attn is installed, else sdpa",
     }
+
+
+def transfer_backend(config: JobConfig) -> str:
+    """The backend a broadcasting parameter server will send with: ``nccl`` where it is planned a GPU
+    (:func:`~staleflow.runtime.settings.placement_plan.parameter_server_needs_gpu`: ``nccl``, or
+    ``auto`` with GPU instances), else ``gloo``."""
+    return "nccl" if parameter_server_needs_gpu(config) else "gloo"
 
 
 def dry_run_text(config: JobConfig, as_json: bool) -> str:

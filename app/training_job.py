@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -32,7 +32,7 @@ from staleflow.adapters.vllm.build import VLLMBuildError, check_build_fits, inst
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.app.checkpoints import LOOP_STATE, restore_trainer, save_checkpoint
 from staleflow.app.evaluation import DeferredEvaluation, Evaluator, make_evaluator
-from staleflow.app.job_parts import TaskData, Tokens, base_model, make_trainer, warm_start
+from staleflow.app.job_parts import TaskData, Tokens, base_model, make_trainer, start_engines, warm_start
 from staleflow.app.metrics import EngineLedger, MetricsLog, TrackedEngine
 from staleflow.app.report import write_report
 from staleflow.app.rewards import ScorerCheckError, check_scorer, pooled_reward
@@ -57,20 +57,6 @@ TRACE_FILE = "trace.jsonl"
 START_ERRORS = (PlacementError, VLLMBuildError, PromptFileError, RewardSpecError, ScorerCheckError)
 #: scratch folders of a run, removed when it ends
 SCRATCH = (DISK_SCRATCH, ".eval-weights", ".eval-snapshots")
-
-
-def start_engines(starts: list[Callable[[], Any]], one_at_a_time: bool) -> list[Any]:
-    """Start the engines; with ``one_at_a_time`` (GPU instances) each is ready before the next
-    starts. vLLM charges every change of free GPU memory during its start-up profiling to itself
-    (vllm/utils/mem_utils.py), so an engine starting beside another one on a shared GPU sizes its KV
-    cache wrongly or fails; the trainer starts after all of them (:meth:`TrainingJob.build`)."""
-    engines = []
-    for start in starts:
-        engine = start()
-        if one_at_a_time:
-            engine.idle()  # returns once the engine's actor has built the engine
-        engines.append(engine)
-    return engines
 
 
 def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> dict[str, Any]:

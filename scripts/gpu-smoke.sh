@@ -5,7 +5,8 @@
 #                                    transformers; prints GPU-SMOKE-TRAINER {json}
 #                                 2. the whole run: `staleflow train` on that model for 30 steps, two vLLM
 #                                    instances (bf16) and the FSDP trainer sharing GPU 0, Ray-placed
-#                                    servers, weights by broadcast; checks the audit and the bound and
+#                                    servers, weights by reference pulls (a broadcast over NCCL cannot
+#                                    join a sender and its receivers on one GPU); checks the audit and the bound and
 #                                    prints GPU-SMOKE-RUN {json} (tokens/s, seconds per weight sync)
 #   scripts/gpu-smoke.sh --plan   on any machine: the whole run's resolved config and placement plan
 #   scripts/gpu-smoke.sh --trainer-only   the trainer check for one GPU without vLLM or Ray (under 6 minutes):
@@ -78,7 +79,7 @@ run=(
   train --run-dir "$out/run" model.path="$model" train.steps=30
   train.backend=fsdp train.world_size=1 train.gpus=0.5
   rollout.instances=2 rollout.gpus_per_instance=1 rollout.instances_per_gpu=4 rollout.gpu_memory_utilization=0.2
-  servers.placement=ray servers.weight_transfer=broadcast cluster.num_cpus=null
+  servers.placement=ray servers.weight_transfer=reference cluster.num_cpus=null
   task.eval_prompts=0 task.eval_every=0 checkpoint.every=0 metrics.progress=false
 )
 case "${1:-}" in

@@ -162,6 +162,10 @@ def _config_cases() -> list[Case]:
         ("tensor parallel on the torch trainer", {"train": {"tensor_parallel": 2}}, ("train.tensor_parallel", "backend=megatron")),
         ("3 Megatron ranks over tensor parallel 2", {"train": {"backend": "megatron", "tensor_parallel": 2, "world_size": 3}},
          ("train.world_size=3", "train.tensor_parallel x train.pipeline_parallel")),
+        ("NCCL broadcast with the trainer and instances sharing GPUs",
+         {"train": {"backend": "fsdp", "gpus": 0.5}, "rollout": {"gpus_per_instance": 1, "instances_per_gpu": 4},
+          "servers": {"placement": "ray", "weight_transfer": "broadcast"}},
+         ("train.gpus=0.5", "NCCL refuses two ranks of one group on one GPU", "servers.weight_transfer=reference")),
         ("unknown key protocol.bound", {"protocol": {"bound": 2}}, ("protocol.bound", "allowed keys")),
         ("unknown section engine", {"engine": {}}, ("engine", "unknown key")),
     ]

@@ -212,6 +212,10 @@ def test_fsdp_ranks_with_gpus_come_first_in_the_plan_and_the_smoke_run_fits_one_
     assert out.returncode == 0, out.stderr
     assert "\ntotal: 1 CPU, 1 GPU\n" in out.stdout
     assert "trainer-0         trainer rank      0.5 GPU (actor: 1 CPU, 0.5 GPU)" in out.stdout
+    assert "weight_transfer: reference" in out.stdout  # one GPU cannot hold an NCCL sender and its receivers
+    with pytest.raises(Exception, match="NCCL refuses two ranks of one group on one GPU; use servers.weight_transfer=reference"):
+        load_config(overrides=["train.backend=fsdp", "train.gpus=0.5", "rollout.gpus_per_instance=1", "rollout.instances_per_gpu=4",
+                               "servers.placement=ray", "servers.weight_transfer=broadcast"])
 
 
 @pytest.mark.parametrize(
@@ -319,7 +323,7 @@ def test_the_dry_run_shows_every_bundle_its_user_and_the_runs_transfer_dtypes_an
     assert groups["rollout-1"]["node_constraint"] == "one node"
     assert [(b["gpus"], b["used_by"]) for b in groups["rollout-1"]["bundles"]] == [
         (1.0, "rollout-1 (engine actor and worker 0)"), (1.0, "rollout-1 worker 1")]
-    assert [b["used_by"] for b in groups["trainer"]["bundles"]] == ["trainer-0", "trainer-1", "trainer-2", "trainer-3"]
+    assert [b["used_by"] for b in groups["trainer"]["bundles"]] == ["trainer-0 and parameter-server", "trainer-1", "trainer-2", "trainer-3"]
     run = out["run"]
     assert (run["transfer_backend"], run["transfer_host"], run["wire_dtype"]) == ("nccl", "the parameter server's node IP", "bfloat16")
     assert (run["rollout_dtype"], run["rollout_executor"], run["train_dtype"], run["train_device"]) == ("bfloat16", "ray", "bf16", "cuda")
@@ -401,3 +405,158 @@ def test_gpu_engines_start_one_at_a_time_and_cpu_engines_together() -> None:
     events.clear()
     start_engines(starts, one_at_a_time=False)
     assert events == ["start rollout-0", "start rollout-1"]
+
+
+_EXAMPLES = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "examples"
+
+
+@pytest.mark.parametrize(
+    ("example", "overrides", "bundle_0_cpus", "server_cpus"),
+    [
+        ("qwen2.5-1.5b-gsm8k-8gpu", [], 1.0, 0),  # transfer_backend auto with GPU instances: nccl
+        ("qwen2.5-1.5b-gsm8k-8gpu", ["servers.transfer_backend=nccl"], 1.0, 0),
+        ("qwen3-30b-a3b-multinode", [], 5.0, 4.0),  # servers.cpus=4
+    ],
+    ids=["8gpu-auto", "8gpu-nccl", "qwen3-two-nodes"],
+)
+def test_a_parameter_server_sending_over_nccl_shares_trainer_rank_0s_bundle_and_gpu(
+    example: str, overrides: list[str], bundle_0_cpus: float, server_cpus: float
+) -> None:
+    """Issue 24, finding 3's open part: with servers.transfer_backend=nccl (or auto with GPU
+    instances, whose vLLM workers receive over NCCL) the parameter server's actor sends from a GPU,
+    and the plan gave it none (it refused to start). It now shares trainer rank 0's bundle and GPU,
+    a tenth of it; the example jobs still fit their GPUs (8; 64)."""
+    from staleflow.app.job_preparation import transfer_backend
+    from staleflow.runtime.settings.placement_plan import parameter_server_needs_gpu, trainer_rank_gpus
+
+    config = load_config(_EXAMPLES / f"{example}.yaml", overrides)
+    plan = plan_placement(config)
+    assert parameter_server_needs_gpu(config) and transfer_backend(config) == "nccl"
+    rank_0 = plan.group("trainer").bundles[0]
+    assert (rank_0.resources(), rank_0.used_by) == ({"CPU": bundle_0_cpus, "GPU": 1.0}, "trainer-0 and parameter-server")
+    server, trainer_0 = plan.actor("parameter-server"), plan.actor("trainer-0")
+    assert (server.group, server.bundle, server.num_cpus, server.num_gpus) == ("trainer", 0, server_cpus, 0.1)
+    assert (trainer_0.group, trainer_0.bundle, trainer_0.num_cpus, trainer_0.num_gpus) == ("trainer", 0, 1.0, 0.9)
+    assert trainer_rank_gpus(config) == (0.9,) + (1.0,) * (config.train.world_size - 1)
+    assert [b.used_by for b in plan.group("servers").bundles] == ["trajectory-server"]
+    in_bundle_0 = [a for a in plan.actors if (a.group, a.bundle) == ("trainer", 0)]
+    assert sum(a.num_gpus for a in in_bundle_0) == rank_0.gpus and sum(a.num_cpus for a in in_bundle_0) == rank_0.cpus
+    assert sum(a.gpus for a in plan.actors) == plan.total_gpus  # every GPU has its users, none is counted twice
+
+
+def test_the_dry_run_names_the_parameter_server_in_trainer_rank_0s_bundle(capsys: pytest.CaptureFixture[str]) -> None:
+    from staleflow.__main__ import main
+
+    assert main(["train", "--config", str(_EXAMPLES / "qwen2.5-1.5b-gsm8k-8gpu.yaml"), "--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    trainer = next(g for g in out["placement"]["groups"] if g["name"] == "trainer")
+    assert [(b["used_by"], b["gpus"]) for b in trainer["bundles"]] == [("trainer-0 and parameter-server", 1.0), ("trainer-1", 1.0)]
+    server = next(a for a in out["placement"]["actors"] if a["name"] == "parameter-server")
+    assert (server["group"], server["bundle"], server["num_gpus"]) == ("trainer", 0, 0.1)
+    assert (out["run"]["transfer_backend"], out["placement"]["total_gpus"]) == ("nccl", 8)
+
+
+def test_a_gloo_or_cpu_parameter_server_keeps_its_cpu_bundle_and_a_cpu_trainer_gives_an_nccl_one_its_own_gpu() -> None:
+    """The CPU default and gloo are unchanged: the servers' CPU-only group, no GPU, every trainer rank
+    its whole GPU. With the trainer on CPU, a parameter server sending over NCCL gets a one-GPU bundle."""
+    from staleflow.app.job_preparation import transfer_backend
+    from staleflow.runtime.settings.placement_plan import trainer_rank_gpus
+
+    gpu_trainer = ["train.backend=fsdp", "train.world_size=2", "train.gpus=1", "servers.placement=ray"]
+    for overrides in (
+        ["servers.placement=ray", "servers.weight_transfer=broadcast"],  # the CPU job: auto is gloo
+        [*gpu_trainer, "servers.weight_transfer=broadcast", "servers.transfer_backend=gloo", "rollout.gpus_per_instance=1"],
+        [*gpu_trainer, "servers.transfer_backend=nccl", "rollout.gpus_per_instance=1"],  # reference pulls: no broadcast
+    ):
+        config = load_config(overrides=overrides)
+        plan = plan_placement(config)
+        assert [(a.name, a.group, a.bundle, a.num_gpus) for a in plan.actors if a.role.endswith("server")] == [
+            ("trajectory-server", "servers", 0, 0), ("parameter-server", "servers", 1, 0)], overrides
+        assert all(b.gpus == 0 for b in plan.group("servers").bundles)
+        assert trainer_rank_gpus(config) in ((), (1.0, 1.0))
+        assert "parameter-server" not in {b.used_by for g in plan.groups if g.name != "servers" for b in g.bundles}
+    assert transfer_backend(load_config(overrides=["servers.placement=ray", "servers.weight_transfer=broadcast"])) == "gloo"
+    cpu_trainer = load_config(overrides=["servers.placement=ray", "servers.weight_transfer=broadcast", "rollout.gpus_per_instance=1"])
+    plan = plan_placement(cpu_trainer)
+    assert [b.resources() for b in plan.group("servers").bundles] == [{"CPU": 0.001}, {"GPU": 1.0}]
+    assert (plan.actor("parameter-server").num_cpus, plan.actor("parameter-server").num_gpus, plan.total_gpus) == (0, 1.0, 3.0)
+
+
+class _GpuProbe:
+    """A trainer rank or a parameter server stand-in: the GPU ids Ray gave its process."""
+
+    def gpus(self) -> tuple[list[str], str]:
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()], os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.mark.ray
+def test_the_parameter_server_actor_gets_trainer_rank_0s_gpu_on_a_real_ray_cluster(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """On the shared Ray cluster (4 logical GPUs): trainer rank 0 started as the trainer starts its
+    ranks (RayWorkers in the trainer group, the plan's per-rank GPUs) and the parameter server
+    started by the plan's actor options see the same GPU; the rollout instances see others."""
+    import ray
+    from staleflow.adapters.ray.placement import RayPlacement
+    from staleflow.adapters.rlkit.worker_group import RayWorkers
+    from staleflow.runtime.settings.placement_plan import trainer_rank_gpus
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the tests folder
+    config = load_config(overrides=[
+        "train.backend=fsdp", "train.world_size=1", "train.gpus=1", "rollout.instances=2", "rollout.gpus_per_instance=1",
+        "servers.placement=ray", "servers.weight_transfer=broadcast", "servers.transfer_backend=nccl",
+    ])
+    plan = plan_placement(config)
+    placement = RayPlacement(attributes=())
+    workers = None
+    try:
+        placement.reserve(plan)
+        workers = RayWorkers(_GpuProbe, 1, num_gpus=trainer_rank_gpus(config), placement_group=placement.group_handle("trainer"),
+                             timeout_s=300.0)
+        [(rank_0_ids, rank_0_visible)] = workers.call_all("gpus")
+        server_ids, server_visible = placement.place_reserved("parameter-server", _GpuProbe).gpus()
+        engines = [placement.place_reserved(f"rollout-{i}", _GpuProbe).gpus()[0] for i in range(2)]
+        assert len(rank_0_ids) == 1 and rank_0_visible == rank_0_ids[0]
+        assert (server_ids, server_visible) == (rank_0_ids, rank_0_visible)
+        assert all(len(ids) == 1 for ids in engines)
+        assert len({rank_0_ids[0], engines[0][0], engines[1][0]}) == 3
+    finally:
+        if workers is not None:
+            workers.close()
+        placement.close()
+
+
+@pytest.mark.parametrize(("gpus_per_instance", "events"), [(1, ["start eval", "ready eval"]), (0, ["start eval"])])
+def test_the_evaluation_engine_is_ready_before_make_evaluator_returns_on_gpus(
+    gpus_per_instance: int, events: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Finding 4's rest (issue 24): the evaluation engine was placed and not waited for, so the
+    trainer (started right after make_evaluator, in TrainingJob.build) allocated GPU memory during
+    its profiling. On GPUs it is now ready when make_evaluator returns; on CPU it starts in the
+    background as before."""
+    import types
+
+    from staleflow.app import evaluation
+    from staleflow.runtime.tasks import Prompt
+
+    seen: list[str] = []
+
+    class Engine:
+        def idle(self) -> bool:
+            seen.append("ready eval")
+            return True
+
+    class Placement:
+        def place_reserved(self, name: str, factory: object, *args: object, **kwargs: object) -> Engine:
+            seen.append(f"start {name}")
+            return Engine()
+
+    monkeypatch.setitem(sys.modules, "staleflow.adapters.vllm.engine", types.SimpleNamespace(VLLMEngine=object))
+    data = types.SimpleNamespace(train=[Prompt("1+1=", "2")], held_out=[Prompt("2+2=", "4")])
+    tokens = types.SimpleNamespace(eos_id=0, encode=lambda text: [1, 2], decode=lambda ids: "")
+    config = load_config(overrides=[f"rollout.gpus_per_instance={gpus_per_instance}"])
+    evaluator = evaluation.make_evaluator(config, tokens, data, Placement(), tmp_path, None, tmp_path)  # type: ignore[arg-type]
+    try:
+        assert seen == events
+    finally:
+        evaluator.close()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -235,20 +236,21 @@ class FSDPTrainer(WorkerGroupTrainer):
     Same constructor arguments and extras (``save_checkpoint``, ``load_checkpoint``,
     ``generate_greedy``) as :class:`~staleflow.adapters.torch.trainer.TorchTrainer`, plus
     ``world_size``, ``device`` (``cpu``: gloo; ``cuda``: NCCL, one GPU per rank) and ``launcher``
-    (``process``: spawned processes; ``ray``: Ray actors, ``gpus_per_rank`` GPUs each on CUDA, in
-    bundles ``0 .. world_size - 1`` of ``placement_group`` when one is given). With ``ray``,
+    (``process``: spawned processes; ``ray``: Ray actors, ``gpus_per_rank`` GPUs each on CUDA, or
+    ``gpus_per_rank[r]`` for rank ``r``, in bundles ``0 .. world_size - 1`` of ``placement_group``
+    when one is given). With ``ray``,
     :meth:`weights` is an :class:`~staleflow.adapters.ray.object_weights.ObjectStoreWeights`
     reference to rank 0's copy, not the weights.
     """
 
     def __init__(self, model_path: str | os.PathLike[str], *, settings: TrainerSettings | None = None, pad_id: int = 0,
                  version: int = 0, world_size: int = 2, device: str = "cpu", seed: int = 0, threads: int = 1,
-                 launcher: str = "process", gpus_per_rank: float = 1.0, placement_group: Any = None) -> None:
+                 launcher: str = "process", gpus_per_rank: float | Sequence[float] = 1.0, placement_group: Any = None) -> None:
         self._model_path = check_model_folder(model_path)
         settings = settings if settings is not None else TrainerSettings()
         self._settings, self._world = settings, world_size
         if launcher == "ray":
-            gpus, cpus = (gpus_per_rank, 1) if device == "cuda" else (0, 0)
+            gpus, cpus = (gpus_per_rank, 1) if device == "cuda" else (0.0, 0)
             self._workers: Any = RayWorkers(FSDPRank, world_size, num_gpus=gpus, num_cpus=cpus, placement_group=placement_group)
         elif launcher == "process":
             self._workers = ProcessWorkers(FSDPRank, world_size)

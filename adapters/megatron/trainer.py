@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +66,14 @@ class MegatronTrainer(WorkerGroupTrainer):
     :class:`~staleflow.adapters.torch.trainer.TorchTrainer`, so the run loop and ``staleflow
     train`` (``train.backend=megatron``) use either; plus the layout (``tensor_parallel``,
     ``pipeline_parallel``, ``world_size``) and the launcher (``process``: spawned processes on this
-    node; ``ray``: Ray actors, ``gpus_per_rank`` GPUs each, rank r in bundle r of ``placement_group``).
+    node; ``ray``: Ray actors, ``gpus_per_rank`` GPUs each or ``gpus_per_rank[r]`` for rank r, rank r in
+    bundle r of ``placement_group``).
     """
 
     def __init__(self, model_path: str | os.PathLike[str], *, settings: TrainerSettings | None = None, pad_id: int = 0,
                  version: int = 0, seed: int = 0, bf16: bool = True, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                 world_size: int = 1, launcher: str = "process", gpus_per_rank: float = 1.0, placement_group: Any = None) -> None:
+                 world_size: int = 1, launcher: str = "process", gpus_per_rank: float | Sequence[float] = 1.0,
+                 placement_group: Any = None) -> None:
         from transformers import AutoConfig
 
         self._layout = layout = MegatronLayout(tensor_parallel, pipeline_parallel, world_size)
@@ -89,7 +91,7 @@ class MegatronTrainer(WorkerGroupTrainer):
 
     def _start(  # pragma: no cover - needs CUDA
         self, folder: Path, settings: TrainerSettings | None, pad_id: int, version: int, seed: int, bf16: bool, launcher: str,
-        gpus_per_rank: float, placement_group: Any,
+        gpus_per_rank: float | Sequence[float], placement_group: Any,
     ) -> None:
         """Start the ranks, build the model on them and publish its weights."""
         layout, world_size = self._layout, self._layout.world_size

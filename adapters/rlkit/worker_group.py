@@ -155,7 +155,8 @@ class _RankHost:
 
 
 class RayWorkers:
-    """The ranks as Ray actors (``num_gpus`` each; Ray sets each actor's ``CUDA_VISIBLE_DEVICES``).
+    """The ranks as Ray actors (``num_gpus`` each, or ``num_gpus[rank]`` for rank ``rank``; Ray sets
+    each actor's ``CUDA_VISIBLE_DEVICES``).
 
     Ray must be running (``ray.init`` or an existing cluster). ``placement_group``: an optional Ray
     placement group with one bundle per rank, bundle ``rank`` for rank ``rank``. ``timeout_s``: the
@@ -164,15 +165,18 @@ class RayWorkers:
     the first call's wait includes the actors' start-up. The attribute may be changed between calls.
     """
 
-    def __init__(self, factory: Callable[[], Any], world_size: int, *, num_gpus: float = 0, num_cpus: float = 1,
+    def __init__(self, factory: Callable[[], Any], world_size: int, *, num_gpus: float | Sequence[float] = 0, num_cpus: float = 1,
                  placement_group: Any = None, timeout_s: float = 3600.0) -> None:
         import ray
 
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._actors = []
+        gpus = [float(num_gpus)] * world_size if isinstance(num_gpus, (int, float)) else list(num_gpus)
+        if len(gpus) != world_size:
+            raise ValueError(f"num_gpus names {len(gpus)} ranks, the group has {world_size}")
         for rank in range(world_size):
-            options: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": num_cpus, "name": None}
+            options: dict[str, Any] = {"num_gpus": gpus[rank], "num_cpus": num_cpus, "name": None}
             if placement_group is not None:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

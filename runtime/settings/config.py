@@ -47,6 +47,7 @@ from staleflow.runtime.settings.config_sections import (
     TrainConfig,
     WarmupConfig,
 )
+from staleflow.runtime.settings.placement_plan import parameter_server_needs_gpu
 from staleflow.runtime.settings.policies import DEFAULT_ETA, find_policy, make_policy, training_systems
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
@@ -150,6 +151,12 @@ class JobConfig(ConfigSection):
             problems.append(f"train.world_size={self.train.world_size} needs train.backend=fsdp (torch is one process)")
         if self.task.eval_every > 0 and self.task.eval_prompts == 0:
             problems.append("task.eval_every > 0 needs task.eval_prompts > 0 (or set task.eval_every=0)")
+        if parameter_server_needs_gpu(self) and 0 < self.train.gpus < 1 and 0 < self.rollout.gpu_share < 1:
+            problems.append(
+                f"servers.weight_transfer=broadcast over NCCL with train.gpus={self.train.gpus:g} and instances sharing GPUs: the "
+                "parameter server sends from trainer rank 0's GPU, which a rollout instance's receiving worker may share, and NCCL "
+                "refuses two ranks of one group on one GPU; use servers.weight_transfer=reference"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self

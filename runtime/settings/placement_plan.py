@@ -17,7 +17,14 @@ The layout follows what vLLM's Ray executor accepts and what OpenRLHF and verl d
   ``tp == 1`` (or a share of one GPU) the actor holds the GPU and vLLM runs in its process;
 - the evaluation engine, when the job has one, is planned like a rollout instance (its own group);
 - trainer ranks with GPUs share one group, rank ``r`` in bundle ``r``, one GPU (or a share) each;
-- Ray-placed servers share a CPU-only group.
+- Ray-placed servers share a CPU-only group, except a parameter server that broadcasts over NCCL
+  (:func:`parameter_server_needs_gpu`): it sends from a GPU, as OpenRLHF sends from trainer
+  rank 0's. It shares trainer rank 0's bundle and GPU (:data:`PARAMETER_SERVER_GPU_SHARE` of it;
+  rank 0 keeps the rest), on the node where rank 0 puts each version's buckets into Ray's object
+  store. Both processes then see the same device, which NCCL allows: it refuses two ranks of *one*
+  communicator on one GPU, and the two are in different ones (the trainer ranks' collective; the
+  server's group per rollout instance, whose other ranks are that instance's vLLM workers on the
+  instance's own GPUs). With the trainer on CPU it gets a one-GPU bundle of its own.
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ if TYPE_CHECKING:
 ONE_NODE = "STRICT_PACK"
 ANY_NODES = "PACK"
 _NODE_WORDS = {ONE_NODE: "one node", ANY_NODES: "any nodes (packed)"}
+
+#: The fraction of trainer rank 0's GPU share that a parameter server sending over NCCL takes (Ray's
+#: bookkeeping only: both processes use the one device; the server holds vLLM's packed buffers and
+#: NCCL's own, a few hundred MiB, beside rank 0's model).
+PARAMETER_SERVER_GPU_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -149,6 +161,32 @@ def has_eval_engine(config: JobConfig) -> bool:
     return config.task.prompt_file is not None and config.task.eval_prompts > 0
 
 
+def parameter_server_needs_gpu(config: JobConfig) -> bool:
+    """Whether the job's parameter server broadcasts over NCCL, and so must hold a GPU:
+    ``servers.transfer_backend=nccl``, or ``auto`` with GPU rollout instances (vLLM's CUDA build
+    receives over NCCL; a server without a GPU would pick gloo and be refused at the first pull)."""
+    servers = config.servers
+    if servers.placement != "ray" or servers.weight_transfer != "broadcast":
+        return False
+    return servers.transfer_backend == "nccl" or (servers.transfer_backend == "auto" and config.rollout.gpus_per_instance > 0)
+
+
+def trainer_rank_gpus(config: JobConfig) -> tuple[float, ...]:
+    """The GPUs each trainer rank's actor takes (``train.gpus``; rank 0 less the parameter server's
+    share when the server shares its GPU, :func:`parameter_server_needs_gpu`); empty on CPU."""
+    train = config.train
+    if train.gpus <= 0:
+        return ()
+    gpus = [float(train.gpus)] * train.world_size
+    if parameter_server_needs_gpu(config):
+        gpus[0] = train.gpus - _server_share(config)
+    return tuple(gpus)
+
+
+def _server_share(config: JobConfig) -> float:
+    return round(config.train.gpus * PARAMETER_SERVER_GPU_SHARE, 4)  # Ray counts GPU fractions to 1e-4
+
+
 def plan_placement(config: JobConfig, cluster_address: str | None = None) -> PlacementPlan:
     """The placement groups and actors of ``config``'s job (module docstring): trainer ranks with
     GPUs first, then one group per rollout instance, the evaluation engine, and the Ray-placed
@@ -156,10 +194,14 @@ def plan_placement(config: JobConfig, cluster_address: str | None = None) -> Pla
     groups: list[GroupPlan] = []
     actors: list[ActorPlan] = []
     train = config.train
-    if train.gpus > 0:
+    rank_gpus = trainer_rank_gpus(config)
+    if rank_gpus:
         ranks = [f"trainer-{rank}" for rank in range(train.world_size)]
-        groups.append(GroupPlan("trainer", ANY_NODES, tuple(BundlePlan(1.0, train.gpus, name) for name in ranks)))
-        actors += [ActorPlan(name, "trainer rank", "trainer", rank, 1.0, train.gpus, train.gpus) for rank, name in enumerate(ranks)]
+        bundles = [BundlePlan(1.0, train.gpus, name) for name in ranks]
+        if parameter_server_needs_gpu(config):  # the parameter server shares rank 0's bundle and GPU (module docstring)
+            bundles[0] = BundlePlan(1.0 + config.servers.cpus, train.gpus, "trainer-0 and parameter-server")
+        groups.append(GroupPlan("trainer", ANY_NODES, tuple(bundles)))
+        actors += [ActorPlan(name, "trainer rank", "trainer", r, 1.0, gpus, gpus) for r, (name, gpus) in enumerate(zip(ranks, rank_gpus))]
     engines = [(f"rollout-{i}", "rollout instance") for i in range(config.rollout.instances)]
     if has_eval_engine(config):
         engines.append(("eval", "evaluation engine"))
@@ -168,10 +210,9 @@ def plan_placement(config: JobConfig, cluster_address: str | None = None) -> Pla
         groups.append(group)
         actors.append(actor)
     if config.servers.placement == "ray":
-        servers = ("trajectory-server", "parameter-server")
-        groups.append(GroupPlan("servers", ANY_NODES, tuple(BundlePlan(config.servers.cpus, 0, s) for s in servers)))
-        cpus = BundlePlan(config.servers.cpus, 0, "").resources()["CPU"]
-        actors += [ActorPlan(s, s.replace("-", " "), "servers", i, cpus, 0, 0) for i, s in enumerate(servers)]
+        group, server_actors = _server_placement(config, beside_rank_0=bool(rank_gpus))
+        groups.append(group)
+        actors += server_actors
     address = cluster_address if cluster_address is not None else config.cluster.address
     return PlacementPlan(tuple(groups), tuple(actors), address)
 
@@ -195,6 +236,30 @@ def _engine_placement(config: JobConfig, name: str, role: str) -> tuple[GroupPla
     workers = tuple(range(tp))
     env = (("VLLM_RAY_BUNDLE_INDICES", ",".join(map(str, workers))), ("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
     return GroupPlan(name, strategy, bundles), ActorPlan(name, role, name, 0, actor_cpus, 0.0, float(tp), workers, env)
+
+
+def _server_cpus(config: JobConfig) -> float:
+    """CPUs a server actor takes: ``servers.cpus``, or a token share (Ray refuses empty bundles)."""
+    return BundlePlan(config.servers.cpus, 0, "").resources()["CPU"]
+
+
+def _server_placement(config: JobConfig, beside_rank_0: bool) -> tuple[GroupPlan, list[ActorPlan]]:
+    """The Ray-placed servers' CPU-only group and their actors. A parameter server that needs a GPU
+    (:func:`parameter_server_needs_gpu`) runs in trainer rank 0's bundle with a share of its GPU when
+    ``beside_rank_0`` (the trainer has GPUs), else in a one-GPU bundle of this group."""
+    cpus = _server_cpus(config)
+    needs_gpu = parameter_server_needs_gpu(config)
+    bundles = [BundlePlan(config.servers.cpus, 0, "trajectory-server")]
+    actors = [ActorPlan("trajectory-server", "trajectory server", "servers", 0, cpus, 0, 0)]
+    if needs_gpu and beside_rank_0:  # servers.cpus, no token share: Ray truncates a bundle of 1 + 0.001 CPU to 1.0009
+        share = _server_share(config)
+        actors.append(ActorPlan("parameter-server", "parameter server", "trainer", 0, config.servers.cpus, share, share))
+    else:
+        bundle = BundlePlan(config.servers.cpus, 1.0 if needs_gpu else 0, "parameter-server")
+        bundles.append(bundle)
+        own_cpus = bundle.resources().get("CPU", 0.0)
+        actors.append(ActorPlan("parameter-server", "parameter server", "servers", 1, own_cpus, bundle.gpus, bundle.gpus))
+    return GroupPlan("servers", ANY_NODES, tuple(bundles)), actors
 
 
 def missing_resources(plan: PlacementPlan, available: Mapping[str, float]) -> list[str]:
