@@ -465,16 +465,8 @@ class StalenessManager:
         event = ProtocolEvent(self._seq, op, group_id, version, accepted, batch, before, after)
         self._seq += 1
         self._last_counts = after
-        hooks = self._hooks
-        if len(hooks) == 1:  # the usual case (one trace writer): no copy of the list, no failure list
-            hook = hooks[0]
-            try:
-                hook(event)
-            except Exception as error:  # noqa: BLE001 - reported as a HookError like below
-                raise HookError(event, [(hook, error)]) from error
-            return
         failures: list[tuple[EventHook, BaseException]] = []
-        for hook in tuple(hooks):  # a copy: a hook may remove itself (a trace writer closing)
+        for hook in tuple(self._hooks):  # a copy: a hook may remove itself (a trace writer closing)
             try:
                 hook(event)
             except Exception as error:  # noqa: BLE001 - the other hooks must still see the event
