@@ -134,10 +134,12 @@ class StalenessManager:
 
     def counts(self) -> CounterState:
         """Running and done counts per deadline offset ``0..eta``: the state the spec tracks."""
-        buckets = self._buckets
-        return CounterState(
-            self._version, tuple([len(b.running) for b in buckets]), tuple([len(b.done) for b in buckets])
-        )
+        running: list[int] = []
+        done: list[int] = []
+        for bucket in self._buckets:  # a loop: cheaper than two comprehensions at eta + 1 buckets
+            running.append(len(bucket.running))
+            done.append(len(bucket.done))
+        return CounterState(self._version, tuple(running), tuple(done))
 
     def reserve_slack(self, version: int) -> int:
         """How many more groups generated from ``version`` would be admitted right now (0: none)."""
@@ -230,7 +232,7 @@ class StalenessManager:
         version = self._check_version(version)
         if group_id in self._versions:
             raise DuplicateGroupError(f"group {group_id!r} is already active")
-        before = self._before() if self._hooks else None
+        before = (self._last_counts or self.counts()) if self._hooks else None
         accepted = self._slack_at(version + self._eta - self._version) > 0
         if accepted:
             self._bucket_at(version).running[group_id] = None
@@ -248,7 +250,7 @@ class StalenessManager:
         bucket = self._bucket_at(version)
         if group_id not in bucket.running:
             raise InvalidTransitionError(f"cannot occupy group {group_id!r}: it is already done")
-        before = self._before() if self._hooks else None
+        before = (self._last_counts or self.counts()) if self._hooks else None
         del bucket.running[group_id]
         bucket.done[group_id] = None
         self._tally.occupied += 1
@@ -258,7 +260,7 @@ class StalenessManager:
     def abort(self, group_id: GroupId) -> None:
         """Remove a running or finished, unconsumed group (failed instance, filter, cancellation)."""
         version = self._version_of(group_id)
-        before = self._before() if self._hooks else None
+        before = (self._last_counts or self.counts()) if self._hooks else None
         bucket = self._bucket_at(version)
         self._tally.aborted += 1
         if bucket.running.pop(group_id, bucket) is bucket:
@@ -281,7 +283,7 @@ class StalenessManager:
         plan = self._consume_plan()
         if plan is None:
             raise ConsumeNotReadyError(self._not_ready_reason())
-        before = self._before() if self._hooks else None
+        before = (self._last_counts or self.counts()) if self._hooks else None
         taken: list[GroupId] = []
         for bucket, count in zip(self._buckets, plan):
             if count:
@@ -458,7 +460,8 @@ class StalenessManager:
 
     def _emit(self, op: str, group_id: GroupId | None, version: int | None, accepted: bool | None,
               batch: ConsumedBatch | None, before: CounterState) -> None:
-        after = self.counts()
+        # a refused reserve changes nothing: its after-state is its before-state (the same object)
+        after = before if accepted is False else self.counts()
         event = ProtocolEvent(self._seq, op, group_id, version, accepted, batch, before, after)
         self._seq += 1
         self._last_counts = after
@@ -470,7 +473,3 @@ class StalenessManager:
                 failures.append((hook, error))
         if failures:
             raise HookError(event, failures) from failures[0][1]
-
-    def _before(self) -> CounterState:
-        """The state before an operation: the last event's after-state (hooks see every change), or counted."""
-        return self.counts() if self._last_counts is None else self._last_counts

@@ -122,12 +122,13 @@ _FORMATS: dict[int, tuple[str, str]] = {}
 
 def _formats(offsets: int) -> tuple[str, str]:
     """%-templates of a counter state and of a non-consume event line, for ``offsets`` deadline offsets
-    (one %-format of ints is several times cheaper than formatting lists)."""
+    (one %-format of ints is several times cheaper than formatting lists). The event template takes
+    seq, op, the encoded group id, version and accepted, then the encoded before- and after-states."""
     if offsets not in _FORMATS:
         ints = "[" + ", ".join(["%d"] * offsets) + "]"
         counters = '{"version": %d, "running": ' + ints + ', "done": ' + ints + "}"
         line = ('{"type": "event", "seq": %d, "op": "%s", "group_id": %s, "version": %s, "accepted": %s, '
-                '"batch": null, "before": %s, "after": ' + counters + "}")
+                '"batch": null, "before": %s, "after": %s}')
         _FORMATS[offsets] = counters, line
     return _FORMATS[offsets]
 
@@ -137,29 +138,29 @@ def counters_line(state: CounterState) -> str:
     return _formats(len(state.running))[0] % (state.version, *state.running, *state.done)
 
 
-def event_line(event: ProtocolEvent, before: str | None = None) -> str:
+def _json_group_id(group_id: GroupId | None) -> str | GroupId:
+    return "null" if group_id is None else json.dumps(group_id) if type(group_id) is str else group_id
+
+
+def event_line(event: ProtocolEvent, before: str | None = None, after: str | None = None) -> str:
     """``json.dumps(event_to_json(event))`` (the same text), written directly: the trace writer's
-    encoder, about twice as fast as building and dumping the dict. ``before`` may pass the already
-    encoded before-state."""
+    encoder, about twice as fast as building and dumping the dict. ``before`` and ``after`` may pass
+    the already encoded counter states (:func:`counters_line`)."""
     group_id = event.group_id
     batch = event.batch
-    after = event.after
     encoded_before = counters_line(event.before) if before is None else before
+    encoded_after = counters_line(event.after) if after is None else after
+    accepted = "null" if event.accepted is None else "true" if event.accepted else "false"
+    version = "null" if event.version is None else event.version
     if batch is None:
-        return _formats(len(after.running))[1] % (
-            event.seq, event.op, "null" if group_id is None else json.dumps(group_id) if type(group_id) is str else group_id,
-            "null" if event.version is None else event.version,
-            "null" if event.accepted is None else "true" if event.accepted else "false",
-            encoded_before, after.version, *after.running, *after.done,
-        )
+        return _formats(len(event.after.running))[1] % (
+            event.seq, event.op, _json_group_id(group_id), version, accepted, encoded_before, encoded_after)
     return (
-        f'{{"type": "event", "seq": {event.seq}, "op": "{event.op}", "group_id": '
-        f'{"null" if group_id is None else json.dumps(group_id) if isinstance(group_id, str) else group_id}, '
-        f'"version": {"null" if event.version is None else event.version}, '
-        f'"accepted": {"null" if event.accepted is None else "true" if event.accepted else "false"}, "batch": '
+        f'{{"type": "event", "seq": {event.seq}, "op": "{event.op}", "group_id": {_json_group_id(group_id)}, '
+        f'"version": {version}, "accepted": {accepted}, "batch": '
         f'{{"version": {batch.version}, "group_ids": {_json_ids(batch.group_ids)}, '
         f'"group_versions": {list(batch.group_versions)}, "dropped": {_json_ids(batch.dropped)}}}, '
-        f'"before": {encoded_before}, "after": {counters_line(after)}}}'
+        f'"before": {encoded_before}, "after": {encoded_after}}}'
     )
 
 
@@ -388,6 +389,7 @@ class JsonlTraceWriter:
         self._pending: list[str] = []
         self._last_after: CounterState | None = None
         self._last_after_line = ""
+        self._counters_format, self._line_format = _formats(header.eta + 1)
         self._manager: Traceable | None = None
         if isinstance(target, (str, Path)):
             self.path: Path | None = Path(target)
@@ -424,15 +426,27 @@ class JsonlTraceWriter:
     def __call__(self, event: ProtocolEvent) -> None:
         if self._stream is None:
             raise TraceClosedError(f"trace {self.path or 'stream'} is closed")
-        if event.accepted is False and not self.refusals:
+        accepted = event.accepted
+        if accepted is False and not self.refusals:
             self.refusals_skipped += 1
             return
         # the before-state is the last event's after-state (the same object): encode it once
         before = self._last_after_line if event.before is self._last_after else None
-        line = event_line(event, before)
-        self._last_after = event.after
-        self._last_after_line = line[line.rindex('"after": ') + 9 : -1]
-        self._pending.append(line + "\n")
+        after_state = event.after
+        if after_state is event.before and before is not None:  # a refused reserve: nothing changed
+            after = before
+        else:
+            after = self._counters_format % (after_state.version, *after_state.running, *after_state.done)
+        self._last_after = after_state
+        self._last_after_line = after
+        if event.batch is None and before is not None:  # the usual event, encoded here (no call)
+            group_id = event.group_id
+            self._pending.append(self._line_format % (
+                event.seq, event.op, json.dumps(group_id) if type(group_id) is str else "null" if group_id is None else group_id,
+                "null" if event.version is None else event.version,
+                "null" if accepted is None else "true" if accepted else "false", before, after))
+        else:
+            self._pending.append(event_line(event, before, after))
         if event.op == "consume" or len(self._pending) >= self.WRITE_EVERY:
             self.flush()
 
@@ -441,7 +455,7 @@ class JsonlTraceWriter:
         if self._stream is None:
             return
         if self._pending:
-            self._stream.write("".join(self._pending))
+            self._stream.write("\n".join(self._pending) + "\n")
             self._pending.clear()
         self._stream.flush()
 

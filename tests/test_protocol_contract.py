@@ -6,6 +6,7 @@ restore, stats() and start_capacity()."""
 from __future__ import annotations
 
 import io
+import json
 import random
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from staleflow.protocol import (
     UnknownHookError,
     check,
 )
-from staleflow.protocol.trace import JsonlTraceWriter, TraceFormatError, TraceHeader, read_trace
+from staleflow.protocol.trace import JsonlTraceWriter, TraceFormatError, TraceHeader, event_to_json, read_trace
 
 
 class FlakyStream(io.StringIO):
@@ -121,6 +122,62 @@ def test_a_trace_writer_that_fails_mid_run_resumes_and_loses_nothing(tmp_path: P
     assert list(segment.events) == every  # nothing lost, nothing twice, in order
     report = check.check_trace(trace)
     assert report.accepted and report.events == len(every) > 1000, report
+
+
+class CountingStream(io.StringIO):
+    """A text stream that records the number of lines each write hands it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines_per_write: list[int] = []
+
+    def write(self, text: str) -> int:
+        self.lines_per_write.append(text.count("\n"))
+        return super().write(text)
+
+
+@pytest.mark.parametrize("eta,redundancy,refusals", [(0, 0, True), (1, 1, True), (2, 2, False), (3, 0, False)])
+def test_the_trace_writer_writes_each_event_as_json_dumps_would_at_its_flush_points(
+        eta: int, redundancy: int, refusals: bool) -> None:
+    """The writer's hand-written encoder gives exactly ``json.dumps(event_to_json(event))`` for every
+    event (int and str ids with quotes and non-ASCII characters, refusals, drops), and hands lines to
+    the stream only at a consume, every WRITE_EVERY events and at close."""
+    manager = StalenessManager(eta=eta, batch_size=4, redundancy=redundancy)
+    stream = CountingStream()
+    writer = JsonlTraceWriter.attach(manager, stream, refusals=refusals)
+    writer.WRITE_EVERY = 3  # small enough that runs of events between consumes reach it
+    every: list[ProtocolEvent] = []
+    manager.add_event_hook(every.append)
+    rng = random.Random(eta)
+    running: list[int | str] = []
+    for n in range(3000):
+        roll = rng.random()
+        if roll < 0.5:
+            group_id: int | str = f'p"{n}\u00e9\\' if n % 3 == 0 else n
+            if manager.reserve(group_id, rng.randint(max(0, manager.version - eta), manager.version)):
+                running.append(group_id)
+        elif roll < 0.9 and running:
+            group_id = running.pop(rng.randrange(len(running)))
+            if group_id in manager:
+                (manager.abort if roll > 0.85 else manager.occupy)(group_id)
+        elif manager.can_consume():
+            manager.consume()
+    writer.close()
+    traced = [e for e in every if refusals or e.accepted is not False]
+    lines = stream.getvalue().splitlines()
+    assert lines[1:] == [json.dumps(event_to_json(e)) for e in traced]
+    assert any(e.batch is not None and e.batch.dropped for e in traced) == (redundancy > 0)
+    assert any(e.accepted is False for e in traced) == refusals
+    assert writer.refusals_skipped == (0 if refusals else sum(e.accepted is False for e in every))
+    # one write per flush point: the header, then a consume or WRITE_EVERY events, then close's rest
+    flushes, pending = [1], 0
+    for event in traced:
+        pending += 1
+        if event.op == "consume" or pending == writer.WRITE_EVERY:
+            flushes.append(pending)
+            pending = 0
+    assert stream.lines_per_write == flushes + ([pending] if pending else [])
+    assert writer.WRITE_EVERY in flushes[1:]
 
 
 def test_refused_reserves_are_counted_not_traced_unless_asked(tmp_path: Path) -> None:
