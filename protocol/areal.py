@@ -315,18 +315,33 @@ class ProtocolBatches:
 class RecoverableLoader:
     """The train dataloader as AReaL's recover machinery sees it: ``RecoverHandler.dump`` saves
     ``dataloader.state_dict()`` per data-parallel rank, ``load`` restores it; this wrapper adds the
-    protocol's state (:meth:`ProtocolBatches.state_dict`). Everything else goes to the loader."""
+    protocol's state (:meth:`ProtocolBatches.state_dict`). Everything else goes to the loader.
 
-    def __init__(self, loader: Any, batches: ProtocolBatches) -> None:
+    ``batches`` may be bound later (:meth:`bind`): RLTrainer builds its dataloader before its rollout;
+    a protocol state loaded before then is applied when the batches are bound."""
+
+    def __init__(self, loader: Any, batches: Optional[ProtocolBatches] = None) -> None:
         self.loader = loader
         self.batches = batches
+        self._pending: Optional[dict[str, Any]] = None  # protocol state loaded before bind
+
+    def bind(self, batches: ProtocolBatches) -> None:
+        self.batches = batches
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            batches.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.batches is None:
+            raise RuntimeError("RecoverableLoader has no ProtocolBatches bound: nothing to save the protocol from")
         return {"loader": self.loader.state_dict(), "staleflow_protocol": self.batches.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
-        self.batches.load_state_dict(state["staleflow_protocol"])
+        if self.batches is None:
+            self._pending = state["staleflow_protocol"]
+        else:
+            self.batches.load_state_dict(state["staleflow_protocol"])
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)

@@ -12,6 +12,11 @@ every trained sample (per-token versions recorded by the engine), that each batc
 its consumed ids, that no prompt was lost, and the traces (``python -m staleflow_protocol.check``);
 it prints one JSON line and exits 0, or raises.
 
+``python areal_dropin_run.py --trainer-paths OUT``: AReaL's default path (``ProtocolRolloutController``
+over the in-process :class:`InProcessScheduler`, 8 steps) and RLTrainer's recover through AReaL's
+``RecoverHandler`` (``ProtocolTrainerHooks`` on a stand-in for ``PPOTrainer.__init__``, dump after step 3,
+a second life loads it); prints one JSON line (test_areal_dropin.py says what is real and what is faked).
+
 ``python areal_dropin_run.py --control OUT [STEPS]``: the same job on AReaL's own staleness manager
 and FIFO ``prepare_batch`` (one rank); prints how many trained samples were past eta.
 """
@@ -26,19 +31,30 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from areal.api import RolloutWorkflow, StepInfo
-from areal.api.cli_args import InferenceEngineConfig
+from areal.api import RolloutWorkflow, Scheduler, StepInfo, Worker
+from areal.api.cli_args import InferenceEngineConfig, RecoverConfig
+from areal.api.io_struct import FinetuneSpec
 from areal.infra import workflow_context
 from areal.infra.workflow_context import WorkflowContext
 from areal.infra.workflow_executor import WorkflowExecutor
-from areal.utils.recover import RecoverInfo
+from areal.utils.dynamic_import import import_from_string
+from areal.utils.recover import RecoverHandler, RecoverInfo
 from staleflow_protocol import LockedStalenessManager
-from staleflow_protocol.areal import ProtocolBatches, ProtocolStalenessManager, ProtocolWorkflowExecutor, RecoverableLoader
+from staleflow_protocol.areal import (
+    ProtocolBatches,
+    ProtocolRolloutController,
+    ProtocolStalenessManager,
+    ProtocolWorkflowExecutor,
+    RecoverableLoader,
+)
+from staleflow_protocol.areal_trainer import ProtocolTrainerHooks
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 ETA, BATCH, REDUNDANCY, WORLD = 1, 2, 1, 2  # BATCH groups per rank and step (4 per step in all)
@@ -266,9 +282,224 @@ def control(out: Path, steps: int) -> dict[str, Any]:
             "staleness": dict(sorted(staleness.items()))}
 
 
+class InProcessScheduler(Scheduler):
+    """AReaL's ``Scheduler`` interface with its workers in this process: the seam that replaces
+    LocalScheduler's RPC-server processes and the SGLang/vLLM server each one launches (GPU-only).
+    An engine call reaches a :class:`FakeEngine`; ``submit`` runs the host's workflow, resolved from
+    the import path the controller sends (as a worker does), and when it is done POSTs the
+    controller's real callback server, as AReaL's worker-side engine does; ``wait_for_task`` hands
+    the trajectory back once."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.workers: list[Worker] = []
+        self.produced: dict[int, Any] = {}  # task id -> the trajectory its episode returned
+        self.callbacks = 0  # callbacks the controller's HTTP server answered
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def n_gpus_per_node(self) -> int:
+        return 0
+
+    def create_workers(self, job: Any, *args: Any, **kwargs: Any) -> list[str]:
+        self.workers = [Worker(id=f"{job.role}/{i}", ip="127.0.0.1") for i in range(job.replicas)]
+        return [w.id for w in self.workers]
+
+    def get_workers(self, role: str, timeout: Any = None) -> list[Worker]:
+        return [w for w in self.workers if w.id.startswith(role + "/")]
+
+    def delete_workers(self, role: Any = None, reverse_order: bool = False) -> None:
+        self.workers = []
+
+    def fork_workers(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("no proxy workers in this test")
+
+    async def create_engine(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def set_worker_env(self, worker_id: str, env: dict[str, str]) -> None:
+        return None
+
+    def call_engine(self, worker_id: str, method: str, engine_name: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return asyncio.run(self.async_call_engine(worker_id, method, engine_name, *args, **kwargs))
+
+    async def async_call_engine(self, worker_id: str, method: str, engine_name: Any = None, *args: Any,
+                                rpc_meta: Any = None, **kwargs: Any) -> Any:
+        if method == "submit":
+            task = asyncio.ensure_future(self._episode(kwargs))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return kwargs["task_id"]
+        if method == "wait_for_task":
+            return self.produced.get(kwargs["task_id"])
+        return None  # launch_server, initialize, set_version, pause, resume, destroy: nothing to do here
+
+    async def _episode(self, call: dict[str, Any]) -> None:
+        workflow = import_from_string(call["workflow"])(**call["workflow_kwargs"])
+        trajectory = await workflow.arun_episode(self.engine, call["data"])
+        self.produced[call["task_id"]] = trajectory
+        request = urllib.request.Request(call["callback_addr"], data=json.dumps({"task_id": call["task_id"]}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with await asyncio.to_thread(urllib.request.urlopen, request, timeout=30) as answer:
+            assert answer.status == 200
+        self.callbacks += 1
+
+
+def check_row(step: int, got: Any, trajectories: list[Any]) -> int:
+    """The bound on every trained sample; returns how many were reserved ETA versions back."""
+    assert got is not None and got.batch.version == step and len(trajectories) == BATCH
+    for reserved, traj in zip(got.batch.group_versions, trajectories):
+        assert reserved <= int(traj["versions"][0].min()) <= step <= reserved + ETA, (step, reserved)
+    return sum(step - v == ETA for v in got.batch.group_versions)
+
+
+def trace_check(path: Path) -> str:
+    checked = subprocess.run([sys.executable, "-m", "staleflow_protocol.check", str(path)], capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    return checked.stdout.strip()
+
+
+def controller_run(out: Path, steps: int) -> dict[str, Any]:
+    """AReaL's default path: ProtocolRolloutController (its dispatcher, async runner and Flask callback
+    server all real) over two rollout workers of :class:`InProcessScheduler`; trains ``steps`` batches."""
+    out.mkdir(parents=True, exist_ok=True)
+    policy = torch.zeros(VOCAB, requires_grad=True)
+    optimizer = torch.optim.SGD([policy], lr=0.5)
+    engine = FakeEngine(policy, seed=3)
+    scheduler = InProcessScheduler(engine)
+    protocol = LockedStalenessManager.create(ETA, BATCH, REDUNDANCY)
+    cfg = InferenceEngineConfig(backend="sglang:d2", consumer_batch_size=BATCH, max_head_offpolicyness=ETA, max_concurrent_rollouts=8)
+    controller = ProtocolRolloutController(FakeEngine, cfg, scheduler, protocol=protocol, trace_path=out / "controller-trace.jsonl")
+    controller.initialize(role="rollout", server_args={})
+    data = StatefulDataLoader([{"prompt": i} for i in range(100_000)], batch_size=BATCH, collate_fn=list)
+    exact, stale, workers = True, 0, len(scheduler.workers)
+    try:
+        for step in range(steps):
+            trajectories = controller.prepare_batch(data, TargetWorkflow, group_size=1)
+            got = controller.batches.last
+            stale += check_row(step, got, trajectories)
+            exact &= all(t is scheduler.produced[int(g)] for t, g in zip(trajectories, got.batch.group_ids))
+            train_step(policy, optimizer, trajectories)
+            controller.pause()  # RLTrainer's weight update on this path: pause, push, set_version, resume
+            engine.sync(policy, protocol.version)
+            controller.set_version(protocol.version)
+            controller.resume()
+    finally:
+        controller.batches.close()
+        controller.destroy()
+    return {"steps": steps, "workers": workers, "exact_ids": exact, "stale": stale, "refused": protocol.stats().refused,
+            "callbacks": scheduler.callbacks, "version": controller.get_version(), "trace": trace_check(out / "controller-trace.jsonl")}
+
+
+class TrainEngineCheckpoint:
+    """The train-engine surface RecoverHandler uses (``save`` / ``load`` of its recover checkpoint)."""
+
+    def __init__(self, policy: torch.Tensor) -> None:
+        self.policy = policy
+
+    def save(self, meta: Any) -> None:
+        os.makedirs(meta.path, exist_ok=True)
+        torch.save(self.policy.detach(), os.path.join(meta.path, "policy.pt"))
+
+    def load(self, meta: Any) -> None:
+        with torch.no_grad():
+            self.policy.copy_(torch.load(os.path.join(meta.path, "policy.pt")))
+
+
+class NoState:  # the saver, evaluator and stats logger RecoverHandler dumps and loads (no state here)
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class ExecutorEngine(FakeEngine):
+    """A RemoteInfEngine's surface for use_protocol: ``config`` and the ``workflow_executor`` it builds."""
+
+    def __init__(self, policy: torch.Tensor, seed: int) -> None:
+        super().__init__(policy, seed)
+        self.config = config()
+        self.workflow_executor = WorkflowExecutor(self.config, self)
+        self.workflow_executor.initialize(train_data_parallel_size=1)
+
+
+class PPOTrainerOrder:
+    """PPOTrainer.__init__ reduced to what the hooks see, in its order: train dataloader, rollout,
+    RecoverHandler.load(..., train_dataloader, ...), on_version_recovered. (The real one needs a
+    tokenizer, a train engine and the ``datasets`` package this venv lacks.) ``load`` gets no
+    inference engine: its weight push needs a train engine connected to the rollout."""
+
+    def __init__(self, out: Path, policy: torch.Tensor, seed: int) -> None:
+        recover = RecoverConfig(experiment_name="x", trial_name="t", fileroot=str(out), mode="on", freq_steps=1)
+        self.config = SimpleNamespace(train_dataset=SimpleNamespace(batch_size=BATCH), rollout=None, recover=recover)
+        self.actor_alloc = SimpleNamespace(parallel=SimpleNamespace(dp_size=1))
+        self.actor = TrainEngineCheckpoint(policy)
+        self.seed = seed
+        self.train_dataloader = self._create_dataloader([{"prompt": i} for i in range(100_000)], dataset_config=self.config.train_dataset,
+                                                        rank=0, world_size=1)
+        self.rollout = self._init_rollout(self.config.rollout)
+        spec = FinetuneSpec(total_train_epochs=1, dataset_size=200_000, train_batch_size=BATCH)
+        self.recover_handler = RecoverHandler(self.config.recover, spec)
+        self.recover_info = self.recover_handler.load(self.actor, NoState(), NoState(), NoState(), self.train_dataloader)
+        if self.recover_info is not None:
+            version = self.recover_info.last_step_info.global_step + 1
+            self.rollout.sync(policy, version)
+            self.rollout.workflow_executor.staleness_manager.on_version_recovered(version)
+
+    def _create_dataloader(self, dataset: Any, dataset_config: Any, rank: int, world_size: int) -> Any:
+        return StatefulDataLoader(dataset, batch_size=dataset_config.batch_size, collate_fn=list)
+
+    def _init_rollout(self, rollout_config: Any, is_eval: bool = False, lora_path: Any = None) -> Any:
+        return ExecutorEngine(self.actor.policy, self.seed)
+
+
+class HookedTrainer(ProtocolTrainerHooks, PPOTrainerOrder):
+    pass
+
+
+def recover_handler_run(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
+    """Two lives of HookedTrainer: the first trains to ``recover_at``, dumps with RecoverHandler.dump
+    and dies with tasks in flight; the second is built again (RecoverHandler.load in its __init__)
+    and trains to ``steps``."""
+    out.mkdir(parents=True, exist_ok=True)
+    trace, rows = out / "trainer-trace.jsonl", []
+    for life in (0, 1):
+        policy = torch.zeros(VOCAB, requires_grad=True)
+        optimizer = torch.optim.SGD([policy], lr=0.5)
+        trainer = HookedTrainer(out, policy, life, protocol=LockedStalenessManager.create(ETA, BATCH, REDUNDANCY), trace_path=trace)
+        executor = trainer.rollout.workflow_executor
+        start = 0 if trainer.recover_info is None else trainer.recover_info.last_step_info.global_step + 1
+        for step in range(start, steps if life else recover_at + 1):
+            trajectories = executor.prepare_batch(trainer.train_dataloader, TargetWorkflow())
+            check_row(step, executor.batches.last, trajectories)
+            rows.append([step, [int(g) for g in executor.batches.last.batch.group_ids], [int(t["prompt"][0]) for t in trajectories]])
+            train_step(policy, optimizer, trajectories)
+            executor.pause()
+            trainer.rollout.sync(policy, executor.batches.protocol.version)
+            executor.resume()
+        if life == 0:
+            step_info = StepInfo(epoch=0, epoch_step=recover_at, global_step=recover_at, steps_per_epoch=10**6)
+            trainer.recover_handler.dump(trainer.actor, step_info, NoState(), NoState(), NoState(), trainer.train_dataloader)
+            in_flight = executor.batches.outstanding
+            saved = [p["prompt"] for p in trainer.train_dataloader.state_dict()["staleflow_protocol"]["prompts"]]
+        else:
+            restored, pending = start, [p["prompt"] for p in executor.batches.state_dict()["prompts"]]
+        executor.destroy()
+    ids = [i for _, group, _ in rows for i in group]
+    prompts = [p for _, _, group in rows for p in group]
+    return {"steps": [s for s, _, _ in rows], "restored_at": restored, "in_flight_at_dump": in_flight,
+            "unique_ids": len(ids) == len(set(ids)), "unique_prompts": len(prompts) == len(set(prompts)),
+            "saved_prompts_kept": set(saved) <= set(prompts) | set(pending), "trace": trace_check(trace)}
+
+
 def main(argv: list[str]) -> None:
     if argv[0] == "--rank":
         rank_main(Path(argv[1]), int(argv[2]), int(argv[3]), int(argv[4]), bool(int(argv[5])))
+        return
+    if argv[0] == "--trainer-paths":  # AReaL's default controller path, and RLTrainer's recover through RecoverHandler
+        print(json.dumps({"controller": controller_run(Path(argv[1]) / "controller", 8),
+                          "recover_handler": recover_handler_run(Path(argv[1]) / "recover", 8, 3)}))
         return
     if argv[0] == "--control":
         print(json.dumps(control(Path(argv[1]), int(argv[2]) if len(argv) > 2 else 50)))

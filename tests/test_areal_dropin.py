@@ -122,14 +122,46 @@ def test_the_drop_ins_take_areals_prepare_batch_arguments(areal_python: tuple[Pa
         "self", "dataloader", "workflow", "workflow_kwargs", "should_accept_fn", "group_size", "dynamic_bs"]]
 
 
+def _run_in_venv(python: Path, tmp_path: Path, *args: str, timeout: int) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "COV_", "COVERAGE"))}
+    done = subprocess.run([str(python), "-I", str(RUN), *args], capture_output=True, text=True,
+                          cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+def test_areal_controller_path_and_recover_handler(areal_python: tuple[Path, float], tmp_path: Path) -> None:
+    """AReaL's default path and RLTrainer's recover, as far as CPU and this venv allow.
+
+    Controller: ``ProtocolRolloutController`` with AReaL's own dispatcher, async task runner and Flask
+    callback server, 8 steps; only the ``Scheduler`` is faked (``InProcessScheduler``: two in-process
+    workers where LocalScheduler would start RPC-server processes, each launching an SGLang/vLLM
+    server, which need GPUs), and the workers' engine is the CPU ``FakeEngine``.
+    Recover: AReaL's own ``RecoverHandler.dump`` / ``load`` (and ``RecoverInfo`` on disk) through
+    ``ProtocolTrainerHooks``, mixed into a stand-in for ``PPOTrainer.__init__`` that keeps its order
+    (dataloader, rollout, load, ``on_version_recovered``): the real PPOTrainer needs a tokenizer, a
+    train engine and the ``datasets`` package; the train engine is a torch tensor saved by
+    RecoverHandler's ``save`` / ``load`` calls, and ``load`` gets no inference engine (its weight push
+    needs a connected train engine)."""
+    python, _ = areal_python
+    result = _run_in_venv(python, tmp_path, "--trainer-paths", str(tmp_path / "run"), timeout=900)
+    controller = result["controller"]
+    assert (controller["steps"], controller["workers"], controller["version"]) == (8, 2, 8)
+    assert controller["exact_ids"] is True  # each trained trajectory is the one its consumed task produced
+    assert controller["stale"] > 0 and controller["callbacks"] >= 8 * 2  # the bound was exercised, over HTTP callbacks
+    assert "accepted" in controller["trace"]  # and the bound held on every trained sample (asserted in the run)
+    recover = result["recover_handler"]
+    assert recover["steps"] == list(range(8)) and recover["restored_at"] == 4  # dumped after step 3, resumed at 4
+    assert recover["in_flight_at_dump"] > 0 and recover["saved_prompts_kept"] is True  # died mid-flight, no prompt lost
+    assert recover["unique_ids"] is True and recover["unique_prompts"] is True
+    assert "accepted" in recover["trace"] and "2 segment(s)" in recover["trace"]
+
+
 def test_areal_two_ranks_recover_mid_run_bound_kept_trace_accepted(areal_python: tuple[Path, float], tmp_path: Path) -> None:
     python, built = areal_python
     started = time.perf_counter()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "COV_", "COVERAGE"))}
-    done = subprocess.run([str(python), "-I", str(RUN), str(tmp_path / "run"), "50", "25"], capture_output=True, text=True,
-                          cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}, timeout=1100)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    result = _run_in_venv(python, tmp_path, str(tmp_path / "run"), "50", "25", timeout=1100)
     print(f"AReaL venv: {built:.1f} s; two-rank run with recover: {time.perf_counter() - started:.1f} s")
     assert (result["steps"], result["recover_at"]) == (50, 25)
     # the prompt of task 1, refused at episode start, is submitted again (task 2) before a new prompt

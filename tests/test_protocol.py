@@ -391,8 +391,9 @@ def test_restore_rejects_a_non_mapping() -> None:
 
 
 #: The peer drop-ins in the light package: each may import its peer system too (only it), and no
-#: other module imports them (``import staleflow_protocol`` needs nothing but the standard library).
-PEER_DROP_INS = {"areal.py": "areal"}
+#: other module imports them (``import staleflow_protocol`` needs nothing but the standard library);
+#: a drop-in may import another drop-in for the same peer.
+PEER_DROP_INS = {"areal.py": "areal", "areal_trainer.py": "areal"}
 
 
 def test_protocol_imports_only_the_standard_library() -> None:
@@ -411,8 +412,8 @@ def test_protocol_imports_only_the_standard_library() -> None:
                 top = name.split(".")[0]
                 ok = top in stdlib or name.startswith("staleflow.protocol") or top == "__future__"
                 assert ok, f"{path.name} imports {name}"
-            if isinstance(node, ast.ImportFrom) and node.level:
-                assert f"{node.module}.py" not in PEER_DROP_INS, f"{path.name} imports the drop-in {node.module}"
+            if isinstance(node, ast.ImportFrom) and node.level and f"{node.module}.py" in PEER_DROP_INS:
+                assert PEER_DROP_INS.get(path.name) == PEER_DROP_INS[f"{node.module}.py"], f"{path.name} imports the drop-in {node.module}"
 
 
 def test_doctest_example_in_the_package_docstring() -> None:
