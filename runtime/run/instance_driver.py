@@ -109,8 +109,7 @@ class InstanceDriver:
                 except INSTANCE_FAILURES:
                     observations.append(self.failed(iid))
                     continue
-                self._observed_at[iid] = now
-                self.touched.add(iid)
+                self._observed_at[iid] = now  # a snapshot changes no view's requests: not touched
         return observations
 
     def failed(self, iid: str) -> InstanceLost:
