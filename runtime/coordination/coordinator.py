@@ -136,6 +136,10 @@ class Coordinator:
         else:
             raise TypeError(f"not an observation the coordinator asked for or takes: {observation!r}")
 
+    def has_commands(self) -> bool:
+        """Whether commands decided earlier wait to be handed out."""
+        return bool(self._outbox)
+
     def ready(self) -> Ready:
         """What to do now: the commands decided since the last call and, while a decision is in
         progress, the group change it needs next (see :class:`~staleflow.runtime.coordination.commands.Ready`)."""
@@ -234,7 +238,7 @@ class Coordinator:
         fleet = self.fleet.synced()
         fleet = self._interrupt(plan_bounce(self.policy, self.views, fleet), "bounced_requests")
         if full and self.policy.migration and not pulls:
-            moves = plan_moves(self.policy, self.views, fleet, self.cost_model, self._starved_instances(fleet))
+            moves = plan_moves(self.policy, self.views, fleet, self.cost_model, self.starved_instances(fleet))
             fleet = self._interrupt(moves, "migrated_requests")
         self._routes = {}
         self._ps_version = ps_version
@@ -255,7 +259,7 @@ class Coordinator:
             self.stats[counter] += len(rids)
         return self.fleet.synced()
 
-    def _starved_instances(self, fleet: FleetArrays) -> np.ndarray:
+    def starved_instances(self, fleet: FleetArrays) -> np.ndarray:
         """Instances that can get no other work: nothing queued, and no pending group admissible at
         their version."""
         if self.ts.queued_count():

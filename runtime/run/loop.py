@@ -47,6 +47,7 @@ from staleflow.protocol.trace import JsonlTraceWriter
 from staleflow.runtime.coordination.commands import Command
 from staleflow.runtime.coordination.coordinator import Coordinator
 from staleflow.runtime.coordination.cost_model import CostModel
+from staleflow.runtime.coordination.quiet_tick import decision_reads_load
 from staleflow.runtime.coordination.observations import (
     Cancelled,
     CheckpointStarted,
@@ -190,18 +191,43 @@ class RunLoop:
             if on_step is not None and self.stats.steps_done > done:
                 on_step()
             full = now >= self._next_tick
-            if full:  # 4
-                self._observe(self.instances.refresh(now, self.tick_s))
-                self._next_tick = now + self.tick_s
             self._refill()  # 5
             trainer_waits = self._training is None and not self.manager.can_consume()
-            commands = decide(self.coordinator, self.groups, Tick(self.ps.latest_version(), full, trainer_waits))  # 6
+            tick = Tick(self.ps.latest_version(), full, trainer_waits)
+            quiet = full and self._quiet(tick)
+            if full and not quiet:  # 4
+                self._observe(self.instances.refresh(now, self.tick_s))
+            if full:
+                self._next_tick = now + self.tick_s
+            commands = decide(self.coordinator, self.groups, tick)  # 6
+            if quiet:
+                self._settle_quiet(now, commands)
             self._carry_out(commands)
             self.stats.instances_busy(now, {iid: self.coordinator.holds_requests(iid) for iid in self.instances.take_touched()})
             progress |= bool(commands)
             idle_iterations = 0 if progress else idle_iterations + 1
             self._advance(now, idle_iterations)  # 7
         return self.metrics()
+
+    def _quiet(self, tick: Tick) -> bool:
+        """Whether this tick's snapshots may wait (:mod:`~staleflow.runtime.coordination.quiet_tick`):
+        a simulated run, every instance up, and a decision that reads no instance's load."""
+        return (
+            self.clock.simulated
+            and not self.instances.down
+            and not decision_reads_load(self.coordinator, tick.ps_version, tick.trainer_waits)
+        )
+
+    def _settle_quiet(self, now: float, commands: Sequence[Command]) -> None:
+        """After a quiet tick's decision: if nothing comes before the next tick (which snapshots every
+        instance again), the snapshots left out are never read and are only counted as taken; else
+        they are taken now, at the same time and before any command, as the tick would have."""
+        trainer_next = self.trainer.next_event_time()
+        if commands or self.instances.event_before(self._next_tick) or (trainer_next is not None and trainer_next < self._next_tick):
+            self._observe(self.instances.refresh(now, self.tick_s))
+        else:
+            self.instances.defer_refresh(now, self.tick_s)
+            self.stats.counters["quiet_ticks"] += 1
 
     def _attach_trace(self) -> None:
         """Start writing the trace before the first protocol operation (after a checkpoint load,
