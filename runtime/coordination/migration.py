@@ -26,7 +26,7 @@ router whether or not another instance could start them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from staleflow.runtime.coordination.cost_model import CostModel
@@ -109,6 +109,17 @@ def plan_evacuation(
     if ratio[high] <= phi_throughput or len(views[high].requests) < min_requests:
         return {}
     return {high: list(views[high].requests)}
+
+
+def starved_instances(queued: int, pending: int, fleet: FleetArrays, can_reserve: Callable[[int], bool]) -> np.ndarray:
+    """Instances that can get no other work: nothing queued (``queued`` requests), and no pending
+    group (of ``pending``) admissible at their version (``can_reserve``: the protocol's)."""
+    if queued:
+        return np.zeros(len(fleet.n), dtype=bool)
+    if not pending:
+        return np.ones(len(fleet.n), dtype=bool)
+    admissible = [v for v in set(fleet.version.tolist()) if can_reserve(v)]
+    return ~np.isin(fleet.version, admissible)
 
 
 def plan_bounce(policy: SystemPolicy, views: Sequence[InstanceView], fleet: FleetArrays) -> dict[int, list[str]]:

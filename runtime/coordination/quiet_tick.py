@@ -37,7 +37,13 @@ def decision_reads_load(coordinator: Coordinator, ps_version: int | None, traine
     fleet = coordinator.fleet.synced()
     if ts.pending_count() and any(manager.can_reserve(v) for v in set(fleet.version.tolist())):
         return True  # admission may route (any cap or freshness hold left to the decision)
-    if policy.migration:
-        starved = coordinator.starved_instances(fleet)
-        return bool(np.any(~fleet.loading & starved & (fleet.waiting == 0)))
-    return False
+    if not policy.migration:
+        return False
+    targets = ~fleet.loading & coordinator.starved_instances(fleet) & (fleet.waiting == 0)
+    if policy.migration_rule != "evacuate":
+        return bool(targets.any())
+    # the evacuation empties an instance holding at least evacuate_min_requests with a starved peer
+    # at its version or newer: with none, it moves nothing whatever the load
+    sources = np.flatnonzero(~fleet.loading & (fleet.n >= policy.evacuate_min_requests))
+    versions = fleet.version[targets]
+    return any(bool((versions >= fleet.version[i]).sum() - targets[i]) for i in sources.tolist())

@@ -47,7 +47,6 @@ from staleflow.protocol.trace import JsonlTraceWriter
 from staleflow.runtime.coordination.commands import Command
 from staleflow.runtime.coordination.coordinator import Coordinator
 from staleflow.runtime.coordination.cost_model import CostModel
-from staleflow.runtime.coordination.quiet_tick import decision_reads_load
 from staleflow.runtime.coordination.observations import (
     Cancelled,
     CheckpointStarted,
@@ -58,6 +57,7 @@ from staleflow.runtime.coordination.observations import (
     StepStarted,
     Tick,
 )
+from staleflow.runtime.coordination.quiet_tick import decision_reads_load
 from staleflow.runtime.interfaces import Clock, RolloutEngine, Trainer
 from staleflow.runtime.run.decision import decide
 from staleflow.runtime.run.group_life import CompletionLedger, GroupLife
