@@ -20,7 +20,9 @@ commands its ``ready()`` hands out are carried out by the driver. Each iteration
    (the coordinator is told the step started, and aborts what the batch's drops cancelled);
 4. **observe**: every ``tick_s``, every instance's snapshot is refreshed and failed instances are
    probed (:mod:`~staleflow.runtime.run.instance_driver`, :mod:`~staleflow.runtime.run.instance_health`),
-   and the coordinator gets what they showed;
+   and the coordinator gets what they showed (after the refill, which they do not depend on); on a
+   simulated clock a *quiet* tick, whose decision reads no instance's load, takes them only if
+   something happens before the next tick (:mod:`~staleflow.runtime.coordination.quiet_tick`);
 5. **refill** the pending prompt groups from the dataset (through GroupLife);
 6. **decide**: a :class:`~staleflow.runtime.coordination.observations.Tick` starts a decision; the
    re-queues and admissions it asks for are made through GroupLife and stepped back
