@@ -42,7 +42,7 @@ from staleflow.runtime.coordination.commands import Abort, Admission, Command, I
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import Fleet, FleetArrays, InstanceView
 from staleflow.runtime.coordination.freshness import Lookahead
-from staleflow.runtime.coordination.migration import plan_bounce, plan_moves
+from staleflow.runtime.coordination.migration import plan_bounce, plan_moves, starved_instances
 from staleflow.runtime.coordination.observations import (
     Admitted,
     Cancelled,
@@ -135,6 +135,14 @@ class Coordinator:
             self._interrupt_all()
         else:
             raise TypeError(f"not an observation the coordinator asked for or takes: {observation!r}")
+
+    def starved_instances(self, fleet: FleetArrays) -> np.ndarray:
+        """Instances that can get no other work (:func:`~staleflow.runtime.coordination.migration.starved_instances`)."""
+        return starved_instances(self.ts.queued_count(), self.ts.pending_count(), fleet, self.manager.can_reserve)
+
+    def has_commands(self) -> bool:
+        """Whether commands decided earlier wait to be handed out."""
+        return bool(self._outbox)
 
     def ready(self) -> Ready:
         """What to do now: the commands decided since the last call and, while a decision is in
@@ -234,7 +242,7 @@ class Coordinator:
         fleet = self.fleet.synced()
         fleet = self._interrupt(plan_bounce(self.policy, self.views, fleet), "bounced_requests")
         if full and self.policy.migration and not pulls:
-            moves = plan_moves(self.policy, self.views, fleet, self.cost_model, self._starved_instances(fleet))
+            moves = plan_moves(self.policy, self.views, fleet, self.cost_model, self.starved_instances(fleet))
             fleet = self._interrupt(moves, "migrated_requests")
         self._routes = {}
         self._ps_version = ps_version
@@ -254,16 +262,6 @@ class Coordinator:
             self._outbox.append(Interrupt(self.views[i].instance_id, tuple(rids)))
             self.stats[counter] += len(rids)
         return self.fleet.synced()
-
-    def _starved_instances(self, fleet: FleetArrays) -> np.ndarray:
-        """Instances that can get no other work: nothing queued, and no pending group admissible at
-        their version."""
-        if self.ts.queued_count():
-            return np.zeros(len(self.views), dtype=bool)
-        if not self.ts.pending_count():
-            return np.ones(len(self.views), dtype=bool)
-        admissible = [v for v in set(fleet.version.tolist()) if self.manager.can_reserve(v)]
-        return ~np.isin(fleet.version, admissible)
 
     def _pull(self, instance_id: str, version: int) -> Pull:
         """A Pull command; the view takes the new version at once (older snapshots are stale)."""

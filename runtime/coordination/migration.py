@@ -26,7 +26,7 @@ router whether or not another instance could start them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from staleflow.runtime.coordination.cost_model import CostModel
@@ -98,16 +98,28 @@ def plan_evacuation(
     if not targets.size:
         return {}
     throughput = fleet_throughput(cost_model, fleet.n, fleet.kv)
+    sources = np.flatnonzero(active & (fleet.n > 0))
+    # peers[s, t]: target t may take source s's requests (another instance, at least its version)
+    peers = (targets[None, :] != sources[:, None]) & (fleet.version[targets][None, :] >= fleet.version[sources][:, None])
+    lowest = np.where(peers, throughput[targets][None, :], np.inf).min(axis=1, initial=np.inf)
     ratio = np.zeros(len(views))
-    for i in np.flatnonzero(active & (fleet.n > 0)):
-        peers = targets[(targets != i) & (fleet.version[targets] >= fleet.version[i])]
-        if peers.size:
-            lowest = float(throughput[peers].min())
-            ratio[i] = np.inf if lowest == 0 else throughput[i] / lowest
+    with np.errstate(divide="ignore"):  # over an idle peer: infinite; without a peer (lowest inf): 0
+        ratio[sources] = np.where(lowest == 0, np.inf, throughput[sources] / lowest)
     high = int(np.argmax(ratio))
     if ratio[high] <= phi_throughput or len(views[high].requests) < min_requests:
         return {}
     return {high: list(views[high].requests)}
+
+
+def starved_instances(queued: int, pending: int, fleet: FleetArrays, can_reserve: Callable[[int], bool]) -> np.ndarray:
+    """Instances that can get no other work: nothing queued (``queued`` requests), and no pending
+    group (of ``pending``) admissible at their version (``can_reserve``: the protocol's)."""
+    if queued:
+        return np.zeros(len(fleet.n), dtype=bool)
+    if not pending:
+        return np.ones(len(fleet.n), dtype=bool)
+    admissible = [v for v in set(fleet.version.tolist()) if can_reserve(v)]
+    return ~np.isin(fleet.version, admissible)
 
 
 def plan_bounce(policy: SystemPolicy, views: Sequence[InstanceView], fleet: FleetArrays) -> dict[int, list[str]]:
@@ -117,9 +129,9 @@ def plan_bounce(policy: SystemPolicy, views: Sequence[InstanceView], fleet: Flee
     if not policy.waiting_bounce:
         return plan
     phi_wait = policy.phi_wait
-    for i, view in enumerate(views):
-        if len(view.waiting) > phi_wait and not fleet.loading[i]:
-            excess = [rid for rid in view.waiting[phi_wait:] if rid in view.requests]
-            if excess:
-                plan[i] = excess
+    for i in np.flatnonzero((fleet.waiting > phi_wait) & ~fleet.loading).tolist():
+        view = views[i]
+        excess = [rid for rid in view.waiting[phi_wait:] if rid in view.requests]
+        if excess:
+            plan[i] = excess
     return plan

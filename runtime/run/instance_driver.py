@@ -109,9 +109,19 @@ class InstanceDriver:
                 except INSTANCE_FAILURES:
                     observations.append(self.failed(iid))
                     continue
-                self._observed_at[iid] = now
-                self.touched.add(iid)
+                self._observed_at[iid] = now  # a snapshot changes no view's requests: not touched
         return observations
+
+    def defer_refresh(self, now: float, tick_s: float) -> None:
+        """Count every instance :meth:`refresh` would snapshot now as observed, without a snapshot
+        (a quiet tick: the next tick's snapshots replace these before anything reads them)."""
+        for iid in self.engines:
+            if iid not in self.down and now - self._observed_at.get(iid, -math.inf) >= tick_s:
+                self._observed_at[iid] = now
+
+    def event_before(self, t: float) -> bool:
+        """Whether some instance announced an event before ``t``."""
+        return any(e is not None and e < t for e in self.next_event.values())
 
     def failed(self, iid: str) -> InstanceLost:
         """An engine call failed: whatever the instance held is presumed lost. Its requests go back

@@ -20,7 +20,9 @@ commands its ``ready()`` hands out are carried out by the driver. Each iteration
    (the coordinator is told the step started, and aborts what the batch's drops cancelled);
 4. **observe**: every ``tick_s``, every instance's snapshot is refreshed and failed instances are
    probed (:mod:`~staleflow.runtime.run.instance_driver`, :mod:`~staleflow.runtime.run.instance_health`),
-   and the coordinator gets what they showed;
+   and the coordinator gets what they showed (after the refill, which they do not depend on); on a
+   simulated clock a *quiet* tick, whose decision reads no instance's load, takes them only if
+   something happens before the next tick (:mod:`~staleflow.runtime.coordination.quiet_tick`);
 5. **refill** the pending prompt groups from the dataset (through GroupLife);
 6. **decide**: a :class:`~staleflow.runtime.coordination.observations.Tick` starts a decision; the
    re-queues and admissions it asks for are made through GroupLife and stepped back
@@ -57,6 +59,7 @@ from staleflow.runtime.coordination.observations import (
     StepStarted,
     Tick,
 )
+from staleflow.runtime.coordination.quiet_tick import decision_reads_load
 from staleflow.runtime.interfaces import Clock, RolloutEngine, Trainer
 from staleflow.runtime.run.decision import decide
 from staleflow.runtime.run.group_life import CompletionLedger, GroupLife
@@ -190,18 +193,43 @@ class RunLoop:
             if on_step is not None and self.stats.steps_done > done:
                 on_step()
             full = now >= self._next_tick
-            if full:  # 4
-                self._observe(self.instances.refresh(now, self.tick_s))
-                self._next_tick = now + self.tick_s
             self._refill()  # 5
             trainer_waits = self._training is None and not self.manager.can_consume()
-            commands = decide(self.coordinator, self.groups, Tick(self.ps.latest_version(), full, trainer_waits))  # 6
+            tick = Tick(self.ps.latest_version(), full, trainer_waits)
+            quiet = full and self._quiet(tick)
+            if full and not quiet:  # 4
+                self._observe(self.instances.refresh(now, self.tick_s))
+            if full:
+                self._next_tick = now + self.tick_s
+            commands = decide(self.coordinator, self.groups, tick)  # 6
+            if quiet:
+                self._settle_quiet(now, commands)
             self._carry_out(commands)
             self.stats.instances_busy(now, {iid: self.coordinator.holds_requests(iid) for iid in self.instances.take_touched()})
             progress |= bool(commands)
             idle_iterations = 0 if progress else idle_iterations + 1
             self._advance(now, idle_iterations)  # 7
         return self.metrics()
+
+    def _quiet(self, tick: Tick) -> bool:
+        """Whether this tick's snapshots may wait (:mod:`~staleflow.runtime.coordination.quiet_tick`):
+        a simulated run, every instance up, and a decision that reads no instance's load."""
+        return (
+            self.clock.simulated
+            and not self.instances.down
+            and not decision_reads_load(self.coordinator, tick.ps_version, tick.trainer_waits)
+        )
+
+    def _settle_quiet(self, now: float, commands: Sequence[Command]) -> None:
+        """After a quiet tick's decision: if nothing comes before the next tick (which snapshots every
+        instance again), the snapshots left out are never read and are only counted as taken; else
+        they are taken now, at the same time and before any command, as the tick would have."""
+        trainer_next = self.trainer.next_event_time()
+        if commands or self.instances.event_before(self._next_tick) or (trainer_next is not None and trainer_next < self._next_tick):
+            self._observe(self.instances.refresh(now, self.tick_s))
+        else:
+            self.instances.defer_refresh(now, self.tick_s)
+            self.stats.counters["quiet_ticks"] += 1
 
     def _attach_trace(self) -> None:
         """Start writing the trace before the first protocol operation (after a checkpoint load,
