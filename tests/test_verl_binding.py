@@ -6,14 +6,14 @@ same job, for the comparison in docs/integrating.md.
 
 verl's own rollouter and trainer code is driven by ``tests/verl_real_scenario.py`` (the last tests,
 markers ``verl`` and ``slow``; ``pytest -m "not verl"`` deselects them) in verl's own venv, built and
-cached by ``tests/peer_venv.py``: verl 0.9.1 and the 14 light packages its ``fully_async_rollouter``,
+cached by ``tests/peer_venv.py``: verl 0.9.1 and the 13 packages its ``fully_async_rollouter``,
 ``fully_async_trainer`` and ``message_queue`` import beyond the main venv (``VERL_PACKAGES``, found
-by trial, pinned, all ``--no-deps``), and only the light package from ``protocol/``. That venv is
+by trial, pinned, all ``--no-deps``, with setuptools for the build), and only the light package from ``protocol/``. That venv is
 *shared*: it sees the main venv's site-packages (torch 2.13 CPU, ray, numpy, transformers, pyarrow...)
 through a path line in a ``.pth`` file, after its own packages, and not the main venv's editable
 ``staleflow`` (asserted). The trade-off: verl runs there with the main venv's torch, ray and
-transformers (5.x, past verl's ``<5.11`` pin), not with versions of its own; a cold build installs
-about 30 MB instead of the ~1 GB of a venv of its own. ``STALEFLOW_VERL_PYTHON`` overrides it with any
+transformers (5.x, past verl's ``<5.11`` pin), not with versions of its own; the venv holds about
+120 MB instead of the 1.7 GB of a venv of its own. ``STALEFLOW_VERL_PYTHON`` overrides it with any
 Python that has verl 0.9.1 (the light package is then taken from ``protocol/`` through PYTHONPATH)."""
 
 from __future__ import annotations
