@@ -9,31 +9,24 @@ GB); so the venv has torch 2.13.0 and areal is installed with ``--no-deps`` (as 
 dependencies below, which would otherwise resolve areal's torch pin). Everything else areal imports
 on its rollout path is installed normally.
 
-The venv is built once per package set (this file's lists and Python's version: a hash names the
-folder in the system's temporary directory, outside the repository the other tests scan) with the
-ordinary pip configuration, and the light package is reinstalled from ``protocol/`` (offline)
-whenever its sources changed, so a rerun is offline and fast; a cold build needs the package index
-(or a wheel folder in pip's ``find-links`` holding these wheels).
+The venv is built and cached by ``tests/peer_venv.py`` (not shared with the main venv: AReaL's
+venv has its own transformers, ray and numpy).
 ``pytest -m "not areal"`` deselects it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
-import sys
-import tempfile
 import time
-import venv
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.peer_venv import peer_python
+
 RUN = Path(__file__).with_name("areal_dropin_run.py")
 #: The CPU torch (the local wheel), the build requirement of the light package, and what areal's
 #: rollout path imports beyond AReaL's light dependencies: installed with their own dependencies.
@@ -51,44 +44,11 @@ NO_DEPS = [
 pytestmark = [pytest.mark.areal, pytest.mark.slow]
 
 
-def _packages_hash() -> str:
-    return hashlib.sha256(json.dumps([WITH_DEPS, NO_DEPS, sys.version]).encode()).hexdigest()[:16]
-
-
-def _light_sources_hash() -> str:
-    digest = hashlib.sha256()
-    for path in sorted((ROOT / "protocol").glob("*.py")) + [ROOT / "protocol" / "pyproject.toml"]:
-        digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()
-
-
-def _pip(python: Path, *args: str) -> None:
-    done = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", "--no-input", *args],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1200, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
 @pytest.fixture(scope="session")
 def areal_python() -> tuple[Path, float]:
-    """AReaL's venv (built once per package set, reused after) with the light package installed from
-    the current sources (reinstalled when they changed): its python, and the seconds this took."""
-    env_dir = Path(tempfile.gettempdir()) / f"staleflow-areal-venv-{_packages_hash()}"  # outside the repository
-    python = env_dir / "bin" / "python"
-    started = time.perf_counter()
-    if not (env_dir / "ready").exists():
-        shutil.rmtree(env_dir, ignore_errors=True)
-        venv.EnvBuilder(with_pip=True).create(env_dir)
-        _pip(python, "install", "--no-compile", *WITH_DEPS)
-        _pip(python, "install", "--no-compile", "--no-deps", *NO_DEPS)
-        (env_dir / "ready").write_text("ok\n")
-    stamp, sources = env_dir / "light-package.sha256", _light_sources_hash()
-    if not stamp.exists() or stamp.read_text() != sources:
-        source = env_dir / "protocol-src"  # a copy: the build writes build/ and *.egg-info next to the sources
-        shutil.rmtree(source, ignore_errors=True)
-        shutil.copytree(ROOT / "protocol", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-        _pip(python, "install", "--force-reinstall", "--no-deps", "--no-build-isolation", "--no-index", str(source))
-        stamp.write_text(sources)
-    return python, time.perf_counter() - started
+    """AReaL's venv (``tests/peer_venv.py``) with the light package from the current sources: its
+    python, and the seconds this took."""
+    return peer_python("areal", WITH_DEPS, NO_DEPS)
 
 
 def test_areal_venv_has_the_light_package_and_not_staleflow(areal_python: tuple[Path, float]) -> None:

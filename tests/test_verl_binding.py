@@ -4,10 +4,17 @@ trained sample, exactly the consumed ids trained, the trace accepted by the stan
 checker, a resume from verl's checkpoint folder mid-run; and verl's own count-based control on the
 same job, for the comparison in docs/integrating.md.
 
-verl's own rollouter and trainer code is driven by ``tests/verl_real_scenario.py`` (last test): verl
-0.9.1's ``fully_async_rollouter``, ``fully_async_trainer`` and ``message_queue`` import on CPU with
-torch 2.13 (installed ``--no-deps`` plus about 50 light packages, see docs/integrating.md), but this
-repository's CI has no venv with verl, so that test runs only where ``STALEFLOW_VERL_PYTHON`` is set."""
+verl's own rollouter and trainer code is driven by ``tests/verl_real_scenario.py`` (the last tests,
+markers ``verl`` and ``slow``; ``pytest -m "not verl"`` deselects them) in verl's own venv, built and
+cached by ``tests/peer_venv.py``: verl 0.9.1 and the 13 packages its ``fully_async_rollouter``,
+``fully_async_trainer`` and ``message_queue`` import beyond the main venv (``VERL_PACKAGES``, found
+by trial, pinned, all ``--no-deps``, with setuptools for the build), and only the light package from ``protocol/``. That venv is
+*shared*: it sees the main venv's site-packages (torch 2.13 CPU, ray, numpy, transformers, pyarrow...)
+through a path line in a ``.pth`` file, after its own packages, and not the main venv's editable
+``staleflow`` (asserted). The trade-off: verl runs there with the main venv's torch, ray and
+transformers (5.x, past verl's ``<5.11`` pin), not with versions of its own; the venv holds about
+120 MB instead of the 1.7 GB of a venv of its own. ``STALEFLOW_VERL_PYTHON`` overrides it with any
+Python that has verl 0.9.1 (the light package is then taken from ``protocol/`` through PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from staleflow.protocol.check import check_trace
 from staleflow.protocol.trace import JsonlTraceWriter, read_trace
 from staleflow.protocol.verl import CHECKPOINT_FILE, ProtocolMessageQueue, protocol_settings
 
+from tests.peer_venv import peer_python
 from tests.verl_loop import FakeEngine, RunResult, VerlCountControl, run_loop
 
 ETA, BATCH, CONCURRENT = 1, 4, 12
@@ -183,26 +191,58 @@ def test_get_batch_waits_on_when_a_stale_reserve_disables_consume_after_the_wake
         asyncio.run(go(turns))
 
 
-@pytest.mark.slow
-def test_verls_own_rollouter_and_trainer_code_with_the_protocol_queue(tmp_path: Path) -> None:
-    """tests/verl_real_scenario.py in a Python that has verl 0.9.1 (``STALEFLOW_VERL_PYTHON``; this
-    repository's CI has none, so it is skipped there): verl's own ``_processor_worker`` and
-    ``_get_samples_from_queue`` with ``ProtocolMessageQueue``, 50 steps, no sample past eta and the
-    trace accepted; verl's own queue and count on the same seed train samples past eta."""
+#: What verl 0.9.1's fully_async_policy modules import beyond the main venv (found by trial), pinned,
+#: installed --no-deps (setuptools: the light package's build requirement, ensurepip's is older).
+VERL_PACKAGES = [
+    "verl==0.9.1", "tensordict==0.15.3", "pyvers==0.2.3", "omegaconf==2.4.0", "hydra-core==1.3.8",
+    "antlr4-python3-runtime==4.9.3", "codetiming==1.4.0", "orjson==3.13.0", "torchdata==0.11.0", "datasets==5.2.0",
+    "multiprocess==0.70.19", "pandas==3.1.1", "peft==0.21.2", "accelerate==1.16.0", "setuptools==78.1.1",
+]
+
+
+@pytest.fixture(scope="module")
+def verl_python(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
+    """A Python with verl 0.9.1 and the light package, and the environment to run it in."""
     import os
 
-    python = os.environ.get("STALEFLOW_VERL_PYTHON")
-    if not python:
-        pytest.skip("set STALEFLOW_VERL_PYTHON to a Python with verl 0.9.1 (--no-deps) to run verl's own code")
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    override = os.environ.get("STALEFLOW_VERL_PYTHON")
+    if override:
+        light = tmp_path_factory.mktemp("light")
+        (light / "staleflow_protocol").symlink_to(Path(__file__).resolve().parents[1] / "protocol")
+        return override, {**env, "PYTHONPATH": str(light)}
+    python, seconds = peer_python("verl", [], VERL_PACKAGES, shared=True)
+    print(f"verl venv: {seconds:.1f} s")
+    return str(python), env
+
+
+@pytest.mark.verl
+@pytest.mark.slow
+def test_verl_venv_has_verl_and_the_light_package_and_not_staleflow(verl_python: tuple[str, dict[str, str]],
+                                                                    tmp_path: Path) -> None:
+    python, env = verl_python
+    probe = ("import importlib.util, json, sys, verl, torch, staleflow_protocol.verl as v\n"
+             "try:\n    import staleflow\n    found = staleflow.__file__\nexcept ImportError:\n    found = None\n"
+             "print(json.dumps([verl.__version__, torch.__version__, found, v.__name__, "
+             "sorted(m for m in sys.modules if m.split('.')[0] == 'staleflow')]))")
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == ["0.9.1", "2.13.0+cpu", None, "staleflow_protocol.verl", []]
+
+
+@pytest.mark.verl
+@pytest.mark.slow
+def test_verls_own_rollouter_and_trainer_code_with_the_protocol_queue(verl_python: tuple[str, dict[str, str]],
+                                                                      tmp_path: Path) -> None:
+    """tests/verl_real_scenario.py in verl's venv: verl's own ``_processor_worker`` and
+    ``_get_samples_from_queue`` with ``ProtocolMessageQueue``, 50 steps, no sample past eta and the
+    trace accepted; verl's own queue and count on the same seed train samples past eta."""
+    python, env = verl_python
     root = Path(__file__).resolve().parents[1]
-    (tmp_path / "staleflow_protocol").symlink_to(root / "protocol")
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
     past = {}
     for mode in ("protocol", "verl"):
         done = subprocess.run([python, str(root / "tests" / "verl_real_scenario.py"), mode, str(tmp_path / mode), "0"],
                               capture_output=True, text=True, check=False, timeout=600, cwd=tmp_path, env=env)
-        if done.returncode == 3:
-            pytest.skip(done.stderr.strip())
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads((tmp_path / mode / "result.json").read_text())
         assert [b["version"] for b in result["trained"]] == list(range(50))
