@@ -141,7 +141,9 @@ def test_regression_seed_200027_results_left_on_a_failed_instance_are_dropped_at
 @pytest.mark.parametrize(
     ("seed", "system"),
     [(301287, "staleflow"), (301287, "staleflow-fresh"), (301287, "staleflow-no-sync"),
-     (300557, "staleflow-no-migration"), (300618, "staleflow-no-migration")],
+     # (300618 until quiet ticks skipped snapshots nothing reads: its draws moved and no Pull failed;
+     # 300502 injects 10 failed pulls and 45 stale snapshots)
+     (300557, "staleflow-no-migration"), (300502, "staleflow-no-migration")],
 )
 def test_regression_a_failed_instance_comes_back_only_after_its_requests_are_aborted(seed: int, system: str) -> None:
     """Found by ``staleflow bench chaos --seeds 1250 --first 300500`` (these policies): a Pull failed

@@ -108,7 +108,7 @@ def test_a_failed_or_dead_rank_stops_the_group_instead_of_hanging() -> None:
     with pytest.raises(WorkerGroupError, match="(?s)rank 0 failed in 'run':.*ZeroDivisionError"):
         workers.call_all("run", [("1 / 0",), ("__import__('time').sleep(300)",)])
     workers = ProcessWorkers(functools.partial(types.SimpleNamespace, run=eval), 1, timeout_s=120)
-    workers._timeout = 0.5  # (after the start-up, which imports torch in the child)
+    workers.timeout_s = 0.5  # (after the start-up, which imports torch in the child)
     with pytest.raises(WorkerGroupError, match=r"ranks \[0\] did not answer 'run' within 0 s"):
         workers.call_all("run", [("__import__('time').sleep(300)",)])  # a rank that hangs is stopped, not waited for
     with pytest.raises(WorkerGroupError, match="(?s)rank 0 failed in 'start':.*invalid literal for int"):
