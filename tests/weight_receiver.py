@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from staleflow.adapters.rlkit.weight_sender import bucket_bytes_of, unpack_bucket
+from staleflow.adapters.rlkit.weight_sender import receive_buckets
 
 
 class GlooReceiver:
@@ -32,17 +32,9 @@ class GlooReceiver:
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.calls.append("update_weights")
-        columns = zip(update_info["names"], update_info["dtype_names"], update_info["shapes"])
-        specs = [(n, getattr(torch, d), tuple(s)) for n, d, s in columns]
-        start = 0
-        for count in update_info["bucket_sizes"]:
-            bucket = specs[start : start + count]
-            start += count
-            flat = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8)
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            self._group.broadcast([flat], options).wait()
-            self.received.update((name, tensor.clone()) for name, tensor in unpack_bucket(flat, bucket))
+        tensors = receive_buckets(self._group, update_info["names"], update_info["dtype_names"], update_info["shapes"],
+                                  update_info["bucket_sizes"])
+        self.received.update((name, tensor.clone()) for name, tensor in tensors)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append("finish_weight_update")

@@ -108,6 +108,24 @@ def unpack_bucket(flat: torch.Tensor, specs: Sequence[tuple[str, torch.dtype, tu
         offset += size
 
 
+def receive_buckets(group: Any, names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]],
+                    bucket_sizes: Sequence[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The receiving side of a gloo bucketed broadcast from rank 0 of ``group``: ``(name, tensor)``
+    of each announced tensor, bucket by bucket (a tensor is a view of its bucket's buffer)."""
+    import torch.distributed as dist
+
+    specs = [(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtype_names, shapes)]
+    start = 0
+    for count in bucket_sizes:
+        bucket = specs[start : start + count]
+        start += count
+        flat = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8)
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        group.broadcast([flat], options).wait()
+        yield from unpack_bucket(flat, bucket)
+
+
 def wire_tensors(tensors: Iterable[tuple[str, torch.Tensor]], wire_dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The floating-point tensors in ``wire_dtype`` (others as they are), in order, one at a time."""
     if wire_dtype not in WIRE_DTYPES:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from staleflow.adapters.rlkit.weight_sender import bucket_bytes_of, unpack_bucket
+from staleflow.adapters.rlkit.weight_sender import receive_buckets
 from staleflow.adapters.vllm.weight_transfer import refresh_cpu_output_layer
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
@@ -82,16 +82,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             pass
 
     def _received(self, info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
-        specs = [(n, getattr(torch, d), tuple(s)) for n, d, s in zip(info.names, info.dtype_names, info.shapes)]
-        start = 0
-        for count in info.bucket_sizes:
-            bucket = specs[start : start + count]
-            start += count
-            flat = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8)
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            self.group.broadcast([flat], options).wait()
-            yield from unpack_bucket(flat, bucket)
+        return receive_buckets(self.group, info.names, info.dtype_names, info.shapes, info.bucket_sizes)
 
     def shutdown(self) -> None:
         self.group = None
