@@ -106,8 +106,26 @@ def test_conversion_refuses_an_incomplete_checkpoint(hf_model, megatron_on_cpu) 
 def test_trainer_refuses_to_start_without_cuda(tmp_path: Path, tiny_model: Path) -> None:
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         MegatronTrainer(tmp_path)
-    with pytest.raises(RuntimeError, match="needs CUDA GPUs"):
-        MegatronTrainer(tiny_model)
+    with pytest.raises(RuntimeError, match="needs CUDA GPUs .* and this node has no CUDA device"):
+        MegatronTrainer(tiny_model)  # ranks as this node's processes
+    with pytest.raises(RuntimeError, match=r"its ranks were given no GPUs \(\[1.0, 0.0\]\)"):
+        MegatronTrainer(tiny_model, launcher="ray", world_size=2, gpus_per_rank=[1.0, 0.0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a driver without CUDA")
+def test_a_cpu_only_driver_starts_megatron_ranks_on_ray_gpu_workers(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver may be a CPU-only head node: with Ray actors given GPUs, its own CUDA is not asked
+    (it refused before); each rank checks its own GPU instead, naming itself."""
+    started: list[tuple[object, ...]] = []
+    monkeypatch.setattr(MegatronTrainer, "_start", lambda self, *args: started.append(args))
+    MegatronTrainer(tiny_model, launcher="ray", world_size=2, gpus_per_rank=1.0, placement_group="pg")
+    assert len(started) == 1 and started[0][-3:] == ("ray", 1.0, "pg")
+
+    from staleflow.adapters.megatron.parallel import MegatronLayout
+    from staleflow.adapters.megatron.rank import MegatronRank
+
+    with pytest.raises(RuntimeError, match=r"trainer rank 1 was given GPUs .* sees no CUDA device .* Megatron trains on GPUs only"):
+        MegatronRank().setup(1, MegatronLayout(1, 1, 2), "tcp://127.0.0.1:1", str(tiny_model), None, 0, True)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------ Qwen3

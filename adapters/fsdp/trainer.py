@@ -48,26 +48,11 @@ from staleflow.adapters.rlkit.packing import (
     split_across_ranks,
 )
 from staleflow.adapters.rlkit.settings import TrainerSettings
-from staleflow.adapters.rlkit.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer, rank_address
+from staleflow.adapters.rlkit.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer, rank_address, rank_device
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FORMAT = "staleflow-fsdp/1"
 _PREFIX = "causal_lm."  # the LogProbModel's name for the Hugging Face model
-
-
-def rank_device(requested: str, rank: int) -> torch.device:
-    """The device of trainer rank ``rank``, decided in the rank's own process (the driver may be a
-    CPU-only head node): ``cuda`` takes one of the GPUs Ray made visible to the rank, and a rank that
-    sees none is an error naming it, never a silent fp32 run on CPU."""
-    if requested != "cuda":
-        return torch.device("cpu")
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        raise RuntimeError(
-            f"trainer rank {rank} was given GPUs (train.gpus > 0) but sees no CUDA device (CUDA_VISIBLE_DEVICES={visible}); "
-            "check the node's driver and torch build, or set train.gpus=0 to train on CPU"
-        )
-    return torch.device("cuda", rank % torch.cuda.device_count())  # one visible GPU per Ray actor, or all of them
 
 
 class FSDPRank:

@@ -28,7 +28,7 @@ from staleflow.adapters.megatron.parallel import MegatronLayout, shard_for_rank
 from staleflow.adapters.rlkit.algorithms import Correction, PackedBatch, add_sums, metrics_from_sums, policy_terms
 from staleflow.adapters.rlkit.packing import VARLEN_MICRO_BATCH_TOKENS
 from staleflow.adapters.rlkit.settings import TrainerSettings
-from staleflow.adapters.rlkit.worker_group import rank_address
+from staleflow.adapters.rlkit.worker_group import rank_address, rank_device
 
 
 def causal_mask(length: int, device: torch.device) -> torch.Tensor:
@@ -107,7 +107,8 @@ class MegatronRank:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from transformers import AutoConfig
 
-        torch.cuda.set_device(rank % torch.cuda.device_count())  # one visible GPU per Ray actor, or all of them
+        # this rank's own GPU (the driver may be a CPU-only head node); none is an error naming the rank
+        torch.cuda.set_device(rank_device("cuda", rank, without_gpu="or use train.backend=torch or fsdp: Megatron trains on GPUs only"))
         dist.init_process_group("nccl", init_method=address, rank=rank, world_size=layout.world_size, timeout=timedelta(minutes=30))
         parallel_state.initialize_model_parallel(layout.tensor_parallel, layout.pipeline_parallel)
         mcore_tp.model_parallel_cuda_manual_seed(seed)

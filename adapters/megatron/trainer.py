@@ -81,10 +81,14 @@ class MegatronTrainer(WorkerGroupTrainer):
         self._hf_config = AutoConfig.from_pretrained(str(folder))
         check_convertible(self._hf_config)  # a model without a conversion (MoE) is refused by name, before any rank starts
         layout.check_model(self._hf_config)
-        if not torch.cuda.is_available():
+        # Where the ranks run decides: this node's processes need this node's CUDA; Ray actors need GPUs
+        # given (train.gpus > 0) and each checks its own (a CPU-only head node may drive GPU workers).
+        shares = [gpus_per_rank] * world_size if isinstance(gpus_per_rank, (int, float)) else list(gpus_per_rank)
+        if (not torch.cuda.is_available()) if launcher == "process" else not all(share > 0 for share in shares):
+            where = "this node has no CUDA device" if launcher == "process" else f"its ranks were given no GPUs ({shares})"
             raise RuntimeError(
-                "the Megatron trainer needs CUDA GPUs (Megatron-core's optimizer, DDP and pipeline schedules are CUDA-only); "
-                "use train.backend=torch or fsdp on CPU"
+                f"the Megatron trainer needs CUDA GPUs (Megatron-core's optimizer, DDP and pipeline schedules are CUDA-only) "
+                f"and {where}; use train.backend=torch or fsdp on CPU"
             )
         self._start(  # pragma: no cover - needs CUDA
             folder, settings, pad_id, version, seed, bf16, launcher, gpus_per_rank, placement_group)

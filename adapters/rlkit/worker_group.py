@@ -37,6 +37,26 @@ def rank_address() -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
+def rank_device(requested: str, rank: int, *, without_gpu: str = "or set train.gpus=0 to train on CPU") -> Any:
+    """The ``torch.device`` of trainer rank ``rank``, decided in the rank's own process (the driver may
+    be a CPU-only head node): ``cuda`` takes one of the GPUs Ray made visible to the rank, and a rank
+    that sees none is an error naming it (ending with ``without_gpu``, what the user can do instead),
+    never a silent fp32 run on CPU."""
+    import os
+
+    import torch
+
+    if requested != "cuda":
+        return torch.device("cpu")
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise RuntimeError(
+            f"trainer rank {rank} was given GPUs (train.gpus > 0) but sees no CUDA device (CUDA_VISIBLE_DEVICES={visible}); "
+            f"check the node's driver and torch build, {without_gpu}"
+        )
+    return torch.device("cuda", rank % torch.cuda.device_count())  # one visible GPU per Ray actor, or all of them
+
+
 def _serve(rank: int, conn: Any, factory: Callable[[], Any]) -> None:
     """A rank's process: build the object, then run calls until ``None`` (or the pipe closes)."""
     try:
