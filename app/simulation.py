@@ -256,6 +256,11 @@ def compare_systems(
         "steps": comparison.steps,
         "seed": comparison.seed,
         "estimation_error": comparison.estimation_error,
+        # what tells runs of one workload and seed apart (scripts/simulate_tables.py keys its grids by them)
+        "tick_s": comparison.tick_s if comparison.tick_s is not None else workload.simulation.tick_s,
+        "workload_tick_s": workload.simulation.tick_s,
+        "event_quantum_s": comparison.event_quantum_s if comparison.event_quantum_s is not None else workload.simulation.event_quantum_s,
+        "rollout_gpus": workload.gpus - workload.cluster.trainer_gpus,
         "upper_bound_tokens_per_s": bound.tokens_per_s,
         "upper_bound": bound.to_dict(),
         "by_eta": {},

@@ -1,8 +1,9 @@
 """Markdown tables of ``staleflow simulate`` grids over several seeds (docs/simulation.md, README).
 
 Each argument is a ``results.json`` written by ``staleflow simulate --out DIR`` (one workload, one
-seed, one or more ``eta``). Runs of the same workload and seed are merged (a grid of baselines and
-a grid of ablations), then for each workload and ``eta`` every system's trained tokens/s is given as
+seed, one or more ``eta``). Runs of the same workload, seed, coordinator tick and GPU split are merged
+(a grid of baselines, a grid of ``staleflow-authors``, a grid of ablations); runs at another tick
+make a tick-sensitivity table instead. Then for each workload and ``eta`` every system's trained tokens/s is given as
 the median over seeds with its range, StaleFlow's ratio to it as the median of the per-seed ratios
 with their range, and a system that trains past ``eta`` gets its worst p99/max staleness and share
 of groups past ``eta`` over the seeds. "Mean over eta" averages each seed's ratios over ``eta``,
@@ -23,22 +24,34 @@ from typing import Any
 BASELINES = ("verl-sync", "one-step-off", "verl-async", "areal", "areal-filter", "areal-tight", "roll-flash")
 #: Baselines with one mechanism idealised: columns of a grid where they ran, never the best bound-keeping one.
 BASELINE_ABLATIONS = ("roll-flash-ideal-routing",)
+#: StaleFlow as another code base runs it: columns beside ``staleflow``, measured against the same baselines.
+STALEFLOW_VARIANTS = ("staleflow-authors", "staleflow-authors-sync99")
 BEST = "best bound-keeping"
 
 
-def load(paths: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
-    """workload -> seed -> {"bound", "steps", "by_eta": {eta: {system: figures}}}."""
+def load(paths: list[str]) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, dict[str, dict[int, dict[str, Any]]]]]:
+    """The grids at each workload's own coordinator tick (workload -> seed -> {"bound", "steps",
+    "by_eta": {eta: {system: figures}}}), and every run by tick (workload -> tick -> the same; the
+    tick ``"default"`` is the workload's own: results written before ``tick_s`` was recorded ran at it)."""
     grids: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
+    ticks: dict[str, dict[str, dict[int, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
     for path in paths:
         report = json.loads(Path(path).read_text())
-        run = grids[report["workload"]].setdefault(
-            report["seed"], {"bound": report["upper_bound_tokens_per_s"], "steps": report["steps"], "by_eta": {}}
-        )
-        if run["steps"] != report["steps"]:
-            raise SystemExit(f"{path}: {report['steps']} steps, other runs of this seed have {run['steps']}")
-        for eta, figures in report["by_eta"].items():
-            run["by_eta"].setdefault(int(eta), {}).update(figures["systems"])
-    return grids
+        tick = report.get("tick_s")
+        at_default = tick is None or tick == report.get("workload_tick_s")
+        if at_default:
+            _merge(grids[report["workload"]], report, path)
+        _merge(ticks[report["workload"]]["default" if at_default else f"{tick:g} s"], report, path)
+    return grids, ticks
+
+
+def _merge(seeds: dict[int, dict[str, Any]], report: dict[str, Any], path: str) -> None:
+    """Add ``report``'s systems to its seed's run in ``seeds``."""
+    run = seeds.setdefault(report["seed"], {"bound": report["upper_bound_tokens_per_s"], "steps": report["steps"], "by_eta": {}})
+    if run["steps"] != report["steps"]:
+        raise SystemExit(f"{path}: {report['steps']} steps, other runs of this seed have {run['steps']}")
+    for eta, figures in report["by_eta"].items():
+        run["by_eta"].setdefault(int(eta), {}).update(figures["systems"])
 
 
 def spread(values: list[float], fmt: str, unit: str = "") -> str:
@@ -60,13 +73,13 @@ def with_system(seeds: dict[int, dict[str, Any]], name: str) -> dict[int, dict[s
     return {s: run for s, run in seeds.items() if name == BEST or all(name in systems for systems in run["by_eta"].values())}
 
 
-def ratios(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> list[float]:
-    """StaleFlow over ``name`` (a system, or ``BEST``) per seed at ``eta``."""
+def ratios(seeds: dict[int, dict[str, Any]], eta: int, name: str, over: str = "staleflow") -> list[float]:
+    """``over`` (StaleFlow, or a variant of it) over ``name`` (a system, or ``BEST``) per seed at ``eta``."""
     out = []
-    for run in with_system(seeds, name).values():
+    for run in with_system(with_system(seeds, over), name).values():
         systems = run["by_eta"][eta]
         other = best_keeping(systems, eta)[1] if name == BEST else systems[name]["tokens_per_s"]
-        out.append(systems["staleflow"]["tokens_per_s"] / other)
+        out.append(systems[over]["tokens_per_s"] / other)
     return out
 
 
@@ -82,17 +95,25 @@ def past_eta(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> str:
 def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
     etas = sorted(next(iter(seeds.values()))["by_eta"])
     systems = [s for s in (*BASELINES, *BASELINE_ABLATIONS) if with_system(seeds, s)]
+    variants = [s for s in STALEFLOW_VARIANTS if with_system(seeds, s)]
     first = next(iter(seeds.values()))
-    ran = "; ".join(f"{name}: seeds {', '.join(map(str, sorted(with_system(seeds, name))))}" for name in ("staleflow", *systems))
+    ran = "; ".join(f"{name}: seeds {', '.join(map(str, sorted(with_system(seeds, name))))}"
+                    for name in ("staleflow", *variants, *systems))
     lines = [f"Upper bound {first['bound']:,.0f} tokens/s; {first['steps']} steps; {ran}. "
              "Cells: tokens/s median [range over seeds]; StaleFlow's ratio to it, median [range] of the per-seed ratios; "
-             "for a system past eta its worst p99/max staleness and share of trained groups past eta over the seeds.", "",
-             "| eta | staleflow | " + " | ".join(systems) + f" | {BEST} |",
-             "|---" * (len(systems) + 3) + "|"]
+             "for a system past eta its worst p99/max staleness and share of trained groups past eta over the seeds; "
+             "a variant of StaleFlow: its ratio to StaleFlow and to the best bound-keeping baseline.", "",
+             "| eta | staleflow | " + " | ".join((*variants, *systems)) + f" | {BEST} |",
+             "|---" * (len(variants) + len(systems) + 3) + "|"]
     for eta in etas:
         speeds = [run["by_eta"][eta]["staleflow"]["tokens_per_s"] for run in seeds.values()]
         share = [s / run["bound"] for s, run in zip(speeds, seeds.values())]
         cells = [f"{spread(speeds, ',.0f')} ({spread(share, '.0%')} of bound)"]
+        for name in variants:
+            figures = [run["by_eta"][eta][name] for run in with_system(seeds, name).values()]
+            of_staleflow = [1 / r for r in ratios(seeds, eta, name)]
+            cells.append(f"{spread([f['tokens_per_s'] for f in figures], ',.0f')} ({spread(of_staleflow, '.2f', 'x')} of staleflow; "
+                         f"{spread(ratios(seeds, eta, BEST, over=name), '.2f', 'x')} best){past_eta(seeds, eta, name)}")
         for name in systems:
             figures = [run["by_eta"][eta][name] for run in with_system(seeds, name).values()]
             admits = figures[0]["admission_eta"]
@@ -104,7 +125,8 @@ def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
         names = sorted({best_keeping(run["by_eta"][eta], eta)[0] for run in seeds.values()})
         cells.append(f"{spread(ratios(seeds, eta, BEST), '.2f', 'x')} ({', '.join(names)})")
         lines.append(f"| {eta} | " + " | ".join(cells) + " |")
-    means = [f"**{mean_over_eta(seeds, etas, name)}**" for name in (*systems, BEST)]
+    means = [f"**{mean_over_eta(seeds, etas, BEST, over=name)} best**" for name in variants]
+    means += [f"**{mean_over_eta(seeds, etas, name)}**" for name in (*systems, BEST)]
     lines.append("| mean over eta | | " + " | ".join(means) + " |")
     details = []
     for eta in etas:
@@ -118,8 +140,10 @@ def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def mean_over_eta(seeds: dict[int, dict[str, Any]], etas: list[int], name: str) -> str:
-    per_seed = [statistics.mean(ratios({s: run}, eta, name)[0] for eta in etas) for s, run in with_system(seeds, name).items()]
+def mean_over_eta(seeds: dict[int, dict[str, Any]], etas: list[int], name: str, over: str = "staleflow") -> str:
+    """``over``'s ratio to ``name``: each seed's mean over ``etas``, median [range] over the seeds."""
+    per_seed = [statistics.mean(ratios({s: run}, eta, name, over)[0] for eta in etas)
+                for s, run in with_system(with_system(seeds, over), name).items()]
     return spread(per_seed, ".2f", "x")
 
 
@@ -131,11 +155,15 @@ def broken(seeds: dict[int, dict[str, Any]]) -> str:
                                     "none (lost/duplicated 0/0 everywhere, every bound-keeping system within its bound).")
 
 
+def is_ablation(name: str) -> bool:
+    """A StaleFlow with one strategy switched off (``simulate --systems ablation``), not a variant."""
+    return name.startswith("staleflow-") and name not in STALEFLOW_VARIANTS
+
+
 def ablation_table(seeds: dict[int, dict[str, Any]]) -> list[str]:
-    seeds = {s: run for s, run in seeds.items() if any(n.startswith("staleflow-") for x in run["by_eta"].values() for n in x)}
+    seeds = {s: run for s, run in seeds.items() if any(is_ablation(n) for x in run["by_eta"].values() for n in x)}
     etas = sorted(next(iter(seeds.values()))["by_eta"])
-    names = sorted({n for run in seeds.values() for systems in run["by_eta"].values() for n in systems
-                    if n.startswith("staleflow-")})
+    names = sorted({n for run in seeds.values() for systems in run["by_eta"].values() for n in systems if is_ablation(n)})
     lines = ["| eta | system | tokens/s | vs StaleFlow | step (s) | re-queued | wasted tokens | mean trained length |",
              "|---|---|---|---|---|---|---|---|"]
     for eta in etas:
@@ -156,8 +184,10 @@ def ablation_table(seeds: dict[int, dict[str, Any]]) -> list[str]:
 
 def summary_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
     """One row per workload: StaleFlow's mean-over-eta ratio to each baseline, its share of the bound."""
-    lines = ["| setting | seeds (StaleFlow/fewest) | " + " | ".join(BASELINES) + f" | {BEST} | StaleFlow of upper bound (eta 1/2/3) |",
-             "|---" * (len(BASELINES) + 4) + "|"]
+    variants = [v for v in STALEFLOW_VARIANTS if any(with_system(seeds, v) for seeds in grids.values())]
+    lines = ["| setting | seeds (StaleFlow/fewest) | " + " | ".join(BASELINES) + f" | {BEST} | "
+             + "".join(f"{v} over {BEST} | " for v in variants) + "StaleFlow of upper bound (eta 1/2/3) |",
+             "|---" * (len(BASELINES) + len(variants) + 4) + "|"]
     for workload, seeds in sorted(grids.items()):
         run = next(iter(seeds.values()))
         etas = sorted(run["by_eta"])
@@ -168,6 +198,7 @@ def summary_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
             worst = 0.0 if name == BEST else \
                 max(r["by_eta"][e][name]["past_eta_share"] for r in with_system(seeds, name).values() for e in etas)
             cells.append(mean_over_eta(seeds, etas, name) + (f" (up to {worst:.1%} past eta)" if worst > 0 else ""))
+        cells += [mean_over_eta(seeds, etas, BEST, over=v) if with_system(seeds, v) else "not run" for v in variants]
         shares = "/".join(f"{statistics.median(r['by_eta'][e]['staleflow']['tokens_per_s'] / r['bound'] for r in seeds.values()):.0%}"
                           for e in etas)
         fewest = min(len(with_system(seeds, name)) for name in BASELINES)
@@ -175,18 +206,42 @@ def summary_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def tick_table(ticks: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> list[str]:
+    """For each workload run at other coordinator ticks: each system's tokens/s per tick and
+    StaleFlow's ratio to it, on the seeds and ``eta`` every tick ran."""
+    lines = ["| workload | eta | system | " + "tokens/s, StaleFlow's ratio, per tick | " + "change vs the workload's tick |",
+             "|---|---|---|---|---|"]
+    for workload, by_tick in sorted(ticks.items()):
+        if len(by_tick) < 2 or "default" not in by_tick:
+            continue
+        labels = ["default", *sorted((t for t in by_tick if t != "default"), key=lambda t: float(t.split()[0]))]
+        seeds = sorted(set.intersection(*(set(by_tick[t]) for t in labels)))
+        for eta in sorted(set.intersection(*(set(by_tick[t][s]["by_eta"]) for t in labels for s in seeds))):
+            names = set.intersection(*(set(by_tick[t][s]["by_eta"][eta]) for t in labels for s in seeds))
+            for name in [n for n in ("staleflow", *STALEFLOW_VARIANTS, *BASELINES, *BASELINE_ABLATIONS) if n in names]:
+                speed = {t: statistics.median(by_tick[t][s]["by_eta"][eta][name]["tokens_per_s"] for s in seeds) for t in labels}
+                ratio = {t: statistics.median(by_tick[t][s]["by_eta"][eta]["staleflow"]["tokens_per_s"]
+                                              / by_tick[t][s]["by_eta"][eta][name]["tokens_per_s"] for s in seeds) for t in labels}
+                cells = "; ".join(f"{t}: {speed[t]:,.0f}" + ("" if name == "staleflow" else f" ({ratio[t]:.2f}x)") for t in labels)
+                change = ", ".join(f"{t}: {100 * (speed[t] / speed['default'] - 1):+.1f}%" for t in labels[1:])
+                lines.append(f"| {workload} | {eta} | {name} | {cells} | {change} |")
+    return lines
+
+
 def main(paths: list[str]) -> int:
     if not paths:
         print(__doc__, file=sys.stderr)
         return 2
-    grids = load(paths)
+    grids, ticks = load(paths)
     print("### Summary\n\n" + "\n".join(summary_table(grids)) + "\n")
+    if len(tick_table(ticks)) > 2:
+        print("### Tick sensitivity\n\n" + "\n".join(tick_table(ticks)) + "\n")
     for workload, seeds in sorted(grids.items()):
         print(f"### {workload}\n")
         run = next(iter(seeds.values()))
         if all(with_system(seeds, b) for b in BASELINES):
             print("\n".join(grid_table(workload, seeds)) + "\n")
-        if any(n.startswith("staleflow-") for systems in run["by_eta"].values() for n in systems):
+        if any(is_ablation(n) for systems in run["by_eta"].values() for n in systems):
             print("\n".join(ablation_table(seeds)) + "\n")
     return 0
 

@@ -43,8 +43,13 @@ def test_json_output_has_every_system_within_the_bound(capsys, tmp_path) -> None
     assert json.loads((tmp_path / "results.json").read_text())["by_eta"]["2"]["systems"].keys() == report["systems"].keys()
     for name in ("throughput.png", "staleness_eta2.png", "step_times_eta2.png", "instance_skew_eta2.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
-    results = json.loads((tmp_path / "results.json").read_text())["by_eta"]["2"]["systems"]
+    written = json.loads((tmp_path / "results.json").read_text())
+    results = written["by_eta"]["2"]["systems"]
     assert all(len(f["instance_skew"]["per_step"]) == 5 for f in results.values())  # the skew of every step
+    # what tells this run apart from others of the workload and seed (scripts/simulate_tables.py groups by it)
+    small = load_workload("small-ci")
+    assert (written["tick_s"], written["workload_tick_s"]) == (small.simulation.tick_s, small.simulation.tick_s)
+    assert written["rollout_gpus"] == small.gpus - small.cluster.trainer_gpus
 
 
 def test_same_seed_gives_the_same_figures(capsys) -> None:
