@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
 
+from megatron_models import tiny_qwen
 from staleflow.adapters.megatron.convert import hf_to_megatron
 from staleflow.adapters.megatron.parallel import MegatronLayout, shard_for_rank, split_of, unshard
 from staleflow.adapters.megatron.rank import micro_batches
@@ -34,28 +35,10 @@ from staleflow.adapters.megatron.trainer import (
 from staleflow.adapters.rlkit.algorithms import PackedBatch
 
 
-def _qwen(kind: str):  # type: ignore[no-untyped-def]
-    """A tiny Qwen2 (qkv bias, untied) or Qwen3 (q/k norms, tied): every rule of the layout is used."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(7)
-    shape = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512)
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=48, tie_word_embeddings=True))
-    with torch.no_grad():  # norms away from 1, so a misplaced norm shows in the log-probs
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.5 * torch.randn_like(p))
-    return model.eval()
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2), (4, 4)])
 def test_shards_join_back_exactly(kind: str, tp: int, pp: int) -> None:
-    model = _qwen(kind)
+    model = tiny_qwen(kind)
     full = hf_to_megatron(model.state_dict(), model.config)
     layout = MegatronLayout(tp, pp, tp * pp)
     tied = kind == "qwen3"
@@ -82,7 +65,7 @@ def test_each_pipeline_stage_reads_only_its_own_tensors_and_gets_the_same_shards
     from staleflow.adapters.megatron.convert import stage_reads
     from staleflow.adapters.megatron.rank import read_hf_weights
 
-    model = _qwen(kind)
+    model = tiny_qwen(kind)
     model.save_pretrained(tmp_path / "hf", max_shard_size="200KB")
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2  # sharded
     tied, layout = kind == "qwen3", MegatronLayout(2, 2, 4)
@@ -172,7 +155,7 @@ def test_a_rank_reports_its_weights_under_local_names_as_fp32_copies_and_its_ren
 
 
 def test_trainer_checks_the_layout_against_the_model_before_asking_for_cuda(tmp_path: Path) -> None:
-    model = _qwen("qwen2")
+    model = tiny_qwen("qwen2")
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="num_attention_heads=4 by 3"):
         MegatronTrainer(tmp_path, tensor_parallel=3, world_size=3)
@@ -182,7 +165,7 @@ def test_trainer_checks_the_layout_against_the_model_before_asking_for_cuda(tmp_
 
 
 def test_checkpoints_are_checked_before_any_rank_is_touched(tmp_path: Path) -> None:
-    model = _qwen("qwen2")
+    model = tiny_qwen("qwen2")
     expected = hf_to_megatron(model.state_dict(), model.config)
     layout = MegatronLayout(1, 2, 2)
     good = {"format": CHECKPOINT_FORMAT, "version": 3, "steps_taken": 3, "layout": (1, 2, 2), "model": dict(expected)}
@@ -231,7 +214,7 @@ def _rank_main(rank: int, world: int, port: int, kind: str, tp: int, pp: int, an
         tp_rank, pp_rank, dp_rank = layout.coordinates(rank)
         assert (tp_rank, pp_rank, dp_rank) == (parallel_state.get_tensor_model_parallel_rank(),
                                                parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank())
-        hf = _qwen(kind)
+        hf = tiny_qwen(kind)
         model = build_gpt_model(hf.config, transformer_config_from_hf(hf.config, use_cpu_initialization=True, tensor_parallel=tp,
                                                                       pipeline_parallel=pp))
         # Megatron marks each split weight (tensor_model_parallel, partition_dim): the layout's rules agree.

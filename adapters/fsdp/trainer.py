@@ -136,17 +136,11 @@ class FSDPRank:
         """Gather the full weights on rank 0 in the training dtype, one bucket at a time (a
         collective: every rank calls it); rank 0 returns them, or a reference to its buckets in
         Ray's object store (``by_reference``: each bucket is put there as it is gathered)."""
+        from staleflow.adapters.ray.object_weights import hand_on_buckets
+
         buckets = gathered_buckets(self.model.state_dict(), self.settings.compute_dtype(self.device),
                                    self.settings.publish_bucket_bytes, keep=self.rank == 0, prefix=_PREFIX)
-        if self.rank != 0:
-            for _ in buckets:
-                pass
-            return None
-        if self.by_reference:
-            from staleflow.adapters.ray.object_weights import ObjectStoreWeights
-
-            return ObjectStoreWeights.put_buckets(buckets, version)
-        return {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+        return hand_on_buckets(buckets, version, keep=self.rank == 0, by_reference=self.by_reference)
 
     def _full_weights(self) -> dict[str, torch.Tensor] | None:
         """The fp32 weights gathered on rank 0, on CPU (a collective); None on the other ranks."""

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from staleflow.adapters.megatron.parallel import Stage
+from staleflow.adapters.megatron.parallel import MEGATRON_LAYER, Stage
 
 #: config attributes that give a model's number of routed experts (Qwen3-MoE/Qwen2-MoE, Mixtral, DeepSeek)
 EXPERT_COUNT_ATTRIBUTES = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -221,48 +221,88 @@ class _Reads(dict):  # type: ignore[type-arg]
         self.read.add(key)
         return dict.__getitem__(self, key)  # type: ignore[no-any-return]
 
-    def check_all_read(self, kind: str, ignore: tuple[str, ...] = ()) -> None:
-        dropped = sorted(k for k in set(self) - self.read if k not in ignore and not k.endswith("_extra_state"))
+    def check_all_read(self, kind: str, ignore: tuple[str, ...] = (), prefix: str = "", extra: list[str] | None = None) -> None:
+        """Refuse the tensors nobody read (named with ``prefix``), and the ``extra`` names the caller found unread."""
+        dropped = sorted(prefix + k for k in set(self) - self.read if k not in ignore and not k.endswith("_extra_state"))
+        dropped += extra or []
         if dropped:
             raise ValueError(f"the weight conversion has no rule for these {kind} tensors: {dropped[:5]}")
 
 
+#: the weights outside the decoder layers: Megatron name -> Hugging Face name
+OUTER_WEIGHTS = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+
+
 def megatron_to_hf(mg: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`hf_to_megatron` (``_extra_state`` entries are ignored)."""
+    """The inverse of :func:`hf_to_megatron` (``_extra_state`` entries are ignored), one decoder
+    layer at a time (:func:`layer_to_hf`)."""
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    outer = _Reads({})
+    for name, tensor in mg.items():
+        if name.endswith("_extra_state"):
+            continue
+        match = MEGATRON_LAYER.match(name)
+        if match:
+            layers.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+        else:
+            dict.__setitem__(outer, name, tensor)
+    out: dict[str, torch.Tensor] = {OUTER_WEIGHTS["embedding.word_embeddings.weight"]: outer["embedding.word_embeddings.weight"]}
+    for i in range(hf_config.num_hidden_layers):
+        out.update(layer_to_hf(layers.pop(i), hf_config, i))
+    out[OUTER_WEIGHTS["decoder.final_layernorm.weight"]] = outer["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in outer:
+        out[OUTER_WEIGHTS["output_layer.weight"]] = outer["output_layer.weight"]
+    outer.check_all_read("Megatron", extra=[f"decoder.layers.{i}.*" for i in sorted(layers)])
+    return out
+
+
+def layer_to_hf(layer: Mapping[str, torch.Tensor], hf_config: Any, index: int) -> dict[str, torch.Tensor]:
+    """One decoder layer's Megatron tensors (named as after ``decoder.layers.N.``) -> the Hugging
+    Face tensors of layer ``index``; a tensor no rule maps is an error."""
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = _head_dim(hf_config)
     per_group = heads // groups
-    mg = _Reads(mg)
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"]}
-    for i in range(hf_config.num_hidden_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        attn = dst + "self_attn."
-        for kind in ("weight", "bias"):
-            key = src + f"self_attention.linear_qkv.{kind}"
-            if key not in mg:
-                continue
-            qkv = mg[key]
-            tail = qkv.shape[1:]
-            grouped = qkv.reshape(groups, (per_group + 2) * head_dim, *tail)
-            q, k, v = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], dim=1)
-            out[attn + f"q_proj.{kind}"] = q.reshape(-1, *tail)
-            out[attn + f"k_proj.{kind}"] = k.reshape(-1, *tail)
-            out[attn + f"v_proj.{kind}"] = v.reshape(-1, *tail)
-        out[attn + "o_proj.weight"] = mg[src + "self_attention.linear_proj.weight"]
-        for norm, layernorm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
-            if src + f"self_attention.{layernorm}.weight" in mg:
-                out[attn + f"{norm}.weight"] = mg[src + f"self_attention.{layernorm}.weight"]
-        out[dst + "input_layernorm.weight"] = mg[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = mg[src + "pre_mlp_layernorm.weight"]
-        gate, up = torch.chunk(mg[src + "mlp.linear_fc1.weight"], 2, dim=0)
-        out[dst + "mlp.gate_proj.weight"] = gate
-        out[dst + "mlp.up_proj.weight"] = up
-        out[dst + "mlp.down_proj.weight"] = mg[src + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
-    if "output_layer.weight" in mg:
-        out["lm_head.weight"] = mg["output_layer.weight"]
-    mg.check_all_read("Megatron")
+    mg = _Reads(layer)
+    dst = f"model.layers.{index}."
+    attn = dst + "self_attn."
+    out: dict[str, torch.Tensor] = {}
+    for kind in ("weight", "bias"):
+        key = f"self_attention.linear_qkv.{kind}"
+        if key not in mg:
+            continue
+        qkv = mg[key]
+        tail = qkv.shape[1:]
+        grouped = qkv.reshape(groups, (per_group + 2) * head_dim, *tail)
+        q, k, v = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], dim=1)
+        out[attn + f"q_proj.{kind}"] = q.reshape(-1, *tail)
+        out[attn + f"k_proj.{kind}"] = k.reshape(-1, *tail)
+        out[attn + f"v_proj.{kind}"] = v.reshape(-1, *tail)
+    out[attn + "o_proj.weight"] = mg["self_attention.linear_proj.weight"]
+    for norm, layernorm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+        if f"self_attention.{layernorm}.weight" in mg:
+            out[attn + f"{norm}.weight"] = mg[f"self_attention.{layernorm}.weight"]
+    out[dst + "input_layernorm.weight"] = mg["input_layernorm.weight"]
+    out[dst + "post_attention_layernorm.weight"] = mg["pre_mlp_layernorm.weight"]
+    gate, up = torch.chunk(mg["mlp.linear_fc1.weight"], 2, dim=0)
+    out[dst + "mlp.gate_proj.weight"] = gate
+    out[dst + "mlp.up_proj.weight"] = up
+    out[dst + "mlp.down_proj.weight"] = mg["mlp.linear_fc2.weight"]
+    mg.check_all_read("Megatron", prefix=f"decoder.layers.{index}.")
     return out
+
+
+def full_megatron_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight of the full (TP = PP = 1) Megatron model of ``hf_config``: the
+    conversion of the Hugging Face model built on the meta device (no memory, no rank asked)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: tuple(t.shape) for name, t in hf_to_megatron(model.state_dict(), hf_config).items()}
 
 
 def load_hf_into_megatron(model: Any, hf: Mapping[str, torch.Tensor], hf_config: Any) -> None:

@@ -33,7 +33,8 @@ import torch
 
 Split = Literal["column", "gated", "row", "replicated"]
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+#: a decoder layer's Megatron weight: its layer number, and its name within the layer
+MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _SPLITS: dict[str, Split] = {
     "embedding.word_embeddings.weight": "column",
     "output_layer.weight": "column",
@@ -48,7 +49,7 @@ _NORMS = ("layernorm.weight",)  # input_, pre_mlp_, final_, q_, k_layernorm
 
 def split_of(name: str) -> Split:
     """How tensor parallelism splits the full Megatron weight ``name`` (a local or full name)."""
-    match = _LAYER.match(name)
+    match = MEGATRON_LAYER.match(name)
     suffix = match.group(2) if match else name
     if suffix in _SPLITS:
         return _SPLITS[suffix]
@@ -136,7 +137,7 @@ def _cut(tensor: torch.Tensor, split: Split, parts: int, index: int) -> torch.Te
     return torch.chunk(tensor, parts, dim=0 if split == "column" else 1)[index].contiguous()
 
 
-def _join(shards: list[torch.Tensor], split: Split) -> torch.Tensor:
+def join_shards(shards: list[torch.Tensor], split: Split) -> torch.Tensor:
     if split == "replicated" or len(shards) == 1:
         return shards[0]
     if split == "gated":
@@ -152,7 +153,7 @@ def shard_for_rank(full: Mapping[str, torch.Tensor], layout: MegatronLayout, tp_
     first, last = pp_rank == 0, pp_rank == layout.pipeline_parallel - 1
     local: dict[str, torch.Tensor] = {}
     for name, tensor in full.items():
-        match = _LAYER.match(name)
+        match = MEGATRON_LAYER.match(name)
         if match:
             index = int(match.group(1))
             if index not in layers:
@@ -188,7 +189,7 @@ def unshard(locals_by_rank: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]
             if tied and last and pp_rank > 0 and name == "output_layer.weight":
                 continue  # the copy of the embedding (shard_for_rank's counterpart)
             shards = [locals_by_rank[(t, pp_rank)][name] for t in range(layout.tensor_parallel)]
-            match = _LAYER.match(name)
+            match = MEGATRON_LAYER.match(name)
             full_name = f"decoder.layers.{int(match.group(1)) + start}.{match.group(2)}" if match else name
-            full[full_name] = _join(shards, split_of(name))
+            full[full_name] = join_shards(shards, split_of(name))
     return full

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from staleflow.adapters.megatron.convert import build_gpt_model, hf_to_megatron, stage_reads, transformer_config_from_hf
 from staleflow.adapters.megatron.parallel import MegatronLayout, shard_for_rank
+from staleflow.adapters.megatron.publish import is_stage_publisher, stage_buckets
 from staleflow.adapters.rlkit.algorithms import Correction, PackedBatch, add_sums, metrics_from_sums, policy_terms
 from staleflow.adapters.rlkit.packing import VARLEN_MICRO_BATCH_TOKENS
 from staleflow.adapters.rlkit.settings import TrainerSettings
@@ -83,11 +84,15 @@ def _on_device(part: PackedBatch, device: torch.device) -> PackedBatch:
     return PackedBatch(**{name: getattr(part, name).to(device) for name in PackedBatch.__dataclass_fields__})
 
 
+def local_state(model: Any) -> dict[str, torch.Tensor]:
+    """The rank's weights under their local Megatron names, as the model holds them (training dtype, its device)."""
+    state = model.module.state_dict() if hasattr(model, "module") else model.state_dict()
+    return {k.removeprefix("module."): v.detach() for k, v in state.items() if not k.endswith("_extra_state")}  # Float16Module
+
+
 def _local_weights(model: Any) -> dict[str, torch.Tensor]:
     """The rank's weights under their local Megatron names, fp32 copies on CPU."""
-    state = model.module.state_dict() if hasattr(model, "module") else model.state_dict()
-    state = {k.removeprefix("module."): v for k, v in state.items() if not k.endswith("_extra_state")}  # Float16Module
-    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+    return {k: v.float().cpu().clone() for k, v in local_state(model).items()}
 
 
 class MegatronRank:
@@ -98,8 +103,10 @@ class MegatronRank:
 
     def setup(  # pragma: no cover - needs CUDA
         self, rank: int, layout: MegatronLayout, address: str, model_path: str, settings: TrainerSettings, seed: int, bf16: bool,
+        by_reference: bool,
     ) -> tuple[int, int, int]:
-        """Join the group, build this rank's part of the model from the Hugging Face folder; its coordinates."""
+        """Join the group, build this rank's part of the model from the Hugging Face folder; its coordinates.
+        ``by_reference``: :meth:`publish` puts its stage's buckets into Ray's object store (the ranks are Ray actors)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
         from megatron.core import tensor_parallel as mcore_tp
@@ -113,9 +120,10 @@ class MegatronRank:
         parallel_state.initialize_model_parallel(layout.tensor_parallel, layout.pipeline_parallel)
         mcore_tp.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
-        self.layout, self.settings = layout, settings
+        self.layout, self.settings, self.by_reference = layout, settings, by_reference
         self.coordinates = layout.coordinates(rank)
-        hf_config = AutoConfig.from_pretrained(model_path)
+        self.dtype = torch.bfloat16 if bf16 else torch.float32  # trained and published in
+        self.hf_config = hf_config = AutoConfig.from_pretrained(model_path)
         config = transformer_config_from_hf(hf_config, bf16=bf16, tensor_parallel=layout.tensor_parallel,
                                             pipeline_parallel=layout.pipeline_parallel)
         config.calculate_per_token_loss = True
@@ -221,6 +229,17 @@ class MegatronRank:
         """``(tp_rank, pp_rank, weights)`` on the ranks of data-parallel replica 0, else None."""
         tp_rank, pp_rank, dp_rank = self.coordinates
         return (tp_rank, pp_rank, _local_weights(self.model)) if dp_rank == 0 else None
+
+    def publish(self, version: int) -> Any:  # pragma: no cover - needs CUDA
+        """Publish this stage's weights (a collective of replica 0's tensor-parallel groups: every rank
+        calls it): the stage publisher returns its buckets' weights, or a reference to them in Ray's
+        object store (``by_reference``); every other rank None (:mod:`~staleflow.adapters.megatron.publish`)."""
+        from megatron.core import parallel_state
+        from staleflow.adapters.ray.object_weights import hand_on_buckets
+
+        buckets = stage_buckets(local_state(self.model), self.hf_config, self.layout, self.coordinates,
+                                parallel_state.get_tensor_model_parallel_group(), self.dtype, self.settings.publish_bucket_bytes)
+        return hand_on_buckets(buckets, version, keep=is_stage_publisher(self.coordinates), by_reference=self.by_reference)
 
     def save_optimizer(self, path: str) -> None:  # pragma: no cover - needs CUDA
         """This rank's optimiser state (its own slice of every parameter's moments)."""

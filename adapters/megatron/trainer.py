@@ -7,11 +7,14 @@ ranks (:mod:`~staleflow.adapters.megatron.parallel`), each rank (:class:`Megatro
 of its own: spawned, or a Ray actor with one GPU) wrapped in Megatron's ``DistributedDataParallel``,
 stepped by Megatron's optimizer and pipeline schedule (:mod:`~staleflow.adapters.megatron.rank`).
 
-The driver (:class:`MegatronTrainer`) lays out each batch, gives every data-parallel replica a
-contiguous share of each minibatch's rows (every rank of a replica gets the same rows), and
-publishes each version as Hugging Face weights: the replica-0 ranks' slices joined
-(:func:`~staleflow.adapters.megatron.parallel.unshard`) and converted back
-(:func:`megatron_to_hf`), so the parameter server and vLLM keep using Hugging Face names.
+The driver (:class:`MegatronTrainer`) lays out each batch and gives every data-parallel replica a
+contiguous share of each minibatch's rows (every rank of a replica gets the same rows). The ranks
+publish each version as Hugging Face weights in the training dtype
+(:mod:`~staleflow.adapters.megatron.publish`): each pipeline stage gathers its layers across its
+tensor-parallel group one weight at a time, converts them one layer at a time and hands them on in
+buckets of ``settings.publish_bucket_bytes``. The driver receives the stages' buckets (spawned
+ranks) or references to them in Ray's object store (Ray actors), never the model to convert, and
+the parameter server and vLLM keep using Hugging Face names.
 Checkpoints hold the full model (``megatron_trainer.pt``, any layout can read it) and one optimiser
 file per rank (read back only by the same layout); a load checks every file and key first.
 
@@ -35,12 +38,14 @@ import torch
 from staleflow.adapters.megatron.convert import (  # noqa: F401 - re-exported: the trainer's public conversion API
     build_gpt_model,
     check_convertible,
+    full_megatron_shapes,
     hf_to_megatron,
     load_hf_into_megatron,
     megatron_to_hf,
     transformer_config_from_hf,
 )
 from staleflow.adapters.megatron.parallel import MegatronLayout, shard_for_rank, unshard
+from staleflow.adapters.megatron.publish import join_stage_publications
 from staleflow.adapters.megatron.rank import (  # noqa: F401 - re-exported
     MegatronRank,
     causal_mask,
@@ -109,11 +114,12 @@ class MegatronTrainer(WorkerGroupTrainer):
         self._settings = settings = settings if settings is not None else TrainerSettings()
         self._pad_id = pad_id
         self._decoder = PublishedWeightsDecoder(folder, pad_id)
+        self._full_shapes = full_megatron_shapes(self._hf_config)
         try:
             address = workers.call_all("address")[0]
-            args = (layout, address, str(folder), settings, seed, bf16)
+            args = (layout, address, str(folder), settings, seed, bf16, launcher == "ray")
             workers.call_all("setup", [(rank, *args) for rank in range(world_size)])
-            published, self._full_shapes = self._gather()
+            published = self._publish(version)
         except BaseException:
             workers.close()
             raise
@@ -129,9 +135,10 @@ class MegatronTrainer(WorkerGroupTrainer):
         answers = [a for a in self._workers.call_all("local_weights") if a is not None]
         return unshard({(tp, pp): weights for tp, pp, weights in answers}, self._layout, self._hf_config.num_hidden_layers, self._tied)
 
-    def _gather(self) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:  # pragma: no cover - needs CUDA
-        full = self._full_megatron()
-        return megatron_to_hf(full, self._hf_config), {k: tuple(v.shape) for k, v in full.items()}
+    def _publish(self, version: int) -> Any:  # pragma: no cover - needs CUDA
+        """Version ``version`` as the ranks publish it: each stage's buckets (or references to them), joined."""
+        answers = self._workers.call_all("publish", [(version,)] * self._layout.world_size)
+        return join_stage_publications([a for a in answers if a is not None], version)
 
     # ----------------------------------------------------------------------------------- the step
     def _step(self, batch: TrainingBatch) -> TrainResult:  # pragma: no cover - needs CUDA
@@ -142,7 +149,8 @@ class MegatronTrainer(WorkerGroupTrainer):
         with self._lock:
             args = [(shares[self._layout.coordinates(rank)[2]],) for rank in range(self._layout.world_size)]
             metrics = next(m for m in self._workers.call_all("step", args) if m is not None)
-            self._published = self._gather()[0]
+            gathered = time.perf_counter()
+            self._published = self._publish(self._version + 1)
             self._steps_taken += 1
             self._version += 1
         seconds = time.perf_counter() - started
@@ -153,6 +161,7 @@ class MegatronTrainer(WorkerGroupTrainer):
             "token_staleness_mean": float(staleness.mean()),
             "token_staleness_max": float(staleness.max()),
             "train_s": seconds,
+            "gather_s": time.perf_counter() - gathered,
         })
         return TrainResult(version=self._version, metrics=metrics)
 
@@ -183,7 +192,7 @@ class MegatronTrainer(WorkerGroupTrainer):
             self._workers.call_all("load", args)
             self._version = int(state["version"])
             self._steps_taken = int(state["steps_taken"])
-            self._published = self._gather()[0]
+            self._published = self._publish(self._version)
         return self._version
 
 

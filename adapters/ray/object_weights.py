@@ -12,10 +12,24 @@ holds ``keep`` references: Ray frees a version's object once its last reference 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from staleflow.runtime.interfaces import TransferFailedError
+
+
+def hand_on_buckets(buckets: Iterable[dict[str, Any]], version: int, *, keep: bool, by_reference: bool) -> Any:
+    """What a trainer rank answers for a version it published as ``buckets``: None where it only
+    joined the collectives (``keep`` false: ``buckets`` is exhausted, yielding nothing), an
+    :class:`ObjectStoreWeights` (``by_reference``: each bucket put into the object store as it
+    comes), or the weights joined into one state dict (for a driver that spawned the ranks)."""
+    if not keep:
+        for _ in buckets:
+            pass
+        return None
+    if by_reference:
+        return ObjectStoreWeights.put_buckets(buckets, version)
+    return {name: tensor for bucket in buckets for name, tensor in bucket.items()}
 
 
 def put_object(value: Any) -> Any:
@@ -43,6 +57,11 @@ class ObjectStoreWeights:
             refs.append(put_object(bucket))
             del bucket  # not held while the next bucket is gathered
         return cls(refs, version, specs)
+
+    @classmethod
+    def joined(cls, parts: Sequence[ObjectStoreWeights], version: int) -> ObjectStoreWeights:
+        """One version from ``parts`` put by several processes (a pipeline's stages), their buckets in order."""
+        return cls([ref for part in parts for ref in part._refs], version, [spec for part in parts for spec in part._specs])
 
     def tensor_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """``(name, dtype, shape)`` of every tensor, in the buckets' order (known without fetching)."""

@@ -10,7 +10,7 @@ gathered form: never the full fp32 state dict of a version (120 GB for Qwen3-30B
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -37,10 +37,10 @@ def gathered_buckets(state: Mapping[str, Any], dtype: torch.dtype, bucket_bytes:
     ``prefix``), each of at most ``bucket_bytes`` (a larger tensor: a bucket of its own). Every rank
     must exhaust it (each tensor's gather is a collective); only where ``keep`` (rank 0) are the
     copies made and yielded."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket: dict[str, torch.Tensor] = {}
-    used = 0
+    return fill_buckets(_gathered_copies(state, dtype, keep, prefix), bucket_bytes)
+
+
+def _gathered_copies(state: Mapping[str, Any], dtype: torch.dtype, keep: bool, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in state.items():
         full = gather_full(tensor)
         if not keep:
@@ -48,12 +48,26 @@ def gathered_buckets(state: Mapping[str, Any], dtype: torch.dtype, bucket_bytes:
             continue
         host = host_copy(full, dtype)
         del full
+        yield name.removeprefix(prefix), host
+        del host
+
+
+def fill_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """``tensors`` (named CPU copies, as they come) grouped into buckets of at most ``bucket_bytes``
+    (a larger tensor: a bucket of its own), each yielded as soon as the next tensor would overflow
+    it and not held here afterwards. ``tensors`` is exhausted even when it yields nothing (a rank
+    that only joins the collectives)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    bucket: dict[str, torch.Tensor] = {}
+    used = 0
+    for name, host in tensors:
         size = host.numel() * host.element_size()
         if bucket and used + size > bucket_bytes:
             done, bucket, used = bucket, {}, 0
             yield done
             del done
-        bucket[name.removeprefix(prefix)] = host
+        bucket[name] = host
         used += size
         del host
     if bucket:

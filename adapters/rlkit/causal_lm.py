@@ -66,9 +66,13 @@ class PublishedWeightsDecoder:
         self._model_path, self._pad_id = model_path, pad_id
         self._model: Any = None
 
-    def generate(self, published: Mapping[str, torch.Tensor], prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int,
+    def generate(self, published: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int,
                  batch_size: int = 64) -> list[list[int]]:
+        """Greedy responses under ``published``: the weights, or a reference to them in Ray's object
+        store (a Megatron trainer on Ray actors publishes so), fetched here."""
         outputs: list[list[int]] = []
+        if not isinstance(published, Mapping):
+            published = published.fetch()
         with torch.no_grad():
             if self._model is None:
                 self._model = load_causal_lm(self._model_path).eval()
