@@ -5,7 +5,9 @@ KV heads, FFN 1408, Qwen2.5's 151,936-token vocabulary, tied embeddings = 100.4M
 it for ``--steps`` steps on synthetic GRPO batches shaped like real ones (16 groups x 8 responses,
 prompts 64-256 tokens, long-tailed responses up to ``--max-response`` tokens) with the FSDP trainer
 (or the torch trainer), then checkpoints, exports a bf16 Hugging Face folder and checks that
-transformers reloads it with the trainer's log-probs. Prints one JSON line of figures: trained
+transformers reloads it with the trainer's log-probs. With Megatron it also checks that the weights
+the ranks published (each pipeline stage's buckets, converted on the ranks) are exactly the
+checkpoint's full model converted in the driver. Prints one JSON line of figures: trained
 tokens/s, MFU (model FLOPs, ``6 x parameters`` per token, over the GPU's dense bf16 peak), step and
 weight-gather seconds, peak GPU memory per rank, export seconds, log-prob gap.
 
@@ -24,6 +26,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def build_model(folder: Path, size: str) -> Path:
@@ -181,7 +184,11 @@ def main() -> int:
     seq = [s for g in batch_sequences(synthetic_batch(99, rng, 1, 2, 64, vocab)) for s in g][0]
     (mb,) = micro_batches([seq], 10**6)
     reference = load_causal_lm(run / "model-v0")
-    reference.load_state_dict(trained)
+    tied = {"lm_head.weight"} if reference.config.tie_word_embeddings else set()
+    missing, unexpected = reference.load_state_dict(trained, strict=False)  # a tied lm_head is the embedding, published or not
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"the published weights do not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+    matches = published_matches_checkpoint(trained, folder / "trainer", reference.config) if args.backend == "megatron" else None
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(str(args.out / "export"), dtype=torch.float32)
@@ -203,9 +210,28 @@ def main() -> int:
         "gpu_peak_gib_max": round(max(in_process_peak, *(m.get("gpu_peak_gib", 0.0) for m in steps)), 2),
         "export_s": round(export_s, 1), "export_logprob_gap_bf16": float((got - want).abs().max()),
         "loss_first_last": [round(steps[0]["loss"], 4), round(steps[-1]["loss"], 4)],
+        "published_dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in trained.values()}),
+        "published_matches_checkpoint": matches,
     }
     print("GPU-SMOKE-TRAINER " + json.dumps(figures))
-    return 0 if figures["export_logprob_gap_bf16"] < 0.5 and all(math.isfinite(m["loss"]) for m in steps) else 1
+    ok = figures["export_logprob_gap_bf16"] < 0.5 and all(math.isfinite(m["loss"]) for m in steps) and matches is not False
+    return 0 if ok else 1
+
+
+def published_matches_checkpoint(published: Any, checkpoint: Path, hf_config: Any) -> bool:
+    """Megatron: whether the weights the ranks published (each stage's buckets, gathered across the
+    tensor-parallel ranks and converted one layer at a time on the ranks) are exactly the checkpoint's
+    full model (joined and converted in the driver) in the published dtype: same names, same values."""
+    import torch
+    from staleflow.adapters.megatron.trainer import CHECKPOINT_FILE, megatron_to_hf
+
+    saved = megatron_to_hf(torch.load(checkpoint / CHECKPOINT_FILE, map_location="cpu", weights_only=False)["model"], hf_config)
+    same = list(published) == list(saved) and all(torch.equal(published[k], saved[k].to(published[k].dtype)) for k in saved)
+    if not same:
+        print(f"gpu-smoke: the published weights differ from the checkpoint's: names {sorted(set(published) ^ set(saved))[:5]}, "
+              f"values {[k for k in saved if k in published and not torch.equal(published[k], saved[k].to(published[k].dtype))][:5]}",
+              file=sys.stderr)
+    return same
 
 
 if __name__ == "__main__":

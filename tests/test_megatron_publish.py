@@ -15,6 +15,7 @@ import multiprocessing
 import socket
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,8 @@ from staleflow.adapters.megatron.convert import full_megatron_shapes, hf_to_mega
 from staleflow.adapters.megatron.parallel import MEGATRON_LAYER, MegatronLayout, shard_for_rank, split_of
 from staleflow.adapters.megatron.publish import is_stage_publisher, join_stage_publications
 
+#: what the conversion reads of a Hugging Face config
+CONFIG_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers", "tie_word_embeddings")
 BUCKET_BYTES = 40 << 10  # the embedding (80 KiB in bf16) and each fused qkv / fc1 are buckets of their own
 
 
@@ -31,9 +34,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _publishing_rank(rank: int, world: int, port: int, kind: str, tp: int, pp: int, out: Path,
+def _publishing_rank(rank: int, world: int, port: int, tp: int, pp: int, out: Path,
                      answers: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    """One rank: its bf16 slice of the model, its tensor-parallel group, the rank-side publication;
+    """One rank: its bf16 slice of the model (``out/model.pt``: the whole Megatron state and the config's
+    sizes, so that the rank needs no transformers), its tensor-parallel group, the rank-side publication;
     what it published, the layers it converted and the most gathered bytes it held, saved to ``out``."""
     import torch.distributed as dist
     from staleflow.adapters.megatron import publish
@@ -47,9 +51,9 @@ def _publishing_rank(rank: int, world: int, port: int, kind: str, tp: int, pp: i
             for replica in range(layout.data_parallel):
                 members = [r for r in range(world) if layout.coordinates(r)[1:] == (stage, replica)]
                 groups[(stage, replica)] = dist.new_group(members)
-        model = tiny_qwen(kind)
-        full = hf_to_megatron(model.state_dict(), model.config)
-        local = shard_for_rank(full, layout, coordinates[0], coordinates[1], 4, kind == "qwen3")
+        saved = torch.load(out / "model.pt", weights_only=False)
+        full, config = saved["full"], SimpleNamespace(**saved["config"])
+        local = shard_for_rank(full, layout, coordinates[0], coordinates[1], 4, config.tie_word_embeddings)
         local = {name: tensor.to(torch.bfloat16) for name, tensor in local.items()}  # the training dtype
 
         conversions: list[tuple[int, list[str]]] = []
@@ -73,7 +77,7 @@ def _publishing_rank(rank: int, world: int, port: int, kind: str, tp: int, pp: i
 
         publish.layer_to_hf = recording
         publish.gather_tensor_parallel = tracked
-        buckets = list(publish.stage_buckets(local, model.config, layout, coordinates, groups[coordinates[1:]], torch.bfloat16,
+        buckets = list(publish.stage_buckets(local, config, layout, coordinates, groups[coordinates[1:]], torch.bfloat16,
                                              BUCKET_BYTES))
         torch.save({"buckets": buckets, "conversions": conversions, "peak": live["peak"]}, out / f"rank{rank}.pt")
         answers.put((rank, None))
@@ -83,13 +87,15 @@ def _publishing_rank(rank: int, world: int, port: int, kind: str, tp: int, pp: i
         dist.destroy_process_group()
 
 
-def _run_ranks(kind: str, tp: int, pp: int, world: int, out: Path) -> dict[int, dict[str, Any]]:
+def _run_ranks(model: Any, tp: int, pp: int, world: int, out: Path) -> dict[int, dict[str, Any]]:
+    config = {key: getattr(model.config, key, None) for key in CONFIG_KEYS}
+    torch.save({"full": hf_to_megatron(model.state_dict(), model.config), "config": config}, out / "model.pt")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     context = multiprocessing.get_context("spawn")
     answers = context.Queue()
-    procs = [context.Process(target=_publishing_rank, args=(rank, world, port, kind, tp, pp, out, answers)) for rank in range(world)]
+    procs = [context.Process(target=_publishing_rank, args=(rank, world, port, tp, pp, out, answers)) for rank in range(world)]
     for proc in procs:
         proc.start()
     try:
@@ -113,7 +119,7 @@ def test_the_ranks_publish_each_stage_in_buckets_equal_to_the_whole_model_conver
     full = hf_to_megatron(model.state_dict(), model.config)
     expected = {name: tensor.to(torch.bfloat16) for name, tensor in megatron_to_hf(full, model.config).items()}
     layout = MegatronLayout(tp, pp, world)
-    ranks = _run_ranks(kind, tp, pp, world, tmp_path)
+    ranks = _run_ranks(model, tp, pp, world, tmp_path)
 
     publishers = [rank for rank in range(world) if is_stage_publisher(layout.coordinates(rank))]
     assert [layout.coordinates(r)[1] for r in publishers] == list(range(pp))  # one per stage, in stage order

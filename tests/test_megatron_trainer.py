@@ -21,6 +21,7 @@ from staleflow.adapters.megatron.trainer import (
     CHECKPOINT_FORMAT,
     MegatronTrainer,
     build_gpt_model,
+    full_megatron_shapes,
     hf_to_megatron,
     load_hf_into_megatron,
     megatron_logprobs,
@@ -154,6 +155,8 @@ def test_qwen3_every_weight_maps_both_ways_and_matches_logprobs(megatron_on_cpu,
     converted = hf_to_megatron(hf, hf_model.config)
     expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     assert set(converted) == expected  # every Megatron parameter is produced...
+    built = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    assert full_megatron_shapes(hf_model.config) == built  # the shapes a checkpoint load checks, known without a rank
     assert "decoder.layers.1.self_attention.k_layernorm.weight" in converted
     back = megatron_to_hf(converted, hf_model.config)
     unique = set(hf) - ({"lm_head.weight"} if tied else set())
