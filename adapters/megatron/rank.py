@@ -7,7 +7,8 @@ and stepped by Megatron's optimizer. A step runs Megatron's own pipeline schedul
 micro-batches; the last stage computes the policy loss's token *sum* and its counted tokens, and
 with ``calculate_per_token_loss`` Megatron's ``finalize_model_grads`` sums the gradients over the
 data-parallel ranks and divides by the tokens counted on all of them, so the update is the per-token
-average over the whole minibatch, as in the one-process torch trainer.
+average over the whole minibatch, as in the one-process torch trainer. After each step the ranks
+publish their stages' weights (:meth:`MegatronRank.publish`, :mod:`~staleflow.adapters.megatron.publish`).
 
 GPU only: Megatron's schedules, DDP and optimizer allocate on CUDA. On CPU the forward pieces
 (:func:`logprobs_from_logits`, :func:`megatron_logprobs`) run with the test-only monkeypatches of

@@ -114,8 +114,8 @@ class MegatronTrainer(WorkerGroupTrainer):
         self._settings = settings = settings if settings is not None else TrainerSettings()
         self._pad_id = pad_id
         self._decoder = PublishedWeightsDecoder(folder, pad_id)
-        self._full_shapes = full_megatron_shapes(self._hf_config)
         try:
+            self._full_shapes = full_megatron_shapes(self._hf_config)  # what a checkpoint load checks
             address = workers.call_all("address")[0]
             args = (layout, address, str(folder), settings, seed, bf16, launcher == "ray")
             workers.call_all("setup", [(rank, *args) for rank in range(world_size)])

@@ -6,6 +6,8 @@ CPU in the publication dtype (:func:`host_copy`) and adds it to the current buck
 on (into Ray's object store, or joined for the driver) as soon as the next tensor would take it past
 ``bucket_bytes``. So at any moment rank 0 holds one bucket, the tensor being added and that tensor's
 gathered form: never the full fp32 state dict of a version (120 GB for Qwen3-30B-A3B).
+:func:`fill_buckets` is the bucketing alone, for a trainer whose ranks make their copies otherwise
+(Megatron's stages, :mod:`~staleflow.adapters.megatron.publish`).
 """
 
 from __future__ import annotations
