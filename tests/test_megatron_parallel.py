@@ -200,7 +200,9 @@ def _rank_main(rank: int, world: int, port: int, kind: str, tp: int, pp: int, an
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
     from staleflow.adapters.megatron.convert import build_gpt_model, transformer_config_from_hf
-    from staleflow.adapters.megatron.rank import causal_mask, logprobs_from_logits
+    from staleflow.adapters.megatron.publish import is_stage_publisher, stage_buckets
+    from staleflow.adapters.megatron.rank import causal_mask, local_state, logprobs_from_logits
+    from staleflow.adapters.ray.object_weights import hand_on_buckets
     from staleflow.adapters.rlkit.algorithms import token_logprobs
 
     torch.cuda.current_device = lambda: "cpu"  # the CPU monkeypatches (test only; see test_megatron_trainer.py)
@@ -239,13 +241,21 @@ def _rank_main(rank: int, world: int, port: int, kind: str, tp: int, pp: int, an
                 dist.recv(hidden, src=rank - stride)
                 model.set_input_tensor(hidden)
             out = model(input_ids=ids, position_ids=positions, attention_mask=causal_mask(length, ids.device))
+            gap = None
             if pp_rank < pp - 1:
                 dist.send(out.contiguous(), dst=rank + stride)
-                answers.put((rank, None))
             else:
                 ours = logprobs_from_logits(out, ids)
                 theirs = token_logprobs(hf(input_ids=ids).logits, ids)
-                answers.put((rank, float((ours - theirs).abs().max())))
+                gap = float((ours - theirs).abs().max())
+        # The rank-side publication of MegatronRank.publish, from the built model's own state dict and
+        # Megatron's tensor-parallel group: this stage's Hugging Face weights, in bf16.
+        buckets = stage_buckets(local_state(model), hf.config, layout, (tp_rank, pp_rank, dp_rank),
+                                parallel_state.get_tensor_model_parallel_group(), torch.bfloat16, 1 << 16)
+        published = hand_on_buckets(buckets, 0, keep=is_stage_publisher((tp_rank, pp_rank, dp_rank)), by_reference=False) or {}
+        reference = hf.state_dict()
+        wrong = [n for n, t in published.items() if t.dtype != torch.bfloat16 or not torch.equal(t, reference[n].to(torch.bfloat16))]
+        answers.put((rank, {"gap": gap, "published": list(published), "wrong": wrong}))
     except BaseException as error:  # noqa: BLE001 - reported to the test, which fails with it
         answers.put((rank, f"{type(error).__name__}: {error}"))
     finally:
@@ -253,10 +263,11 @@ def _rank_main(rank: int, world: int, port: int, kind: str, tp: int, pp: int, an
 
 
 @pytest.mark.parametrize(("kind", "tp", "pp"), [("qwen3", 2, 2)])
-def test_a_split_model_gives_the_hugging_face_logprobs(kind: str, tp: int, pp: int) -> None:
+def test_a_split_model_gives_the_hugging_face_logprobs_and_each_stage_publishes_its_part(kind: str, tp: int, pp: int) -> None:
     """Qwen3 (q/k norms, tied embeddings: the last stage's copy) over TP = 2 x PP = 2: every split
     rule but the qkv bias's, which is the same row split as its weight (checked exactly above;
-    ``("qwen2", 2, 1)`` runs it too, left out of CI for time)."""
+    ``("qwen2", 2, 1)`` runs it too, left out of CI for time). Then the ranks publish from the built
+    model's state dict over Megatron's own tensor-parallel groups: each stage its part, exactly."""
     world = tp * pp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -273,10 +284,16 @@ def test_a_split_model_gives_the_hugging_face_logprobs(kind: str, tp: int, pp: i
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+    assert all(isinstance(answer, dict) for answer in results.values()), results
     last_stage = [rank for rank in range(world) if MegatronLayout(tp, pp, world).coordinates(rank)[1] == pp - 1]
     for rank in range(world):
         if rank not in last_stage:
-            assert results[rank] is None, results[rank]  # an earlier stage hands its hidden states on
+            assert results[rank]["gap"] is None  # an earlier stage hands its hidden states on
     for rank in last_stage:  # every tensor-parallel rank of the last stage sees the full-vocabulary log-probs
-        assert isinstance(results[rank], float), results[rank]
-        assert results[rank] < 1e-4
+        assert isinstance(results[rank]["gap"], float), results[rank]
+        assert results[rank]["gap"] < 1e-4
+    # Each stage's publisher published its own part, exactly; together, the model once (a tied head: not at all).
+    assert all(answer["wrong"] == [] for answer in results.values()), results
+    published = [name for rank in range(world) for name in results[rank]["published"]]
+    expected = [name for name in tiny_qwen(kind).state_dict() if not (kind == "qwen3" and name == "lm_head.weight")]
+    assert sorted(published) == sorted(expected)
