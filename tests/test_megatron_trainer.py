@@ -126,7 +126,7 @@ def test_a_cpu_only_driver_starts_megatron_ranks_on_ray_gpu_workers(tiny_model: 
     from staleflow.adapters.megatron.rank import MegatronRank
 
     with pytest.raises(RuntimeError, match=r"trainer rank 1 was given GPUs .* sees no CUDA device .* Megatron trains on GPUs only"):
-        MegatronRank().setup(1, MegatronLayout(1, 1, 2), "tcp://127.0.0.1:1", str(tiny_model), None, 0, True)  # type: ignore[arg-type]
+        MegatronRank().setup(1, MegatronLayout(1, 1, 2), "tcp://127.0.0.1:1", str(tiny_model), None, 0, True, False)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------ Qwen3
