@@ -12,7 +12,8 @@
 #   scripts/gpu-smoke.sh --trainer-only   the trainer check for one GPU without vLLM or Ray (under 6 minutes):
 #                                 bf16 FSDP world size 1, the plain torch backend, Megatron world size 1,
 #                                 SMOKE_STEPS (12) steps each; one GPU-SMOKE-TRAINER {json} line per backend
-#                                 (tokens/s, MFU, peak GPU memory, checkpoint -> bf16 export -> transformers)
+#                                 (tokens/s, MFU, peak GPU memory, checkpoint -> bf16 export -> transformers;
+#                                 Megatron: the weights its ranks published = the checkpoint's, converted)
 #   scripts/gpu-smoke.sh --trainer-only --dry-run   the same three import paths only (any machine)
 #   scripts/gpu-smoke.sh --trainer-only --device cpu --size tiny --steps 2   the three on a CPU (Megatron: imports)
 #   scripts/gpu-smoke.sh --trainer-only --backend megatron [--world-size 2 --tensor-parallel 2]   one backend only
