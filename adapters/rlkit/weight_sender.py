@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from staleflow.adapters.rlkit.bucketed_publish import fill_buckets
 from staleflow.runtime.interfaces import TransferFailedError, WeightsReference, resolve_weights
 from staleflow.runtime.servers.parameter_server import ParameterServer
 
@@ -134,24 +135,9 @@ def wire_tensors(tensors: Iterable[tuple[str, torch.Tensor]], wire_dtype: str) -
     return ((name, t.to(wire) if t.is_floating_point() else t) for name, t in tensors)
 
 
-def wire_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor: its own), as they fill."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    used = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and used + nbytes > bucket_bytes:
-            yield bucket
-            bucket, used = [], 0
-        bucket.append((name, tensor))
-        used += nbytes
-    if bucket:
-        yield bucket
-
-
 def bucket_sizes(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[int]:
     """How many tensors each bucket of at most ``bucket_bytes`` holds (a larger tensor: its own)."""
-    return [len(bucket) for bucket in wire_buckets(tensors, bucket_bytes)]
+    return [len(bucket) for bucket in fill_buckets(tensors, bucket_bytes)]
 
 
 @runtime_checkable
@@ -235,8 +221,8 @@ class WeightChannel:
             return sent
         import torch.distributed as dist
 
-        for bucket in wire_buckets(stream, self.settings.bucket_bytes):
-            flat = pack_bucket([t for _, t in bucket])
+        for bucket in fill_buckets(stream, self.settings.bucket_bytes):
+            flat = pack_bucket(list(bucket.values()))
             options = dist.BroadcastOptions()
             options.rootRank = 0
             self._group.broadcast([flat], options).wait()
