@@ -2,8 +2,9 @@
 
 State (design section 2): the head buffer ``c`` (``version``), and for each active group its
 version ``v`` and status. A group's deadline is ``v + eta``: the last buffer it may be trained in.
-Groups are kept in ``eta + 1`` buckets by deadline offset ``v + eta - c``, so every decision reads
-``eta + 1`` counters and never scans the groups.
+Groups are kept in ``eta + 1`` buckets by deadline offset ``v + eta - c``, next to one flat list of
+their running and done counts that every operation keeps up to date, so every decision reads
+``2 * (eta + 1)`` counters and never scans the groups.
 Operations are atomic: see :mod:`.errors` for the contract.
 
 Invariant (Inv), for ``cap(k) = (k + 1) * batch_size + redundancy``:
@@ -16,7 +17,7 @@ for nested intervals: the groups can be placed in buffers ``c..deadline`` with a
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, cast
 
 from .errors import (
     ConsumeNotReadyError,
@@ -35,6 +36,7 @@ from .events import (
     ConsumedBatch,
     CounterState,
     EventHook,
+    EventRecorder,
     GroupId,
     GroupRecord,
     GroupStatus,
@@ -84,9 +86,16 @@ class StalenessManager:
         # group id -> version; the status is which dict of its bucket holds the id. Plain ints keep
         # this dict out of the garbage collector's way, so per-operation cost stays flat at 100k groups.
         self._versions: dict[GroupId, int] = {}
-        self._hooks: list[EventHook] = ([] if on_event is None else [on_event]) + list(hooks)
+        # running counts of offsets 0..eta, then done counts: the bucket sizes, kept by every operation
+        self._counts = [0] * (2 * self._eta + 2)
+        self._hooks: list[EventHook] = []
+        self._record: Callable[..., None] | None = None  # the only hook's record_event, if it has one
         self._seq = 0
-        self._last_counts: CounterState | None = None  # the last event's after-state: the next one's before
+        # with hooks: the state now, which is the last event's after-state and the next one's before
+        self._last_state: tuple[int, ...] = ()
+        self._set_hooks(([] if on_event is None else [on_event]) + list(hooks))
+        self._last_counts = CounterState(0, (), ())  # the CounterState of ``_last_counted`` (a cache)
+        self._last_counted: tuple[int, ...] = ()
         self._interrupted: dict[GroupId, None] = {}  # running groups of the snapshot restored from
         self._tally = OperationTally(self._eta)  # for stats(), since this object was built or restored
 
@@ -134,12 +143,12 @@ class StalenessManager:
 
     def counts(self) -> CounterState:
         """Running and done counts per deadline offset ``0..eta``: the state the spec tracks."""
-        running: list[int] = []
-        done: list[int] = []
-        for bucket in self._buckets:  # a loop: cheaper than two comprehensions at eta + 1 buckets
-            running.append(len(bucket.running))
-            done.append(len(bucket.done))
-        return CounterState(self._version, tuple(running), tuple(done))
+        return CounterState.from_flat(self.flat_counts())
+
+    def flat_counts(self) -> tuple[int, ...]:
+        """:meth:`counts` as one flat tuple ``(version, *running, *done)`` (cheaper: what event
+        recorders receive, see :class:`~.events.EventRecorder`)."""
+        return (self._version, *self._counts)
 
     def reserve_slack(self, version: int) -> int:
         """How many more groups generated from ``version`` would be admitted right now (0: none)."""
@@ -166,13 +175,13 @@ class StalenessManager:
         ``get_capacity``): the reserve slack, capped by ``max_in_flight`` minus the running groups."""
         slack = self.reserve_slack(version)
         limit = _check_int("max_in_flight", max_in_flight, 0)
-        running = sum(len(bucket.running) for bucket in self._buckets)
+        running = sum(self._counts[: self._eta + 1])
         return max(0, min(slack, limit - running))
 
     def blocking_groups(self) -> tuple[GroupId, ...]:
         """The fewest running groups whose finishing enables ``consume`` (earliest deadlines first, which
         is optimal); every running group if fewer than ``batch_size`` are active; () if consumable."""
-        done = [len(bucket.done) for bucket in self._buckets]
+        done = self._counts[self._eta + 1 :]
         if self._plan(done) is not None:
             return ()
         waiting: list[GroupId] = []
@@ -232,42 +241,48 @@ class StalenessManager:
         version = self._check_version(version)
         if group_id in self._versions:
             raise DuplicateGroupError(f"group {group_id!r} is already active")
-        before = (self._last_counts or self.counts()) if self._hooks else None
-        accepted = self._slack_at(version + self._eta - self._version) > 0
+        offset = version + self._eta - self._version
+        accepted = self._slack_at(offset) > 0
         if accepted:
-            self._bucket_at(version).running[group_id] = None
+            self._buckets[offset].running[group_id] = None
+            self._counts[offset] += 1
             self._versions[group_id] = version
             self._tally.reserved += 1
         else:
             self._tally.refused[STALE if version + self._eta < self._version else FULL] += 1
-        if before is not None:
-            self._emit("reserve", group_id, version, accepted, None, before)
+        if self._hooks:
+            self._emit("reserve", group_id, version, accepted, None)
         return accepted
 
     def occupy(self, group_id: GroupId) -> None:
         """Mark a running group finished (its rewards are in); it may now be consumed."""
         version = self._version_of(group_id)
-        bucket = self._bucket_at(version)
+        offset = version + self._eta - self._version
+        bucket = self._buckets[offset]
         if group_id not in bucket.running:
             raise InvalidTransitionError(f"cannot occupy group {group_id!r}: it is already done")
-        before = (self._last_counts or self.counts()) if self._hooks else None
         del bucket.running[group_id]
         bucket.done[group_id] = None
+        counts = self._counts
+        counts[offset] -= 1
+        counts[offset + self._eta + 1] += 1
         self._tally.occupied += 1
-        if before is not None:
-            self._emit("occupy", group_id, version, None, None, before)
+        if self._hooks:
+            self._emit("occupy", group_id, version, None, None)
 
     def abort(self, group_id: GroupId) -> None:
         """Remove a running or finished, unconsumed group (failed instance, filter, cancellation)."""
         version = self._version_of(group_id)
-        before = (self._last_counts or self.counts()) if self._hooks else None
-        bucket = self._bucket_at(version)
+        offset = version + self._eta - self._version
+        bucket = self._buckets[offset]
         self._tally.aborted += 1
         if bucket.running.pop(group_id, bucket) is bucket:
             del bucket.done[group_id]
+            offset += self._eta + 1
+        self._counts[offset] -= 1
         del self._versions[group_id]
-        if before is not None:
-            self._emit("abort", group_id, version, None, None, before)
+        if self._hooks:
+            self._emit("abort", group_id, version, None, None)
 
     def can_consume(self) -> bool:
         """Whether a batch can be taken now (eager: whenever any choice of done groups keeps Inv)."""
@@ -283,7 +298,6 @@ class StalenessManager:
         plan = self._consume_plan()
         if plan is None:
             raise ConsumeNotReadyError(self._not_ready_reason())
-        before = (self._last_counts or self.counts()) if self._hooks else None
         taken: list[GroupId] = []
         for bucket, count in zip(self._buckets, plan):
             if count:
@@ -303,22 +317,24 @@ class StalenessManager:
         batch = ConsumedBatch(self._version, tuple(taken), versions, dropped)
         self._tally.count_batch(self._version, versions, len(dropped))
         self._version += 1
-        if before is not None:
-            self._emit("consume", None, batch.version, None, batch, before)
+        self._recount()
+        if self._hooks:
+            self._emit("consume", None, batch.version, None, batch)
         return batch
 
     # ----------------------------------------------------------------- hooks and checkpoints
     def add_event_hook(self, hook: EventHook) -> None:
         """Call ``hook`` after every operation (each hook runs even if an earlier one raises)."""
-        self._last_counts = None  # operations without hooks did not record their after-state
-        self._hooks.append(hook)
+        self._set_hooks([*self._hooks, hook])
 
     def remove_event_hook(self, hook: EventHook) -> None:
         """Stop calling ``hook``; :class:`~.errors.UnknownHookError` if it is not registered."""
+        hooks = list(self._hooks)
         try:
-            self._hooks.remove(hook)
+            hooks.remove(hook)
         except ValueError:
             raise UnknownHookError(f"event hook {hook!r} is not registered") from None
+        self._set_hooks(hooks)
 
     def snapshot(self) -> dict[str, Any]:
         """The whole state as JSON-serialisable data; :meth:`restore` rebuilds an equal manager."""
@@ -352,9 +368,10 @@ class StalenessManager:
             raise SnapshotError("invalid snapshot field: 'groups' must be a list")
         for entry in groups:
             manager._restore_group(entry)
+        manager._recount()
         manager._check_invariant()
         manager._interrupted = {g: None for bucket in manager._buckets for g in bucket.running}
-        manager._hooks = ([] if on_event is None else [on_event]) + list(hooks)
+        manager._set_hooks(([] if on_event is None else [on_event]) + list(hooks))
         return manager
 
     # ----------------------------------------------------------------- internals
@@ -376,8 +393,10 @@ class StalenessManager:
         slack = self.capacity(self._eta)
         prefix = 0
         capacity = self._redundancy
-        for k, bucket in enumerate(self._buckets):
-            prefix += len(bucket)
+        counts = self._counts
+        done = self._eta + 1
+        for k in range(done):
+            prefix += counts[k] + counts[done + k]
             capacity += self._batch_size
             if k >= offset and capacity - prefix < slack:
                 slack = capacity - prefix
@@ -395,7 +414,7 @@ class StalenessManager:
 
     def _consume_plan(self) -> list[int] | None:
         """How many done groups to take per deadline offset, or None when consume is not enabled."""
-        return self._plan([len(bucket.done) for bucket in self._buckets])
+        return self._plan(self._counts[self._eta + 1 :])
 
     def _plan(self, done: list[int]) -> list[int] | None:
         """The consume plan if ``done[k]`` groups due at offset ``k`` were finished, else None. Taking
@@ -409,17 +428,19 @@ class StalenessManager:
             need -= take
         if need:
             return None
-        if len(self._buckets[0]) - plan[0] > self._redundancy:
+        counts = self._counts
+        offsets = self._eta + 1
+        if counts[0] + counts[offsets] - plan[0] > self._redundancy:
             return None
         prefix = 0
-        for k in range(1, self._eta + 1):
-            prefix += len(self._buckets[k]) - plan[k]
+        for k in range(1, offsets):
+            prefix += counts[k] + counts[offsets + k] - plan[k]
             if prefix > self.capacity(k - 1):
                 return None
         return plan
 
     def _not_ready_reason(self) -> str:
-        done = sum(len(b.done) for b in self._buckets)
+        done = sum(self._counts[self._eta + 1 :])
         if done < self._batch_size:
             return f"cannot consume buffer {self._version}: {done} finished groups, {self._batch_size} needed"
         return (
@@ -458,13 +479,44 @@ class StalenessManager:
                     f"at most {self.capacity(k)} allowed"
                 )
 
-    def _emit(self, op: str, group_id: GroupId | None, version: int | None, accepted: bool | None,
-              batch: ConsumedBatch | None, before: CounterState) -> None:
+    def _recount(self) -> None:
+        """Set the counts from the buckets (after a consume moved every deadline on, and at restore)."""
+        buckets = self._buckets
+        self._counts = [len(b.running) for b in buckets] + [len(b.done) for b in buckets]
+
+    def _set_hooks(self, hooks: list[EventHook]) -> None:
+        """Register ``hooks``; a single hook that is an :class:`EventRecorder` receives the fields."""
+        self._hooks = hooks
+        self._last_state = self.flat_counts()  # operations without hooks did not record their after-state
+        record = getattr(type(hooks[0]), "record_event", None) if len(hooks) == 1 else None
+        # looked up on the type: an object that makes up attributes (a mock) stays a plain hook
+        self._record = cast(EventRecorder, hooks[0]).record_event if callable(record) else None
+
+    def _counter_state(self, state: tuple[int, ...]) -> CounterState:
+        """``CounterState.from_flat(state)``, built once per state: an event's before-state is the last
+        event's after-state (the same tuple), so events share CounterState objects as before."""
+        if state is not self._last_counted:
+            self._last_counts, self._last_counted = CounterState.from_flat(state), state
+        return self._last_counts
+
+    def _emit(self, op: str, group_id: GroupId | None, version: int, accepted: bool | None,
+              batch: ConsumedBatch | None) -> None:
+        """Tell the hooks about the operation just applied (called only when there are hooks)."""
+        before = self._last_state
         # a refused reserve changes nothing: its after-state is its before-state (the same object)
-        after = before if accepted is False else self.counts()
-        event = ProtocolEvent(self._seq, op, group_id, version, accepted, batch, before, after)
-        self._seq += 1
-        self._last_counts = after
+        after = before if accepted is False else (self._version, *self._counts)
+        seq = self._seq
+        self._seq = seq + 1
+        self._last_state = after
+        record = self._record
+        if record is not None:  # the only hook takes the fields: no ProtocolEvent is built
+            try:
+                record(seq, op, group_id, version, accepted, batch, before, after)
+            except Exception as error:  # noqa: BLE001 - reported like any failing hook
+                raise HookError(self._event(seq, op, group_id, version, accepted, batch, before, after),
+                                [(self._hooks[0], error)]) from error
+            return
+        event = self._event(seq, op, group_id, version, accepted, batch, before, after)
         failures: list[tuple[EventHook, BaseException]] = []
         for hook in tuple(self._hooks):  # a copy: a hook may remove itself (a trace writer closing)
             try:
@@ -473,3 +525,8 @@ class StalenessManager:
                 failures.append((hook, error))
         if failures:
             raise HookError(event, failures) from failures[0][1]
+
+    def _event(self, seq: int, op: str, group_id: GroupId | None, version: int, accepted: bool | None,
+               batch: ConsumedBatch | None, before: tuple[int, ...], after: tuple[int, ...]) -> ProtocolEvent:
+        return ProtocolEvent(seq, op, group_id, version, accepted, batch,
+                             self._counter_state(before), self._counter_state(after))
