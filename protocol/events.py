@@ -65,13 +65,13 @@ class CounterState:
 
     @classmethod
     def from_flat(cls, state: tuple[int, ...]) -> CounterState:
-        """The state of a flat tuple ``(version, *running, *done)`` (:meth:`flat`)."""
+        """The state of a flat tuple ``(*running, *done, version)`` (:meth:`flat`)."""
         offsets = len(state) // 2
-        return cls(state[0], state[1 : offsets + 1], state[offsets + 1 :])
+        return cls(state[-1], state[:offsets], state[offsets:-1])
 
     def flat(self) -> tuple[int, ...]:
-        """This state as one flat tuple ``(version, *running, *done)``."""
-        return (self.version, *self.running, *self.done)
+        """This state as one flat tuple ``(*running, *done, version)`` (the manager's own layout)."""
+        return (*self.running, *self.done, self.version)
 
 
 @dataclass(frozen=True, init=False)
@@ -158,7 +158,7 @@ class EventRecorder(Protocol):
 
     When such a hook is the manager's **only** hook, the manager calls :meth:`record_event` instead
     of building an event and calling the hook (the trace writer's fast path); with other hooks
-    registered, it is called like any hook. The states are flat tuples ``(version, *running, *done)``
+    registered, it is called like any hook. The states are flat tuples ``(*running, *done, version)``
     (:meth:`CounterState.flat`); ``before`` is the last event's ``after`` (the same object), and a
     refused reserve passes one object as both. If it raises, the operation raises
     :class:`~.errors.HookError` with the event built from these fields, as for any hook.

@@ -86,8 +86,9 @@ class StalenessManager:
         # group id -> version; the status is which dict of its bucket holds the id. Plain ints keep
         # this dict out of the garbage collector's way, so per-operation cost stays flat at 100k groups.
         self._versions: dict[GroupId, int] = {}
-        # running counts of offsets 0..eta, then done counts: the bucket sizes, kept by every operation
-        self._counts = [0] * (2 * self._eta + 2)
+        # running counts of offsets 0..eta, then done counts (the bucket sizes), then the version: kept
+        # by every operation, and a copy of it is the flat state events carry
+        self._counts = [0] * (2 * self._eta + 2) + [self._version]
         self._hooks: list[EventHook] = []
         self._record: Callable[..., None] | None = None  # the only hook's record_event, if it has one
         self._seq = 0
@@ -146,9 +147,9 @@ class StalenessManager:
         return CounterState.from_flat(self.flat_counts())
 
     def flat_counts(self) -> tuple[int, ...]:
-        """:meth:`counts` as one flat tuple ``(version, *running, *done)`` (cheaper: what event
+        """:meth:`counts` as one flat tuple ``(*running, *done, version)`` (cheaper: what event
         recorders receive, see :class:`~.events.EventRecorder`)."""
-        return (self._version, *self._counts)
+        return tuple(self._counts)
 
     def reserve_slack(self, version: int) -> int:
         """How many more groups generated from ``version`` would be admitted right now (0: none)."""
@@ -181,7 +182,7 @@ class StalenessManager:
     def blocking_groups(self) -> tuple[GroupId, ...]:
         """The fewest running groups whose finishing enables ``consume`` (earliest deadlines first, which
         is optimal); every running group if fewer than ``batch_size`` are active; () if consumable."""
-        done = self._counts[self._eta + 1 :]
+        done = self._counts[self._eta + 1 : -1]
         if self._plan(done) is not None:
             return ()
         waiting: list[GroupId] = []
@@ -414,7 +415,7 @@ class StalenessManager:
 
     def _consume_plan(self) -> list[int] | None:
         """How many done groups to take per deadline offset, or None when consume is not enabled."""
-        return self._plan(self._counts[self._eta + 1 :])
+        return self._plan(self._counts[self._eta + 1 : -1])
 
     def _plan(self, done: list[int]) -> list[int] | None:
         """The consume plan if ``done[k]`` groups due at offset ``k`` were finished, else None. Taking
@@ -440,7 +441,7 @@ class StalenessManager:
         return plan
 
     def _not_ready_reason(self) -> str:
-        done = sum(self._counts[self._eta + 1 :])
+        done = sum(self._counts[self._eta + 1 : -1])
         if done < self._batch_size:
             return f"cannot consume buffer {self._version}: {done} finished groups, {self._batch_size} needed"
         return (
@@ -482,7 +483,7 @@ class StalenessManager:
     def _recount(self) -> None:
         """Set the counts from the buckets (after a consume moved every deadline on, and at restore)."""
         buckets = self._buckets
-        self._counts = [len(b.running) for b in buckets] + [len(b.done) for b in buckets]
+        self._counts = [len(b.running) for b in buckets] + [len(b.done) for b in buckets] + [self._version]
 
     def _set_hooks(self, hooks: list[EventHook]) -> None:
         """Register ``hooks``; a single hook that is an :class:`EventRecorder` receives the fields."""
@@ -504,7 +505,7 @@ class StalenessManager:
         """Tell the hooks about the operation just applied (called only when there are hooks)."""
         before = self._last_state
         # a refused reserve changes nothing: its after-state is its before-state (the same object)
-        after = before if accepted is False else (self._version, *self._counts)
+        after = before if accepted is False else tuple(self._counts)
         seq = self._seq
         self._seq = seq + 1
         self._last_state = after

@@ -5,18 +5,19 @@ resumed run can be replayed from where it began)::
 
     {"type": "header", "format": "staleflow.trace/2", "eta": 2, "batch_size": 4, "redundancy": 0,
      "start": {...StalenessManager.snapshot()...}, "refusals": false}
-    {"type": "event", "seq": 0, "op": "reserve", "group_id": "p0", "version": 0, "accepted": true,
-     "before": {"version": 0, "running": [0, 0, 0], "done": [0, 0, 0]},
-     "after": {"version": 0, "running": [0, 0, 1], "done": [0, 0, 0]}}
-    {"type": "event", "seq": 1, "op": "occupy", "group_id": "p0", "version": 0, "accepted": null,
-     "after": {"version": 0, "running": [0, 0, 0], "done": [0, 0, 1]}}
+    {"seq":0,"op":"reserve","group_id":"p0","version":0,"accepted":true,"before":[0,0,0,0,0,0,0],"after":[0,0,1,0,0,0,0]}
+    {"seq":1,"op":"occupy","group_id":"p0","version":0,"accepted":null,"after":[0,0,0,0,0,1,0]}
 
-Consume events carry ``batch = {"version", "group_ids", "group_versions", "dropped"}``. An event's
+A counter state is the flat array ``[*running, *done, version]`` (:meth:`CounterState.flat`).
+Consume events carry ``"batch": {"version", "group_ids", "group_versions", "dropped"}``. An event's
 ``before`` state is written only where it is not the previous event's ``after`` (the first event of
 a segment: a manager's operations follow one another, so the chain never breaks in between);
 :func:`read_trace` fills it in, so every :class:`ProtocolEvent` read back has both states, and the
-checker still compares every logged after-state with the spec's. Format ``staleflow.trace/1``
-(written before) has ``before`` and ``"batch": null`` on every line; :func:`read_trace` reads both.
+checker still compares every logged after-state with the spec's.
+
+Format ``staleflow.trace/1`` (written by earlier versions, about twice as long) has
+``"type": "event"``, ``"batch": null`` and ``before`` on every event line, and counter states as
+``{"version", "running", "done"}`` objects; :func:`read_trace` reads both formats.
 
 Refused reserves are not traced one by one unless asked (``refusals=True``; the header's
 ``"refusals"`` says which): they change no state, so a trace without them is still a behaviour of
@@ -98,8 +99,9 @@ class TraceHeader:
 # ----------------------------------------------------------------------------- to JSON
 
 
-def counters_to_json(state: CounterState) -> dict[str, Any]:
-    return {"version": state.version, "running": list(state.running), "done": list(state.done)}
+def counters_to_json(state: CounterState) -> list[int]:
+    """A counter state as the flat array of format /2."""
+    return list(state.flat())
 
 
 def batch_to_json(batch: ConsumedBatch) -> dict[str, Any]:
@@ -112,10 +114,10 @@ def batch_to_json(batch: ConsumedBatch) -> dict[str, Any]:
 
 
 def event_to_json(event: ProtocolEvent, with_before: bool = True) -> dict[str, Any]:
-    """The event's trace line as data; ``with_before=False`` leaves out its before-state (an event
-    whose before-state is the previous event's after-state)."""
+    """The event's trace line as data (format /2: ``json.dumps(data, separators=(",", ":"))`` is the
+    line); ``with_before=False`` leaves out its before-state (an event whose before-state is the
+    previous event's after-state)."""
     data: dict[str, Any] = {
-        "type": "event",
         "seq": event.seq,
         "op": event.op,
         "group_id": event.group_id,
@@ -131,7 +133,7 @@ def event_to_json(event: ProtocolEvent, with_before: bool = True) -> dict[str, A
 
 
 def _json_ids(group_ids: tuple[GroupId, ...]) -> str:
-    return "[" + ", ".join([encode_basestring_ascii(g) if isinstance(g, str) else str(g) for g in group_ids]) + "]"
+    return "[" + ",".join([encode_basestring_ascii(g) if isinstance(g, str) else str(g) for g in group_ids]) + "]"
 
 
 _FORMATS: dict[int, tuple[str, str]] = {}
@@ -139,19 +141,18 @@ _FORMATS: dict[int, tuple[str, str]] = {}
 
 def line_formats(offsets: int) -> tuple[str, str]:
     """%-templates for ``offsets`` deadline offsets (one %-format of ints is several times cheaper than
-    formatting lists): a counter state, filled by a flat state ``(version, *running, *done)``, and the
+    formatting lists): a counter state, filled by a flat state ``(*running, *done, version)``, and the
     line of a non-consume event whose before-state is the previous event's after-state, filled by seq,
     op, the encoded group id, version and accepted, then the flat after-state."""
     if offsets not in _FORMATS:
-        ints = "[" + ", ".join(["%d"] * offsets) + "]"
-        counters = '{"version": %d, "running": ' + ints + ', "done": ' + ints + "}"
-        line = '{"type": "event", "seq": %d, "op": "%s", "group_id": %s, "version": %d, "accepted": %s, "after": ' + counters + "}"
+        counters = "[" + ",".join(["%d"] * (2 * offsets + 1)) + "]"
+        line = '{"seq":%d,"op":"%s","group_id":%s,"version":%d,"accepted":%s,"after":' + counters + "}"
         _FORMATS[offsets] = counters, line
     return _FORMATS[offsets]
 
 
 def counters_line(state: CounterState) -> str:
-    """``json.dumps(counters_to_json(state))``, written directly."""
+    """``json.dumps(counters_to_json(state), separators=(",", ":"))``, written directly."""
     return line_formats(len(state.running))[0] % state.flat()
 
 
@@ -167,23 +168,23 @@ _JSON_FLAGS = {None: "null", True: "true", False: "false"}
 
 def fields_line(seq: int, op: str, group_id: GroupId | None, version: int | None, accepted: bool | None,
                 batch: ConsumedBatch | None, before: str | None, after: str) -> str:
-    """``json.dumps(event_to_json(...))`` of an event given by its fields and its encoded counter states
+    """The trace line (format /2) of an event given by its fields and its encoded counter states
     (:func:`counters_line`; ``before`` None: left out), written directly."""
     encoded_batch = "" if batch is None else (
-        f'"batch": {{"version": {batch.version}, "group_ids": {_json_ids(batch.group_ids)}, '
-        f'"group_versions": {list(batch.group_versions)}, "dropped": {_json_ids(batch.dropped)}}}, ')
-    encoded_before = "" if before is None else f'"before": {before}, '
+        f'"batch":{{"version":{batch.version},"group_ids":{_json_ids(batch.group_ids)},'
+        f'"group_versions":[{",".join(map(str, batch.group_versions))}],"dropped":{_json_ids(batch.dropped)}}},')
+    encoded_before = "" if before is None else f'"before":{before},'
     encoded_version = "null" if version is None else version
     return (
-        f'{{"type": "event", "seq": {seq}, "op": "{op}", "group_id": {_json_group_id(group_id)}, '
-        f'"version": {encoded_version}, "accepted": {_JSON_FLAGS[accepted]}, '
-        f'{encoded_batch}{encoded_before}"after": {after}}}'
+        f'{{"seq":{seq},"op":"{op}","group_id":{_json_group_id(group_id)},'
+        f'"version":{encoded_version},"accepted":{_JSON_FLAGS[accepted]},'
+        f'{encoded_batch}{encoded_before}"after":{after}}}'
     )
 
 
 def event_line(event: ProtocolEvent, with_before: bool = True) -> str:
-    """``json.dumps(event_to_json(event, with_before))`` (the same text), written directly: about
-    twice as fast as building and dumping the dict."""
+    """``json.dumps(event_to_json(event, with_before), separators=(",", ":"))`` (the same text),
+    written directly: about twice as fast as building and dumping the dict."""
     before = counters_line(event.before) if with_before else None
     return fields_line(event.seq, event.op, event.group_id, event.version, event.accepted, event.batch,
                        before, counters_line(event.after))
@@ -229,6 +230,11 @@ def _mapping(value: Any, name: str, where: str) -> Mapping[str, Any]:
 
 
 def counters_from_json(data: Any, where: str) -> CounterState:
+    """A counter state: a flat array ``[*running, *done, version]`` (format /2) or an object (/1)."""
+    if isinstance(data, list):
+        if len(data) % 2 == 0:
+            raise TraceFormatError(f"{where}: a counter state [*running, *done, version] has an odd length, got {data!r}")
+        return CounterState.from_flat(_int_list(data, "counter state", where))
     data = _mapping(data, "counter state", where)
     return CounterState(
         version=_int(_field(data, "version", where), "version", where),

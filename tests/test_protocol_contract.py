@@ -166,7 +166,7 @@ def test_the_trace_writer_writes_each_event_as_json_dumps_would_at_its_flush_poi
     writer.close()
     traced = [e for e in every if refusals or e.accepted is not False]
     lines = stream.getvalue().splitlines()
-    assert lines[1:] == [json.dumps(event_to_json(e, with_before=i == 0)) for i, e in enumerate(traced)]
+    assert lines[1:] == [json.dumps(event_to_json(e, with_before=i == 0), separators=(",", ":")) for i, e in enumerate(traced)]
     assert any(e.batch is not None and e.batch.dropped for e in traced) == (redundancy > 0)
     assert any(e.accepted is False for e in traced) == refusals
     assert writer.refusals_skipped == (0 if refusals else sum(e.accepted is False for e in every))

@@ -250,7 +250,7 @@ def _rewrite(path: Path, out: Path, edit: object) -> tuple[int, dict[str, object
     index = -1
     for number, line in enumerate(lines):
         data = json.loads(line)
-        if data["type"] != "event":
+        if data.get("type") == "header":
             continue
         index += 1
         if edit(data):  # type: ignore[operator]
