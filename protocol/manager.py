@@ -17,31 +17,28 @@ for nested intervals: the groups can be placed in buffers ``c..deadline`` with a
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator, Mapping, cast
+from typing import Any, Iterable, Iterator, Mapping
 
 from .errors import (
     ConsumeNotReadyError,
     DuplicateGroupError,
-    HookError,
     InvalidGroupIdError,
     InvalidParameterError,
     InvalidTransitionError,
     InvalidVersionError,
     SnapshotError,
     UnknownGroupError,
-    UnknownHookError,
 )
 from .events import (
     BufferView,
     ConsumedBatch,
     CounterState,
     EventHook,
-    EventRecorder,
     GroupId,
     GroupRecord,
     GroupStatus,
-    ProtocolEvent,
 )
+from .hooks import EventEmitter
 from .inputs import as_int
 from .inputs import check_int as _check_int
 from .stats import FULL, STALE, OperationTally, ProtocolStats
@@ -62,7 +59,7 @@ class _Bucket:
         return len(self.running) + len(self.done)
 
 
-class StalenessManager:
+class StalenessManager(EventEmitter):
     """Admission and consumption of prompt groups so that every trained group is at most ``eta`` stale.
 
     A group generated from model ``v`` and trained in batch ``b`` always has ``v <= b <= v + eta``.
@@ -89,14 +86,7 @@ class StalenessManager:
         # running counts of offsets 0..eta, then done counts (the bucket sizes), then the version: kept
         # by every operation, and a copy of it is the flat state events carry
         self._counts = [0] * (2 * self._eta + 2) + [self._version]
-        self._hooks: list[EventHook] = []
-        self._record: Callable[..., None] | None = None  # the only hook's record_event, if it has one
-        self._seq = 0
-        # with hooks: the state now, which is the last event's after-state and the next one's before
-        self._last_state: tuple[int, ...] = ()
-        self._set_hooks(([] if on_event is None else [on_event]) + list(hooks))
-        self._last_counts = CounterState(0, (), ())  # the CounterState of ``_last_counted`` (a cache)
-        self._last_counted: tuple[int, ...] = ()
+        self._init_hooks(([] if on_event is None else [on_event]) + list(hooks))
         self._interrupted: dict[GroupId, None] = {}  # running groups of the snapshot restored from
         self._tally = OperationTally(self._eta)  # for stats(), since this object was built or restored
 
@@ -324,19 +314,6 @@ class StalenessManager:
         return batch
 
     # ----------------------------------------------------------------- hooks and checkpoints
-    def add_event_hook(self, hook: EventHook) -> None:
-        """Call ``hook`` after every operation (each hook runs even if an earlier one raises)."""
-        self._set_hooks([*self._hooks, hook])
-
-    def remove_event_hook(self, hook: EventHook) -> None:
-        """Stop calling ``hook``; :class:`~.errors.UnknownHookError` if it is not registered."""
-        hooks = list(self._hooks)
-        try:
-            hooks.remove(hook)
-        except ValueError:
-            raise UnknownHookError(f"event hook {hook!r} is not registered") from None
-        self._set_hooks(hooks)
-
     def snapshot(self) -> dict[str, Any]:
         """The whole state as JSON-serialisable data; :meth:`restore` rebuilds an equal manager."""
         return {
@@ -484,50 +461,3 @@ class StalenessManager:
         """Set the counts from the buckets (after a consume moved every deadline on, and at restore)."""
         buckets = self._buckets
         self._counts = [len(b.running) for b in buckets] + [len(b.done) for b in buckets] + [self._version]
-
-    def _set_hooks(self, hooks: list[EventHook]) -> None:
-        """Register ``hooks``; a single hook that is an :class:`EventRecorder` receives the fields."""
-        self._hooks = hooks
-        self._last_state = self.flat_counts()  # operations without hooks did not record their after-state
-        record = getattr(type(hooks[0]), "record_event", None) if len(hooks) == 1 else None
-        # looked up on the type: an object that makes up attributes (a mock) stays a plain hook
-        self._record = cast(EventRecorder, hooks[0]).record_event if callable(record) else None
-
-    def _counter_state(self, state: tuple[int, ...]) -> CounterState:
-        """``CounterState.from_flat(state)``, built once per state: an event's before-state is the last
-        event's after-state (the same tuple), so events share CounterState objects as before."""
-        if state is not self._last_counted:
-            self._last_counts, self._last_counted = CounterState.from_flat(state), state
-        return self._last_counts
-
-    def _emit(self, op: str, group_id: GroupId | None, version: int, accepted: bool | None,
-              batch: ConsumedBatch | None) -> None:
-        """Tell the hooks about the operation just applied (called only when there are hooks)."""
-        before = self._last_state
-        # a refused reserve changes nothing: its after-state is its before-state (the same object)
-        after = before if accepted is False else tuple(self._counts)
-        seq = self._seq
-        self._seq = seq + 1
-        self._last_state = after
-        record = self._record
-        if record is not None:  # the only hook takes the fields: no ProtocolEvent is built
-            try:
-                record(seq, op, group_id, version, accepted, batch, before, after)
-            except Exception as error:  # noqa: BLE001 - reported like any failing hook
-                raise HookError(self._event(seq, op, group_id, version, accepted, batch, before, after),
-                                [(self._hooks[0], error)]) from error
-            return
-        event = self._event(seq, op, group_id, version, accepted, batch, before, after)
-        failures: list[tuple[EventHook, BaseException]] = []
-        for hook in tuple(self._hooks):  # a copy: a hook may remove itself (a trace writer closing)
-            try:
-                hook(event)
-            except Exception as error:  # noqa: BLE001 - the other hooks must still see the event
-                failures.append((hook, error))
-        if failures:
-            raise HookError(event, failures) from failures[0][1]
-
-    def _event(self, seq: int, op: str, group_id: GroupId | None, version: int, accepted: bool | None,
-               batch: ConsumedBatch | None, before: tuple[int, ...], after: tuple[int, ...]) -> ProtocolEvent:
-        return ProtocolEvent(seq, op, group_id, version, accepted, batch,
-                             self._counter_state(before), self._counter_state(after))

@@ -25,7 +25,8 @@ from staleflow.protocol import (
     UnknownHookError,
     check,
 )
-from staleflow.protocol.trace import JsonlTraceWriter, TraceFormatError, TraceHeader, event_to_json, read_trace
+from staleflow.protocol.trace import JsonlTraceWriter, TraceFormatError, TraceHeader, read_trace
+from staleflow.protocol.trace_lines import event_to_json
 
 
 class FlakyStream(io.StringIO):
