@@ -410,8 +410,7 @@ class JsonlTraceWriter:
         if self._stream is None:
             return
         if self._pending:
-            self._pending.append("")  # the last line's newline, without copying the text again
-            self._stream.write("\n".join(self._pending))
+            self._stream.write("\n".join(self._pending) + "\n")
             self._pending.clear()
         self._stream.flush()
 

@@ -117,6 +117,7 @@ def test_a_trace_writer_that_fails_mid_run_resumes_and_loses_nothing(tmp_path: P
             assert [type(e) for _, e in error.failures] == [OSError]
     writer.close()
     assert hook_errors == 2 and stream.failures == 0
+    assert "\n\n" not in stream.getvalue()  # a failed write left no blank line behind
     trace = tmp_path / "trace.jsonl"
     trace.write_text(stream.getvalue())
     [segment] = read_trace(trace)
