@@ -172,7 +172,7 @@ class StalenessManager(EventEmitter):
     def blocking_groups(self) -> tuple[GroupId, ...]:
         """The fewest running groups whose finishing enables ``consume`` (earliest deadlines first, which
         is optimal); every running group if fewer than ``batch_size`` are active; () if consumable."""
-        done = self._counts[self._eta + 1 : -1]
+        done = self._done_counts()
         if self._plan(done) is not None:
             return ()
         waiting: list[GroupId] = []
@@ -392,7 +392,12 @@ class StalenessManager(EventEmitter):
 
     def _consume_plan(self) -> list[int] | None:
         """How many done groups to take per deadline offset, or None when consume is not enabled."""
-        return self._plan(self._counts[self._eta + 1 : -1])
+        return self._plan(self._done_counts())
+
+    def _done_counts(self) -> list[int]:
+        """The done counts by deadline offset (a copy: callers may change it)."""
+        offsets = self._eta + 1
+        return self._counts[offsets : 2 * offsets]
 
     def _plan(self, done: list[int]) -> list[int] | None:
         """The consume plan if ``done[k]`` groups due at offset ``k`` were finished, else None. Taking
@@ -418,7 +423,7 @@ class StalenessManager(EventEmitter):
         return plan
 
     def _not_ready_reason(self) -> str:
-        done = sum(self._counts[self._eta + 1 : -1])
+        done = sum(self._done_counts())
         if done < self._batch_size:
             return f"cannot consume buffer {self._version}: {done} finished groups, {self._batch_size} needed"
         return (
