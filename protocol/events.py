@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, Protocol, Union
 
 #: A prompt group's id. Ints and strings keep snapshots and traces JSON-serialisable.
 GroupId = Union[str, int]
@@ -62,6 +62,16 @@ class CounterState:
         fields["version"] = version
         fields["running"] = running
         fields["done"] = done
+
+    @classmethod
+    def from_flat(cls, state: tuple[int, ...]) -> CounterState:
+        """The state of a flat tuple ``(*running, *done, version)`` (:meth:`flat`)."""
+        offsets = len(state) // 2
+        return cls(state[-1], state[:offsets], state[offsets:-1])
+
+    def flat(self) -> tuple[int, ...]:
+        """This state as one flat tuple ``(*running, *done, version)`` (the manager's own layout)."""
+        return (*self.running, *self.done, self.version)
 
 
 @dataclass(frozen=True, init=False)
@@ -141,3 +151,20 @@ class BufferView:
 
 
 EventHook = Callable[[ProtocolEvent], None]
+
+
+class EventRecorder(Protocol):
+    """An event hook that can also take an operation's fields without a :class:`ProtocolEvent`.
+
+    When such a hook is the manager's **only** hook, the manager calls :meth:`record_event` instead
+    of building an event and calling the hook (the trace writer's fast path); with other hooks
+    registered, it is called like any hook. The states are flat tuples ``(*running, *done, version)``
+    (:meth:`CounterState.flat`); ``before`` is the last event's ``after`` (the same object), and a
+    refused reserve passes one object as both. If it raises, the operation raises
+    :class:`~.errors.HookError` with the event built from these fields, as for any hook.
+    """
+
+    def __call__(self, event: ProtocolEvent) -> None: ...
+
+    def record_event(self, seq: int, op: str, group_id: GroupId | None, version: int, accepted: bool | None,
+                     batch: ConsumedBatch | None, before: tuple[int, ...], after: tuple[int, ...]) -> None: ...

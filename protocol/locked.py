@@ -171,6 +171,10 @@ class LockedStalenessManager:
         with self._lock:
             return self._manager.counts()
 
+    def flat_counts(self) -> tuple[int, ...]:
+        with self._lock:
+            return self._manager.flat_counts()
+
     def reserve_slack(self, version: int) -> int:
         with self._lock:
             return self._manager.reserve_slack(version)

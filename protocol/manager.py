@@ -2,8 +2,9 @@
 
 State (design section 2): the head buffer ``c`` (``version``), and for each active group its
 version ``v`` and status. A group's deadline is ``v + eta``: the last buffer it may be trained in.
-Groups are kept in ``eta + 1`` buckets by deadline offset ``v + eta - c``, so every decision reads
-``eta + 1`` counters and never scans the groups.
+Groups are kept in ``eta + 1`` buckets by deadline offset ``v + eta - c``, next to one flat list of
+their running and done counts that every operation keeps up to date, so every decision reads
+``2 * (eta + 1)`` counters and never scans the groups.
 Operations are atomic: see :mod:`.errors` for the contract.
 
 Invariant (Inv), for ``cap(k) = (k + 1) * batch_size + redundancy``:
@@ -21,14 +22,12 @@ from typing import Any, Iterable, Iterator, Mapping
 from .errors import (
     ConsumeNotReadyError,
     DuplicateGroupError,
-    HookError,
     InvalidGroupIdError,
     InvalidParameterError,
     InvalidTransitionError,
     InvalidVersionError,
     SnapshotError,
     UnknownGroupError,
-    UnknownHookError,
 )
 from .events import (
     BufferView,
@@ -38,8 +37,8 @@ from .events import (
     GroupId,
     GroupRecord,
     GroupStatus,
-    ProtocolEvent,
 )
+from .hooks import EventEmitter
 from .inputs import as_int
 from .inputs import check_int as _check_int
 from .stats import FULL, STALE, OperationTally, ProtocolStats
@@ -60,7 +59,7 @@ class _Bucket:
         return len(self.running) + len(self.done)
 
 
-class StalenessManager:
+class StalenessManager(EventEmitter):
     """Admission and consumption of prompt groups so that every trained group is at most ``eta`` stale.
 
     A group generated from model ``v`` and trained in batch ``b`` always has ``v <= b <= v + eta``.
@@ -84,9 +83,10 @@ class StalenessManager:
         # group id -> version; the status is which dict of its bucket holds the id. Plain ints keep
         # this dict out of the garbage collector's way, so per-operation cost stays flat at 100k groups.
         self._versions: dict[GroupId, int] = {}
-        self._hooks: list[EventHook] = ([] if on_event is None else [on_event]) + list(hooks)
-        self._seq = 0
-        self._last_counts: CounterState | None = None  # the last event's after-state: the next one's before
+        # running counts of offsets 0..eta, then done counts (the bucket sizes), then the version: kept
+        # by every operation, and a copy of it is the flat state events carry
+        self._counts = [0] * (2 * self._eta + 2) + [self._version]
+        self._init_hooks(([] if on_event is None else [on_event]) + list(hooks))
         self._interrupted: dict[GroupId, None] = {}  # running groups of the snapshot restored from
         self._tally = OperationTally(self._eta)  # for stats(), since this object was built or restored
 
@@ -134,12 +134,12 @@ class StalenessManager:
 
     def counts(self) -> CounterState:
         """Running and done counts per deadline offset ``0..eta``: the state the spec tracks."""
-        running: list[int] = []
-        done: list[int] = []
-        for bucket in self._buckets:  # a loop: cheaper than two comprehensions at eta + 1 buckets
-            running.append(len(bucket.running))
-            done.append(len(bucket.done))
-        return CounterState(self._version, tuple(running), tuple(done))
+        return CounterState.from_flat(self.flat_counts())
+
+    def flat_counts(self) -> tuple[int, ...]:
+        """:meth:`counts` as one flat tuple ``(*running, *done, version)`` (cheaper: what event
+        recorders receive, see :class:`~.events.EventRecorder`)."""
+        return tuple(self._counts)
 
     def reserve_slack(self, version: int) -> int:
         """How many more groups generated from ``version`` would be admitted right now (0: none)."""
@@ -166,13 +166,13 @@ class StalenessManager:
         ``get_capacity``): the reserve slack, capped by ``max_in_flight`` minus the running groups."""
         slack = self.reserve_slack(version)
         limit = _check_int("max_in_flight", max_in_flight, 0)
-        running = sum(len(bucket.running) for bucket in self._buckets)
+        running = sum(self._counts[: self._eta + 1])
         return max(0, min(slack, limit - running))
 
     def blocking_groups(self) -> tuple[GroupId, ...]:
         """The fewest running groups whose finishing enables ``consume`` (earliest deadlines first, which
         is optimal); every running group if fewer than ``batch_size`` are active; () if consumable."""
-        done = [len(bucket.done) for bucket in self._buckets]
+        done = self._done_counts()
         if self._plan(done) is not None:
             return ()
         waiting: list[GroupId] = []
@@ -232,42 +232,48 @@ class StalenessManager:
         version = self._check_version(version)
         if group_id in self._versions:
             raise DuplicateGroupError(f"group {group_id!r} is already active")
-        before = (self._last_counts or self.counts()) if self._hooks else None
-        accepted = self._slack_at(version + self._eta - self._version) > 0
+        offset = version + self._eta - self._version
+        accepted = self._slack_at(offset) > 0
         if accepted:
-            self._bucket_at(version).running[group_id] = None
+            self._buckets[offset].running[group_id] = None
+            self._counts[offset] += 1
             self._versions[group_id] = version
             self._tally.reserved += 1
         else:
             self._tally.refused[STALE if version + self._eta < self._version else FULL] += 1
-        if before is not None:
-            self._emit("reserve", group_id, version, accepted, None, before)
+        if self._hooks:
+            self._emit("reserve", group_id, version, accepted, None)
         return accepted
 
     def occupy(self, group_id: GroupId) -> None:
         """Mark a running group finished (its rewards are in); it may now be consumed."""
         version = self._version_of(group_id)
-        bucket = self._bucket_at(version)
+        offset = version + self._eta - self._version
+        bucket = self._buckets[offset]
         if group_id not in bucket.running:
             raise InvalidTransitionError(f"cannot occupy group {group_id!r}: it is already done")
-        before = (self._last_counts or self.counts()) if self._hooks else None
         del bucket.running[group_id]
         bucket.done[group_id] = None
+        counts = self._counts
+        counts[offset] -= 1
+        counts[offset + self._eta + 1] += 1
         self._tally.occupied += 1
-        if before is not None:
-            self._emit("occupy", group_id, version, None, None, before)
+        if self._hooks:
+            self._emit("occupy", group_id, version, None, None)
 
     def abort(self, group_id: GroupId) -> None:
         """Remove a running or finished, unconsumed group (failed instance, filter, cancellation)."""
         version = self._version_of(group_id)
-        before = (self._last_counts or self.counts()) if self._hooks else None
-        bucket = self._bucket_at(version)
+        offset = version + self._eta - self._version
+        bucket = self._buckets[offset]
         self._tally.aborted += 1
         if bucket.running.pop(group_id, bucket) is bucket:
             del bucket.done[group_id]
+            offset += self._eta + 1
+        self._counts[offset] -= 1
         del self._versions[group_id]
-        if before is not None:
-            self._emit("abort", group_id, version, None, None, before)
+        if self._hooks:
+            self._emit("abort", group_id, version, None, None)
 
     def can_consume(self) -> bool:
         """Whether a batch can be taken now (eager: whenever any choice of done groups keeps Inv)."""
@@ -283,7 +289,6 @@ class StalenessManager:
         plan = self._consume_plan()
         if plan is None:
             raise ConsumeNotReadyError(self._not_ready_reason())
-        before = (self._last_counts or self.counts()) if self._hooks else None
         taken: list[GroupId] = []
         for bucket, count in zip(self._buckets, plan):
             if count:
@@ -303,23 +308,12 @@ class StalenessManager:
         batch = ConsumedBatch(self._version, tuple(taken), versions, dropped)
         self._tally.count_batch(self._version, versions, len(dropped))
         self._version += 1
-        if before is not None:
-            self._emit("consume", None, batch.version, None, batch, before)
+        self._recount()
+        if self._hooks:
+            self._emit("consume", None, batch.version, None, batch)
         return batch
 
     # ----------------------------------------------------------------- hooks and checkpoints
-    def add_event_hook(self, hook: EventHook) -> None:
-        """Call ``hook`` after every operation (each hook runs even if an earlier one raises)."""
-        self._last_counts = None  # operations without hooks did not record their after-state
-        self._hooks.append(hook)
-
-    def remove_event_hook(self, hook: EventHook) -> None:
-        """Stop calling ``hook``; :class:`~.errors.UnknownHookError` if it is not registered."""
-        try:
-            self._hooks.remove(hook)
-        except ValueError:
-            raise UnknownHookError(f"event hook {hook!r} is not registered") from None
-
     def snapshot(self) -> dict[str, Any]:
         """The whole state as JSON-serialisable data; :meth:`restore` rebuilds an equal manager."""
         return {
@@ -352,9 +346,10 @@ class StalenessManager:
             raise SnapshotError("invalid snapshot field: 'groups' must be a list")
         for entry in groups:
             manager._restore_group(entry)
+        manager._recount()
         manager._check_invariant()
         manager._interrupted = {g: None for bucket in manager._buckets for g in bucket.running}
-        manager._hooks = ([] if on_event is None else [on_event]) + list(hooks)
+        manager._set_hooks(([] if on_event is None else [on_event]) + list(hooks))
         return manager
 
     # ----------------------------------------------------------------- internals
@@ -376,8 +371,10 @@ class StalenessManager:
         slack = self.capacity(self._eta)
         prefix = 0
         capacity = self._redundancy
-        for k, bucket in enumerate(self._buckets):
-            prefix += len(bucket)
+        counts = self._counts
+        done = self._eta + 1
+        for k in range(done):
+            prefix += counts[k] + counts[done + k]
             capacity += self._batch_size
             if k >= offset and capacity - prefix < slack:
                 slack = capacity - prefix
@@ -395,7 +392,12 @@ class StalenessManager:
 
     def _consume_plan(self) -> list[int] | None:
         """How many done groups to take per deadline offset, or None when consume is not enabled."""
-        return self._plan([len(bucket.done) for bucket in self._buckets])
+        return self._plan(self._done_counts())
+
+    def _done_counts(self) -> list[int]:
+        """The done counts by deadline offset (a copy: callers may change it)."""
+        offsets = self._eta + 1
+        return self._counts[offsets : 2 * offsets]
 
     def _plan(self, done: list[int]) -> list[int] | None:
         """The consume plan if ``done[k]`` groups due at offset ``k`` were finished, else None. Taking
@@ -409,17 +411,19 @@ class StalenessManager:
             need -= take
         if need:
             return None
-        if len(self._buckets[0]) - plan[0] > self._redundancy:
+        counts = self._counts
+        offsets = self._eta + 1
+        if counts[0] + counts[offsets] - plan[0] > self._redundancy:
             return None
         prefix = 0
-        for k in range(1, self._eta + 1):
-            prefix += len(self._buckets[k]) - plan[k]
+        for k in range(1, offsets):
+            prefix += counts[k] + counts[offsets + k] - plan[k]
             if prefix > self.capacity(k - 1):
                 return None
         return plan
 
     def _not_ready_reason(self) -> str:
-        done = sum(len(b.done) for b in self._buckets)
+        done = sum(self._done_counts())
         if done < self._batch_size:
             return f"cannot consume buffer {self._version}: {done} finished groups, {self._batch_size} needed"
         return (
@@ -458,18 +462,7 @@ class StalenessManager:
                     f"at most {self.capacity(k)} allowed"
                 )
 
-    def _emit(self, op: str, group_id: GroupId | None, version: int | None, accepted: bool | None,
-              batch: ConsumedBatch | None, before: CounterState) -> None:
-        # a refused reserve changes nothing: its after-state is its before-state (the same object)
-        after = before if accepted is False else self.counts()
-        event = ProtocolEvent(self._seq, op, group_id, version, accepted, batch, before, after)
-        self._seq += 1
-        self._last_counts = after
-        failures: list[tuple[EventHook, BaseException]] = []
-        for hook in tuple(self._hooks):  # a copy: a hook may remove itself (a trace writer closing)
-            try:
-                hook(event)
-            except Exception as error:  # noqa: BLE001 - the other hooks must still see the event
-                failures.append((hook, error))
-        if failures:
-            raise HookError(event, failures) from failures[0][1]
+    def _recount(self) -> None:
+        """Set the counts from the buckets (after a consume moved every deadline on, and at restore)."""
+        buckets = self._buckets
+        self._counts = [len(b.running) for b in buckets] + [len(b.done) for b in buckets] + [self._version]

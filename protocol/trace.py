@@ -3,12 +3,21 @@
 The header holds the protocol parameters and the manager's starting snapshot (so that a trace of a
 resumed run can be replayed from where it began)::
 
-    {"type": "header", "format": "staleflow.trace/1", "eta": 2, "batch_size": 4, "redundancy": 0,
-     "start": {...StalenessManager.snapshot()...}}
-    {"type": "event", "seq": 0, "op": "reserve", "group_id": "p0", "version": 0, "accepted": true,
-     "batch": null, "before": {"version": 0, "running": [0, 0, 0], "done": [0, 0, 0]}, "after": {...}}
+    {"type": "header", "format": "staleflow.trace/2", "eta": 2, "batch_size": 4, "redundancy": 0,
+     "start": {...StalenessManager.snapshot()...}, "refusals": false}
+    {"seq":0,"op":"reserve","group_id":"p0","version":0,"accepted":true,"before":[0,0,0,0,0,0,0],"after":[0,0,1,0,0,0,0]}
+    {"seq":1,"op":"occupy","group_id":"p0","version":0,"accepted":null,"after":[0,0,0,0,0,1,0]}
 
-Consume events carry ``batch = {"version", "group_ids", "group_versions", "dropped"}``.
+A counter state is the flat array ``[*running, *done, version]`` (:meth:`CounterState.flat`).
+Consume events carry ``"batch": {"version", "group_ids", "group_versions", "dropped"}``. An event's
+``before`` state is written only where it is not the previous event's ``after`` (the first event of
+a segment: a manager's operations follow one another, so the chain never breaks in between);
+:func:`read_trace` fills it in, so every :class:`ProtocolEvent` read back has both states, and the
+checker still compares every logged after-state with the spec's.
+
+Format ``staleflow.trace/1`` (written by earlier versions, about twice as long) has
+``"type": "event"``, ``"batch": null`` and ``before`` on every event line, and counter states as
+``{"version", "running", "done"}`` objects; :func:`read_trace` reads both formats.
 
 Refused reserves are not traced one by one unless asked (``refusals=True``; the header's
 ``"refusals"`` says which): they change no state, so a trace without them is still a behaviour of
@@ -34,8 +43,12 @@ from .events import (
     GroupId,
     ProtocolEvent,
 )
+from .trace_lines import JSON_FLAGS, fields_line, json_group_id, line_formats
 
-TRACE_FORMAT = "staleflow.trace/1"
+TRACE_FORMAT = "staleflow.trace/2"
+#: the formats :func:`read_trace` reads: /1 logs every event's before-state, /2 (written) only where
+#: the chain of after-states breaks
+TRACE_FORMATS = ("staleflow.trace/1", TRACE_FORMAT)
 OPS = ("reserve", "occupy", "abort", "consume")
 
 
@@ -83,87 +96,6 @@ class TraceHeader:
         }
 
 
-# ----------------------------------------------------------------------------- to JSON
-
-
-def counters_to_json(state: CounterState) -> dict[str, Any]:
-    return {"version": state.version, "running": list(state.running), "done": list(state.done)}
-
-
-def batch_to_json(batch: ConsumedBatch) -> dict[str, Any]:
-    return {
-        "version": batch.version,
-        "group_ids": list(batch.group_ids),
-        "group_versions": list(batch.group_versions),
-        "dropped": list(batch.dropped),
-    }
-
-
-def event_to_json(event: ProtocolEvent) -> dict[str, Any]:
-    return {
-        "type": "event",
-        "seq": event.seq,
-        "op": event.op,
-        "group_id": event.group_id,
-        "version": event.version,
-        "accepted": event.accepted,
-        "batch": None if event.batch is None else batch_to_json(event.batch),
-        "before": counters_to_json(event.before),
-        "after": counters_to_json(event.after),
-    }
-
-
-def _json_ids(group_ids: tuple[GroupId, ...]) -> str:
-    return "[" + ", ".join([json.dumps(g) if isinstance(g, str) else str(g) for g in group_ids]) + "]"
-
-
-_FORMATS: dict[int, tuple[str, str]] = {}
-
-
-def _formats(offsets: int) -> tuple[str, str]:
-    """%-templates of a counter state and of a non-consume event line, for ``offsets`` deadline offsets
-    (one %-format of ints is several times cheaper than formatting lists). The event template takes
-    seq, op, the encoded group id, version and accepted, then the encoded before- and after-states."""
-    if offsets not in _FORMATS:
-        ints = "[" + ", ".join(["%d"] * offsets) + "]"
-        counters = '{"version": %d, "running": ' + ints + ', "done": ' + ints + "}"
-        line = ('{"type": "event", "seq": %d, "op": "%s", "group_id": %s, "version": %s, "accepted": %s, '
-                '"batch": null, "before": %s, "after": %s}')
-        _FORMATS[offsets] = counters, line
-    return _FORMATS[offsets]
-
-
-def counters_line(state: CounterState) -> str:
-    """``json.dumps(counters_to_json(state))``, written directly."""
-    return _formats(len(state.running))[0] % (state.version, *state.running, *state.done)
-
-
-def _json_group_id(group_id: GroupId | None) -> str | GroupId:
-    return "null" if group_id is None else json.dumps(group_id) if type(group_id) is str else group_id
-
-
-def event_line(event: ProtocolEvent, before: str | None = None, after: str | None = None) -> str:
-    """``json.dumps(event_to_json(event))`` (the same text), written directly: the trace writer's
-    encoder, about twice as fast as building and dumping the dict. ``before`` and ``after`` may pass
-    the already encoded counter states (:func:`counters_line`)."""
-    group_id = event.group_id
-    batch = event.batch
-    encoded_before = counters_line(event.before) if before is None else before
-    encoded_after = counters_line(event.after) if after is None else after
-    accepted = "null" if event.accepted is None else "true" if event.accepted else "false"
-    version = "null" if event.version is None else event.version
-    if batch is None:
-        return _formats(len(event.after.running))[1] % (
-            event.seq, event.op, _json_group_id(group_id), version, accepted, encoded_before, encoded_after)
-    return (
-        f'{{"type": "event", "seq": {event.seq}, "op": "{event.op}", "group_id": {_json_group_id(group_id)}, '
-        f'"version": {version}, "accepted": {accepted}, "batch": '
-        f'{{"version": {batch.version}, "group_ids": {_json_ids(batch.group_ids)}, '
-        f'"group_versions": {list(batch.group_versions)}, "dropped": {_json_ids(batch.dropped)}}}, '
-        f'"before": {encoded_before}, "after": {encoded_after}}}'
-    )
-
-
 # ----------------------------------------------------------------------------- from JSON
 
 
@@ -204,6 +136,11 @@ def _mapping(value: Any, name: str, where: str) -> Mapping[str, Any]:
 
 
 def counters_from_json(data: Any, where: str) -> CounterState:
+    """A counter state: a flat array ``[*running, *done, version]`` (format /2) or an object (/1)."""
+    if isinstance(data, list):
+        if len(data) % 2 == 0:
+            raise TraceFormatError(f"{where}: a counter state [*running, *done, version] has an odd length, got {data!r}")
+        return CounterState.from_flat(_int_list(data, "counter state", where))
     data = _mapping(data, "counter state", where)
     return CounterState(
         version=_int(_field(data, "version", where), "version", where),
@@ -222,8 +159,10 @@ def batch_from_json(data: Any, where: str) -> ConsumedBatch:
     )
 
 
-def event_from_json(data: Any, where: str = "event") -> ProtocolEvent:
-    """The event of one trace line (already JSON-decoded); ``where`` prefixes error messages."""
+def event_from_json(data: Any, where: str = "event", before: CounterState | None = None) -> ProtocolEvent:
+    """The event of one trace line (already JSON-decoded); ``where`` prefixes error messages.
+
+    ``before`` is the previous event's after-state, the before-state of a line that has none."""
     data = _mapping(data, "event", where)
     op = _field(data, "op", where)
     if op not in OPS:
@@ -231,7 +170,7 @@ def event_from_json(data: Any, where: str = "event") -> ProtocolEvent:
     group_id = _field(data, "group_id", where)
     version = _field(data, "version", where)
     accepted = _field(data, "accepted", where)
-    batch = _field(data, "batch", where)
+    batch = data.get("batch")
     if op == "consume":
         if batch is None:
             raise TraceFormatError(f"{where}: a consume event needs a batch")
@@ -249,15 +188,17 @@ def event_from_json(data: Any, where: str = "event") -> ProtocolEvent:
         version=None if version is None else _int(version, "version", where),
         accepted=accepted if isinstance(accepted, bool) else None,
         batch=parsed_batch,
-        before=counters_from_json(_field(data, "before", where), where),
+        before=before if before is not None and "before" not in data
+        else counters_from_json(_field(data, "before", where), where),
         after=counters_from_json(_field(data, "after", where), where),
     )
 
 
 def header_from_json(data: Any, where: str = "header") -> TraceHeader:
     data = _mapping(data, "header", where)
-    if data.get("type") != "header" or data.get("format") != TRACE_FORMAT:
-        raise TraceFormatError(f"{where}: not a trace header (expected type 'header', format {TRACE_FORMAT!r})")
+    if data.get("type") != "header" or data.get("format") not in TRACE_FORMATS:
+        raise TraceFormatError(
+            f"{where}: not a trace header (expected type 'header', format {' or '.join(map(repr, TRACE_FORMATS))})")
     start = data.get("start")
     return TraceHeader(
         eta=_int(_field(data, "eta", where), "eta", where),
@@ -307,7 +248,7 @@ def read_trace(path: str | Path) -> list[TraceSegment]:
             elif header is None:
                 raise TraceFormatError(f"{where}: the first line of a trace must be its header")
             else:
-                events.append(event_from_json(data, where))
+                events.append(event_from_json(data, where, events[-1].after if events else None))
     if header is None:
         raise TraceFormatError(f"{path}: empty trace (no header line)")
     segments.append(TraceSegment(header, tuple(events), first_line))
@@ -315,11 +256,13 @@ def read_trace(path: str | Path) -> list[TraceSegment]:
 
 
 def write_trace(path: str | Path, segments: list[TraceSegment]) -> None:
-    """Write segments as a JSONL trace file (the inverse of :func:`read_trace`)."""
+    """Write segments as a JSONL trace file (the inverse of :func:`read_trace`), in the format
+    :class:`JsonlTraceWriter` writes."""
     with open(path, "w", encoding="utf-8") as stream:
         for segment in segments:
-            stream.write(json.dumps(segment.header.to_json()) + "\n")
-            stream.writelines(event_line(event) + "\n" for event in segment.events)
+            with JsonlTraceWriter(stream, segment.header) as writer:
+                for event in segment.events:
+                    writer(event)
 
 
 # ----------------------------------------------------------------------------- writer
@@ -387,9 +330,9 @@ class JsonlTraceWriter:
         #: refused reserves seen but not traced (``refusals=False``)
         self.refusals_skipped = 0
         self._pending: list[str] = []
-        self._last_after: CounterState | None = None
-        self._last_after_line = ""
-        self._counters_format, self._line_format = _formats(header.eta + 1)
+        self._last_after: tuple[int, ...] | None = None  # the last traced after-state
+        self._last_event_after: CounterState | None = None  # the last after-state __call__ was given
+        self._counters_format, self._line_format = line_formats(header.eta + 1)
         self._manager: Traceable | None = None
         if isinstance(target, (str, Path)):
             self.path: Path | None = Path(target)
@@ -424,30 +367,42 @@ class JsonlTraceWriter:
         return writer
 
     def __call__(self, event: ProtocolEvent) -> None:
-        if self._stream is None:
-            raise TraceClosedError(f"trace {self.path or 'stream'} is closed")
-        accepted = event.accepted
+        """Trace ``event`` (how the manager calls the writer when other hooks are registered too)."""
+        before, after = event.before, event.after
+        # pass the last after-state's tuple again where the chain holds: record_event tests identity
+        last = self._last_after
+        before_state = last if last is not None and before == self._last_event_after else before.flat()
+        after_state = before_state if after == before else after.flat()
+        self._last_event_after = after
+        self.record_event(event.seq, event.op, event.group_id, event.version, event.accepted, event.batch,
+                          before_state, after_state)
+
+    def record_event(self, seq: int, op: str, group_id: GroupId | None, version: int | None, accepted: bool | None,
+                     batch: ConsumedBatch | None, before: tuple[int, ...], after: tuple[int, ...]) -> None:
+        """Trace one event given by its fields (:class:`~.events.EventRecorder`: the manager calls this
+        directly when the writer is its only hook)."""
         if accepted is False and not self.refusals:
+            if self._stream is None:
+                raise TraceClosedError(f"trace {self.path or 'stream'} is closed")
             self.refusals_skipped += 1
             return
-        # the before-state is the last event's after-state (the same object): encode it once
-        before = self._last_after_line if event.before is self._last_after else None
-        after_state = event.after
-        if after_state is event.before and before is not None:  # a refused reserve: nothing changed
-            after = before
-        else:
-            after = self._counters_format % (after_state.version, *after_state.running, *after_state.done)
-        self._last_after = after_state
-        self._last_after_line = after
-        if event.batch is None and before is not None:  # the usual event, encoded here (no call)
-            group_id = event.group_id
-            self._pending.append(self._line_format % (
-                event.seq, event.op, json.dumps(group_id) if type(group_id) is str else "null" if group_id is None else group_id,
-                "null" if event.version is None else event.version,
-                "null" if accepted is None else "true" if accepted else "false", before, after))
-        else:
-            self._pending.append(event_line(event, before, after))
-        if event.op == "consume" or len(self._pending) >= self.WRITE_EVERY:
+        pending = self._pending
+        if before is self._last_after and batch is None and self._stream is not None:
+            # the usual event (its before-state is the last line's after-state): one %-format, no call
+            pending.append(self._line_format % (
+                seq, op, group_id if type(group_id) is int else json_group_id(group_id), version,
+                JSON_FLAGS[accepted], *after))
+            self._last_after = after
+            if len(pending) >= self.WRITE_EVERY:
+                self.flush()
+            return
+        if self._stream is None:
+            raise TraceClosedError(f"trace {self.path or 'stream'} is closed")
+        # a consume, or the first event (its before-state is not the last line's after-state)
+        encoded_before = None if before is self._last_after else self._counters_format % before
+        pending.append(fields_line(seq, op, group_id, version, accepted, batch, encoded_before, self._counters_format % after))
+        self._last_after = after
+        if op == "consume" or len(pending) >= self.WRITE_EVERY:
             self.flush()
 
     def flush(self) -> None:

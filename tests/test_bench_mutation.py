@@ -26,8 +26,8 @@ def test_cosmic_ray_mutants_of_the_manager_are_enumerated() -> None:
 
 
 def test_a_wrong_comparison_is_killed_and_a_hang_is_a_timeout() -> None:
-    broken = SOURCE.replace("if len(self._buckets[0]) - plan[0] > self._redundancy:",
-                            "if len(self._buckets[0]) - plan[0] >= self._redundancy:")
+    broken = SOURCE.replace("if counts[0] + counts[offsets] - plan[0] > self._redundancy:",
+                            "if counts[0] + counts[offsets] - plan[0] >= self._redundancy:")
     assert broken != SOURCE
     outcome, layer, why = mutation.judge(broken, "test-ge", timeout=60)
     assert (outcome, layer) == ("killed", "exhaustive"), why
@@ -51,8 +51,8 @@ def test_mutation_sites_match_the_mutants() -> None:
 
 def test_an_annotation_only_mutant_is_equivalent_without_running_the_layers() -> None:
     annotation = SOURCE.replace("def _consume_plan(self) -> list[int] | None:", "def _consume_plan(self) -> list[int] - None:")
-    code = SOURCE.replace("if len(self._buckets[0]) - plan[0] > self._redundancy:",
-                          "if len(self._buckets[0]) - plan[0] >= self._redundancy:")
+    code = SOURCE.replace("if counts[0] + counts[offsets] - plan[0] > self._redundancy:",
+                          "if counts[0] + counts[offsets] - plan[0] >= self._redundancy:")
     assert annotation != SOURCE and code != SOURCE
     assert mutation.annotation_only(SOURCE, annotation) and not mutation.annotation_only(SOURCE, code)
     # without `from __future__ import annotations` an annotation is evaluated: not equivalent

@@ -25,6 +25,7 @@ IMPL_LAYER: dict[str, tuple[str, tuple[int, int, int] | None]] = {
     "reserve-refusal-not-emitted": ("conformance", None),
     "occupy-skips-status-check": ("conformance", None),
     "occupy-keeps-running-copy": ("exhaustive", (3, 1, 0)),
+    "occupy-keeps-running-count": ("exhaustive", (3, 1, 0)),
     "abort-leaves-done-group": ("exhaustive", (3, 1, 0)),
     "abort-keeps-index": ("exhaustive", (3, 1, 0)),
     "consume-waits-for-all-running": ("exhaustive", (3, 1, 0)),

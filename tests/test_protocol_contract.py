@@ -25,7 +25,8 @@ from staleflow.protocol import (
     UnknownHookError,
     check,
 )
-from staleflow.protocol.trace import JsonlTraceWriter, TraceFormatError, TraceHeader, event_to_json, read_trace
+from staleflow.protocol.trace import JsonlTraceWriter, TraceFormatError, TraceHeader, read_trace
+from staleflow.protocol.trace_lines import event_to_json
 
 
 class FlakyStream(io.StringIO):
@@ -116,6 +117,7 @@ def test_a_trace_writer_that_fails_mid_run_resumes_and_loses_nothing(tmp_path: P
             assert [type(e) for _, e in error.failures] == [OSError]
     writer.close()
     assert hook_errors == 2 and stream.failures == 0
+    assert "\n\n" not in stream.getvalue()  # a failed write left no blank line behind
     trace = tmp_path / "trace.jsonl"
     trace.write_text(stream.getvalue())
     [segment] = read_trace(trace)
@@ -140,8 +142,9 @@ class CountingStream(io.StringIO):
 def test_the_trace_writer_writes_each_event_as_json_dumps_would_at_its_flush_points(
         eta: int, redundancy: int, refusals: bool) -> None:
     """The writer's hand-written encoder gives exactly ``json.dumps(event_to_json(event))`` for every
-    event (int and str ids with quotes and non-ASCII characters, refusals, drops), and hands lines to
-    the stream only at a consume, every WRITE_EVERY events and at close."""
+    event (int and str ids with quotes and non-ASCII characters, refusals, drops; the before-state on
+    the first line only, format /2), and hands lines to the stream only at a consume, every
+    WRITE_EVERY events and at close."""
     manager = StalenessManager(eta=eta, batch_size=4, redundancy=redundancy)
     stream = CountingStream()
     writer = JsonlTraceWriter.attach(manager, stream, refusals=refusals)
@@ -165,7 +168,7 @@ def test_the_trace_writer_writes_each_event_as_json_dumps_would_at_its_flush_poi
     writer.close()
     traced = [e for e in every if refusals or e.accepted is not False]
     lines = stream.getvalue().splitlines()
-    assert lines[1:] == [json.dumps(event_to_json(e)) for e in traced]
+    assert lines[1:] == [json.dumps(event_to_json(e, with_before=i == 0), separators=(",", ":")) for i, e in enumerate(traced)]
     assert any(e.batch is not None and e.batch.dropped for e in traced) == (redundancy > 0)
     assert any(e.accepted is False for e in traced) == refusals
     assert writer.refusals_skipped == (0 if refusals else sum(e.accepted is False for e in every))

@@ -165,9 +165,9 @@ def test_chaos_fires_on_a_trace_the_spec_rejects(chaos_run: ChaosRun) -> None:
     chaos_run.loop.close()
     chaos_run.loop = None
     lines = chaos_run.trace_path.read_text().splitlines()
-    consumes = [i for i, line in enumerate(lines) if '"op": "consume"' in line]
+    consumes = [i for i, line in enumerate(lines) if '"op":"consume"' in line]
     assert consumes, "the step consumed a batch"
-    lines[consumes[0]] = lines[consumes[0]].replace('"op": "consume"', '"op": "abort"', 1)  # a trace that lies
+    lines[consumes[0]] = lines[consumes[0]].replace('"op":"consume"', '"op":"abort"', 1)  # a trace that lies
     chaos_run.trace_path.write_text("\n".join(lines) + "\n")
     with pytest.raises(SafetyViolation, match="trace rejected by the spec"):
         chaos_run.check_trace()

@@ -154,9 +154,9 @@ def test_trace_file_is_validated_and_a_tampered_one_rejected(tmp_path: Path) -> 
 
     lines = good.read_text().splitlines()
     first_accept = next(
-        i for i, line in enumerate(lines) if '"op": "reserve"' in line and '"accepted": true' in line
+        i for i, line in enumerate(lines) if '"op":"reserve"' in line and '"accepted":true' in line
     )
-    lines[first_accept] = lines[first_accept].replace('"accepted": true', '"accepted": false')
+    lines[first_accept] = lines[first_accept].replace('"accepted":true', '"accepted":false')
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(lines) + "\n")
     rejected = run_verify("--trace", str(bad), "--json")

@@ -443,7 +443,7 @@ def _count_events(path: Path) -> int:
     if not path.exists():
         return 0
     with open(path, encoding="utf-8") as stream:
-        return sum(1 for line in stream if line.startswith('{"type": "event"'))
+        return sum(1 for line in stream if line.strip() and not line.startswith('{"type": "header"'))
 
 
 def run_seed(
