@@ -60,6 +60,11 @@ def spread(values: list[float], fmt: str, unit: str = "") -> str:
     return median if len(values) == 1 else f"{median} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
 
 
+def share(fraction: float) -> str:
+    """A share of trained groups: ``2.0%``, or ``<0.1%`` for a few groups of many (never ``0.0%``)."""
+    return f"{fraction:.1%}" if fraction >= 0.0005 else "<0.1%"
+
+
 def best_keeping(systems: dict[str, Any], eta: int) -> tuple[str, float]:
     """The fastest baseline whose p99 staleness is within ``eta`` (what ``simulate`` calls best-bound-keeping)."""
     keeping = [(f["tokens_per_s"], name) for name, f in systems.items()
@@ -89,7 +94,7 @@ def past_eta(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> str:
     if worst == 0:
         return ""
     return (f"; p99/max {max(f['staleness_p99'] for f in figures)}/{max(f['max_staleness'] for f in figures)}, "
-            f"up to {worst:.1%} past eta")
+            f"up to {share(worst)} past eta")
 
 
 def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
@@ -197,7 +202,7 @@ def summary_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
         for name in (*BASELINES, BEST):
             worst = 0.0 if name == BEST else \
                 max(r["by_eta"][e][name]["past_eta_share"] for r in with_system(seeds, name).values() for e in etas)
-            cells.append(mean_over_eta(seeds, etas, name) + (f" (up to {worst:.1%} past eta)" if worst > 0 else ""))
+            cells.append(mean_over_eta(seeds, etas, name) + (f" (up to {share(worst)} past eta)" if worst > 0 else ""))
         cells += [mean_over_eta(seeds, etas, BEST, over=v) if with_system(seeds, v) else "not run" for v in variants]
         shares = "/".join(f"{statistics.median(r['by_eta'][e]['staleflow']['tokens_per_s'] / r['bound'] for r in seeds.values()):.0%}"
                           for e in etas)
