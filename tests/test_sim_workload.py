@@ -179,6 +179,8 @@ def test_training_time_from_flops_by_hand(tmp_path) -> None:
     wide = load_workload("qwen3-30b-a3b-128gpu")
     narrow = wide.with_rollout_gpus(96)
     assert (narrow.cluster.rollout_instances, narrow.cluster.trainer_gpus, narrow.gpus) == (96, 32, 128)
+    # named by its split, so results of another split never merge with the workload's own
+    assert (narrow.name, wide.with_rollout_gpus(64) is wide) == ("qwen3-30b-a3b-128gpu@96", True)
     assert narrow.training.seconds_per_token(narrow.cluster.trainer_gpus) == pytest.approx(
         2 * wide.training.seconds_per_token(wide.cluster.trainer_gpus))
     with pytest.raises(WorkloadError, match="rollout GPUs must be a multiple of gpus_per_instance \\(2\\)"):

@@ -314,15 +314,18 @@ class Workload(_Strict):
 
     def with_rollout_gpus(self, rollout_gpus: int) -> Workload:
         """The same job with ``rollout_gpus`` of its GPUs rolling out and the rest training (the total
-        stays; the training time follows the trainer's GPUs). :class:`WorkloadError` if the split
-        does not fit whole instances or leaves no GPU to either side."""
+        stays; the training time follows the trainer's GPUs), named ``NAME@ROLLOUT_GPUS`` when the
+        split is not the workload's own. :class:`WorkloadError` if the split does not fit whole
+        instances or leaves no GPU to either side."""
         per = self.cluster.gpus_per_instance
         if rollout_gpus % per or not per <= rollout_gpus < self.gpus:
             raise WorkloadError(
                 f"{self.name}: rollout GPUs must be a multiple of gpus_per_instance ({per}) from {per} to "
                 f"{self.gpus - 1} (the job has {self.gpus} GPUs), got {rollout_gpus}")
+        if rollout_gpus == self.gpus - self.cluster.trainer_gpus:
+            return self
         cluster = self.cluster.model_copy(update={"rollout_instances": rollout_gpus // per, "trainer_gpus": self.gpus - rollout_gpus})
-        return self.model_copy(update={"cluster": cluster})
+        return self.model_copy(update={"cluster": cluster, "name": f"{self.name}@{rollout_gpus}"})
 
     def build_cost_model(self) -> CostModel:
         return self.cost_model.build()
