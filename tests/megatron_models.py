@@ -1,7 +1,11 @@
-"""Tiny random Qwen2 and Qwen3 models for the Megatron layout and publication tests (built in code)."""
+"""Tiny random Qwen2 and Qwen3 models for the Megatron layout and publication tests (built in code),
+and the spawned ranks those tests run."""
 
 from __future__ import annotations
 
+import multiprocessing
+import socket
+from collections.abc import Callable
 from typing import Any
 
 
@@ -23,3 +27,24 @@ def tiny_qwen(kind: str) -> Any:
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.5 * torch.randn_like(p))
     return model.eval()
+
+
+def spawn_ranks(target: Callable[..., None], world: int, *args: Any) -> dict[int, Any]:
+    """Run ``target(rank, world, port, *args, answers)`` in ``world`` spawned processes (``port``: a
+    free loopback port for their rendezvous); each puts ``(rank, answer)`` on ``answers``. The
+    answers by rank; the processes are joined, or killed if they do not end."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    procs = [context.Process(target=target, args=(rank, world, port, *args, answers)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        return dict(answers.get(timeout=300) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()

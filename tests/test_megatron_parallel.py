@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,7 +19,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
 
-from megatron_models import tiny_qwen
+from megatron_models import spawn_ranks, tiny_qwen
 from staleflow.adapters.megatron.convert import hf_to_megatron
 from staleflow.adapters.megatron.parallel import MegatronLayout, shard_for_rank, split_of, unshard
 from staleflow.adapters.megatron.rank import micro_batches
@@ -269,21 +268,7 @@ def test_a_split_model_gives_the_hugging_face_logprobs_and_each_stage_publishes_
     ``("qwen2", 2, 1)`` runs it too, left out of CI for time). Then the ranks publish from the built
     model's state dict over Megatron's own tensor-parallel groups: each stage its part, exactly."""
     world = tp * pp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
-    answers = context.Queue()
-    procs = [context.Process(target=_rank_main, args=(rank, world, port, kind, tp, pp, answers)) for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = dict(answers.get(timeout=300) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    results = spawn_ranks(_rank_main, world, kind, tp, pp)
     assert all(isinstance(answer, dict) for answer in results.values()), results
     last_stage = [rank for rank in range(world) if MegatronLayout(tp, pp, world).coordinates(rank)[1] == pp - 1]
     for rank in range(world):

@@ -12,7 +12,6 @@ layer is gathered and converted alone; tied embeddings are published once.
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from megatron_models import tiny_qwen
+from megatron_models import spawn_ranks, tiny_qwen
 from staleflow.adapters.megatron.convert import full_megatron_shapes, hf_to_megatron, megatron_to_hf
 from staleflow.adapters.megatron.parallel import MEGATRON_LAYER, MegatronLayout, shard_for_rank, split_of
 from staleflow.adapters.megatron.publish import is_stage_publisher, join_stage_publications
@@ -90,21 +89,7 @@ def _publishing_rank(rank: int, world: int, port: int, tp: int, pp: int, out: Pa
 def _run_ranks(model: Any, tp: int, pp: int, world: int, out: Path) -> dict[int, dict[str, Any]]:
     config = {key: getattr(model.config, key, None) for key in CONFIG_KEYS}
     torch.save({"full": hf_to_megatron(model.state_dict(), model.config), "config": config}, out / "model.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
-    answers = context.Queue()
-    procs = [context.Process(target=_publishing_rank, args=(rank, world, port, tp, pp, out, answers)) for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        errors = dict(answers.get(timeout=300) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    errors = spawn_ranks(_publishing_rank, world, tp, pp, out)
     assert all(error is None for error in errors.values()), errors
     return {rank: torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)}
 
