@@ -35,6 +35,17 @@ def test_a_parameter_server_opens_its_group_on_its_node_ip_not_the_loopback():
     assert info["master_address"] == ip and info["world_size"] == 3 and info["rank_offset"] == 1
 
 
+def test_a_gloo_channel_holds_its_port_from_the_moment_it_is_opened():
+    """The port handed to the workers is already the group store's: no other process can take it
+    before the sender joins (a probed and released port could be, and the workers then timed out)."""
+    import socket
+
+    server = TransferParameterServer()
+    info = server.open_channel("i0", receivers=1)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind((info["master_address"], info["master_port"]))
+
+
 def test_nccl_is_refused_with_a_clear_error_where_the_sender_has_no_gpu():
     with pytest.raises(TransferBackendError, match="nccl needs a GPU in the sending process"):
         TransferSettings(backend="nccl").resolved_backend(cuda_available=False)

@@ -158,9 +158,19 @@ class WeightChannel:
         self.settings = settings
         self.backend = backend
         self.host = host
-        self.port = _free_port(host)
         self.world_size = 1 + receivers
         self._group: Any = None
+        self._store: Any = None
+        if backend == "gloo":
+            import torch.distributed as dist
+
+            # The group's store listens from now on, on a port the OS chose: a port probed and released
+            # could be taken by another process before the store bound it (the workers then time out).
+            self._store = dist.TCPStore(host, 0, self.world_size, True, timeout=datetime.timedelta(seconds=settings.timeout_s),
+                                        wait_for_workers=False)
+            self.port = int(self._store.port)
+        else:  # vLLM's trainer_init makes the store itself, on the port it is given
+            self.port = _free_port(host)
 
     def init_info(self) -> dict[str, Any]:
         """What every worker's ``init_weight_transfer_engine`` takes (plain data), and ``backend``."""
@@ -179,9 +189,7 @@ class WeightChannel:
             return
         import torch.distributed as dist
 
-        timeout = datetime.timedelta(seconds=self.settings.timeout_s)
-        store = dist.TCPStore(self.host, self.port, self.world_size, True, timeout=timeout)
-        self._group = dist.ProcessGroupGloo(store, 0, self.world_size, timeout)
+        self._group = dist.ProcessGroupGloo(self._store, 0, self.world_size, datetime.timedelta(seconds=self.settings.timeout_s))
 
     def update_info(self, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """What every worker's ``update_weights`` takes for ``weights`` (names, dtypes, shapes; the
@@ -231,7 +239,7 @@ class WeightChannel:
     def close(self) -> None:
         if self.backend == "nccl" and self._group is not None:
             self._group.destroy()
-        self._group = None
+        self._group = self._store = None
 
 
 def _shapes_only(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
