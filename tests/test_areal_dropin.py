@@ -1,17 +1,13 @@
-"""``staleflow_protocol.areal`` in AReaL's own environment: a separate venv with areal 1.0.4, its light
-dependencies, CPU torch and only the light ``staleflow-protocol`` package from ``protocol/`` (never
-the ``staleflow`` package), where ``tests/areal_dropin_run.py`` runs two data-parallel ranks for 50
-steps with a recover from AReaL's ``RecoverInfo`` at step 25.
-
-Deviation from "AReaL's own pins": areal 1.0.4 declares ``torch<2.11``, but the only CPU torch these
-machines can install is the local ``torch 2.13.0+cpu`` wheel (PyPI's torch is the CUDA build, several
-GB); so the venv has torch 2.13.0 and areal is installed with ``--no-deps`` (as are its light
-dependencies below, which would otherwise resolve areal's torch pin). Everything else areal imports
-on its rollout path is installed normally.
+"""``staleflow_protocol.areal`` in AReaL's own environment: a separate venv made by
+``pip install areal==1.0.4`` with every one of AReaL's own pins (on Linux x86_64 that is PyPI's torch
+2.10 CUDA build, which runs on the CPU here, and about 9 GB in all; ``pip check`` must find nothing
+broken) and only the light ``staleflow-protocol`` package from ``protocol/`` (never the ``staleflow``
+package), where ``tests/areal_dropin_run.py`` runs two data-parallel ranks for 50 steps with a
+recover from AReaL's ``RecoverInfo`` at step 25.
 
 The venv is built and cached by ``tests/peer_venv.py`` (not shared with the main venv: AReaL's
-venv has its own transformers, ray and numpy).
-``pytest -m "not areal"`` deselects it.
+venv has its own torch, transformers, ray and numpy): about 5 minutes cold with the package index,
+under a second warm. ``pytest -m "not areal"`` deselects it.
 """
 
 from __future__ import annotations
@@ -28,18 +24,10 @@ import pytest
 from tests.peer_venv import peer_python
 
 RUN = Path(__file__).with_name("areal_dropin_run.py")
-#: The CPU torch (the local wheel), the build requirement of the light package, and what areal's
-#: rollout path imports beyond AReaL's light dependencies: installed with their own dependencies.
-WITH_DEPS = [
-    "torch==2.13.0", "setuptools>=70.1", "numpy", "pyyaml", "packaging", "transformers", "pillow", "aiohttp",
-    "httpx", "lark", "uvloop", "ray", "numba", "einops", "openai",
-]
-#: areal and the light packages it needs (--no-deps: resolving them would replace torch).
-NO_DEPS = [
-    "areal==1.0.4", "torchdata==0.11.0", "hydra-core==1.4.0.dev1", "omegaconf==2.4.0.dev2",
-    "antlr4-python3-runtime==4.13.2", "colorlog==6.12.0", "tenacity==9.2.1", "flask==3.1.3", "werkzeug",
-    "click", "itsdangerous==2.2.0", "blinker==1.9.0", "orjson==3.13.0", "aiofiles==25.1.0",
-]
+#: AReaL with its own dependencies and pins, and the build requirement of the light package (which is
+#: then installed offline, without dependencies: it has none).
+WITH_DEPS = ["areal==1.0.4", "setuptools>=70.1"]
+NO_DEPS: list[str] = []
 
 pytestmark = [pytest.mark.areal, pytest.mark.slow]
 
@@ -51,14 +39,28 @@ def areal_python() -> tuple[Path, float]:
     return peer_python("areal", WITH_DEPS, NO_DEPS)
 
 
-def test_areal_venv_has_the_light_package_and_not_staleflow(areal_python: tuple[Path, float]) -> None:
+PINS = """
+import importlib.metadata as md, importlib.util, json, sys, areal, torch, staleflow_protocol.areal as a
+from packaging.requirements import Requirement
+torch_pin = [r for r in map(Requirement, md.requires("areal")) if r.name == "torch" and r.marker.evaluate()]
+print(json.dumps([areal.__version__, torch.__version__, [str(r.specifier) for r in torch_pin],
+                  all(r.specifier.contains(torch.__version__) for r in torch_pin),
+                  importlib.util.find_spec("staleflow") is None, a.__name__,
+                  sorted(m for m in sys.modules if m.split(".")[0] == "staleflow")]))
+"""
+
+
+def test_areal_venv_keeps_areals_own_pins_and_has_only_the_light_package(areal_python: tuple[Path, float]) -> None:
+    """Every requirement of every installed package holds (``pip check``: AReaL's pins, torch<2.11
+    among them), the torch is the one AReaL's own marker selects here, and ``staleflow`` is absent."""
     python, _ = areal_python
-    probe = ("import importlib.util, json, areal, torch, staleflow_protocol.areal as a; "
-             "print(json.dumps([areal.__version__, torch.__version__, importlib.util.find_spec('staleflow') is None, "
-             "a.__name__, sorted(m for m in __import__('sys').modules if m.split('.')[0] == 'staleflow')]))")
-    done = subprocess.run([str(python), "-I", "-c", probe], capture_output=True, text=True, cwd=python.parent, timeout=300)
+    checked = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0 and "No broken requirements found" in checked.stdout, checked.stdout[-3000:]
+    done = subprocess.run([str(python), "-I", "-c", PINS], capture_output=True, text=True, cwd=python.parent, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1]) == ["1.0.4", "2.13.0+cpu", True, "staleflow_protocol.areal", []]
+    areal_version, torch_version, torch_pin, torch_in_pin, no_staleflow, module, loaded = json.loads(done.stdout.splitlines()[-1])
+    assert (areal_version, torch_pin, no_staleflow, module, loaded) == ("1.0.4", ["<2.11,>=2.9.1"], True, "staleflow_protocol.areal", [])
+    assert torch_in_pin is True, torch_version
 
 
 SIGNATURES = """
