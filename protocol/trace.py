@@ -309,7 +309,8 @@ class JsonlTraceWriter:
     in one step. ``target`` is a path (the writer opens and closes the file) or an open text stream
     (the writer writes and flushes it but leaves it open).
 
-    Events are encoded as they arrive and handed to the file in one write at each consume, every
+    Events are encoded in runs (one %-format for the lines since the last write) and handed to the
+    file in one write at each consume, every
     :attr:`WRITE_EVERY` events and at :meth:`close` (or :meth:`flush`), then flushed: a run killed
     in between leaves a valid prefix (read_trace ignores a torn last line), and a resumed run
     appends a segment that starts from its snapshot. A write that raises (a full disk, a broken
@@ -329,10 +330,16 @@ class JsonlTraceWriter:
         self.refusals = header.refusals
         #: refused reserves seen but not traced (``refusals=False``)
         self.refusals_skipped = 0
-        self._pending: list[str] = []
+        self._pending: list[str] = []  # encoded lines not yet written
+        # the fields of the usual lines after ``_pending``, not yet encoded: one %-format of a whole run
+        # of lines (at the next consume, write or other line) costs less than one per line
+        self._rows: list[object] = []
         self._last_after: tuple[int, ...] | None = None  # the last traced after-state
         self._last_event_after: CounterState | None = None  # the last after-state __call__ was given
         self._counters_format, self._line_format = line_formats(header.eta + 1)
+        self._row_width = 5 + 2 * (header.eta + 1) + 1  # seq, op, group id, version, accepted, after-state
+        self._pending_lines = 0  # lines in _pending
+        self._rows_limit = 0  # fields in _rows that call for a flush (_set_rows_limit)
         self._manager: Traceable | None = None
         if isinstance(target, (str, Path)):
             self.path: Path | None = Path(target)
@@ -386,32 +393,54 @@ class JsonlTraceWriter:
                 raise TraceClosedError(f"trace {self.path or 'stream'} is closed")
             self.refusals_skipped += 1
             return
-        pending = self._pending
         if before is self._last_after and batch is None and self._stream is not None:
-            # the usual event (its before-state is the last line's after-state): one %-format, no call
-            pending.append(self._line_format % (
-                seq, op, group_id if type(group_id) is int else json_group_id(group_id), version,
-                JSON_FLAGS[accepted], *after))
+            # the usual event (its before-state is the last line's after-state): its fields wait in _rows
+            rows = self._rows
+            rows += (seq, op, group_id if type(group_id) is int else json_group_id(group_id), version,
+                     JSON_FLAGS[accepted], *after)
             self._last_after = after
-            if len(pending) >= self.WRITE_EVERY:
+            if len(rows) >= self._rows_limit:
                 self.flush()
             return
         if self._stream is None:
             raise TraceClosedError(f"trace {self.path or 'stream'} is closed")
         # a consume, or the first event (its before-state is not the last line's after-state)
+        self._encode_rows()
         encoded_before = None if before is self._last_after else self._counters_format % before
-        pending.append(fields_line(seq, op, group_id, version, accepted, batch, encoded_before, self._counters_format % after))
+        self._pending.append(fields_line(seq, op, group_id, version, accepted, batch, encoded_before,
+                                         self._counters_format % after))
+        self._pending_lines += 1
         self._last_after = after
-        if op == "consume" or len(pending) >= self.WRITE_EVERY:
+        if op == "consume" or self._pending_lines >= self.WRITE_EVERY:
             self.flush()
+        else:
+            self._set_rows_limit()
+
+    def _set_rows_limit(self) -> None:
+        """Flush when ``_rows`` holds the lines that make ``WRITE_EVERY`` unwritten with ``_pending``'s."""
+        self._rows_limit = (self.WRITE_EVERY - self._pending_lines) * self._row_width
+
+    def _encode_rows(self) -> None:
+        """Encode the usual lines waiting in ``_rows`` (one %-format for all of them) into ``_pending``."""
+        rows = self._rows
+        if rows:
+            lines = len(rows) // self._row_width
+            self._pending.append("\n".join([self._line_format] * lines) % tuple(rows))
+            self._pending_lines += lines
+            rows.clear()
 
     def flush(self) -> None:
         """Write the events not yet written and flush the stream; on an error they stay pending."""
         if self._stream is None:
             return
+        self._encode_rows()
         if self._pending:
-            self._stream.write("\n".join(self._pending) + "\n")
-            self._pending.clear()
+            try:
+                self._stream.write("\n".join(self._pending) + "\n")
+                self._pending.clear()
+                self._pending_lines = 0
+            finally:
+                self._set_rows_limit()  # after a failed write the pending lines still count against WRITE_EVERY
         self._stream.flush()
 
     @property
