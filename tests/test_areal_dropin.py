@@ -3,7 +3,8 @@
 2.10 CUDA build, which runs on the CPU here, and about 9 GB in all; ``pip check`` must find nothing
 broken) and only the light ``staleflow-protocol`` package from ``protocol/`` (never the ``staleflow``
 package), where ``tests/areal_dropin_run.py`` runs two data-parallel ranks for 50 steps with a
-recover from AReaL's ``RecoverInfo`` at step 25.
+recover from AReaL's ``RecoverInfo`` at step 25, and ``tests/areal_ppo_trainer_run.py`` AReaL's real
+``PPOTrainer`` on CPU with a recover through its ``RecoverHandler``.
 
 The venv is built and cached by ``tests/peer_venv.py`` (not shared with the main venv: AReaL's
 venv has its own torch, transformers, ray and numpy): about 5 minutes cold with the package index,
@@ -134,11 +135,10 @@ def test_areal_controller_path_and_recover_handler(areal_python: tuple[Path, flo
     workers where LocalScheduler would start RPC-server processes, each launching an SGLang/vLLM
     server, which need GPUs), and the workers' engine is the CPU ``FakeEngine``.
     Recover: AReaL's own ``RecoverHandler.dump`` / ``load`` (and ``RecoverInfo`` on disk) through
-    ``ProtocolTrainerHooks``, mixed into a stand-in for ``PPOTrainer.__init__`` that keeps its order
-    (dataloader, rollout, load, ``on_version_recovered``): the real PPOTrainer needs a tokenizer, a
-    train engine and the ``datasets`` package; the train engine is a torch tensor saved by
-    RecoverHandler's ``save`` / ``load`` calls, and ``load`` gets no inference engine (its weight push
-    needs a connected train engine)."""
+    ``ProtocolTrainerHooks``, mixed into a fast stand-in for ``PPOTrainer.__init__`` that keeps its
+    order (dataloader, rollout, load, ``on_version_recovered``); the train engine is a torch tensor
+    saved by RecoverHandler's ``save`` / ``load`` calls, and ``load`` gets no inference engine. The
+    real PPOTrainer, with its FSDP actor and the weight push: the last test of this module."""
     python, _ = areal_python
     result = _run_in_venv(python, tmp_path, "--trainer-paths", str(tmp_path / "run"), timeout=900)
     controller = result["controller"]
