@@ -381,16 +381,28 @@ class ProtocolWorkflowExecutor(WorkflowExecutor):
         self.batches.close()
 
 
+def executor_owner(engine: Any) -> Any:
+    """The engine that owns the executor: ``engine`` itself (a ``RemoteInfEngine``), or the
+    ``RemoteInfEngine`` that AReaL's ``RemoteSGLangEngine`` / ``RemotevLLMEngine`` wrap (composition, in
+    ``_engine``): theirs expose ``workflow_executor`` read-only and delegate to the wrapped engine."""
+    declared = getattr(type(engine), "workflow_executor", None)
+    if isinstance(declared, property) and declared.fset is None:
+        return engine._engine
+    return engine
+
+
 def use_protocol(engine: Any, protocol: LockedStalenessManager, trace_path: Optional[TracePath] = None,
                  train_data_parallel_size: Optional[int] = None) -> ProtocolWorkflowExecutor:
-    """After ``engine.initialize(...)`` (a ``RemoteInfEngine``, which builds its own executor): replace
-    that executor with a :class:`ProtocolWorkflowExecutor` through the engine's ``workflow_executor``
-    setter. The engine's ``prepare_batch``, ``submit`` and ``wait`` then go through the protocol."""
-    old = engine.workflow_executor
-    executor = ProtocolWorkflowExecutor(engine.config, engine, protocol, trace_path)
+    """After ``engine.initialize(...)`` (a ``RemoteInfEngine``, which builds its own executor, or one of
+    AReaL's engines wrapping it, :func:`executor_owner`): replace that executor with a
+    :class:`ProtocolWorkflowExecutor` through the owner's ``workflow_executor`` setter. The engine's
+    ``prepare_batch``, ``submit`` and ``wait`` then go through the protocol."""
+    owner = executor_owner(engine)
+    old = owner.workflow_executor
+    executor = ProtocolWorkflowExecutor(owner.config, owner, protocol, trace_path)
     executor.initialize(logger=old.logger, train_data_parallel_size=train_data_parallel_size)
     old.destroy()
-    engine.workflow_executor = executor
+    owner.workflow_executor = executor
     return executor
 
 

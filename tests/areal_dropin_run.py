@@ -426,9 +426,9 @@ class ExecutorEngine(FakeEngine):
 
 class PPOTrainerOrder:
     """PPOTrainer.__init__ reduced to what the hooks see, in its order: train dataloader, rollout,
-    RecoverHandler.load(..., train_dataloader, ...), on_version_recovered. (The real one needs a
-    tokenizer, a train engine and the ``datasets`` package this venv lacks.) ``load`` gets no
-    inference engine: its weight push needs a train engine connected to the rollout."""
+    RecoverHandler.load(..., train_dataloader, ...), on_version_recovered, without the real one's
+    tokenizer, model and FSDP actor (``areal_ppo_trainer_run.py`` runs the real one). ``load`` gets
+    no inference engine: its weight push needs a train engine connected to the rollout."""
 
     def __init__(self, out: Path, policy: torch.Tensor, seed: int) -> None:
         recover = RecoverConfig(experiment_name="x", trial_name="t", fileroot=str(out), mode="on", freq_steps=1)

@@ -3,7 +3,8 @@
 2.10 CUDA build, which runs on the CPU here, and about 9 GB in all; ``pip check`` must find nothing
 broken) and only the light ``staleflow-protocol`` package from ``protocol/`` (never the ``staleflow``
 package), where ``tests/areal_dropin_run.py`` runs two data-parallel ranks for 50 steps with a
-recover from AReaL's ``RecoverInfo`` at step 25.
+recover from AReaL's ``RecoverInfo`` at step 25, and ``tests/areal_ppo_trainer_run.py`` AReaL's real
+``PPOTrainer`` on CPU with a recover through its ``RecoverHandler``.
 
 The venv is built and cached by ``tests/peer_venv.py`` (not shared with the main venv: AReaL's
 venv has its own torch, transformers, ray and numpy): about 5 minutes cold with the package index,
@@ -24,6 +25,7 @@ import pytest
 from tests.peer_venv import peer_python
 
 RUN = Path(__file__).with_name("areal_dropin_run.py")
+PPO_RUN = Path(__file__).with_name("areal_ppo_trainer_run.py")
 #: AReaL with its own dependencies and pins, and the build requirement of the light package (which is
 #: then installed offline, without dependencies: it has none).
 WITH_DEPS = ["areal==1.0.4", "setuptools>=70.1"]
@@ -84,9 +86,41 @@ def test_the_drop_ins_take_areals_prepare_batch_arguments(areal_python: tuple[Pa
         "self", "dataloader", "workflow", "workflow_kwargs", "should_accept_fn", "group_size", "dynamic_bs"]]
 
 
-def _run_in_venv(python: Path, tmp_path: Path, *args: str, timeout: int) -> dict[str, Any]:
+WRAPPED_ENGINES = """
+import json
+from areal.api.cli_args import InferenceEngineConfig
+from areal.engine import RemoteSGLangEngine, RemotevLLMEngine
+from areal.infra.workflow_executor import WorkflowExecutor
+from staleflow_protocol import LockedStalenessManager
+from staleflow_protocol.areal import ProtocolWorkflowExecutor, use_protocol
+got = []
+for cls in (RemotevLLMEngine, RemoteSGLangEngine):
+    engine = cls(InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=1))
+    inner = engine._engine  # the RemoteInfEngine it wraps, given the executor its initialize() builds (no servers here)
+    inner.workflow_executor = WorkflowExecutor(inner.config, inner)
+    inner.workflow_executor.initialize(train_data_parallel_size=1)
+    executor = use_protocol(engine, LockedStalenessManager.create(1, 2), train_data_parallel_size=1)
+    got.append([cls.__name__, engine.workflow_executor is executor, isinstance(executor, ProtocolWorkflowExecutor),
+                executor.inference_engine is inner, executor.staleness.version_provider is inner])
+    executor.destroy()
+print(json.dumps(got))
+"""
+
+
+def test_use_protocol_on_areals_sglang_and_vllm_engines(areal_python: tuple[Path, float]) -> None:
+    """PPOTrainer's rollout is a RemoteSGLangEngine or RemotevLLMEngine: each wraps a RemoteInfEngine
+    and exposes its ``workflow_executor`` without a setter; the protocol's executor replaces the
+    wrapped engine's, and that engine (the one episodes generate with) is its version source."""
+    python, _ = areal_python
+    done = subprocess.run([str(python), "-I", "-c", WRAPPED_ENGINES], capture_output=True, text=True, cwd=python.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [["RemotevLLMEngine", True, True, True, True],
+                                                        ["RemoteSGLangEngine", True, True, True, True]]
+
+
+def _run_in_venv(python: Path, tmp_path: Path, *args: str, timeout: int, script: Path = RUN) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "COV_", "COVERAGE"))}
-    done = subprocess.run([str(python), "-I", str(RUN), *args], capture_output=True, text=True,
+    done = subprocess.run([str(python), "-I", str(script), *args], capture_output=True, text=True,
                           cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
@@ -101,11 +135,10 @@ def test_areal_controller_path_and_recover_handler(areal_python: tuple[Path, flo
     workers where LocalScheduler would start RPC-server processes, each launching an SGLang/vLLM
     server, which need GPUs), and the workers' engine is the CPU ``FakeEngine``.
     Recover: AReaL's own ``RecoverHandler.dump`` / ``load`` (and ``RecoverInfo`` on disk) through
-    ``ProtocolTrainerHooks``, mixed into a stand-in for ``PPOTrainer.__init__`` that keeps its order
-    (dataloader, rollout, load, ``on_version_recovered``): the real PPOTrainer needs a tokenizer, a
-    train engine and the ``datasets`` package; the train engine is a torch tensor saved by
-    RecoverHandler's ``save`` / ``load`` calls, and ``load`` gets no inference engine (its weight push
-    needs a connected train engine)."""
+    ``ProtocolTrainerHooks``, mixed into a fast stand-in for ``PPOTrainer.__init__`` that keeps its
+    order (dataloader, rollout, load, ``on_version_recovered``); the train engine is a torch tensor
+    saved by RecoverHandler's ``save`` / ``load`` calls, and ``load`` gets no inference engine. The
+    real PPOTrainer, with its FSDP actor and the weight push: the last test of this module."""
     python, _ = areal_python
     result = _run_in_venv(python, tmp_path, "--trainer-paths", str(tmp_path / "run"), timeout=900)
     controller = result["controller"]
@@ -134,3 +167,32 @@ def test_areal_two_ranks_recover_mid_run_bound_kept_trace_accepted(areal_python:
         assert got["stale"] > 0  # groups one version old were trained: the bound was exercised
         assert got["unaccounted"] == 0 and got["pending_at_end"] > 0  # every drawn prompt accounted for
         assert "accepted" in got["trace"] and "2 segment(s)" in got["trace"]  # the recover is a new segment
+
+
+def test_areal_real_ppo_trainer_on_cpu_recovers_mid_run(areal_python: tuple[Path, float], tmp_path: Path) -> None:
+    """AReaL's real ``PPOTrainer`` (SPMD mode) with ``ProtocolTrainerHooks``, on CPU: its FSDP actor
+    trains a tiny local Qwen2 for 6 steps; after step 2 the trainer dies with episodes in flight and a
+    second one recovers through AReaL's ``RecoverHandler``. Only the inference server is faked
+    (``tests/areal_ppo_trainer_run.py`` says exactly what is real and what is faked)."""
+    python, _ = areal_python
+    started = time.perf_counter()
+    result = _run_in_venv(python, tmp_path, str(tmp_path / "run"), "6", "2", timeout=900, script=PPO_RUN)
+    print(f"real PPOTrainer, 6 steps with a recover: {time.perf_counter() - started:.1f} s")
+    assert result["steps"] == 6 and result["updates"] == [3, 3]  # PPOTrainer.train ran the actor's PPO update each step
+    assert result["samples_per_step"] == [4]  # 2 groups of 2 samples
+    assert result["same_as_consumed"] is True  # each step trained exactly the protocol's consumed batch
+    assert result["ids_once"] is True and result["prompts_once"] is True  # each consumed id trained once, no prompt twice
+    assert result["bound_ok"] is True and result["stale"] > 0  # v <= b <= v + eta on every sample; the bound was exercised
+    # the dump after step 2 holds the protocol at version 3 and the prompts in flight; the second trainer
+    # starts there (protocol, rollout and actor versions) and trains those prompts first, losing none
+    assert (result["dumped_step"], result["dumped_protocol_version"]) == (2, 3)
+    assert result["in_flight_at_death"] > 0 and result["dumped_prompts"]
+    resumed = result["resumed"]
+    assert (resumed["recovered_step"], resumed["protocol_version"], resumed["engine_version"], resumed["actor_version"]) == (2, 3, 3, 3)
+    assert resumed["retry"] == result["dumped_prompts"] and result["dumped_prompts_kept"] is True
+    assert result["final_version"] == 6
+    assert result["trace_rc"] == 0 and "accepted" in result["trace"] and "2 segment(s)" in result["trace"]
+    # the weights the server loaded: one push per step, each new, and after the recover the push of the
+    # restored actor equals the last one before the death (AReaL's DCP checkpoint of the FSDP actor)
+    loads = result["weight_loads"]
+    assert len(loads) == 7 and loads[3] == loads[2] and len(set(loads)) == 6 and result["initial_weights"] not in loads

@@ -1,0 +1,379 @@
+"""AReaL 1.0.4's real ``PPOTrainer`` (SPMD mode) with :class:`~staleflow_protocol.areal_trainer.ProtocolTrainerHooks`,
+on CPU, run INSIDE AReaL's own venv (tests/test_areal_dropin.py builds it; ``python -I`` this file).
+
+``python areal_ppo_trainer_run.py OUT [STEPS] [RECOVER_AT]`` makes, under OUT, a tiny Qwen2 model
+(2 layers, hidden 64) and a word-level tokenizer (``save_pretrained``, no model hub), a tiny prompt
+dataset and starts the fake vLLM server below; then two lives of the trainer, each a process:
+
+- life 0 trains steps ``0..RECOVER_AT`` with ``PPOTrainer.train``, AReaL's ``RecoverHandler`` dumping
+  its recover checkpoint after every step, and dies (``os._exit``) with episodes in flight;
+- life 1 is built again: ``PPOTrainer.__init__`` runs ``RecoverHandler.load`` (the FSDP actor's DCP
+  checkpoint, the dataloader state, where ``RecoverableLoader`` carries the protocol, and a weight push
+  to the server) and ``on_version_recovered``, then trains to STEPS.
+
+Real: ``PPOTrainer`` (its ``__init__``, ``train`` loop, saver / evaluator / stats logger / recover
+handler), the ``FSDPPPOActor`` (FSDP2 on one CPU rank over gloo: log-probs, advantages, PPO update,
+DCP checkpoints, HF export for the weight update), AReaL's ``RemotevLLMEngine`` client (its HTTP
+requests, interruptible generation and per-token version stamps), ``WorkflowExecutor`` machinery
+(dispatcher, async task runner) as :class:`~staleflow_protocol.areal.ProtocolWorkflowExecutor`,
+AReaL's ``RLVRWorkflow`` and the protocol.
+Faked: the inference server only (:class:`FakeVLLMServer`: SGLang's HTTP endpoints that AReaL calls,
+sampling from the tiny model it last loaded from disk, in one thread of the parent process).
+Test-only: :class:`RecordingActor` and :class:`RecordingWorkflow` record what was trained and which
+prompt each task had, without changing what AReaL does.
+
+The parent checks every trained sample's bound, that each step trained exactly its consumed batch,
+that no prompt was lost over the recover, and the trace (``python -m staleflow_protocol.check``);
+it prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ETA, BATCH, GROUP, PROMPTS = 1, 2, 2, 64  # groups per step, samples per group, dataset size
+VOCAB = ["<pad>", "<eos>"] + [f"w{i}" for i in range(30)]
+REWARDED = [f"w{i}" for i in range(15)]  # the reward: share of completion words among these (groups rarely tie)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------- assets (made locally)
+def make_assets(root: Path) -> Path:
+    """A word-level tokenizer and a random tiny Qwen2 model, both ``save_pretrained`` to ``root/model``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = root / "model"
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>").save_pretrained(path)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, eos_token_id=1, pad_token_id=0, bos_token_id=1,
+                         tie_word_embeddings=True, torch_dtype="float32")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def dataset_rows() -> list[dict[str, Any]]:
+    return [{"id": i, "question": " ".join(f"w{(i * 7 + k) % 30}" for k in range(3)), "rewarded": REWARDED} for i in range(PROMPTS)]
+
+
+# ----------------------------------------------------------------------------- the fake inference server
+def weights_digest(model: Any) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class FakeVLLMServer:
+    """The HTTP endpoints AReaL 1.0.4's ``RemotevLLMEngine`` calls on its vLLM server
+    (``areal.engine.vllm_ext.areal_vllm_server``) with ``weight_update_mode="disk"``: ``GET /health``;
+    ``POST /v1/completions`` (``prompt`` as token ids, ``max_tokens``, ``temperature``,
+    ``stop_token_ids``; answers ``choices[0].finish_reason`` and ``choices[0].logprobs`` with
+    ``tokens`` as ``"token:ID"`` and ``token_logprobs``, as vLLM does with ``return_tokens_as_token_ids``);
+    ``/areal_update_weights`` (loads the HF checkpoint the trainer saved); ``/areal_pause_generation``
+    and ``/areal_continue_generation`` (a request arriving while paused waits until continued).
+
+    FAKED: this is not vLLM. It samples from the tiny model with plain forward passes (no KV cache,
+    no batching) and stamps nothing: AReaL's client stamps each token's version, as with vLLM.
+    (The vLLM backend, not SGLang: PPOTrainer._init_rollout builds SGLang's server arguments even in
+    SPMD mode, which requires the ``sglang`` package to be installed.)"""
+
+    def __init__(self, model_path: Path) -> None:
+        self.lock = threading.Lock()
+        self.running = threading.Event()
+        self.running.set()
+        self.loads: list[str] = []  # a digest of the weights of each checkpoint loaded
+        self.generated = 0
+        self.model = self._load(model_path)
+        self.initial = weights_digest(self.model)
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, body: dict[str, Any], status: int = 200) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._answer({"ok": True})
+
+            def do_POST(self) -> None:
+                payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                try:
+                    self._answer(server.handle(self.path, payload))
+                except Exception as error:  # e.g. a checkpoint path that does not exist: an HTTP error, as vLLM gives
+                    self._answer({"error": repr(error)}, status=500)
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        self.address = f"127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def _load(path: Path | str) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    def handle(self, endpoint: str, payload: dict[str, Any]) -> dict[str, Any]:
+        if endpoint == "/v1/completions":
+            self.running.wait()
+            return self.generate(payload["prompt"], payload)
+        if endpoint == "/areal_update_weights":
+            model = self._load(payload["model_path"])
+            with self.lock:
+                self.model = model
+                self.loads.append(weights_digest(model))
+            return {"success": True, "message": "loaded"}
+        if endpoint == "/areal_pause_generation":
+            self.running.clear()
+        elif endpoint == "/areal_continue_generation":
+            self.running.set()
+        return {"success": True}
+
+    def generate(self, input_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        stop = set(params.get("stop_token_ids") or [])
+        tokens, out = list(input_ids), []
+        finish = "length"
+        with self.lock, torch.no_grad():
+            for _ in range(int(params["max_tokens"])):
+                logits = self.model(torch.tensor([tokens])).logits[0, -1] / max(float(params.get("temperature") or 1.0), 1e-3)
+                logprobs = torch.log_softmax(logits, -1)
+                token = int(torch.multinomial(logprobs.exp(), 1))
+                out.append((token, float(logprobs[token])))
+                tokens.append(token)
+                if token in stop:
+                    finish = "stop"
+                    break
+            self.generated += 1
+        return {"choices": [{"finish_reason": finish, "logprobs": {"tokens": [f"token:{t}" for t, _ in out],
+                                                                  "token_logprobs": [lp for _, lp in out]}}]}
+
+
+# ----------------------------------------------------------------------------- one life of the trainer
+def reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: Any) -> float:
+    """AReaL's reward-function signature; the dataset row comes as keywords."""
+    words = completion.split()
+    return sum(w in data["rewarded"] for w in words) / max(1, len(words))
+
+
+def prompt_ids(text: str, tokenizer: Any, enable_thinking: bool) -> list[int]:
+    return list(tokenizer.encode(text))
+
+
+def extract_prompt(data: dict[str, Any]) -> str:
+    return str(data["question"])
+
+
+def build_config(out: Path, model: Path, steps: int) -> Any:
+    from areal.api.cli_args import (
+        ClusterSpecConfig,
+        GenerationHyperparameters,
+        InferenceEngineConfig,
+        MicroBatchSpec,
+        NameResolveConfig,
+        OptimizerConfig,
+        PPOActorConfig,
+        PPOConfig,
+        RecoverConfig,
+        TrainDatasetConfig,
+    )
+
+    names = {"experiment_name": "staleflow", "trial_name": "ppo"}
+    fileroot = str(out / "fileroot")
+    config = PPOConfig(
+        **names, seed=1, total_train_epochs=1, total_train_steps=steps, tokenizer_path=str(model),
+        cluster=ClusterSpecConfig(fileroot=fileroot, name_resolve=NameResolveConfig(type="nfs", nfs_record_root=str(out / "name_resolve"))),
+        train_dataset=TrainDatasetConfig(path="local", batch_size=BATCH, shuffle=False),
+        gconfig=GenerationHyperparameters(n_samples=GROUP, max_new_tokens=6, temperature=1.0),
+        rollout=InferenceEngineConfig(**names, backend="vllm:d1", consumer_batch_size=BATCH, max_head_offpolicyness=ETA,
+                                      max_concurrent_rollouts=2 * BATCH, setup_timeout=60, request_timeout=60, pause_grace_period=0.0),
+        actor=PPOActorConfig(**names, backend="fsdp:d1", path=str(model), dtype="float32", grad_reduce_dtype="float32",
+                             attn_impl="sdpa", weight_update_mode="disk", kl_ctl=0.0, ppo_n_minibatches=1,
+                             mb_spec=MicroBatchSpec(n_mbs=1), optimizer=OptimizerConfig(lr=1e-3)),
+        recover=RecoverConfig(**names, fileroot=fileroot, mode="on", freq_steps=1),
+    )
+    for part in (config.saver, config.evaluator, config.stats_logger):
+        part.experiment_name, part.trial_name, part.fileroot = names["experiment_name"], names["trial_name"], fileroot
+    return config
+
+
+def life_main(out: Path, server: str, steps: int, life: int) -> None:
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port()), "AREAL_LLM_SERVER_ADDRS": server,
+                       "AREAL_SPMD_MODE": "1"})  # what AReaL's SPMD launcher sets: no single controller
+    from areal.engine import FSDPPPOActor
+    from areal.infra import workflow_context
+    from areal.trainer.rl_trainer import PPOTrainer
+    from areal.utils import name_resolve, names
+    from areal.workflow.rlvr import RLVRWorkflow
+    from datasets import Dataset
+    from staleflow_protocol import LockedStalenessManager
+    from staleflow_protocol.areal_trainer import ProtocolTrainerHooks
+
+    prompt_of_task: dict[int, int] = {}
+    log = (out / "trained.jsonl").open("a")
+
+    class RecordingWorkflow(RLVRWorkflow):
+        """AReaL's RLVRWorkflow; records which prompt each task (the protocol's group id) had."""
+
+        async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
+            prompt_of_task[workflow_context.get().task_id] = int(data["id"])
+            return await super().arun_episode(engine, data)
+
+    def sequences(trajectories: list[dict[str, Any]]) -> list[list[int]]:
+        return sorted(row[mask.bool()].tolist() for t in trajectories for row, mask in zip(t["input_ids"], t["attention_mask"]))
+
+    class RecordingActor(FSDPPPOActor):
+        """AReaL's FSDP PPO actor; logs the consumed batch behind each ``prepare_batch`` and counts updates."""
+
+        updates = 0
+
+        def prepare_batch(self, *args: Any, **kwargs: Any) -> Any:
+            trained = super().prepare_batch(*args, **kwargs)
+            last = self.rollout_engine.workflow_executor.batches.last
+            log.write(json.dumps({
+                "life": life, "step": last.batch.version, "ids": [int(g) for g in last.batch.group_ids],
+                "reserved": list(last.batch.group_versions), "dropped": [int(g) for g in last.batch.dropped],
+                "prompts": [prompt_of_task[int(g)] for g in last.batch.group_ids],
+                "heads": [int(t["versions"][t["loss_mask"].bool()].min()) for t in last.trajectories],  # generated tokens only
+                "tails": [int(t["versions"][t["loss_mask"].bool()].max()) for t in last.trajectories],
+                "same_as_consumed": sequences(trained) == sequences(last.trajectories),
+                "samples": sum(int(t["input_ids"].shape[0]) for t in trained)}) + "\n")
+            log.flush()
+            return trained
+
+        def ppo_update(self, *args: Any, **kwargs: Any) -> Any:
+            RecordingActor.updates += 1
+            return super().ppo_update(*args, **kwargs)
+
+    class ProtocolPPOTrainer(ProtocolTrainerHooks, PPOTrainer):
+        def _create_train_engine(self, actor_config: Any, alloc: Any) -> Any:
+            engine = RecordingActor(config=actor_config)
+            engine.create_process_group(parallel_strategy=alloc.parallel)
+            return engine
+
+    model = out / "model"
+    config = build_config(out, model, steps)
+    name_resolve.reconfigure(config.cluster.name_resolve)  # what AReaL's launcher does before it starts a trial
+    name_resolve.clear_subtree(names.trial_root(experiment_name=config.experiment_name, trial_name=config.trial_name))
+    trainer = ProtocolPPOTrainer(config, train_dataset=Dataset.from_list(dataset_rows()),
+                                 protocol=LockedStalenessManager.create(ETA, BATCH), trace_path=out / "trace.jsonl")
+    batches = trainer.rollout.workflow_executor.batches
+    started = {"protocol_version": batches.protocol.version, "engine_version": trainer.rollout.get_version(),
+               "actor_version": trainer.actor.get_version(),
+               "recovered_step": None if trainer.recover_info is None else trainer.recover_info.last_step_info.global_step,
+               "retry": [p["id"] for p in batches.state_dict()["prompts"]]}
+    workflow = RecordingWorkflow(reward_fn=reward, gconfig=config.gconfig, tokenizer=trainer.tokenizer,
+                                 get_input_ids_fn=prompt_ids, data_extract_prompt_fn=extract_prompt)
+    trainer.train(workflow=workflow)
+    state = trainer.train_dataloader.state_dict()["staleflow_protocol"]
+    result = {"life": life, "started": started, "updates": RecordingActor.updates, "outstanding": batches.outstanding,
+              "saved": [p["id"] for p in state["prompts"]], "version": batches.protocol.version}
+    if life == 0:  # the dump of the last step is on disk: die with the episodes in flight
+        from areal.utils.recover import RecoverHandler, RecoverInfo
+
+        recover = config.recover
+        info = RecoverInfo.load(RecoverHandler.recover_info_path(recover.experiment_name, recover.trial_name, recover.fileroot))
+        result["dumped"] = {"step": info.last_step_info.global_step,
+                            "prompts": [p["id"] for p in info.dataloader_info["staleflow_protocol"]["prompts"]],
+                            "protocol_version": info.dataloader_info["staleflow_protocol"]["protocol"]["version"]}
+        (out / "life-0.json").write_text(json.dumps(result))
+        log.close()
+        os._exit(0)
+    (out / "life-1.json").write_text(json.dumps(result))
+    trainer.close()
+
+
+# ----------------------------------------------------------------------------- the parent
+def run_life(out: Path, server: FakeVLLMServer, steps: int, life: int) -> None:
+    """One trainer process in its own session; once it has exited, whatever it forked (AReaL's reward
+    process pool, orphaned by life 0's ``os._exit``) is killed with its process group."""
+    # TORCHDYNAMO_DISABLE: AReaL torch.compiles its log-prob gather; on CPU inductor's C++ build of it
+    # costs about a minute per process; eager gives the same numbers
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "TORCHDYNAMO_DISABLE": "1"}
+    log = out / f"life-{life}.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen([sys.executable, "-I", __file__, "--life", str(out), server.address, str(steps), str(life)],
+                                env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=600)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if code != 0:
+        raise RuntimeError(f"life {life} failed ({code}):\n{log.read_text()[-6000:]}")
+
+
+def check(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
+    lives = [json.loads((out / f"life-{life}.json").read_text()) for life in (0, 1)]
+    rows = [json.loads(line) for line in (out / "trained.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps)), [r["step"] for r in rows]
+    assert [r["life"] for r in rows] == [0] * (recover_at + 1) + [1] * (steps - recover_at - 1)
+    ids = [i for r in rows for i in r["ids"]]
+    prompts = [p for r in rows for p in r["prompts"]]
+    bound_ok = all(v <= head <= tail <= r["step"] <= v + ETA for r in rows for v, head, tail in zip(r["reserved"], r["heads"], r["tails"]))
+    dumped, resumed = lives[0]["dumped"], lives[1]["started"]
+    trace = subprocess.run([sys.executable, "-m", "staleflow_protocol.check", str(out / "trace.jsonl")],
+                           capture_output=True, text=True, check=False)
+    return {
+        "steps": len(rows), "updates": [life["updates"] for life in lives], "samples_per_step": sorted({r["samples"] for r in rows}),
+        "same_as_consumed": all(r["same_as_consumed"] for r in rows),
+        "ids_once": len(ids) == len(set(ids)) == steps * BATCH, "prompts_once": len(prompts) == len(set(prompts)),
+        "bound_ok": bound_ok, "stale": sum(r["step"] - v == ETA for r in rows for v in r["reserved"]),
+        "dumped_step": dumped["step"], "dumped_protocol_version": dumped["protocol_version"], "in_flight_at_death": lives[0]["outstanding"],
+        "resumed": resumed, "dumped_prompts": dumped["prompts"],
+        "dumped_prompts_kept": set(dumped["prompts"]) <= set(prompts) | set(lives[1]["saved"]),
+        "final_version": lives[1]["version"], "trace_rc": trace.returncode, "trace": (trace.stdout + trace.stderr).strip(),
+    }
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "--life":
+        life_main(Path(argv[1]), argv[2], int(argv[3]), int(argv[4]))
+        return
+    out = Path(argv[0])
+    steps = int(argv[1]) if len(argv) > 1 else 6
+    recover_at = int(argv[2]) if len(argv) > 2 else steps // 2 - 1
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    server = FakeVLLMServer(make_assets(out))
+    run_life(out, server, recover_at + 1, life=0)
+    run_life(out, server, steps, life=1)
+    result = check(out, steps, recover_at)
+    result.update({"initial_weights": server.initial, "weight_loads": server.loads, "server_generated": server.generated,
+                   "seconds": round(time.perf_counter() - started, 1)})
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
