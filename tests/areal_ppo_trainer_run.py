@@ -17,7 +17,7 @@ DCP checkpoints, HF export for the weight update), AReaL's ``RemotevLLMEngine`` 
 requests, interruptible generation and per-token version stamps), ``WorkflowExecutor`` machinery
 (dispatcher, async task runner) as :class:`~staleflow_protocol.areal.ProtocolWorkflowExecutor`,
 AReaL's ``RLVRWorkflow`` and the protocol.
-Faked: the inference server only (:class:`FakeVLLMServer`: SGLang's HTTP endpoints that AReaL calls,
+Faked: the inference server only (:class:`FakeVLLMServer`: the HTTP endpoints AReaL's vLLM backend calls,
 sampling from the tiny model it last loaded from disk, in one thread of the parent process).
 Test-only: :class:`RecordingActor` and :class:`RecordingWorkflow` record what was trained and which
 prompt each task had, without changing what AReaL does.
