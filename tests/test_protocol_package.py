@@ -186,6 +186,27 @@ def test_integration_guide_examples_run_on_the_light_package(light_venv: Path, t
         assert done.stdout.splitlines() == expected, number
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+def test_integration_guide_ray_actor_loop_runs_as_written(tmp_path: Path) -> None:
+    """The guide's Ray-actor block (a threaded actor holding a ``LockedStalenessManager``, rollout
+    tasks blocking in ``reserve``, the driver blocking in ``next_batch``) runs as printed with Ray and
+    ``staleflow_protocol`` (the protocol folder under the light package's name) and prints what it
+    says; it imports nothing of ``staleflow``."""
+    import re
+
+    guide = (ROOT / "docs" / "integrating.md").read_text()
+    [block] = re.findall(r"```python ray\n(.*?)```", guide, flags=re.DOTALL)
+    assert "# 12 12" in block
+    (tmp_path / "staleflow_protocol").symlink_to(PROTOCOL)
+    (tmp_path / "example.py").write_text(block + "\nimport sys\nprint(sorted(m for m in sys.modules if m.startswith('staleflow.')))\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path), "RAY_AUTH_MODE": "disabled", "HOME": str(tmp_path),
+           "OMP_NUM_THREADS": "1"}
+    done = _run(sys.executable, "example.py", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["12 12", "[]"]
+
+
 def test_protocol_sources_need_only_python_3_9() -> None:
     """vermin (a pinned dev tool) finds every construct's minimum version; it must be <= 3.9."""
     if importlib.util.find_spec("vermin") is None:
