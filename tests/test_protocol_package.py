@@ -31,10 +31,18 @@ from staleflow.protocol.trace import TraceFormatError, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOCOL = ROOT / "protocol"
+#: pip's options for the documented offline build (docs/integrating.md, "Install")
+OFFLINE_BUILD = ("--check-build-dependencies", "--no-deps", "--no-build-isolation", "--no-index")
 
 
 def _run(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(a) for a in args], check=False, capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def _installed_version(python: str | Path, name: str) -> str:
+    """The version of distribution ``name`` that a new process of ``python`` finds, or ``"none"``."""
+    probe = f"import importlib.metadata as m\ntry: print(m.version({name!r}))\nexcept m.PackageNotFoundError: print('none')"
+    return _run(python, "-I", "-c", probe, env=CLEAN_ENV).stdout.strip()
 
 
 def _random_trace(manager: StalenessManager | LockedStalenessManager, ops: int, seed: int) -> None:
@@ -64,8 +72,7 @@ def light_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     source = out / "src"
     shutil.copytree(PROTOCOL, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index", "--no-build-isolation",
-                 "--disable-pip-version-check", "-w", out / "dist", source)
+    built = _run(sys.executable, "-m", "pip", "wheel", *OFFLINE_BUILD, "--disable-pip-version-check", "-w", out / "dist", source)
     assert built.returncode == 0, built.stdout + built.stderr
     [wheel] = (out / "dist").glob("staleflow_protocol-*.whl")
     return wheel
@@ -93,25 +100,45 @@ def test_light_package_builds_offline_with_setuptools_alone(tmp_path: Path) -> N
     """The stated build requirement (setuptools >= 70.1, no `wheel` package) is what the build needs:
     it builds with build isolation off and no index in this venv, which has no `wheel` package."""
     import re
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import version
 
     pyproject = (PROTOCOL / "pyproject.toml").read_text()
     [requires] = re.findall(r"^requires = (.*)$", pyproject, flags=re.MULTILINE)
     assert json.loads(requires) == ["setuptools>=70.1"]
     assert tuple(int(p) for p in version("setuptools").split(".")[:2]) >= (70, 1)
-    try:  # the distribution, not the module: importing setuptools puts its vendored copy on sys.path
-        version("wheel")
-    except PackageNotFoundError:
-        pass
-    else:
-        pytest.skip("the `wheel` package is installed here; scripts/setup.sh's venv has none")
+    # Asked in a new process, as the build's own Python sees the venv: in this one, once any test has
+    # imported setuptools, its vendored copy of `wheel` (setuptools/_vendor) is on sys.path and would be
+    # found, so the check skipped this test in every whole-suite run.
+    installed = _installed_version(sys.executable, "wheel")
+    if installed != "none":
+        pytest.skip(f"the `wheel` package ({installed}) is installed here; scripts/setup.sh's venv has none")
     source = tmp_path / "src"
     shutil.copytree(PROTOCOL, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     env = {**CLEAN_ENV, "PIP_NO_INDEX": "1"}
-    built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index", "--no-build-isolation",
-                 "--disable-pip-version-check", "-w", tmp_path / "dist", source, env=env)
+    built = _run(sys.executable, "-m", "pip", "wheel", *OFFLINE_BUILD, "--disable-pip-version-check", "-w", tmp_path / "dist",
+                 source, env=env)
     assert built.returncode == 0, built.stdout + built.stderr
     assert len(list((tmp_path / "dist").glob("staleflow_protocol-0.1.0-py3-none-any.whl"))) == 1
+
+
+def test_the_offline_build_refuses_a_fresh_venvs_setuptools_by_name(light_venv: Path, tmp_path: Path) -> None:
+    """A venv made by ``python -m venv`` has setuptools older than the floor (3.11: 65.5, which needs the
+    ``wheel`` package for ``bdist_wheel``) or none (3.12 on). The documented offline command stops
+    before building and names the requirement, instead of failing inside the build with ``invalid
+    command 'bdist_wheel'``; README and the guide give that command."""
+    found = _installed_version(light_venv, "setuptools")
+    if found != "none" and tuple(int(p) for p in found.split(".")[:2]) >= (70, 1):
+        pytest.skip(f"this Python's venv comes with setuptools {found}, at the floor already")
+    source = tmp_path / "src"
+    shutil.copytree(PROTOCOL, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    env = {**CLEAN_ENV, "PIP_NO_INDEX": "1"}
+    refused = _run(light_venv, "-m", "pip", "install", *OFFLINE_BUILD, "--disable-pip-version-check", source, env=env)
+    assert refused.returncode != 0
+    assert "setuptools>=70.1" in refused.stderr, refused.stdout + refused.stderr
+    assert "bdist_wheel" not in refused.stdout + refused.stderr  # refused before any build step ran
+    command = "pip install " + " ".join(OFFLINE_BUILD) + " ./protocol"
+    assert command in " ".join((ROOT / "docs" / "integrating.md").read_text().split())
+    assert "pip wheel --check-build-dependencies --no-build-isolation --no-deps --no-index ./protocol" in (ROOT / "README.md").read_text()
 
 
 @pytest.fixture(scope="module")
