@@ -74,6 +74,7 @@ def peer_python(name: str, with_deps: list[str], no_deps: list[str], *, shared: 
         source = env_dir / "protocol-src"  # a copy: the build writes build/ and *.egg-info next to the sources
         shutil.rmtree(source, ignore_errors=True)
         shutil.copytree(ROOT / "protocol", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-        _pip(python, "install", "--force-reinstall", "--check-build-dependencies", "--no-deps", "--no-build-isolation", "--no-index", str(source))
+        _pip(python, "install", "--force-reinstall", "--check-build-dependencies", "--no-deps", "--no-build-isolation", "--no-index",
+             str(source))
         stamp.write_text(sources)
     return python, time.perf_counter() - started
