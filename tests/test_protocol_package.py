@@ -192,7 +192,9 @@ GUIDE_OUTPUT = [
     ["12 6 12"],
     ["0 run.jsonl: accepted (4 events in 1 segment(s))",
      "1 bad.jsonl: REJECTED at segment 1: event #1 (line 3, seq 1, reserve('b', v=0)): "
-     "reserve('b', v=0) accepted but Reserve is disabled"],
+     "reserve('b', v=0) accepted but Reserve is disabled",
+     "[('reserve', 'a', True), ('reserve', 'b', False), ('occupy', 'a', None), ('consume', None, None)]",
+     "('a',) 0 1"],
 ]
 
 
