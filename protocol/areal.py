@@ -211,7 +211,8 @@ class ProtocolBatches:
     ids), waits until ``consume()`` is enabled, then fetches each consumed task with AReaL's
     ``wait_for_task``. Dropped and rejected tasks are collected and thrown away; the prompt of a task
     refused at episode start is submitted again before any new prompt. ``trace_path``: a JSONL
-    protocol trace, appended to (a new segment) after each restore.
+    protocol trace, opened by the first :meth:`prepare` (a new file) or by :meth:`load_state_dict`
+    (a new segment appended): a recovered life continues the trace its predecessor wrote.
     """
 
     def __init__(self, staleness: ProtocolStalenessManager, wait_for_task: Callable[..., Any], wake: Callable[[], None],
@@ -220,7 +221,7 @@ class ProtocolBatches:
         self.wait_for_task = wait_for_task
         self.wake = wake
         self.trace_path = trace_path
-        self.writer: Optional[JsonlTraceWriter] = None if trace_path is None else staleness.protocol.attach_trace(trace_path)
+        self.writer: Optional[JsonlTraceWriter] = None  # see _open_trace
         self.next_task_id = 0
         self.last: Optional[TrainBatch] = None
         self._prompts: dict[int, Any] = {}  # submitted, result not collected: task id -> prompt
@@ -237,6 +238,7 @@ class ProtocolBatches:
         (cycled, cached on the first call as AReaL's ``prepare_batch`` does)."""
         if self._source is None:
             self._source = (item for rows in cycle_dataloader(dataloader) for item in rows)
+            self._open_trace("w")
         deadline = time.monotonic() + timeout
         while True:
             self.staleness.raise_errors()
@@ -297,19 +299,26 @@ class ProtocolBatches:
         died with the old process, so each is aborted (traced) and its prompt submitted again."""
         if self._prompts or self._source is not None:
             raise RuntimeError("load_state_dict must come before the first prepare_batch")
-        if self.writer is not None:
-            self.writer.close()
+        self.close()  # a protocol loaded before this one: its segment ends here
         protocol = LockedStalenessManager.restore(state["protocol"])
         self.staleness.protocol = protocol
-        self.writer = None if self.trace_path is None else protocol.attach_trace(self.trace_path, mode="a")
+        self._open_trace("a")
         for group in protocol.groups():
             protocol.abort(group.group_id)
         self.next_task_id = int(state["next_task_id"])
         self._retry.extend(state["prompts"])
 
+    def _open_trace(self, mode: str) -> None:
+        """Start tracing the protocol, unless there is no ``trace_path`` or it is traced already. Not
+        at construction: a recovered life's batches are built before the recover state is loaded, and
+        a new file then would erase the trace of the life before."""
+        if self.trace_path is not None and self.writer is None:
+            self.writer = self.protocol.attach_trace(self.trace_path, mode=mode)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
 
 
 class RecoverableLoader:

@@ -55,6 +55,7 @@ from staleflow_protocol.areal import (
     RecoverableLoader,
 )
 from staleflow_protocol.areal_trainer import ProtocolTrainerHooks
+from staleflow_protocol.trace import read_trace
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 ETA, BATCH, REDUNDANCY, WORLD = 1, 2, 1, 2  # BATCH groups per rank and step (4 per step in all)
@@ -218,13 +219,11 @@ def check(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
         missing = set(range(rank * 100_000, max(seen) + 1)) - seen - filtered
         dropped = sum(len(row["dropped"]) for row in trained)
         assert len(missing) <= dropped, (sorted(missing), dropped)
-        checked = subprocess.run([sys.executable, "-m", "staleflow_protocol.check", str(out / f"trace-{rank}.jsonl")],
-                                 capture_output=True, text=True, check=False)
-        assert checked.returncode == 0, checked.stdout + checked.stderr
+        verdict = trace_check(out / f"trace-{rank}.jsonl", steps)
         stale = sum(row["step"] - v == ETA for row in trained for v in row["reserved"])
         result["ranks"][rank] = {"trained": len(ids), "past_eta": past, "stale": stale, "pending_at_end": len(final["pending"]),
                                  "refused": final["refused"], "filtered": len(filtered), "dropped": dropped,
-                                 "unaccounted": max(0, len(missing) - dropped), "trace": checked.stdout.strip()}
+                                 "unaccounted": max(0, len(missing) - dropped), "trace": verdict}
     return result
 
 
@@ -353,9 +352,14 @@ def check_row(step: int, got: Any, trajectories: list[Any]) -> int:
     return sum(step - v == ETA for v in got.batch.group_versions)
 
 
-def trace_check(path: Path) -> str:
+def trace_check(path: Path, steps: int) -> str:
+    """The checker's verdict on a trace, which must also be the whole run's: its consumes, over all
+    its segments, are batches ``0..steps-1`` (a recovered life appends its segment to the trace of
+    the life before; it does not start the file again)."""
     checked = subprocess.run([sys.executable, "-m", "staleflow_protocol.check", str(path)], capture_output=True, text=True, check=False)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    consumed = sorted({event.batch.version for segment in read_trace(path) for event in segment.events if event.batch is not None})
+    assert consumed == list(range(steps)), f"{path}: the trace has the consumes of batches {consumed}, not of 0..{steps - 1}"
     return checked.stdout.strip()
 
 
@@ -388,7 +392,8 @@ def controller_run(out: Path, steps: int) -> dict[str, Any]:
         controller.batches.close()
         controller.destroy()
     return {"steps": steps, "workers": workers, "exact_ids": exact, "stale": stale, "refused": protocol.stats().refused,
-            "callbacks": scheduler.callbacks, "version": controller.get_version(), "trace": trace_check(out / "controller-trace.jsonl")}
+            "callbacks": scheduler.callbacks, "version": controller.get_version(),
+            "trace": trace_check(out / "controller-trace.jsonl", steps)}
 
 
 class TrainEngineCheckpoint:
@@ -490,7 +495,7 @@ def recover_handler_run(out: Path, steps: int, recover_at: int) -> dict[str, Any
     prompts = [p for _, _, group in rows for p in group]
     return {"steps": [s for s, _, _ in rows], "restored_at": restored, "in_flight_at_dump": in_flight,
             "unique_ids": len(ids) == len(set(ids)), "unique_prompts": len(prompts) == len(set(prompts)),
-            "saved_prompts_kept": set(saved) <= set(prompts) | set(pending), "trace": trace_check(trace)}
+            "saved_prompts_kept": set(saved) <= set(prompts) | set(pending), "trace": trace_check(trace, steps)}
 
 
 def main(argv: list[str]) -> None:
