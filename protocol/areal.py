@@ -376,6 +376,15 @@ class ProtocolWorkflowExecutor(WorkflowExecutor):
         super().__init__(config, inference_engine, staleness_manager=self.staleness)
         self.batches = ProtocolBatches(self.staleness, self.wait_for_task, self._wake, trace_path)
 
+    def initialize(self, logger: Any = None, train_data_parallel_size: Optional[int] = None) -> None:
+        """AReaL's ``initialize``. ``max_concurrent_rollouts`` is the trainer's, over its data-parallel
+        ranks: as AReaL's own manager does, this rank's executor caps its share ``max_concurrent_rollouts // dp``
+        (``dp``: ``train_data_parallel_size``, else AReaL's from ``torch.distributed``)."""
+        if self.config.max_concurrent_rollouts:
+            dp = train_data_parallel_size if train_data_parallel_size is not None else self._resolve_dp_world_size()
+            self.staleness.max_concurrent_rollouts = max(1, self.config.max_concurrent_rollouts // dp)
+        super().initialize(logger=logger, train_data_parallel_size=train_data_parallel_size)
+
     def _wake(self) -> None:
         if not self.is_paused():
             self.resume()

@@ -112,7 +112,9 @@ def keep(trajectory: dict[str, Any]) -> bool:
 
 
 def config() -> InferenceEngineConfig:
-    return InferenceEngineConfig(consumer_batch_size=BATCH * WORLD, max_head_offpolicyness=ETA, max_concurrent_rollouts=8)
+    # both are the trainer's, over its WORLD ranks: each rank's executor takes its share (consumer_batch_size // dp,
+    # max_concurrent_rollouts // dp: 8, above the protocol's limit of 5 per rank, so it never binds here)
+    return InferenceEngineConfig(consumer_batch_size=BATCH * WORLD, max_head_offpolicyness=ETA, max_concurrent_rollouts=8 * WORLD)
 
 
 def loader(rank: int) -> StatefulDataLoader:

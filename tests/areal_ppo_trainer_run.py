@@ -1,30 +1,41 @@
 """AReaL 1.0.4's real ``PPOTrainer`` (SPMD mode) with :class:`~staleflow_protocol.areal_trainer.ProtocolTrainerHooks`,
-on CPU, run INSIDE AReaL's own venv (tests/test_areal_dropin.py builds it; ``python -I`` this file).
+on CPU, two data-parallel trainer ranks, run INSIDE AReaL's own venv (tests/test_areal_dropin.py builds
+it; ``python -I`` this file).
 
 ``python areal_ppo_trainer_run.py OUT [STEPS] [RECOVER_AT]`` makes, under OUT, a tiny Qwen2 model
 (2 layers, hidden 64) and a word-level tokenizer (``save_pretrained``, no model hub), a tiny prompt
-dataset and starts the fake vLLM server below; then two lives of the trainer, each a process:
+dataset and starts the fake vLLM server below; then two lives of the trainer, each ``RANKS`` processes
+with the environment AReaL's SPMD launcher (torchrun) gives its ranks (``RANK``, ``WORLD_SIZE``, one
+``MASTER_ADDR`` / ``MASTER_PORT``), ``actor.backend="fsdp:d2"``, each rank with its own protocol
+(``batch_size`` = ``consumer_batch_size // 2``) and trace:
 
 - life 0 trains steps ``0..RECOVER_AT`` with ``PPOTrainer.train``, AReaL's ``RecoverHandler`` dumping
-  its recover checkpoint after every step, and dies (``os._exit``) with episodes in flight;
-- life 1 is built again: ``PPOTrainer.__init__`` runs ``RecoverHandler.load`` (the FSDP actor's DCP
-  checkpoint, the dataloader state, where ``RecoverableLoader`` carries the protocol, and a weight push
-  to the server) and ``on_version_recovered``, then trains to STEPS.
+  its recover checkpoint after every step (rank 0 writes it, with every rank's dataloader state), and
+  both ranks die (``os._exit``) with episodes in flight;
+- life 1 is built again: ``PPOTrainer.__init__`` runs ``RecoverHandler.load`` on each rank (the FSDP
+  actor's DCP checkpoint, the rank's dataloader state, where ``RecoverableLoader`` carries its
+  protocol, and a weight push to the server, by rank 0) and ``on_version_recovered``, then trains to STEPS.
+
+What each rank does is AReaL's: its ``DistributedSampler`` shard of the dataset, its own
+``RemotevLLMEngine`` and executor on the one server; rank 0 alone pauses the server and pushes the
+weights, every rank sets its engine's version; ``DistRolloutCoordinator`` all-gathers the ranks'
+batches and splits them again by sequence length, so a rank trains whole groups of either rank's
+batch (all at the step's version) and the FSDP gradients are reduced over both.
 
 Real: ``PPOTrainer`` (its ``__init__``, ``train`` loop, saver / evaluator / stats logger / recover
-handler), the ``FSDPPPOActor`` (FSDP2 on one CPU rank over gloo: log-probs, advantages, PPO update,
-DCP checkpoints, HF export for the weight update), AReaL's ``RemotevLLMEngine`` client (its HTTP
-requests, interruptible generation and per-token version stamps), ``WorkflowExecutor`` machinery
-(dispatcher, async task runner) as :class:`~staleflow_protocol.areal.ProtocolWorkflowExecutor`,
+handler), the ``FSDPPPOActor`` (FSDP2 on two CPU ranks over gloo: the batch redistribution, log-probs,
+advantages, PPO update, DCP checkpoints, HF export for the weight update), AReaL's ``RemotevLLMEngine``
+client (its HTTP requests, interruptible generation and per-token version stamps), ``WorkflowExecutor``
+machinery (dispatcher, async task runner) as :class:`~staleflow_protocol.areal.ProtocolWorkflowExecutor`,
 AReaL's ``RLVRWorkflow`` and the protocol.
 Faked: the inference server only (:class:`FakeVLLMServer`: the HTTP endpoints AReaL's vLLM backend calls,
 sampling from the tiny model it last loaded from disk, in one thread of the parent process).
-Test-only: :class:`RecordingActor` and :class:`RecordingWorkflow` record what was trained and which
-prompt each task had, without changing what AReaL does.
+Test-only: :class:`RecordingActor` and :class:`RecordingWorkflow` record what was consumed and trained
+and which prompt each task had, without changing what AReaL does.
 
-The parent checks every trained sample's bound, that each step trained exactly its consumed batch,
-that no prompt was lost over the recover, and the trace (``python -m staleflow_protocol.check``);
-it prints one JSON line.
+The parent checks, per rank, every consumed sample's bound, each consumed id once, the recover and the
+trace (``python -m staleflow_protocol.check``); over both ranks, that each step trained exactly the
+union of their consumed batches and that no prompt was trained twice; it prints one JSON line.
 """
 
 from __future__ import annotations
@@ -44,7 +55,8 @@ from typing import Any
 
 import torch
 
-ETA, BATCH, GROUP, PROMPTS = 1, 2, 2, 64  # groups per step, samples per group, dataset size
+ETA, BATCH, RANKS, GROUP, PROMPTS = 1, 4, 2, 2, 64  # groups per step (all ranks), data-parallel ranks, samples per group, dataset size
+RANK_BATCH = BATCH // RANKS  # each rank's protocol batch: consumer_batch_size // dp, as AReaL's own manager divides it
 VOCAB = ["<pad>", "<eos>"] + [f"w{i}" for i in range(30)]
 REWARDED = [f"w{i}" for i in range(15)]  # the reward: share of completion words among these (groups rarely tie)
 
@@ -211,11 +223,11 @@ def build_config(out: Path, model: Path, steps: int) -> Any:
     config = PPOConfig(
         **names, seed=1, total_train_epochs=1, total_train_steps=steps, tokenizer_path=str(model),
         cluster=ClusterSpecConfig(fileroot=fileroot, name_resolve=NameResolveConfig(type="nfs", nfs_record_root=str(out / "name_resolve"))),
-        train_dataset=TrainDatasetConfig(path="local", batch_size=BATCH, shuffle=False),
+        train_dataset=TrainDatasetConfig(path="local", batch_size=BATCH, shuffle=False),  # AReaL gives each rank BATCH // RANKS
         gconfig=GenerationHyperparameters(n_samples=GROUP, max_new_tokens=6, temperature=1.0),
         rollout=InferenceEngineConfig(**names, backend="vllm:d1", consumer_batch_size=BATCH, max_head_offpolicyness=ETA,
                                       max_concurrent_rollouts=2 * BATCH, setup_timeout=60, request_timeout=60, pause_grace_period=0.0),
-        actor=PPOActorConfig(**names, backend="fsdp:d1", path=str(model), dtype="float32", grad_reduce_dtype="float32",
+        actor=PPOActorConfig(**names, backend=f"fsdp:d{RANKS}", path=str(model), dtype="float32", grad_reduce_dtype="float32",
                              attn_impl="sdpa", weight_update_mode="disk", kl_ctl=0.0, ppo_n_minibatches=1,
                              mb_spec=MicroBatchSpec(n_mbs=1), optimizer=OptimizerConfig(lr=1e-3)),
         recover=RecoverConfig(**names, fileroot=fileroot, mode="on", freq_steps=1),
@@ -225,10 +237,11 @@ def build_config(out: Path, model: Path, steps: int) -> Any:
     return config
 
 
-def life_main(out: Path, server: str, steps: int, life: int) -> None:
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port()), "AREAL_LLM_SERVER_ADDRS": server,
-                       "AREAL_SPMD_MODE": "1"})  # what AReaL's SPMD launcher sets: no single controller
+def life_main(out: Path, server: str, steps: int, life: int, rank: int, master_port: int) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(RANKS), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "AREAL_LLM_SERVER_ADDRS": server,
+                       "AREAL_SPMD_MODE": "1"})  # what AReaL's SPMD launcher (torchrun) sets for each rank: no single controller
+    import torch.distributed as dist
     from areal.engine import FSDPPPOActor
     from areal.infra import workflow_context
     from areal.trainer.rl_trainer import PPOTrainer
@@ -239,7 +252,7 @@ def life_main(out: Path, server: str, steps: int, life: int) -> None:
     from staleflow_protocol.areal_trainer import ProtocolTrainerHooks
 
     prompt_of_task: dict[int, int] = {}
-    log = (out / "trained.jsonl").open("a")
+    log = (out / f"trained-{rank}.jsonl").open("a")
 
     class RecordingWorkflow(RLVRWorkflow):
         """AReaL's RLVRWorkflow; records which prompt each task (the protocol's group id) had."""
@@ -252,7 +265,9 @@ def life_main(out: Path, server: str, steps: int, life: int) -> None:
         return sorted(row[mask.bool()].tolist() for t in trajectories for row, mask in zip(t["input_ids"], t["attention_mask"]))
 
     class RecordingActor(FSDPPPOActor):
-        """AReaL's FSDP PPO actor; logs the consumed batch behind each ``prepare_batch`` and counts updates."""
+        """AReaL's FSDP PPO actor; logs the rank's consumed batch behind each ``prepare_batch``, what the
+        rank trains (AReaL's ``DistRolloutCoordinator`` all-gathers the data-parallel ranks' batches and
+        splits them again by sequence length) and counts updates."""
 
         updates = 0
 
@@ -260,13 +275,13 @@ def life_main(out: Path, server: str, steps: int, life: int) -> None:
             trained = super().prepare_batch(*args, **kwargs)
             last = self.rollout_engine.workflow_executor.batches.last
             log.write(json.dumps({
-                "life": life, "step": last.batch.version, "ids": [int(g) for g in last.batch.group_ids],
-                "reserved": list(last.batch.group_versions), "dropped": [int(g) for g in last.batch.dropped],
-                "prompts": [prompt_of_task[int(g)] for g in last.batch.group_ids],
+                "life": life, "rank": rank, "step": last.batch.version, "actor_version": self.get_version(),
+                "ids": [int(g) for g in last.batch.group_ids], "reserved": list(last.batch.group_versions),
+                "dropped": [int(g) for g in last.batch.dropped], "prompts": [prompt_of_task[int(g)] for g in last.batch.group_ids],
                 "heads": [int(t["versions"][t["loss_mask"].bool()].min()) for t in last.trajectories],  # generated tokens only
                 "tails": [int(t["versions"][t["loss_mask"].bool()].max()) for t in last.trajectories],
-                "same_as_consumed": sequences(trained) == sequences(last.trajectories),
-                "samples": sum(int(t["input_ids"].shape[0]) for t in trained)}) + "\n")
+                "consumed": sequences(last.trajectories), "trained": sequences(trained),
+                "trained_groups": len(trained)}) + "\n")
             log.flush()
             return trained
 
@@ -283,83 +298,116 @@ def life_main(out: Path, server: str, steps: int, life: int) -> None:
     model = out / "model"
     config = build_config(out, model, steps)
     name_resolve.reconfigure(config.cluster.name_resolve)  # what AReaL's launcher does before it starts a trial
-    name_resolve.clear_subtree(names.trial_root(experiment_name=config.experiment_name, trial_name=config.trial_name))
+    if rank == 0:  # once per trial, as the launcher does (the first record is added after the ranks' first barrier)
+        name_resolve.clear_subtree(names.trial_root(experiment_name=config.experiment_name, trial_name=config.trial_name))
     trainer = ProtocolPPOTrainer(config, train_dataset=Dataset.from_list(dataset_rows()),
-                                 protocol=LockedStalenessManager.create(ETA, BATCH), trace_path=out / "trace.jsonl")
-    batches = trainer.rollout.workflow_executor.batches
+                                 protocol=LockedStalenessManager.create(ETA, RANK_BATCH), trace_path=out / f"trace-{rank}.jsonl")
+    executor = trainer.rollout.workflow_executor
+    batches = executor.batches
     started = {"protocol_version": batches.protocol.version, "engine_version": trainer.rollout.get_version(),
-               "actor_version": trainer.actor.get_version(),
+               "actor_version": trainer.actor.get_version(), "dp_rank": trainer.actor.data_parallel_rank,
                "recovered_step": None if trainer.recover_info is None else trainer.recover_info.last_step_info.global_step,
-               "retry": [p["id"] for p in batches.state_dict()["prompts"]]}
+               "retry": [p["id"] for p in batches.state_dict()["prompts"]],
+               "max_concurrent_rollouts": executor.staleness.max_concurrent_rollouts}
     workflow = RecordingWorkflow(reward_fn=reward, gconfig=config.gconfig, tokenizer=trainer.tokenizer,
                                  get_input_ids_fn=prompt_ids, data_extract_prompt_fn=extract_prompt)
     trainer.train(workflow=workflow)
     state = trainer.train_dataloader.state_dict()["staleflow_protocol"]
-    result = {"life": life, "started": started, "updates": RecordingActor.updates, "outstanding": batches.outstanding,
+    result = {"life": life, "rank": rank, "started": started, "updates": RecordingActor.updates, "outstanding": batches.outstanding,
               "saved": [p["id"] for p in state["prompts"]], "version": batches.protocol.version}
     if life == 0:  # the dump of the last step is on disk: die with the episodes in flight
         from areal.utils.recover import RecoverHandler, RecoverInfo
 
+        dist.barrier()  # rank 0 writes the dump (every rank's dataloader state, all-gathered): read it once written
         recover = config.recover
+        # with torch.distributed initialized, RecoverInfo.load picks this rank's dataloader state, as RecoverHandler.load does
         info = RecoverInfo.load(RecoverHandler.recover_info_path(recover.experiment_name, recover.trial_name, recover.fileroot))
         result["dumped"] = {"step": info.last_step_info.global_step,
                             "prompts": [p["id"] for p in info.dataloader_info["staleflow_protocol"]["prompts"]],
                             "protocol_version": info.dataloader_info["staleflow_protocol"]["protocol"]["version"]}
-        (out / "life-0.json").write_text(json.dumps(result))
+        (out / f"life-0-{rank}.json").write_text(json.dumps(result))
         log.close()
         os._exit(0)
-    (out / "life-1.json").write_text(json.dumps(result))
+    (out / f"life-1-{rank}.json").write_text(json.dumps(result))
     trainer.close()
 
 
 # ----------------------------------------------------------------------------- the parent
 def run_life(out: Path, server: FakeVLLMServer, steps: int, life: int) -> None:
-    """One trainer process in its own session; once it has exited, whatever it forked (AReaL's reward
-    process pool, orphaned by life 0's ``os._exit``) is killed with its process group."""
+    """The ``RANKS`` trainer processes of one life, with the environment AReaL's SPMD launcher
+    (torchrun) gives each rank, each in its own session; once they have exited (or one failed: the
+    other then waits in a collective), whatever they forked (AReaL's reward process pool, orphaned by
+    life 0's ``os._exit``) is killed with their process groups."""
     # TORCHDYNAMO_DISABLE: AReaL torch.compiles its log-prob gather; on CPU inductor's C++ build of it
     # costs about a minute per process; eager gives the same numbers
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "TORCHDYNAMO_DISABLE": "1"}
-    log = out / f"life-{life}.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-I", __file__, "--life", str(out), server.address, str(steps), str(life)],
-                                env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=600)
-        finally:
+    port, procs, codes = free_port(), [], {}
+    try:
+        for rank in range(RANKS):
+            with (out / f"life-{life}-{rank}.log").open("w") as sink:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-I", __file__, "--life", str(out), server.address, str(steps), str(life), str(rank), str(port)],
+                    env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 600
+        while len(codes) < RANKS and not any(codes.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            codes.update({rank: proc.returncode for rank, proc in enumerate(procs) if proc.poll() is not None})
+    finally:
+        for proc in procs:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    if code != 0:
-        raise RuntimeError(f"life {life} failed ({code}):\n{log.read_text()[-6000:]}")
+            proc.wait()
+    if len(codes) < RANKS or any(codes.values()):
+        logs = "".join(f"\n--- rank {rank} ({codes.get(rank, 'killed')}):\n" + (out / f"life-{life}-{rank}.log").read_text()[-4000:]
+                       for rank in range(RANKS))
+        raise RuntimeError(f"life {life} failed:{logs}")
 
 
 def check(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
-    lives = [json.loads((out / f"life-{life}.json").read_text()) for life in (0, 1)]
-    rows = [json.loads(line) for line in (out / "trained.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(steps)), [r["step"] for r in rows]
-    assert [r["life"] for r in rows] == [0] * (recover_at + 1) + [1] * (steps - recover_at - 1)
-    ids = [i for r in rows for i in r["ids"]]
-    prompts = [p for r in rows for p in r["prompts"]]
-    bound_ok = all(v <= head <= tail <= r["step"] <= v + ETA for r in rows for v, head, tail in zip(r["reserved"], r["heads"], r["tails"]))
-    dumped, resumed = lives[0]["dumped"], lives[1]["started"]
-    trace = subprocess.run([sys.executable, "-m", "staleflow_protocol.check", str(out / "trace.jsonl")],
-                           capture_output=True, text=True, check=False)
+    """Per rank: its consumed batches, the bound, the recover and its trace. Over both ranks: each
+    step trained the union of the ranks' consumed batches (redistributed), no prompt twice."""
+    rows = {rank: [json.loads(line) for line in (out / f"trained-{rank}.jsonl").read_text().splitlines()] for rank in range(RANKS)}
+    ranks: dict[str, Any] = {}
+    for rank, got in rows.items():
+        lives = [json.loads((out / f"life-{life}-{rank}.json").read_text()) for life in (0, 1)]
+        assert [r["step"] for r in got] == list(range(steps)), [r["step"] for r in got]
+        assert [r["life"] for r in got] == [0] * (recover_at + 1) + [1] * (steps - recover_at - 1)
+        ids = [i for r in got for i in r["ids"]]
+        prompts = [p for r in got for p in r["prompts"]]
+        dumped, resumed = lives[0]["dumped"], lives[1]["started"]
+        trace = subprocess.run([sys.executable, "-m", "staleflow_protocol.check", str(out / f"trace-{rank}.jsonl")],
+                               capture_output=True, text=True, check=False)
+        ranks[str(rank)] = {
+            "updates": [life["updates"] for life in lives], "groups_per_step": sorted({len(r["ids"]) for r in got}),
+            "trained_groups_per_step": sorted({r["trained_groups"] for r in got}),
+            "trained_own_batch_steps": sum(r["trained"] == r["consumed"] for r in got),  # what the redistribution left it
+            "ids_once": len(ids) == len(set(ids)) == steps * RANK_BATCH, "prompts_once": len(prompts) == len(set(prompts)),
+            "bound_ok": all(v <= head <= tail <= r["step"] <= v + ETA
+                            for r in got for v, head, tail in zip(r["reserved"], r["heads"], r["tails"])),
+            "actor_at_batch_version": all(r["actor_version"] == r["step"] for r in got),
+            "stale": sum(r["step"] - v == ETA for r in got for v in r["reserved"]),
+            "dumped_step": dumped["step"], "dumped_protocol_version": dumped["protocol_version"],
+            "in_flight_at_death": lives[0]["outstanding"], "resumed": resumed, "dumped_prompts": dumped["prompts"],
+            "dumped_prompts_kept": set(dumped["prompts"]) <= set(prompts) | set(lives[1]["saved"]),
+            "final_version": lives[1]["version"], "trace_rc": trace.returncode, "trace": (trace.stdout + trace.stderr).strip(),
+        }
+    by_step = [[rows[rank][step] for rank in range(RANKS)] for step in range(steps)]
+    prompts = [p for got in rows.values() for r in got for p in r["prompts"]]
     return {
-        "steps": len(rows), "updates": [life["updates"] for life in lives], "samples_per_step": sorted({r["samples"] for r in rows}),
-        "same_as_consumed": all(r["same_as_consumed"] for r in rows),
-        "ids_once": len(ids) == len(set(ids)) == steps * BATCH, "prompts_once": len(prompts) == len(set(prompts)),
-        "bound_ok": bound_ok, "stale": sum(r["step"] - v == ETA for r in rows for v in r["reserved"]),
-        "dumped_step": dumped["step"], "dumped_protocol_version": dumped["protocol_version"], "in_flight_at_death": lives[0]["outstanding"],
-        "resumed": resumed, "dumped_prompts": dumped["prompts"],
-        "dumped_prompts_kept": set(dumped["prompts"]) <= set(prompts) | set(lives[1]["saved"]),
-        "final_version": lives[1]["version"], "trace_rc": trace.returncode, "trace": (trace.stdout + trace.stderr).strip(),
+        "steps": steps, "ranks": ranks,
+        # every step, the ranks together trained exactly the union of their consumed batches
+        "trained_is_consumed": all(sorted(s for r in step for s in r["trained"]) == sorted(s for r in step for s in r["consumed"])
+                                   for step in by_step),
+        "samples_per_step": sorted({sum(len(r["trained"]) for r in step) for step in by_step}),
+        "prompts_once": len(prompts) == len(set(prompts)),
     }
 
 
 def main(argv: list[str]) -> None:
     if argv[0] == "--life":
-        life_main(Path(argv[1]), argv[2], int(argv[3]), int(argv[4]))
+        life_main(Path(argv[1]), argv[2], int(argv[3]), int(argv[4]), int(argv[5]), int(argv[6]))
         return
     out = Path(argv[0])
     steps = int(argv[1]) if len(argv) > 1 else 6

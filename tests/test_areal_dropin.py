@@ -4,7 +4,7 @@
 broken) and only the light ``staleflow-protocol`` package from ``protocol/`` (never the ``staleflow``
 package), where ``tests/areal_dropin_run.py`` runs two data-parallel ranks for 50 steps with a
 recover from AReaL's ``RecoverInfo`` at step 25, and ``tests/areal_ppo_trainer_run.py`` AReaL's real
-``PPOTrainer`` on CPU with a recover through its ``RecoverHandler``.
+``PPOTrainer`` on CPU, two data-parallel ranks, with a recover through its ``RecoverHandler``.
 
 The venv is built and cached by ``tests/peer_venv.py`` (not shared with the main venv: AReaL's
 venv has its own torch, transformers, ray and numpy): about 5 minutes cold with the package index,
@@ -170,29 +170,41 @@ def test_areal_two_ranks_recover_mid_run_bound_kept_trace_accepted(areal_python:
 
 
 def test_areal_real_ppo_trainer_on_cpu_recovers_mid_run(areal_python: tuple[Path, float], tmp_path: Path) -> None:
-    """AReaL's real ``PPOTrainer`` (SPMD mode) with ``ProtocolTrainerHooks``, on CPU: its FSDP actor
-    trains a tiny local Qwen2 for 6 steps; after step 2 the trainer dies with episodes in flight and a
-    second one recovers through AReaL's ``RecoverHandler``. Only the inference server is faked
+    """AReaL's real ``PPOTrainer`` (SPMD mode) with ``ProtocolTrainerHooks``, on CPU, two data-parallel
+    ranks (``actor.backend="fsdp:d2"``, a process each with torchrun's environment, each with its own
+    protocol of ``consumer_batch_size // 2`` groups and its own trace): the FSDP actor trains a tiny
+    local Qwen2 for 6 steps; after step 2 both ranks die with episodes in flight and two new ones
+    recover through AReaL's ``RecoverHandler``. Only the inference server is faked
     (``tests/areal_ppo_trainer_run.py`` says exactly what is real and what is faked)."""
     python, _ = areal_python
     started = time.perf_counter()
     result = _run_in_venv(python, tmp_path, str(tmp_path / "run"), "6", "2", timeout=900, script=PPO_RUN)
-    print(f"real PPOTrainer, 6 steps with a recover: {time.perf_counter() - started:.1f} s")
-    assert result["steps"] == 6 and result["updates"] == [3, 3]  # PPOTrainer.train ran the actor's PPO update each step
-    assert result["samples_per_step"] == [4]  # 2 groups of 2 samples
-    assert result["same_as_consumed"] is True  # each step trained exactly the protocol's consumed batch
-    assert result["ids_once"] is True and result["prompts_once"] is True  # each consumed id trained once, no prompt twice
-    assert result["bound_ok"] is True and result["stale"] > 0  # v <= b <= v + eta on every sample; the bound was exercised
-    # the dump after step 2 holds the protocol at version 3 and the prompts in flight; the second trainer
-    # starts there (protocol, rollout and actor versions) and trains those prompts first, losing none
-    assert (result["dumped_step"], result["dumped_protocol_version"]) == (2, 3)
-    assert result["in_flight_at_death"] > 0 and result["dumped_prompts"]
-    resumed = result["resumed"]
-    assert (resumed["recovered_step"], resumed["protocol_version"], resumed["engine_version"], resumed["actor_version"]) == (2, 3, 3, 3)
-    assert resumed["retry"] == result["dumped_prompts"] and result["dumped_prompts_kept"] is True
-    assert result["final_version"] == 6
-    assert result["trace_rc"] == 0 and "accepted" in result["trace"] and "2 segment(s)" in result["trace"]
-    # the weights the server loaded: one push per step, each new, and after the recover the push of the
-    # restored actor equals the last one before the death (AReaL's DCP checkpoint of the FSDP actor)
+    print(f"real PPOTrainer, two ranks, 6 steps with a recover: {time.perf_counter() - started:.1f} s")
+    assert result["steps"] == 6
+    # each step the two ranks together trained exactly their consumed batches (2 groups of 2 samples each):
+    # AReaL's DistRolloutCoordinator all-gathers them and splits them again by length, so a rank trains
+    # whole groups of either rank's batch, all consumed at the step's version
+    assert result["trained_is_consumed"] is True and result["samples_per_step"] == [8]
+    assert result["prompts_once"] is True  # no prompt trained twice, over both ranks (each draws its own shard)
+    for rank in ("0", "1"):
+        got = result["ranks"][rank]
+        assert got["updates"] == [3, 3]  # PPOTrainer.train ran the actor's PPO update each step, on each rank
+        assert got["groups_per_step"] == [2] and min(got["trained_groups_per_step"]) >= 1  # consumed 2, trained at least 1
+        assert got["ids_once"] is True and got["prompts_once"] is True  # each consumed id trained once, no prompt twice
+        # v <= b <= v + eta on every sample the rank consumed (some one version stale), trained by an actor at b
+        assert got["bound_ok"] is True and got["stale"] > 0 and got["actor_at_batch_version"] is True
+        # the dump after step 2 holds the rank's protocol at version 3 and its prompts in flight; the rank's
+        # second life starts there (protocol, rollout and actor versions) and trains those prompts first
+        assert (got["dumped_step"], got["dumped_protocol_version"]) == (2, 3)
+        assert got["in_flight_at_death"] > 0 and got["dumped_prompts"]
+        resumed = got["resumed"]
+        assert (resumed["dp_rank"], resumed["recovered_step"], resumed["protocol_version"], resumed["engine_version"],
+                resumed["actor_version"]) == (int(rank), 2, 3, 3, 3)
+        assert resumed["retry"] == got["dumped_prompts"] and got["dumped_prompts_kept"] is True
+        assert resumed["max_concurrent_rollouts"] == 4  # the rank's share of the trainer's 8, as AReaL's executor takes it
+        assert got["final_version"] == 6
+        assert got["trace_rc"] == 0 and "accepted" in got["trace"] and "2 segment(s)" in got["trace"]
+    # the weights the server loaded (rank 0 pushes them): one push per step, each new, and after the recover
+    # the push of the restored actor equals the last one before the death (AReaL's DCP checkpoint of the FSDP actor)
     loads = result["weight_loads"]
     assert len(loads) == 7 and loads[3] == loads[2] and len(set(loads)) == 6 and result["initial_weights"] not in loads
