@@ -368,6 +368,8 @@ def run_life(out: Path, server: FakeVLLMServer, steps: int, life: int) -> None:
 def check(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
     """Per rank: its consumed batches, the bound, the recover and its trace. Over both ranks: each
     step trained the union of the ranks' consumed batches (redistributed), no prompt twice."""
+    from staleflow_protocol.trace import read_trace
+
     rows = {rank: [json.loads(line) for line in (out / f"trained-{rank}.jsonl").read_text().splitlines()] for rank in range(RANKS)}
     ranks: dict[str, Any] = {}
     for rank, got in rows.items():
@@ -392,6 +394,9 @@ def check(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
             "in_flight_at_death": lives[0]["outstanding"], "resumed": resumed, "dumped_prompts": dumped["prompts"],
             "dumped_prompts_kept": set(dumped["prompts"]) <= set(prompts) | set(lives[1]["saved"]),
             "final_version": lives[1]["version"], "trace_rc": trace.returncode, "trace": (trace.stdout + trace.stderr).strip(),
+            # the batches the trace's consumes took, over both lives' segments (the recovered life appends)
+            "trace_batches": sorted({event.batch.version for segment in read_trace(out / f"trace-{rank}.jsonl")
+                                     for event in segment.events if event.batch is not None}),
         }
     by_step = [[rows[rank][step] for rank in range(RANKS)] for step in range(steps)]
     prompts = [p for got in rows.values() for r in got for p in r["prompts"]]

@@ -204,6 +204,7 @@ def test_areal_real_ppo_trainer_on_cpu_recovers_mid_run(areal_python: tuple[Path
         assert resumed["max_concurrent_rollouts"] == 4  # the rank's share of the trainer's 8, as AReaL's executor takes it
         assert got["final_version"] == 6
         assert got["trace_rc"] == 0 and "accepted" in got["trace"] and "2 segment(s)" in got["trace"]
+        assert got["trace_batches"] == list(range(6))  # both lives' consumes: the recover appended, erased nothing
     # the weights the server loaded (rank 0 pushes them): one push per step, each new, and after the recover
     # the push of the restored actor equals the last one before the death (AReaL's DCP checkpoint of the FSDP actor)
     loads = result["weight_loads"]
