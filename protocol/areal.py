@@ -35,7 +35,7 @@ from areal.utils.data import cycle_dataloader
 
 from .events import ConsumedBatch
 from .locked import LockedStalenessManager
-from .trace import JsonlTraceWriter
+from .trace_file import TraceFile
 
 TracePath = Union[str, Path]
 #: ``submit(data, task_id)``: hand one prompt to AReaL under the given task id.
@@ -220,8 +220,7 @@ class ProtocolBatches:
         self.staleness = staleness
         self.wait_for_task = wait_for_task
         self.wake = wake
-        self.trace_path = trace_path
-        self.writer: Optional[JsonlTraceWriter] = None  # see _open_trace
+        self.trace = TraceFile(trace_path)
         self.next_task_id = 0
         self.last: Optional[TrainBatch] = None
         self._prompts: dict[int, Any] = {}  # submitted, result not collected: task id -> prompt
@@ -238,7 +237,7 @@ class ProtocolBatches:
         (cycled, cached on the first call as AReaL's ``prepare_batch`` does)."""
         if self._source is None:
             self._source = (item for rows in cycle_dataloader(dataloader) for item in rows)
-            self._open_trace("w")
+            self.trace.start(self.protocol)
         deadline = time.monotonic() + timeout
         while True:
             self.staleness.raise_errors()
@@ -299,26 +298,16 @@ class ProtocolBatches:
         died with the old process, so each is aborted (traced) and its prompt submitted again."""
         if self._prompts or self._source is not None:
             raise RuntimeError("load_state_dict must come before the first prepare_batch")
-        self.close()  # a protocol loaded before this one: its segment ends here
         protocol = LockedStalenessManager.restore(state["protocol"])
         self.staleness.protocol = protocol
-        self._open_trace("a")
+        self.trace.resume(protocol)
         for group in protocol.groups():
             protocol.abort(group.group_id)
         self.next_task_id = int(state["next_task_id"])
         self._retry.extend(state["prompts"])
 
-    def _open_trace(self, mode: str) -> None:
-        """Start tracing the protocol, unless there is no ``trace_path`` or it is traced already. Not
-        at construction: a recovered life's batches are built before the recover state is loaded, and
-        a new file then would erase the trace of the life before."""
-        if self.trace_path is not None and self.writer is None:
-            self.writer = self.protocol.attach_trace(self.trace_path, mode=mode)
-
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        self.trace.close()
 
 
 class RecoverableLoader:

@@ -471,3 +471,4 @@ class JsonlTraceWriter:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+

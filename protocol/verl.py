@@ -59,9 +59,10 @@ import os
 from collections import deque
 from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
-from .errors import StaleVersionError
+from .errors import InvalidGroupIdError, InvalidParameterError, InvalidVersionError, SnapshotError, StaleVersionError
 from .events import ConsumedBatch, GroupId
 from .manager import StalenessManager
+from .trace_file import TraceFile
 from .waiting import AsyncWaiter
 
 __all__ = ["CHECKPOINT_FILE", "ProtocolMessageQueue", "ProtocolSettings", "TrainBatch", "protocol_settings"]
@@ -85,7 +86,7 @@ def protocol_settings(ppo_mini_batch_size: int, require_batches: int, trigger_pa
     require_batches``). verl lets ``(staleness_threshold + 1)`` versions' worth of samples start per
     version; the protocol's ``eta = ceil(staleness_threshold)`` bounds each sample instead."""
     if staleness_threshold < 0:
-        raise ValueError(f"staleness_threshold must be >= 0, got {staleness_threshold}")
+        raise InvalidParameterError(f"staleness_threshold must be >= 0, got {staleness_threshold}")
     return ProtocolSettings(math.ceil(staleness_threshold), ppo_mini_batch_size * require_batches * trigger_parameter_sync_step)
 
 
@@ -104,14 +105,19 @@ class ProtocolMessageQueue:
         redundancy: extra samples admitted beyond what the batches can take; surplus samples whose
             deadline passes are dropped (reported by :meth:`param_synced`).
         manager: a manager to use instead (a restored one); ``eta``/``batch_size`` are then ignored.
+        trace_path: a JSONL protocol trace (``python -m staleflow_protocol.check`` checks it), opened
+            by the first ``reserve`` (a new file) or by :meth:`load_state_dict` (a segment appended:
+            a resumed run continues the trace of the run before); written at each batch, every 256
+            events and at :meth:`shutdown`.
 
     Call its methods from one event loop (its waits are made on the first call, in that loop), so
     it may be built anywhere, as Ray builds an actor.
     """
 
     def __init__(self, eta: int = 1, batch_size: int = 1, redundancy: int = 0,
-                 manager: Optional[StalenessManager] = None) -> None:
+                 manager: Optional[StalenessManager] = None, trace_path: Optional[str] = None) -> None:
         self.manager = manager if manager is not None else StalenessManager(eta, batch_size, redundancy)
+        self.trace = TraceFile(trace_path)
         self._waiter_or_none: Optional[AsyncWaiter] = None  # built on first use, inside the event loop
         self._samples: Dict[GroupId, Any] = {}  # finished samples not yet handed to the trainer
         self._handing: Deque[Any] = deque()  # the rest of the batch get_sample is handing out
@@ -143,6 +149,7 @@ class ProtocolMessageQueue:
         """Admit ``sample_id`` before its generation starts on parameter ``version``: waits until the
         protocol has room; False if ``version`` can never be admitted again (sync the replicas
         first) or ``timeout`` seconds passed."""
+        self.trace.start(self.manager)
         while not self.manager.reserve(sample_id, version):
             try:
                 if not await self._waiter.wait_admissible(version, timeout):
@@ -158,7 +165,7 @@ class ProtocolMessageQueue:
             await self.shutdown()
             return True
         if sample_id is None:
-            raise TypeError("put_sample needs the sample_id the rollouter reserved")
+            raise InvalidGroupIdError("put_sample needs the sample_id the rollouter reserved")
         if sample_id not in self.manager:
             self.refused_late += 1
             return False
@@ -219,7 +226,7 @@ class ProtocolMessageQueue:
         """After the trainer pushed parameter ``version`` to the replicas: the ids dropped since the
         last call (abort their generations if any still run). ``version`` must be the protocol's."""
         if version != self.manager.version:
-            raise ValueError(f"parameter version {version} is not the protocol's {self.manager.version}: "
+            raise InvalidVersionError(f"parameter version {version} is not the protocol's {self.manager.version}: "
                              "one protocol batch must be one parameter version")
         dropped, self._dropped = self._dropped, []
         return dropped
@@ -247,8 +254,10 @@ class ProtocolMessageQueue:
             await self.abort(sample_id)
 
     async def shutdown(self) -> None:
-        """verl's end signal: ``get_batch`` and ``get_sample`` return None once no batch is ready."""
+        """verl's end signal: ``get_batch`` and ``get_sample`` return None once no batch is ready; the
+        trace is written out (it stays open: later aborts are traced too)."""
         self.running = False
+        self.trace.flush()
         if self._stopped_or_none is not None:
             self._stopped_or_none.set()
 
@@ -270,8 +279,9 @@ class ProtocolMessageQueue:
         ``current_param_version``, checked against the snapshot."""
         restored = StalenessManager.restore(state)
         if param_version is not None and param_version != restored.version:
-            raise ValueError(f"checkpoint mismatch: verl resumes at parameter version {param_version}, "
+            raise SnapshotError(f"checkpoint mismatch: verl resumes at parameter version {param_version}, "
                              f"the protocol snapshot at {restored.version}")
+        self.trace.resume(restored)
         lost = [record.group_id for record in restored.groups()]
         for sample_id in lost:
             restored.abort(sample_id)

@@ -94,15 +94,26 @@ def test_protocol_queue_bounds_every_trained_sample_and_resumes_from_a_checkpoin
 
 
 def test_a_checkpoint_of_another_parameter_version_is_refused(tmp_path: Path) -> None:
+    """Misuse raises a ``ProtocolError`` naming the problem (with the ``ValueError``/``TypeError``
+    bases callers catch), before anything changes."""
+    from staleflow.protocol import InvalidGroupIdError, InvalidParameterError, InvalidVersionError, SnapshotError
+
     async def go() -> None:
         queue = ProtocolMessageQueue(eta=1, batch_size=2)
         await queue.save_checkpoint(str(tmp_path))
-        with pytest.raises(ValueError, match="verl resumes at parameter version 3, the protocol snapshot at 0"):
+        with pytest.raises(SnapshotError, match="verl resumes at parameter version 3, the protocol snapshot at 0"):
             await queue.load_checkpoint(str(tmp_path), param_version=3)
-        with pytest.raises(ValueError, match="one protocol batch must be one parameter version"):
+        with pytest.raises(InvalidVersionError, match="one protocol batch must be one parameter version"):
             await queue.param_synced(1)
+        assert await queue.reserve("s0", 0)
+        with pytest.raises(InvalidGroupIdError, match="put_sample needs the sample_id"):
+            await queue.put_sample({"id": "s0"})
+        assert (await queue.get_statistics())["active"] == 1 and await queue.get_queue_size() == 0
 
     asyncio.run(go())
+    with pytest.raises(InvalidParameterError, match="staleness_threshold must be >= 0"):
+        protocol_settings(2, 1, 1, staleness_threshold=-1)
+    assert issubclass(SnapshotError, ValueError) and issubclass(InvalidGroupIdError, TypeError)
 
 
 def test_get_sample_hands_out_exactly_the_consumed_ids_and_late_samples_are_refused() -> None:
@@ -253,3 +264,72 @@ def test_verls_own_rollouter_and_trainer_code_with_the_protocol_queue(verl_pytho
     checked = subprocess.run([python, "-m", "staleflow_protocol.check", str(tmp_path / "protocol" / "trace.jsonl")],
                              capture_output=True, text=True, check=False, timeout=120, cwd=tmp_path, env=env)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.ray
+def test_the_queue_as_verl_hosts_its_own_an_async_ray_actor_killed_and_resumed(ray_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``ray.remote(num_cpus=1, max_concurrency=20)(ProtocolMessageQueue)``, as verl hosts its
+    ``MessageQueue``: four rollouter workers reserve (waiting inside the actor until admitted) at the
+    current parameter version, generate for a random, long-tailed time across syncs and put their
+    samples; the trainer takes its batches with ``get_sample`` and calls ``param_synced``. After step
+    9 the trainer saves verl's ``global_step_10`` folder, the actor is killed with generations in
+    flight, and a new actor with the same ``trace_path`` loads the checkpoint and trains steps 10-19.
+    The bound holds on every trained sample, each id is trained once, and the trace (two segments,
+    one per actor) is accepted and holds the consumes of all 20 batches."""
+    import random
+
+    from staleflow.protocol.check import check_trace
+
+    ray = ray_cluster
+    queue_actor = ray.remote(num_cpus=1, max_concurrency=20)(ProtocolMessageQueue)
+    trace, folder = tmp_path / "verl-trace.jsonl", tmp_path / "ckpt" / "global_step_10"
+    settings = protocol_settings(2, 2, 1, staleness_threshold=1)
+    trained: list[tuple[int, dict[str, int]]] = []
+    counter = iter(range(10**6))
+
+    async def life(queue, first_step: int, steps: int) -> None:  # type: ignore[no-untyped-def]
+        param_version = first_step
+
+        async def rollouter(worker: int) -> None:
+            rng = random.Random(worker + first_step)
+            while True:
+                sample_id, started = f"sample_{next(counter)}", param_version
+                if not await queue.reserve.remote(sample_id, started):
+                    await asyncio.sleep(0.001)  # too old: wait for the parameter sync
+                    continue
+                await asyncio.sleep(rng.choice([0.001, 0.002, 0.004, 0.03]))  # generate; some outlast a sync
+                await queue.put_sample.remote({"id": sample_id, "version": started}, sample_id=sample_id)
+
+        workers = [asyncio.ensure_future(rollouter(k)) for k in range(4)]
+        for step in range(first_step, first_step + steps):
+            for _ in range(settings.batch_size):
+                sample, _queued = await queue.get_sample.remote()
+                trained.append((step, sample))
+            param_version = step + 1  # the replicas get the new weights
+            await queue.param_synced.remote(param_version)
+        await queue.save_checkpoint.remote(str(folder))
+        for worker in workers:  # generations still in flight when the actor dies
+            worker.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+
+    first = queue_actor.remote(*settings, trace_path=str(trace))
+    asyncio.run(life(first, 0, 10))
+    in_flight = ray.get(first.get_statistics.remote())["active"]
+    ray.kill(first)
+    second = queue_actor.remote(trace_path=str(trace))
+    lost = ray.get(second.load_checkpoint.remote(str(folder), param_version=10))
+    asyncio.run(life(second, 10, 10))
+    ray.get(second.shutdown.remote())  # writes the trace out
+    ray.kill(second)
+
+    assert in_flight > 0 and len(lost) > 0  # the kill did interrupt admitted samples; the resume aborted them
+    assert [step for step, _ in trained] == [step for step in range(20) for _ in range(settings.batch_size)]
+    assert all(s["version"] <= step <= s["version"] + settings.eta for step, s in trained)
+    assert any(step - s["version"] == settings.eta for step, s in trained)  # partials across a sync: the bound was exercised
+    ids = [s["id"] for _, s in trained]
+    assert len(ids) == len(set(ids)) and not set(lost) & set(ids)
+    report = check_trace(trace)
+    assert report.accepted, report
+    segments = read_trace(trace)
+    assert len(segments) == 2
+    assert sorted(e.batch.version for seg in segments for e in seg.events if e.batch is not None) == list(range(20))
