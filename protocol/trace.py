@@ -471,4 +471,3 @@ class JsonlTraceWriter:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
-
