@@ -226,7 +226,10 @@ class ProtocolBatches:
         self._prompts: dict[int, Any] = {}  # submitted, result not collected: task id -> prompt
         self._retry: collections.deque[Any] = collections.deque()  # prompts to submit before new ones
         self._discard: set[int] = set()  # results to collect and throw away
-        self._source: Optional[Iterator[Any]] = None
+        self._loader_batches: Optional[Iterator[Any]] = None  # the dataloader's batches, cycled
+        # prompts of the loader batch last drawn, not submitted yet: the loader's own state counts them
+        # as handed out, so a checkpoint must carry them (state_dict) or they would be lost
+        self._drawn: collections.deque[Any] = collections.deque()
 
     @property
     def protocol(self) -> LockedStalenessManager:
@@ -235,8 +238,8 @@ class ProtocolBatches:
     def prepare(self, dataloader: Any, submit: Submit, timeout: float = 300.0) -> list[Any]:
         """The next consumed batch's trajectories (also ``self.last``), prompts drawn from ``dataloader``
         (cycled, cached on the first call as AReaL's ``prepare_batch`` does)."""
-        if self._source is None:
-            self._source = (item for rows in cycle_dataloader(dataloader) for item in rows)
+        if self._loader_batches is None:
+            self._loader_batches = iter(cycle_dataloader(dataloader))
             self.trace.start(self.protocol)
         deadline = time.monotonic() + timeout
         while True:
@@ -264,12 +267,17 @@ class ProtocolBatches:
         return trajectories
 
     def _top_up(self, submit: Submit) -> None:
-        assert self._source is not None
         while len(self._prompts) < self.staleness.get_pending_limit():
-            data = self._retry.popleft() if self._retry else next(self._source)
+            data = self._retry.popleft() if self._retry else self._next_prompt()
             task_id, self.next_task_id = self.next_task_id, self.next_task_id + 1
             self._prompts[task_id] = data
             submit(data, task_id)
+
+    def _next_prompt(self) -> Any:
+        assert self._loader_batches is not None
+        while not self._drawn:
+            self._drawn.extend(next(self._loader_batches))
+        return self._drawn.popleft()
 
     def _collect_discarded(self) -> None:
         for task_id, refused in self.staleness.take_rejected():
@@ -289,14 +297,15 @@ class ProtocolBatches:
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The protocol snapshot and every prompt not yet trained (in flight, refused, to retry)."""
+        """The protocol snapshot and every prompt not yet trained (to retry, in flight, drawn from the
+        loader and not submitted yet)."""
         return {"protocol": self.protocol.snapshot(), "next_task_id": self.next_task_id,
-                "prompts": [*self._retry, *self._prompts.values()]}
+                "prompts": [*self._retry, *self._prompts.values(), *self._drawn]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore before any task is submitted: the protocol from its snapshot; its unconsumed groups
         died with the old process, so each is aborted (traced) and its prompt submitted again."""
-        if self._prompts or self._source is not None:
+        if self._prompts or self._loader_batches is not None:
             raise RuntimeError("load_state_dict must come before the first prepare_batch")
         protocol = LockedStalenessManager.restore(state["protocol"])
         self.staleness.protocol = protocol

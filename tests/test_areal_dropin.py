@@ -160,7 +160,9 @@ def test_areal_two_ranks_recover_mid_run_bound_kept_trace_accepted(areal_python:
     print(f"AReaL venv: {built:.1f} s; two-rank run with recover: {time.perf_counter() - started:.1f} s")
     assert (result["steps"], result["recover_at"]) == (50, 25)
     # the prompt of task 1, refused at episode start, is submitted again (task 2) before a new prompt
-    assert result["refusal_submissions"][:3] == [[0, 10], [1, 11], [2, 11]]
+    assert result["refusal_submissions"]["submissions"][:3] == [[0, 10], [1, 11], [2, 11]]
+    # a checkpoint now keeps 11 (in flight again) and 12 (drawn with the loader's batch, not yet submitted)
+    assert result["refusal_submissions"]["saved"] == [11, 12]
     for rank in ("0", "1"):
         got = result["ranks"][rank]
         assert got["trained"] == 100 and got["past_eta"] == 0  # 50 batches of 2 groups, none past eta
