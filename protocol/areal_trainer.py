@@ -8,9 +8,13 @@ overrides the two factory methods that run before the load, so the load already 
 
 - ``_create_dataloader`` wraps the train loader in a :class:`~staleflow_protocol.areal.RecoverableLoader`
   (no batches yet: a protocol state loaded before the rollout exists waits in it);
-- ``_init_rollout`` (the training rollout; evaluation rollouts are left alone) swaps the engine's
-  executor for a :class:`~staleflow_protocol.areal.ProtocolWorkflowExecutor` (:func:`use_protocol`) and
-  binds the loader to its batches.
+- ``_init_rollout`` (the training rollout; evaluation rollouts are left alone) puts the protocol in
+  the rollout AReaL builds: in single-controller mode (AReaL's default) AReaL's own ``_init_rollout``
+  asks the backend's engine class for its controller (``as_controller``), and while it runs those
+  classes build a :class:`~staleflow_protocol.areal.ProtocolRolloutController` instead of a
+  ``RolloutController``; in SPMD mode it swaps the engine's executor for a
+  :class:`~staleflow_protocol.areal.ProtocolWorkflowExecutor` (:func:`use_protocol`). Either way the
+  loader is bound to the protocol's batches.
 
 ``RecoverHandler.dump`` then saves the protocol with ``train_dataloader.state_dict()``, ``load``
 restores it, and ``on_version_recovered`` checks that the restored protocol matches the checkpoint.
@@ -18,19 +22,43 @@ Use: ``class ProtocolRLTrainer(ProtocolTrainerHooks, PPOTrainer)``, built with t
 ``protocol=`` (and ``trace_path=``). This module does not import ``areal.trainer`` (it needs the
 ``datasets`` package and more), so it imports wherever ``staleflow_protocol.areal`` does.
 
-Covers AReaL's SPMD path (``RemoteInfEngine`` per trainer rank). In single-controller mode the
-trainer builds and initializes a plain ``RolloutController`` inside ``_init_rollout``; the hooks
-refuse it (build a :class:`~staleflow_protocol.areal.ProtocolRolloutController` in your trainer).
+Not covered: the experimental ``RolloutControllerV2`` (rollout config ``_version="v2"``), which AReaL
+builds directly; the hooks refuse it by name.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
+from areal.engine import RemoteSGLangEngine, RemotevLLMEngine
 from areal.infra import RolloutController
 
-from .areal import RecoverableLoader, TracePath, use_protocol
+from .areal import ProtocolRolloutController, RecoverableLoader, TracePath, use_protocol
 from .locked import LockedStalenessManager
+
+#: The engine classes whose ``as_controller`` AReaL's ``PPOTrainer._init_rollout`` calls in
+#: single-controller mode (its ``sglang`` and ``vllm`` backends).
+CONTROLLER_FACTORIES = (RemoteSGLangEngine, RemotevLLMEngine)
+
+
+@contextlib.contextmanager
+def controllers_with_protocol(protocol: LockedStalenessManager, trace_path: Optional[TracePath]) -> Iterator[None]:
+    """While open, :data:`CONTROLLER_FACTORIES` build a :class:`ProtocolRolloutController` with
+    ``protocol`` where they would build AReaL's ``RolloutController``; their own ``as_controller`` is
+    back on exit. For a trainer's construction (one thread), not for code running beside it."""
+    originals = {cls: cls.__dict__["as_controller"] for cls in CONTROLLER_FACTORIES}
+
+    def as_controller(cls: Any, config: Any, scheduler: Any) -> ProtocolRolloutController:
+        return ProtocolRolloutController(cls, config=config, scheduler=scheduler, protocol=protocol, trace_path=trace_path)
+
+    try:
+        for cls in originals:
+            cls.as_controller = classmethod(as_controller)
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.as_controller = original
 
 
 class ProtocolTrainerHooks:
@@ -50,14 +78,20 @@ class ProtocolTrainerHooks:
         return RecoverableLoader(loader) if dataset_config is self.config.train_dataset else loader
 
     def _init_rollout(self, rollout_config: Any, is_eval: bool = False, lora_path: Optional[str] = None) -> Any:
-        rollout = super()._init_rollout(rollout_config, is_eval=is_eval, lora_path=lora_path)  # type: ignore[misc]
         if is_eval:
-            return rollout
-        if isinstance(rollout, RolloutController):
-            raise NotImplementedError("single-controller mode: build a ProtocolRolloutController instead of these hooks")
+            return super()._init_rollout(rollout_config, is_eval=is_eval, lora_path=lora_path)  # type: ignore[misc]
         if not isinstance(self.train_dataloader, RecoverableLoader):
             raise RuntimeError("the train dataloader was not built by _create_dataloader (online mode has no prompts to protect)")
-        executor = use_protocol(rollout, self.staleflow_protocol, self.staleflow_trace_path,
-                                train_data_parallel_size=self.actor_alloc.parallel.dp_size)
-        self.train_dataloader.bind(executor.batches)
+        with controllers_with_protocol(self.staleflow_protocol, self.staleflow_trace_path):
+            rollout = super()._init_rollout(rollout_config, is_eval=is_eval, lora_path=lora_path)  # type: ignore[misc]
+        if isinstance(rollout, ProtocolRolloutController):  # single-controller mode
+            self.train_dataloader.bind(rollout.batches)
+        elif hasattr(rollout, "workflow_executor") and not isinstance(rollout, RolloutController):  # SPMD: an engine per rank
+            executor = use_protocol(rollout, self.staleflow_protocol, self.staleflow_trace_path,
+                                    train_data_parallel_size=self.actor_alloc.parallel.dp_size)
+            self.train_dataloader.bind(executor.batches)
+        else:
+            raise NotImplementedError(
+                f"PPOTrainer built a {type(rollout).__name__} for its rollout: the protocol hooks cover AReaL's "
+                "RolloutController (single-controller mode, rollout config _version v1) and its engines in SPMD mode")
         return rollout

@@ -13,7 +13,8 @@ its consumed ids, that no prompt was lost, and the traces (``python -m staleflow
 it prints one JSON line and exits 0, or raises.
 
 ``python areal_dropin_run.py --trainer-paths OUT``: AReaL's default path (``ProtocolRolloutController``
-over the in-process :class:`InProcessScheduler`, 8 steps) and RLTrainer's recover through AReaL's
+over the in-process :class:`InProcessScheduler`, 8 steps; built directly, and built by PPOTrainer's own
+single-controller ``_init_rollout`` under ``ProtocolTrainerHooks``) and RLTrainer's recover through AReaL's
 ``RecoverHandler`` (``ProtocolTrainerHooks`` on a stand-in for ``PPOTrainer.__init__``, dump after step 3,
 a second life loads it); prints one JSON line (test_areal_dropin.py says what is real and what is faked).
 
@@ -375,19 +376,63 @@ def trace_check(path: Path, steps: int) -> str:
     return checked.stdout.strip()
 
 
-def controller_run(out: Path, steps: int) -> dict[str, Any]:
+def single_controller_trainer(scheduler: Scheduler, rollout_config: InferenceEngineConfig, protocol: LockedStalenessManager,
+                              trace_path: Path) -> Any:
+    """``ProtocolTrainerHooks`` on AReaL's real ``PPOTrainer``, single-controller mode (AReaL's default:
+    ``AREAL_SPMD_MODE`` unset), built as far as the rollout: the train dataloader, then AReaL's own
+    ``_init_rollout`` (the backend's engine class builds the controller with ``as_controller`` and
+    initializes it over ``scheduler``). The rest of ``PPOTrainer.__init__`` (tokenizer, scheduler start,
+    the actor's controller) is left out."""
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.api.cli_args import vLLMConfig
+    from areal.trainer.rl_trainer import PPOTrainer
+    from areal.utils.environ import is_single_controller
+
+    assert is_single_controller()
+
+    class RolloutOrder(PPOTrainer):
+        def __init__(self) -> None:  # PPOTrainer.__init__'s attributes that _init_rollout reads, in its order
+            self.config = SimpleNamespace(rollout=rollout_config, vllm=vLLMConfig(), train_dataset=SimpleNamespace(batch_size=BATCH))
+            self.scheduler = scheduler
+            self.rollout_alloc = ModelAllocation.from_str(rollout_config.backend, name="rollout")
+            self.train_dataloader = self._create_dataloader([{"prompt": i} for i in range(100_000)],
+                                                            dataset_config=self.config.train_dataset, rank=0, world_size=1)
+            self.rollout = self._init_rollout(rollout_config)
+
+        def _create_dataloader(self, dataset: Any, dataset_config: Any, rank: int, world_size: int) -> Any:
+            return StatefulDataLoader(dataset, batch_size=dataset_config.batch_size, collate_fn=list)
+
+    class HookedRolloutOrder(ProtocolTrainerHooks, RolloutOrder):
+        pass
+
+    return HookedRolloutOrder(protocol=protocol, trace_path=trace_path)
+
+
+def controller_run(out: Path, steps: int, built_by_trainer: bool) -> dict[str, Any]:
     """AReaL's default path: ProtocolRolloutController (its dispatcher, async runner and Flask callback
-    server all real) over two rollout workers of :class:`InProcessScheduler`; trains ``steps`` batches."""
+    server all real) over two rollout workers of :class:`InProcessScheduler`; trains ``steps`` batches.
+    The controller is built directly, or (``built_by_trainer``) by PPOTrainer's own ``_init_rollout``
+    under ``ProtocolTrainerHooks`` (:func:`single_controller_trainer`)."""
     out.mkdir(parents=True, exist_ok=True)
     policy = torch.zeros(VOCAB, requires_grad=True)
     optimizer = torch.optim.SGD([policy], lr=0.5)
     engine = FakeEngine(policy, seed=3)
     scheduler = InProcessScheduler(engine)
     protocol = LockedStalenessManager.create(ETA, BATCH, REDUNDANCY)
-    cfg = InferenceEngineConfig(backend="sglang:d2", consumer_batch_size=BATCH, max_head_offpolicyness=ETA, max_concurrent_rollouts=8)
-    controller = ProtocolRolloutController(FakeEngine, cfg, scheduler, protocol=protocol, trace_path=out / "controller-trace.jsonl")
-    controller.initialize(role="rollout", server_args={})
-    data = StatefulDataLoader([{"prompt": i} for i in range(100_000)], batch_size=BATCH, collate_fn=list)
+    cfg = InferenceEngineConfig(backend="vllm:d2", consumer_batch_size=BATCH, max_head_offpolicyness=ETA, max_concurrent_rollouts=8)
+    trace = out / "controller-trace.jsonl"
+    if built_by_trainer:
+        from areal.engine import RemotevLLMEngine
+
+        factory = RemotevLLMEngine.__dict__["as_controller"]
+        trainer = single_controller_trainer(scheduler, cfg, protocol, trace)
+        controller, data = trainer.rollout, trainer.train_dataloader
+        assert data.batches is controller.batches  # the hooks bound the loader: the protocol rides in recover
+        assert RemotevLLMEngine.__dict__["as_controller"] is factory  # AReaL's own factory is back
+    else:
+        controller = ProtocolRolloutController(FakeEngine, cfg, scheduler, protocol=protocol, trace_path=trace)
+        controller.initialize(role="rollout", server_args={})
+        data = StatefulDataLoader([{"prompt": i} for i in range(100_000)], batch_size=BATCH, collate_fn=list)
     exact, stale, workers = True, 0, len(scheduler.workers)
     try:
         for step in range(steps):
@@ -404,8 +449,8 @@ def controller_run(out: Path, steps: int) -> dict[str, Any]:
         controller.batches.close()
         controller.destroy()
     return {"steps": steps, "workers": workers, "exact_ids": exact, "stale": stale, "refused": protocol.stats().refused,
-            "callbacks": scheduler.callbacks, "version": controller.get_version(),
-            "trace": trace_check(out / "controller-trace.jsonl", steps)}
+            "callbacks": scheduler.callbacks, "version": controller.get_version(), "trace": trace_check(trace, steps),
+            "built": [type(controller).__name__, controller.inf_engine.__name__]}
 
 
 class TrainEngineCheckpoint:
@@ -515,7 +560,8 @@ def main(argv: list[str]) -> None:
         rank_main(Path(argv[1]), int(argv[2]), int(argv[3]), int(argv[4]), bool(int(argv[5])))
         return
     if argv[0] == "--trainer-paths":  # AReaL's default controller path, and RLTrainer's recover through RecoverHandler
-        print(json.dumps({"controller": controller_run(Path(argv[1]) / "controller", 8),
+        print(json.dumps({"controller": controller_run(Path(argv[1]) / "controller", 8, built_by_trainer=False),
+                          "trainer_controller": controller_run(Path(argv[1]) / "trainer-controller", 8, built_by_trainer=True),
                           "recover_handler": recover_handler_run(Path(argv[1]) / "recover", 8, 3)}))
         return
     if argv[0] == "--control":

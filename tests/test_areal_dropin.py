@@ -133,7 +133,9 @@ def test_areal_controller_path_and_recover_handler(areal_python: tuple[Path, flo
     Controller: ``ProtocolRolloutController`` with AReaL's own dispatcher, async task runner and Flask
     callback server, 8 steps; only the ``Scheduler`` is faked (``InProcessScheduler``: two in-process
     workers where LocalScheduler would start RPC-server processes, each launching an SGLang/vLLM
-    server, which need GPUs), and the workers' engine is the CPU ``FakeEngine``.
+    server, which need GPUs), and the workers' engine is the CPU ``FakeEngine``. The controller is
+    built directly, and by AReaL's real ``PPOTrainer._init_rollout`` in single-controller mode under
+    ``ProtocolTrainerHooks`` (its ``__init__`` reduced to the attributes ``_init_rollout`` reads).
     Recover: AReaL's own ``RecoverHandler.dump`` / ``load`` (and ``RecoverInfo`` on disk) through
     ``ProtocolTrainerHooks``, mixed into a fast stand-in for ``PPOTrainer.__init__`` that keeps its
     order (dataloader, rollout, load, ``on_version_recovered``); the train engine is a torch tensor
@@ -146,6 +148,11 @@ def test_areal_controller_path_and_recover_handler(areal_python: tuple[Path, flo
     assert controller["exact_ids"] is True  # each trained trajectory is the one its consumed task produced
     assert controller["stale"] > 0 and controller["callbacks"] >= 8 * 2  # the bound was exercised, over HTTP callbacks
     assert "accepted" in controller["trace"]  # and the bound held on every trained sample (asserted in the run)
+    # PPOTrainer's own single-controller _init_rollout, under the hooks, builds the protocol's controller
+    hooked = result["trainer_controller"]
+    assert hooked["built"] == ["ProtocolRolloutController", "RemotevLLMEngine"]  # the vllm backend's engine class
+    assert (hooked["steps"], hooked["workers"], hooked["version"], hooked["exact_ids"]) == (8, 2, 8, True)
+    assert hooked["stale"] > 0 and "accepted" in hooked["trace"]
     recover = result["recover_handler"]
     assert recover["steps"] == list(range(8)) and recover["restored_at"] == 4  # dumped after step 3, resumed at 4
     assert recover["in_flight_at_dump"] > 0 and recover["saved_prompts_kept"] is True  # died mid-flight, no prompt lost
