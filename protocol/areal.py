@@ -198,10 +198,13 @@ class ProtocolWorkflow(RolloutWorkflow):
 
 @dataclass(frozen=True)
 class TrainBatch:
-    """One consumed batch: ``trajectories[i]`` is task ``batch.group_ids[i]``'s."""
+    """One consumed batch: ``trajectories[i]`` is task ``batch.group_ids[i]``'s. ``dropped_prompts``
+    are the prompts of the tasks ``batch.dropped`` names: the protocol dropped them (``redundancy``
+    surplus whose deadline passed), so they are spent, as a prompt ``should_accept_fn`` filters is."""
 
     batch: ConsumedBatch
     trajectories: list[Any]
+    dropped_prompts: list[Any]
 
 
 class ProtocolBatches:
@@ -262,8 +265,9 @@ class ProtocolBatches:
             trajectories.append(trajectory)
             del self._prompts[task_id]
             self.staleness.forget(task_id)
-        self._discard.update(int(group_id) for group_id in batch.dropped)
-        self.last = TrainBatch(batch, trajectories)
+        dropped = [int(group_id) for group_id in batch.dropped]
+        self._discard.update(dropped)
+        self.last = TrainBatch(batch, trajectories, [self._prompts[task_id] for task_id in dropped])
         return trajectories
 
     def _top_up(self, submit: Submit) -> None:

@@ -93,12 +93,8 @@ class FakeEngine:
         return tokens, versions
 
 
-PROMPT_OF_TASK: dict[int, int] = {}  # task id (the protocol's group id) -> its prompt, this life
-
-
 class TargetWorkflow(RolloutWorkflow):  # the host's workflow: reward = share of target tokens
     async def arun_episode(self, engine: FakeEngine, data: dict[str, Any]) -> dict[str, Any]:
-        PROMPT_OF_TASK[workflow_context.get().task_id] = data["prompt"]
         tokens, versions = await engine.generate()
         return {"input_ids": torch.tensor([tokens]), "versions": torch.tensor([versions]),
                 "rewards": torch.tensor([sum(t == TARGET for t in tokens) / len(tokens)]),
@@ -167,7 +163,7 @@ def rank_main(out: Path, rank: int, steps: int, recover_at: int, resume: bool) -
         train_step(policy, optimizer, trajectories)
         log.write(json.dumps({"step": step, "ids": [int(g) for g in got.batch.group_ids],
                               "reserved": list(got.batch.group_versions), "dropped": [int(g) for g in got.batch.dropped],
-                              "dropped_prompts": [PROMPT_OF_TASK[int(g)] for g in got.batch.dropped],
+                              "dropped_prompts": [p["prompt"] for p in got.dropped_prompts],
                               "prompts": [int(t["prompt"][0]) for t in trajectories],
                               "heads": [int(t["versions"][0].min()) for t in trajectories]}) + "\n")
         log.flush()
@@ -525,7 +521,7 @@ def recover_handler_run(out: Path, steps: int, recover_at: int) -> dict[str, Any
     and dies with tasks in flight; the second is built again (RecoverHandler.load in its __init__)
     and trains to ``steps``."""
     out.mkdir(parents=True, exist_ok=True)
-    trace, rows = out / "trainer-trace.jsonl", []
+    trace, rows, spent = out / "trainer-trace.jsonl", [], set()
     for life in (0, 1):
         policy = torch.zeros(VOCAB, requires_grad=True)
         optimizer = torch.optim.SGD([policy], lr=0.5)
@@ -536,6 +532,7 @@ def recover_handler_run(out: Path, steps: int, recover_at: int) -> dict[str, Any
             trajectories = executor.prepare_batch(trainer.train_dataloader, TargetWorkflow())
             check_row(step, executor.batches.last, trajectories)
             rows.append([step, [int(g) for g in executor.batches.last.batch.group_ids], [int(t["prompt"][0]) for t in trajectories]])
+            spent.update(p["prompt"] for p in executor.batches.last.dropped_prompts)  # the protocol dropped their groups
             train_step(policy, optimizer, trajectories)
             executor.pause()
             trainer.rollout.sync(policy, executor.batches.protocol.version)
@@ -552,7 +549,7 @@ def recover_handler_run(out: Path, steps: int, recover_at: int) -> dict[str, Any
     prompts = [p for _, _, group in rows for p in group]
     return {"steps": [s for s, _, _ in rows], "restored_at": restored, "in_flight_at_dump": in_flight,
             "unique_ids": len(ids) == len(set(ids)), "unique_prompts": len(prompts) == len(set(prompts)),
-            "saved_prompts_kept": set(saved) <= set(prompts) | set(pending), "trace": trace_check(trace, steps)}
+            "saved_prompts_kept": set(saved) <= set(prompts) | set(pending) | spent, "trace": trace_check(trace, steps)}
 
 
 def main(argv: list[str]) -> None:
