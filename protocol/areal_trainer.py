@@ -47,7 +47,7 @@ def controllers_with_protocol(protocol: LockedStalenessManager, trace_path: Opti
     """While open, :data:`CONTROLLER_FACTORIES` build a :class:`ProtocolRolloutController` with
     ``protocol`` where they would build AReaL's ``RolloutController``; their own ``as_controller`` is
     back on exit. For a trainer's construction (one thread), not for code running beside it."""
-    originals = {cls: cls.__dict__["as_controller"] for cls in CONTROLLER_FACTORIES}
+    originals = {cls: cls.__dict__.get("as_controller") for cls in CONTROLLER_FACTORIES}  # None: inherited
 
     def as_controller(cls: Any, config: Any, scheduler: Any) -> ProtocolRolloutController:
         return ProtocolRolloutController(cls, config=config, scheduler=scheduler, protocol=protocol, trace_path=trace_path)
@@ -58,7 +58,10 @@ def controllers_with_protocol(protocol: LockedStalenessManager, trace_path: Opti
         yield
     finally:
         for cls, original in originals.items():
-            cls.as_controller = original
+            if original is None:
+                del cls.as_controller
+            else:
+                cls.as_controller = original
 
 
 class ProtocolTrainerHooks:
