@@ -391,12 +391,11 @@ def single_controller_trainer(scheduler: Scheduler, rollout_config: InferenceEng
             self.config = SimpleNamespace(rollout=rollout_config, vllm=vLLMConfig(), train_dataset=SimpleNamespace(batch_size=BATCH))
             self.scheduler = scheduler
             self.rollout_alloc = ModelAllocation.from_str(rollout_config.backend, name="rollout")
-            self.train_dataloader = self._create_dataloader([{"prompt": i} for i in range(100_000)],
-                                                            dataset_config=self.config.train_dataset, rank=0, world_size=1)
+            self.train_dataloader = self._create_dataloader(None, dataset_config=self.config.train_dataset, rank=0, world_size=1)
             self.rollout = self._init_rollout(rollout_config)
 
         def _create_dataloader(self, dataset: Any, dataset_config: Any, rank: int, world_size: int) -> Any:
-            return StatefulDataLoader(dataset, batch_size=dataset_config.batch_size, collate_fn=list)
+            return loader(rank)  # the rank's prompts, BATCH per draw
 
     class HookedRolloutOrder(ProtocolTrainerHooks, RolloutOrder):
         pass
@@ -428,7 +427,7 @@ def controller_run(out: Path, steps: int, built_by_trainer: bool) -> dict[str, A
     else:
         controller = ProtocolRolloutController(FakeEngine, cfg, scheduler, protocol=protocol, trace_path=trace)
         controller.initialize(role="rollout", server_args={})
-        data = StatefulDataLoader([{"prompt": i} for i in range(100_000)], batch_size=BATCH, collate_fn=list)
+        data = loader(0)
     exact, stale, workers = True, 0, len(scheduler.workers)
     try:
         for step in range(steps):
