@@ -24,8 +24,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from staleflow.runtime.settings.workload import Workload
 
-#: The paper's baselines as the real systems run (runtime/settings/policies.py says which peer code each follows).
-BASELINES = ("verl-sync", "one-step-off", "verl-async", "areal", "areal-filter", "areal-tight", "roll-flash")
+#: The systems the paper ran (VeRL, VeRL-Pipeline, VeRL-Async, AReaL, ROLL Flash), as each runs
+#: (runtime/settings/policies.py says which peer code each follows): the paper's comparison basis.
+PAPER_SYSTEMS = ("verl-sync", "one-step-off", "verl-async", "areal", "roll-flash")
+#: Every baseline: the paper's systems and the variants a careful user would run (drop groups past
+#: ``eta``; AReaL at a tighter bound), which the paper did not run.
+BASELINES = (*PAPER_SYSTEMS, "areal-filter", "areal-tight")
 ABLATIONS = (
     "staleflow-no-routing", "staleflow-no-sync", "staleflow-no-migration", "staleflow-no-proactive-abort", "staleflow-fresh",
 )
@@ -33,7 +37,12 @@ ABLATIONS = (
 BASELINE_ABLATIONS = ("roll-flash-ideal-routing",)
 DEFAULT_SYSTEMS = ("staleflow", *BASELINES)
 UPPER_BOUND = "upper-bound"
+#: The bound-keeping basis: the fastest baseline whose p99 staleness is within ``eta`` (variants included).
 BEST = "best-bound-keeping"
+#: The paper's basis: the fastest of :data:`PAPER_SYSTEMS` as it runs, whatever it trains past ``eta``.
+BEST_PAPER = "best-paper-system"
+#: Steady state leaves out the first ``eta + STEADY_SKIP_AFTER_ETA`` steps (the pipeline filling up).
+STEADY_SKIP_AFTER_ETA = 2
 #: AReaL run with the largest admission bound below ``eta`` whose p99 staleness is within ``eta``.
 TIGHT = "areal-tight"
 
@@ -80,7 +89,7 @@ def simulate_system(
     the policy's.
     """
     from staleflow.adapters.sim.engine import SimEngine
-    from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer
+    from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer, trainer_offload_seconds
     from staleflow.adapters.sim.trainer import SimTrainer
     from staleflow.app.instance_skew import SkewRecorder
     from staleflow.runtime.run.assembly import assemble_run
@@ -107,12 +116,14 @@ def simulate_system(
         after_step = link.seconds + (workload.instance.weight_load_s if policy.update_pause_s else 0.0)
     elif policy.weight_transfer == "ps_pull":
         link = ParameterServerLink(workload.network)
+    if policy.offloads_trainer:
+        after_step += trainer_offload_seconds(workload.network, cluster.trainer_gpus)
     engines = [
         SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link) for i in range(instances)
     ]
     parts = RunParts(
         engines=list(engines),
-        trainer=SimTrainer.from_workload(workload, clock, scale=scale, after_step_s=after_step),
+        trainer=SimTrainer.from_workload(workload, clock, scale=scale, after_step_s=after_step, recompute=policy.recomputes_logprobs),
         prompts=workload.prompt_groups(seed, n_extra=policy.group_redundancy),
         cost_model=workload.build_cost_model().with_error(estimation_error, seed),
         clock=clock,
@@ -150,6 +161,7 @@ def simulate_system(
         "trainer_busy": sum(m["step_time_s"] for m in metrics.train_metrics) / metrics.elapsed_s,
         "steps": metrics.steps,
         "step_times_s": metrics.step_times_s,
+        "step_tokens": metrics.step_tokens,
         "staleness_per_buffer": {
             str(b): {str(s): n for s, n in counts.items()} for b, counts in metrics.staleness_per_buffer.items()
         },
@@ -160,15 +172,23 @@ def simulate_system(
         "coordinator_decision_s": metrics.coordinator.get("decision_seconds", 0.0),
         "reused_run": False,
         "instance_skew": skew.figures(),
-    }, policy.protocol_eta(eta))
+    }, policy.protocol_eta(eta), eta)
 
 
-def measured_against(figures: dict[str, Any], eta: int) -> dict[str, Any]:
+def measured_against(figures: dict[str, Any], eta: int, comparison_eta: int) -> dict[str, Any]:
     """``figures`` of a run with the bound it is measured against set to ``eta``: ``eta`` and the
-    share of trained groups past it (the run itself depends only on its ``admission_eta``)."""
+    share of trained groups past it (the run itself depends only on its ``admission_eta``), and its
+    steady state: tokens/s and step time without the first ``comparison_eta + 2`` steps (the same
+    steps for every system of a comparison at ``comparison_eta``; None when no step is left)."""
+    from staleflow.runtime.run.run_stats import steady_state
+
     histogram = {int(s): n for s, n in figures["staleness_histogram"].items()}
     past = sum(n for s, n in histogram.items() if s > eta) / max(1, sum(histogram.values()))
-    return {**figures, "eta": eta, "past_eta_share": past}
+    skip = comparison_eta + STEADY_SKIP_AFTER_ETA
+    steady = steady_state(figures["step_times_s"], figures["step_tokens"], skip)
+    return {**figures, "eta": eta, "past_eta_share": past, "steady_skip_steps": skip,
+            "steady_tokens_per_s": None if steady is None else steady[0],
+            "steady_step_time_s": None if steady is None else steady[1]}
 
 
 def violations(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -195,16 +215,24 @@ def keeps_eta(figures: dict[str, Any], eta: int) -> bool:
     return bool(figures["staleness_p99"] <= eta)
 
 
-def ratios(systems: dict[str, dict[str, Any]], bound: float, eta: int) -> dict[str, float]:
-    """StaleFlow's throughput over each other system's, over the best baseline whose p99 staleness
-    is within ``eta`` (``best-bound-keeping``; a baseline ablation never counts), and over the upper bound."""
-    if "staleflow" not in systems:
+def ratios(systems: dict[str, dict[str, Any]], bound: float, eta: int, key: str = "tokens_per_s") -> dict[str, float]:
+    """StaleFlow's throughput (``key``: ``tokens_per_s``, whole run, or ``steady_tokens_per_s``) over
+    each other system's, and on both comparison bases: over the fastest system the paper ran as it
+    runs (:data:`BEST_PAPER`) and over the fastest baseline whose p99 staleness is within ``eta``
+    (:data:`BEST`; a baseline ablation never counts); and over the upper bound."""
+    def speed(figures: dict[str, Any]) -> float:
+        return figures.get(key) or 0.0
+
+    if "staleflow" not in systems or speed(systems["staleflow"]) <= 0:
         return {}
-    ours = systems["staleflow"]["tokens_per_s"]
+    ours = speed(systems["staleflow"])
     others = {name: f for name, f in systems.items()
-              if not name.startswith("staleflow") and name not in BASELINE_ABLATIONS and f["tokens_per_s"] > 0}
-    ratios = {name: ours / f["tokens_per_s"] for name, f in systems.items() if name != "staleflow" and f["tokens_per_s"] > 0}
-    keeping = [f["tokens_per_s"] for f in others.values() if keeps_eta(f, eta)]
+              if not name.startswith("staleflow") and name not in BASELINE_ABLATIONS and speed(f) > 0}
+    ratios = {name: ours / speed(f) for name, f in systems.items() if name != "staleflow" and speed(f) > 0}
+    paper = [speed(f) for name, f in others.items() if name in PAPER_SYSTEMS]
+    if paper:
+        ratios[BEST_PAPER] = ours / max(paper)
+    keeping = [speed(f) for f in others.values() if keeps_eta(f, eta)]
     if keeping:
         ratios[BEST] = ours / max(keeping)
     ratios[UPPER_BOUND] = ours / bound if bound > 0 else 0.0
@@ -286,7 +314,10 @@ def compare_systems(
         for problem in violations(results):
             on_error(f"error: eta={eta} {problem}")
             exit_code = 1
-        report["by_eta"][str(eta)] = {"systems": results, "staleflow_ratio": ratios(results, bound.tokens_per_s, eta)}
+        report["by_eta"][str(eta)] = {
+            "systems": results, "staleflow_ratio": ratios(results, bound.tokens_per_s, eta),
+            "staleflow_ratio_steady": ratios(results, bound.tokens_per_s, eta, "steady_tokens_per_s"),
+        }
     return report, exit_code
 
 
@@ -307,7 +338,7 @@ def _runner(
             figures, earlier_trace = runs[key]
             if trace is not None and earlier_trace is not None:
                 shutil.copyfile(earlier_trace, trace)
-            return {**measured_against(figures, policy.protocol_eta(eta)), "reused_run": True}
+            return {**measured_against(figures, policy.protocol_eta(eta), eta), "reused_run": True}
         progress.reset(task)
         figures = simulate_system(
             workload, system, eta, comparison.steps, comparison.seed, comparison.tick_s, comparison.event_quantum_s,
@@ -327,7 +358,7 @@ def json_payload(report: dict[str, Any], comparison: Comparison) -> dict[str, An
     eta = comparison.etas[0]
     only = report["by_eta"][str(eta)]
     return {"systems": only["systems"], "upper_bound_tokens_per_s": report["upper_bound_tokens_per_s"],
-            "staleflow_ratio": only["staleflow_ratio"], "eta": eta, "workload": report["workload"],
+            "staleflow_ratio": only["staleflow_ratio"], "staleflow_ratio_steady": only["staleflow_ratio_steady"], "eta": eta, "workload": report["workload"],
             "steps": comparison.steps, "seed": comparison.seed, "estimation_error": comparison.estimation_error}
 
 

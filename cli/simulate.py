@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 from staleflow.app import simulation, simulation_plots
-from staleflow.app.simulation import ABLATIONS, BASELINE_ABLATIONS, DEFAULT_SYSTEMS, UPPER_BOUND
+from staleflow.app.simulation import ABLATIONS, BASELINE_ABLATIONS, BEST, BEST_PAPER, DEFAULT_SYSTEMS, UPPER_BOUND
 from staleflow.runtime.settings.workload import WorkloadError, load_workload
 
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         out = Console()
         if not out.is_terminal:
-            out = Console(width=170)  # a file or pipe: keep each row on one line
+            out = Console(width=200)  # a file or pipe: keep each row on one line
         print_tables(report, out)
     if args.out is not None:
         written = simulation_plots.write_plots(report, args.out) if any(r["systems"] for r in report["by_eta"].values()) else []
@@ -108,20 +108,56 @@ def print_tables(report: dict[str, Any], console: Any) -> None:
     bound = report["upper_bound_tokens_per_s"]
     for eta_key, run in report["by_eta"].items():
         table = Table(title=f"{report['workload']} ({report['gpus']} GPUs), eta={eta_key}, {report['steps']} steps, seed {report['seed']}")
-        for column in ("system", "tokens/s", "of bound", "step time (s)", "utilisation", "trainer busy",
+        for column in ("system", "tokens/s", "steady tokens/s", "of bound", "step time (s)", "steady step (s)", "utilisation", "trainer busy",
                        "staleness p99/max", "past eta", "staleness (groups)", "dropped", "wasted tokens", "lost/dup", "wall (s)"):
             table.add_column(column, justify="left" if column in ("system", "staleness (groups)") else "right")
         for name, f in run["systems"].items():
             label = name if f["admission_eta"] == f["eta"] else f"{name} (admits at eta {f['admission_eta']})"
             table.add_row(
-                label, f"{f['tokens_per_s']:,.0f}", f"{f['tokens_per_s'] / bound:.0%}", f"{f['step_time_s']:.1f}",
+                label, f"{f['tokens_per_s']:,.0f}", _figure(f["steady_tokens_per_s"], ",.0f"), f"{f['tokens_per_s'] / bound:.0%}",
+                f"{f['step_time_s']:.1f}", _figure(f["steady_step_time_s"], ".1f"),
                 f"{f['utilisation']:.0%}", f"{f['trainer_busy']:.0%}", f"{f['staleness_p99']}/{f['max_staleness']}",
                 f"{f['past_eta_share']:.1%}", histogram_text(f["staleness_histogram"]),
                 str(f["dropped"] + f["proactive_aborted"]), f"{f['wasted_tokens']:,}", f"{f['lost']}/{f['duplicated']}",
                 f"{f['wall_s']:.1f}",
             )
-        table.add_row(UPPER_BOUND, f"{bound:,.0f}", "100%", *[""] * 10)
+        table.add_row(UPPER_BOUND, f"{bound:,.0f}", "", "100%", *[""] * 11)
         console.print(table)
-        if run["staleflow_ratio"]:
-            ratios = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in run["staleflow_ratio"].items())
-            console.print(f"StaleFlow / other: {ratios}")
+        skip = next(iter(run["systems"].values()))["steady_skip_steps"] if run["systems"] else 0
+        for line in comparison_lines(run, int(eta_key), skip):
+            console.print(line, highlight=False)
+
+
+def _figure(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def comparison_lines(run: dict[str, Any], eta: int, skip: int) -> list[str]:
+    """StaleFlow's ratio on both comparison bases, whole run and steady state (the first ``skip``
+    steps left out): over each system the paper ran (with the share of its groups trained past
+    ``eta`` and its largest lag), and over the best baseline that keeps the bound."""
+    whole, steady = run["staleflow_ratio"], run["staleflow_ratio_steady"]
+    if not whole:
+        return []
+
+    def pair(name: str) -> str:
+        later = f", steady {steady[name]:.2f}x" if name in steady else ""
+        return f"{whole[name]:.2f}x{later}"
+
+    systems = run["systems"]
+    paper = [f"{name} {pair(name)} ({systems[name]['past_eta_share']:.1%} past eta, max lag {systems[name]['max_staleness']})"
+             for name in simulation.PAPER_SYSTEMS if name in whole]
+    lines = []
+    if paper:
+        lines.append(f"StaleFlow over the systems the paper ran (steady: without the first {skip} steps): " + "; ".join(paper)
+                     + (f"; best of them {pair(BEST_PAPER)}" if BEST_PAPER in whole else ""))
+    if BEST in whole:
+        lines.append(f"StaleFlow over the best bound-keeping baseline (p99 staleness within eta {eta}): {pair(BEST)}")
+    rest = [f"{name} {pair(name)}" for name in whole
+            if name not in (*simulation.PAPER_SYSTEMS, BEST, BEST_PAPER, UPPER_BOUND)]
+    if rest:
+        lines.append("StaleFlow over the others: " + "; ".join(rest))
+    if UPPER_BOUND in whole:
+        later = f" (steady {steady[UPPER_BOUND]:.0%})" if UPPER_BOUND in steady else ""
+        lines.append(f"StaleFlow of the upper bound: {whole[UPPER_BOUND]:.0%}{later}")
+    return lines

@@ -20,12 +20,38 @@ PAPER = [
     "qwen2.5-32b-128gpu",
     "qwen3-30b-a3b-128gpu",
 ]
+#: Each paper workload: (GPUs, rollout GPUs, batch, group size, response cap) and where the batch,
+#: the cap and the split come from (the authors' scripts, psrl commit 968b836; Fig. 25 for Qwen3's cap).
+PAPER_SETTINGS = {
+    "deepseek-r1-distill-qwen-14b-64gpu": ((64, 32, 128, 16, 20480), ("14b_ours.sh", "line 59", "line 53", "line 36")),
+    "deepseek-r1-distill-qwen-32b-128gpu": ((128, 64, 64, 16, 20480), ("32b_greedy.sh", "line 62", "line 56", "lines 36-44")),
+    "deepseek-r1-distill-qwen-32b-128gpu-b32": ((128, 64, 32, 16, 20480), ("setup.txt", "line 62", "line 56", "lines 36-44")),
+    "qwen2.5-32b-128gpu": ((128, 64, 32, 16, 20480), ("setup.txt", "line 62", "line 56", "lines 36-44")),
+    "qwen3-30b-a3b-128gpu": ((128, 64, 128, 16, 40960), ("moe_ours.sh", "lines 61, 63", "Fig. 25", "lines 35-43")),
+    "qwen3-30b-a3b-128gpu-cap20k": ((128, 64, 128, 16, 20480), ("moe_ours.sh", "line 55")),
+}
 
 
 def test_shipped_workloads_load_with_their_gpu_counts() -> None:
     assert set(PAPER) | {"small-ci"} <= set(shipped_workloads())
     gpus = {name: load_workload(name).gpus for name in PAPER}
     assert gpus == {PAPER[0]: 64, PAPER[1]: 128, PAPER[2]: 128, PAPER[3]: 128}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_SETTINGS))
+def test_paper_workloads_take_batch_cap_and_split_from_the_authors_scripts(name: str) -> None:
+    """Every shipped paper workload loads with the batch, cap and split of the authors' scripts, and
+    its header names the script (at psrl 968b836) and the lines each figure comes from."""
+    workload = load_workload(name)
+    shape, citations = PAPER_SETTINGS[name]
+    split = workload.gpus - workload.cluster.trainer_gpus
+    assert (workload.gpus, split, workload.batch.groups_per_step, workload.batch.group_size,
+            workload.response_tokens.max) == shape
+    assert workload.prompt_tokens + workload.response_tokens.max <= 32768 or name == "qwen3-30b-a3b-128gpu"
+    header = " ".join(line for line in resolve_workload_path(name).read_text().splitlines() if line.startswith("#"))
+    assert "968b836" in header and all(citation in header for citation in citations), header
+    shipped_paper = {n for n in shipped_workloads() if not n.startswith("small-ci")}
+    assert shipped_paper == set(PAPER_SETTINGS)
     qwen3 = load_workload("qwen3-30b-a3b-128gpu").build_cost_model()
     # the authors' qwen_moe_30b.json, TP1_PP1; the paper's Table 4 is k2 = thr - o_b, k4 = o_b + a_b
     assert (qwen3.thr, qwen3.o_b, qwen3.o_k, qwen3.a_b, qwen3.a_k) == (0.0115108, 0.0097899, 1.249e-4, 8.671926e-4, 7.28e-8)
@@ -175,6 +201,14 @@ def test_training_time_from_flops_by_hand(tmp_path) -> None:
     clock.sleep_until(100.0)
     result = trainer.poll()
     assert result is not None and result.metrics["step_time_s"] == pytest.approx(1.0 + 8e-5 * 4000 + 2e-11 * 4 * 1000**2)
+    # without the old log-prob recompute (verl fully async): 6 FLOPs per parameter, 3 attention passes
+    assert training.seconds_per_token(2, recompute=False) == pytest.approx(6e-5)
+    assert training.seconds_per_token2(2, recompute=False) == pytest.approx(1.5e-11)
+    lean = SimTrainer.from_workload(workload, clock, recompute=False)
+    lean.start_step(TrainingBatch(0, {"g": trajectories}))
+    clock.sleep_until(200.0)
+    result = lean.poll()
+    assert result is not None and result.metrics["step_time_s"] == pytest.approx(1.0 + 6e-5 * 4000 + 1.5e-11 * 4 * 1000**2)
     # re-split: twice the trainer GPUs halve the FLOPs part; the total stays
     wide = load_workload("qwen3-30b-a3b-128gpu")
     narrow = wide.with_rollout_gpus(96)
@@ -210,3 +244,28 @@ def test_paper_workloads_derive_training_from_flops_with_the_authors_half_split(
         assert workload.training.per_token_s is None and workload.training.mfu_source  # FLOPs model, MFU cited
         rollout = workload.cluster.rollout_instances * workload.cluster.gpus_per_instance
         assert rollout == workload.cluster.trainer_gpus == workload.gpus // 2  # 4 + 4 nodes (psrl e2e scripts)
+
+
+def test_verl_async_trains_without_the_recompute_and_roll_pays_its_offload() -> None:
+    """verl's fully-async recipe trains on the rollout's log-probs (``use_rollout_log_probs: True``):
+    its step costs 6 of the 8 FLOPs per parameter; the same system forced to recompute pays all 8.
+    ROLL offloads the trainer's states after every step: 16 B per parameter per trainer GPU, out and
+    back over the host link."""
+    from staleflow.adapters.sim.network import trainer_offload_seconds
+    from staleflow.app.simulation import simulate_system
+    from staleflow.runtime.settings.policies import make_policy
+
+    assert make_policy("verl-async").recomputes_logprobs is False
+    assert all(make_policy(name).recomputes_logprobs for name in ("staleflow", "areal", "one-step-off", "roll-flash"))
+    workload = load_workload("small-ci")
+
+    def trainer_seconds_per_token(**knobs: bool) -> float:
+        figures = simulate_system(workload, "verl-async", 2, 6, 0, **knobs)
+        return figures["trainer_busy"] * figures["virtual_s"] / sum(figures["step_tokens"])
+
+    lean, full = trainer_seconds_per_token(), trainer_seconds_per_token(recomputes_logprobs=True)
+    assert lean < 0.9 * full  # base_s 0.2 s per step stays; the per-token part is 3/4
+    assert make_policy("roll-flash").offloads_trainer and not make_policy("staleflow").offloads_trainer
+    qwen3 = load_workload("qwen3-30b-a3b-128gpu")
+    # 8 x 61.1 GB of states over 64 trainer GPUs, out and back at 25 GB/s
+    assert trainer_offload_seconds(qwen3.network, qwen3.cluster.trainer_gpus) == pytest.approx(2 * 8 * 61.1 / 64 / 25)

@@ -63,7 +63,20 @@ def test_same_seed_gives_the_same_figures(capsys) -> None:
 def test_table_names_systems_and_the_bound(capsys) -> None:
     assert run_cli(["--workload", "small-ci", "--systems", "staleflow", "sync", "--steps", "2"]) == 0
     out = capsys.readouterr().out
-    assert "staleflow" in out and "sync" in out and "upper-bound" in out and "StaleFlow / other: sync" in out
+    assert "staleflow" in out and "sync" in out and "upper-bound" in out and "StaleFlow over the others: sync" in out
+
+
+def test_table_prints_both_comparison_bases_with_steady_state(capsys) -> None:
+    """The summary under each table: StaleFlow over each system the paper ran (with its share past
+    eta and largest lag) and over their best, and over the best bound-keeping baseline; whole run
+    and steady state (the first eta + 2 steps left out)."""
+    assert run_cli(["--workload", "small-ci", "--systems", "staleflow", "verl-async", "areal-filter", "--eta", "1",
+                    "--steps", "6"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "StaleFlow over the systems the paper ran (steady: without the first 3 steps): verl-async " in out
+    assert "past eta, max lag" in out and "best of them" in out
+    assert "StaleFlow over the best bound-keeping baseline (p99 staleness within eta 1):" in out
+    assert "StaleFlow of the upper bound:" in out and "steady" in out
 
 
 def test_bad_workload_exits_2_with_the_key_named(capsys, tmp_path) -> None:
@@ -122,6 +135,15 @@ def test_peers_report_measured_staleness_and_ratios_to_the_best_bound_keeping_ba
     keeping = [n for n, f in systems.items() if n != "staleflow" and f["staleness_p99"] <= 1]
     best = max(systems[n]["tokens_per_s"] for n in keeping)
     assert report["staleflow_ratio"]["best-bound-keeping"] == pytest.approx(systems["staleflow"]["tokens_per_s"] / best)
+    # the paper's basis: the fastest of the systems the paper ran, as they run (past eta or not)
+    paper = max(systems[n]["tokens_per_s"] for n in ("verl-sync", "one-step-off", "verl-async", "areal", "roll-flash"))
+    assert report["staleflow_ratio"]["best-paper-system"] == pytest.approx(systems["staleflow"]["tokens_per_s"] / paper)
+    # steady state: the same steps (after the first eta + 2 = 3) for every system, beside the whole run
+    for f in systems.values():
+        assert f["steady_skip_steps"] == 3 and sum(f["step_tokens"]) > 0
+        assert f["steady_tokens_per_s"] == pytest.approx(sum(f["step_tokens"][3:]) / sum(f["step_times_s"][3:]))
+    steady = report["staleflow_ratio_steady"]
+    assert steady["areal"] == pytest.approx(systems["staleflow"]["steady_tokens_per_s"] / systems["areal"]["steady_tokens_per_s"])
 
 
 def test_redundancy_and_estimation_error_from_the_command_line(capsys) -> None:

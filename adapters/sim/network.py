@@ -9,6 +9,9 @@
   once in ``weights_gb / broadcast_gb_per_s``, after ``pause_s`` of a whole-fleet pause if the
   system pauses around its updates (ROLL's ``pause_sampling``); the trainer is blocked as long
   (``SimTrainer``'s ``after_step_s``).
+* :func:`trainer_offload_seconds`: a system that offloads the trainer's states after every step
+  (ROLL) moves, per trainer GPU, its share of the weights, gradients and optimizer states to host
+  memory and back over its host link.
 * :func:`prefill_seconds`: rebuilding the KV cache of ``c`` context tokens (a new request's prompt, or
   a resubmitted partial's prompt and tokens so far) with chunked prefill costs a linear term
   ``per_token * c`` (the matmuls) and an attention term: chunk after chunk attends to every earlier
@@ -61,3 +64,14 @@ class Broadcast:
 def prefill_seconds(context: int, per_token: float, attn_per_token2: float) -> float:
     """Seconds to rebuild the KV cache of ``context`` tokens (module docstring)."""
     return context * per_token + attn_per_token2 * context * context / 2
+
+
+#: Bytes of trainer state per parameter, as a multiple of the bf16 weights (2 B/param): bf16 weights
+#: and gradients (2 + 2 B) and fp32 master weights and Adam moments (4 + 4 + 4 B) = 16 B/param.
+TRAINER_STATE_PER_WEIGHT_BYTE = 8
+
+
+def trainer_offload_seconds(network: NetworkSpec, trainer_gpus: int) -> float:
+    """Seconds to move each trainer GPU's share of the states out to host memory and back in."""
+    per_gpu_gb = TRAINER_STATE_PER_WEIGHT_BYTE * network.weights_gb / max(1, trainer_gpus)
+    return 2 * per_gpu_gb / network.host_gb_per_s

@@ -5,7 +5,9 @@ tokens of every trajectory, and with attention FLOPs the squared length of each 
 share (:class:`~staleflow.runtime.settings.workload.TrainingSpec`, on the workload's trainer GPUs).
 Weights are a version token (:class:`SimWeights`): the simulator moves versions, not tensors.
 ``scale`` multiplies the step time (a colocated system trains on every GPU: ``trainer_gpus / gpus``);
-``after_step_s`` keeps the trainer busy after each step (a blocking weight broadcast).
+``after_step_s`` keeps the trainer busy after each step (a blocking weight broadcast, ROLL's offload
+of the trainer's states); ``recompute``: the step includes the old log-prob recompute (a system that
+trains on the rollout's log-probs skips it).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class SimTrainer:
 
     def __init__(
         self, clock: Clock, training: TrainingSpec, version: int = 0, scale: float = 1.0, after_step_s: float = 0.0,
-        trainer_gpus: int = 1,
+        trainer_gpus: int = 1, recompute: bool = True,
     ) -> None:
         if scale <= 0 or after_step_s < 0:
             raise ValueError(f"need scale > 0 and after_step_s >= 0, got {scale} and {after_step_s}")
@@ -54,14 +56,16 @@ class SimTrainer:
         self._trainer_gpus = trainer_gpus
         self._scale = scale
         self._after = after_step_s
+        self._recompute = recompute
         self._version = version
         self._step: _Step | None = None
 
     @classmethod
     def from_workload(
-        cls, workload: Workload, clock: Clock, version: int = 0, scale: float = 1.0, after_step_s: float = 0.0
+        cls, workload: Workload, clock: Clock, version: int = 0, scale: float = 1.0, after_step_s: float = 0.0,
+        recompute: bool = True,
     ) -> SimTrainer:
-        return cls(clock, workload.training, version, scale, after_step_s, workload.cluster.trainer_gpus)
+        return cls(clock, workload.training, version, scale, after_step_s, workload.cluster.trainer_gpus, recompute)
 
     @property
     def version(self) -> int:
@@ -83,7 +87,8 @@ class SimTrainer:
         self._step = _Step(
             version=batch.version,
             start=start,
-            end=start + self._scale * self._training.step_time(prompt + response, self._trainer_gpus, squares) + self._after,
+            end=start + self._scale * self._training.step_time(prompt + response, self._trainer_gpus, squares, self._recompute)
+            + self._after,
             tokens=prompt + response,
             response_tokens=response,
             groups=len(batch.groups),

@@ -7,7 +7,7 @@ end. Times are the run clock's seconds (virtual in simulation).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,7 +22,8 @@ class RunMetrics:
 
     ``tokens_generated``: response tokens of every finished trajectory (kept or not);
     ``tokens_trained``: response tokens of the trajectories in consumed batches; ``tokens_per_s``:
-    trained tokens per second of the run. ``staleness_per_buffer[b][s]``: groups of batch ``b``
+    trained tokens per second of the run (start-up included: :func:`steady_state` leaves it out);
+    ``step_tokens``: the response tokens each step trained. ``staleness_per_buffer[b][s]``: groups of batch ``b``
     generated ``s`` versions before it; ``staleness_histogram`` sums them over batches.
     ``staleness_p99``: the 99th percentile of the trained groups' staleness; ``past_eta_share``: the
     share of trained groups older than the bound ``eta`` the run was asked for (only systems that do
@@ -41,6 +42,7 @@ class RunMetrics:
     tokens_trained: int
     tokens_per_s: float
     step_times_s: list[float]
+    step_tokens: list[int]
     step_time_s: float
     utilisation: float
     instance_busy_fraction: dict[str, float]
@@ -63,6 +65,15 @@ class RunMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def steady_state(step_times: Sequence[float], step_tokens: Sequence[int], skip: int) -> tuple[float, float] | None:
+    """Trained tokens per second and mean step time over the steps after the first ``skip`` (the
+    run's start-up: the pipeline is still filling), or None when no step is left."""
+    times, tokens = step_times[skip:], step_tokens[skip:]
+    if not times or sum(times) <= 0:
+        return None
+    return sum(tokens) / sum(times), sum(times) / len(times)
 
 
 def staleness_quantile(histogram: Mapping[int, int], q: float) -> int:
@@ -89,6 +100,8 @@ class RunStats:
         self.tokens_generated = 0
         self.tokens_trained = 0
         self.step_times: list[float] = []
+        self.step_tokens: list[int] = []
+        self._trained_at_step_end = 0
         self.train_metrics: list[dict[str, float]] = []
         self.staleness: dict[int, Counter[int]] = {}
         self.run_start = 0.0
@@ -109,6 +122,8 @@ class RunStats:
     def step_finished(self, now: float, metrics: Mapping[str, float]) -> None:
         self.steps_done += 1
         self.step_times.append(now - self.last_step_end)
+        self.step_tokens.append(self.tokens_trained - self._trained_at_step_end)
+        self._trained_at_step_end = self.tokens_trained
         self.last_step_end = now
         self.train_metrics.append(dict(metrics))
 
@@ -156,6 +171,7 @@ class RunStats:
             tokens_trained=self.tokens_trained,
             tokens_per_s=self.tokens_trained / elapsed,
             step_times_s=list(self.step_times),
+            step_tokens=list(self.step_tokens),
             step_time_s=sum(self.step_times) / len(self.step_times) if self.step_times else 0.0,
             utilisation=sum(busy_fraction.values()) / len(busy_fraction),
             instance_busy_fraction=busy_fraction,
@@ -190,4 +206,5 @@ class RunStats:
         self.counters.clear()  # in place: the loop's helpers hold this counter
         self.counters.update(state["counters"])
         self.tokens_generated, self.tokens_trained = state["tokens"]
+        self._trained_at_step_end = self.tokens_trained
         self.staleness = {int(b): Counter({int(s): n for s, n in c.items()}) for b, c in state["staleness"].items()}

@@ -24,7 +24,9 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     Rollouter and trainer on separate GPUs; the rollouter admits while samples in flight or queued
     stay within ``(eta + version + 1) * B`` (``staleness_threshold`` in batches); partial rollout on
     each parameter sync (in-flight requests aborted and resubmitted), a blocking broadcast; the
-    trainer takes groups from the message queue in the order they finished.
+    trainer takes groups from the message queue in the order they finished, and trains on the
+    rollout's log-probs without recomputing them (``use_rollout_log_probs: True``, the recipe's
+    default in verl 0.9).
 ``areal`` (AReaL ``areal/core/staleness_manager.py``, ``workflow_executor.py``)
     Capacity ``min(max_concurrent - running, (eta + version + 1) * B - (accepted + running))`` with
     ``max_concurrent_rollouts`` = the batch size; round-robin routing; a request interrupted by a
@@ -170,6 +172,14 @@ class SystemPolicy:
             (this pause, the broadcast and the instances' ``weight_load_s``), as ROLL's driver runs
             them in sequence before the next ``get_batch``. 0: the broadcast alone blocks the trainer.
             A simulated cost (``staleflow simulate``); a training job pays its engines' real one.
+        recomputes_logprobs: the trainer recomputes the old (behaviour) log-probs before its update, a
+            forward pass over the batch (VeRL's and AReaL's default, and StaleFlow's); False trains on
+            the log-probs the rollout returned (verl's fully-async recipe: ``use_rollout_log_probs``
+            defaults to True). A simulated cost (:class:`~staleflow.runtime.settings.workload.TrainingSpec`).
+        offloads_trainer: after each step the trainer's states (weights, gradients, optimizer) go to
+            host memory and come back before the next (ROLL's ``offload_states`` / ``load_states`` of
+            the actor around every step, ``rlvr_pipeline.py``); the trainer is busy meanwhile. A
+            simulated cost (``adapters/sim/network.py``, ``trainer_offload_seconds``).
     """
 
     name: str
@@ -202,6 +212,8 @@ class SystemPolicy:
     request_budget: int = 1024
     resubmit_same_instance: bool = False
     update_pause_s: float = 0.0
+    recomputes_logprobs: bool = True
+    offloads_trainer: bool = False
 
     def __post_init__(self) -> None:
         _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin", "prompt_affinity"))
@@ -284,7 +296,7 @@ ROLL_MAX_RUNNING_REQUESTS = 128
 #: the pause around it. 1 s for the pause is our estimate (an ``abort_requests`` RPC to every instance,
 #: ``wait_complete``, two prefix-cache resets and a ``gc.collect`` / ``empty_cache`` per instance), not a
 #: measurement; the broadcast runs at the workload's ``network.broadcast_gb_per_s``.
-_ROLL: dict[str, Any] = {**_BASELINE, "sync": "global_immediate", "update_pause_s": 1.0}
+_ROLL: dict[str, Any] = {**_BASELINE, "sync": "global_immediate", "update_pause_s": 1.0, "offloads_trainer": True}
 
 
 def _staleflow(name: str, **knobs: Any) -> SystemPolicy:
@@ -305,7 +317,7 @@ POLICIES: dict[str, SystemPolicy] = {
     "sync": SystemPolicy("sync", sync="global_drained", fixed_eta=0, takes_redundancy=False, **_BASELINE),
     "one-step-off": SystemPolicy("one-step-off", sync="global_drained", fixed_eta=1, **_BASELINE),
     "verl-async": SystemPolicy("verl-async", sync="global_immediate", admission="inflight_cap",
-                               consumption="finish_order", **_BASELINE),
+                               consumption="finish_order", recomputes_logprobs=False, **_BASELINE),
     "areal": SystemPolicy("areal", **_AREAL),
     "areal-filter": SystemPolicy("areal-filter", filter_stale=True, **_AREAL),
     "roll-flash": SystemPolicy("roll-flash", **{**_ROLL, "routing": "prompt_affinity", "max_running": ROLL_MAX_RUNNING_REQUESTS}),

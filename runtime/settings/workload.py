@@ -199,6 +199,8 @@ class NetworkSpec(_Strict):
     ps_gb_per_s: float = Field(default=1e9, gt=0, description="the parameter server's total egress")
     link_gb_per_s: float = Field(default=1e9, gt=0, description="one instance's link")
     broadcast_gb_per_s: float = Field(default=1e9, gt=0, description="a global NCCL broadcast, end to end")
+    host_gb_per_s: float = Field(
+        default=1e9, gt=0, description="one trainer GPU's link to host memory (PCIe), for a system that offloads the trainer's states")
 
 
 class TrainingSpec(_Strict):
@@ -207,12 +209,19 @@ class TrainingSpec(_Strict):
 
     Either ``per_token_s`` is given (a measured or assumed rate: small test workloads), or it is
     derived from FLOPs: ``active_params``, ``mfu`` and ``gpu_tflops`` (all three) give
-    ``flops_per_param x active_params / (mfu x gpu_tflops x 1e12 x trainer GPUs)`` seconds per token,
-    where ``flops_per_param`` = 8 counts the forward (2) and backward (4) passes and the log-prob
-    recompute of the trainer (2). ``attn_flops_per_token2`` (optional): forward attention FLOPs per
-    (token, earlier token) pair, ``4 x layers x query heads x head dim``; the step then also
-    costs ``4 x attn_flops_per_token2 x c^2 / 2`` FLOPs per trajectory (forward, backward, recompute;
+    ``(flops_per_param + recompute_flops_per_param) x active_params / (mfu x gpu_tflops x 1e12 x
+    trainer GPUs)`` seconds per token, where ``flops_per_param`` = 6 counts the forward (2) and
+    backward (4) passes and ``recompute_flops_per_param`` = 2 the trainer's recompute of the old
+    log-probs (one more forward). ``attn_flops_per_token2`` (optional): forward attention FLOPs per
+    (token, earlier token) pair, ``4 x layers x query heads x head dim``; the step then also costs
+    ``4 x attn_flops_per_token2 x c^2 / 2`` FLOPs per trajectory (forward, backward twice, recompute;
     causal: half the pairs) at the same rate.
+
+    The recompute is a system's choice, not the workload's: a system that trains on the rollout's
+    own log-probs (verl's fully-async recipe, ``use_rollout_log_probs: True`` by default) passes
+    ``recompute=False`` and its step costs the forward and backward passes only. A ``per_token_s``
+    rate is taken to include the recompute; without it the rate is scaled by
+    ``flops_per_param / (flops_per_param + recompute_flops_per_param)``.
     """
 
     base_s: float = Field(default=0.0, ge=0, description="fixed cost of a step (optimizer, gradient all-reduce)")
@@ -220,7 +229,9 @@ class TrainingSpec(_Strict):
     active_params: float | None = Field(default=None, gt=0, description="parameters a token passes through (MoE: the active ones)")
     mfu: float | None = Field(default=None, gt=0, le=1, description="model FLOPs utilisation of the trainer")
     gpu_tflops: float | None = Field(default=None, gt=0, description="dense bf16 peak of one trainer GPU, TFLOP/s")
-    flops_per_param: float = Field(default=8.0, gt=0, description="FLOPs per active parameter per trained token")
+    flops_per_param: float = Field(default=6.0, gt=0, description="FLOPs per active parameter per trained token: forward and backward")
+    recompute_flops_per_param: float = Field(
+        default=2.0, ge=0, description="FLOPs per active parameter per trained token of the old log-prob recompute (a forward)")
     attn_flops_per_token2: float = Field(default=0.0, ge=0, description="forward attention FLOPs per (token, earlier token) pair")
     mfu_source: str = Field(default="", description="where the MFU figure comes from (reported, not used)")
 
@@ -242,23 +253,31 @@ class TrainingSpec(_Strict):
         assert self.mfu is not None and self.gpu_tflops is not None
         return self.mfu * self.gpu_tflops * 1e12 * max(1, trainer_gpus)
 
-    def seconds_per_token(self, trainer_gpus: int) -> float:
-        """``per_token_s``, or the FLOPs model's on ``trainer_gpus`` GPUs."""
-        if self.per_token_s is not None:
-            return self.per_token_s
-        assert self.active_params is not None
-        return self.flops_per_param * self.active_params / self.flop_rate(trainer_gpus)
+    def _flops_share(self, recompute: bool) -> float:
+        """The share of the full step's FLOPs (recompute included) a step with or without it costs."""
+        full = self.flops_per_param + self.recompute_flops_per_param
+        return 1.0 if recompute else self.flops_per_param / full
 
-    def seconds_per_token2(self, trainer_gpus: int) -> float:
-        """Seconds per squared trajectory length (causal attention of training and recompute)."""
+    def seconds_per_token(self, trainer_gpus: int, recompute: bool = True) -> float:
+        """``per_token_s``, or the FLOPs model's on ``trainer_gpus`` GPUs; ``recompute``: with the old log-prob recompute."""
+        if self.per_token_s is not None:
+            return self.per_token_s * self._flops_share(recompute)
+        assert self.active_params is not None
+        flops = self.flops_per_param + (self.recompute_flops_per_param if recompute else 0.0)
+        return flops * self.active_params / self.flop_rate(trainer_gpus)
+
+    def seconds_per_token2(self, trainer_gpus: int, recompute: bool = True) -> float:
+        """Seconds per squared trajectory length (causal attention of training and, with ``recompute``, the recompute)."""
         if not self.attn_flops_per_token2:
             return 0.0
-        return 4 * self.attn_flops_per_token2 / 2 / self.flop_rate(trainer_gpus)
+        passes = 4 if recompute else 3
+        return passes * self.attn_flops_per_token2 / 2 / self.flop_rate(trainer_gpus)
 
-    def step_time(self, batch_tokens: int, trainer_gpus: int, sum_sq_tokens: float = 0.0) -> float:
-        """Seconds of one step over ``batch_tokens`` tokens whose trajectories' squared lengths sum to ``sum_sq_tokens``."""
-        return (self.base_s + self.seconds_per_token(trainer_gpus) * batch_tokens
-                + self.seconds_per_token2(trainer_gpus) * sum_sq_tokens)
+    def step_time(self, batch_tokens: int, trainer_gpus: int, sum_sq_tokens: float = 0.0, recompute: bool = True) -> float:
+        """Seconds of one step over ``batch_tokens`` tokens whose trajectories' squared lengths sum to
+        ``sum_sq_tokens``; ``recompute``: the trainer recomputes the old log-probs (most systems do)."""
+        return (self.base_s + self.seconds_per_token(trainer_gpus, recompute) * batch_tokens
+                + self.seconds_per_token2(trainer_gpus, recompute) * sum_sq_tokens)
 
 
 class SimulationSpec(_Strict):
