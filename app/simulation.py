@@ -358,7 +358,8 @@ def json_payload(report: dict[str, Any], comparison: Comparison) -> dict[str, An
     eta = comparison.etas[0]
     only = report["by_eta"][str(eta)]
     return {"systems": only["systems"], "upper_bound_tokens_per_s": report["upper_bound_tokens_per_s"],
-            "staleflow_ratio": only["staleflow_ratio"], "staleflow_ratio_steady": only["staleflow_ratio_steady"], "eta": eta, "workload": report["workload"],
+            "staleflow_ratio": only["staleflow_ratio"], "staleflow_ratio_steady": only["staleflow_ratio_steady"],
+            "eta": eta, "workload": report["workload"],
             "steps": comparison.steps, "seed": comparison.seed, "estimation_error": comparison.estimation_error}
 
 

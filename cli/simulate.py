@@ -108,7 +108,8 @@ def print_tables(report: dict[str, Any], console: Any) -> None:
     bound = report["upper_bound_tokens_per_s"]
     for eta_key, run in report["by_eta"].items():
         table = Table(title=f"{report['workload']} ({report['gpus']} GPUs), eta={eta_key}, {report['steps']} steps, seed {report['seed']}")
-        for column in ("system", "tokens/s", "steady tokens/s", "of bound", "step time (s)", "steady step (s)", "utilisation", "trainer busy",
+        for column in ("system", "tokens/s", "steady tokens/s", "of bound", "step time (s)", "steady step (s)", "utilisation",
+                       "trainer busy",
                        "staleness p99/max", "past eta", "staleness (groups)", "dropped", "wasted tokens", "lost/dup", "wall (s)"):
             table.add_column(column, justify="left" if column in ("system", "staleness (groups)") else "right")
         for name, f in run["systems"].items():
