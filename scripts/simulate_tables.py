@@ -7,7 +7,9 @@ make a tick-sensitivity table instead. Then for each workload and ``eta`` every 
 the median over seeds with its range, StaleFlow's ratio to it as the median of the per-seed ratios
 with their range, and a system that trains past ``eta`` gets its worst p99/max staleness and share
 of groups past ``eta`` over the seeds. "Mean over eta" averages each seed's ratios over ``eta``,
-then gives the median and range of those means over the seeds.
+then gives the median and range of those means over the seeds. Ratios are given on both comparison
+bases (over each system the paper ran, as it runs, and their best; over the best baseline that keeps
+the bound) and for the whole run and the steady state (the first ``eta + 2`` steps left out).
 
     python scripts/simulate_tables.py runs/*/results.json > tables.md
 """
@@ -21,12 +23,19 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-BASELINES = ("verl-sync", "one-step-off", "verl-async", "areal", "areal-filter", "areal-tight", "roll-flash")
+#: The systems the paper ran, as they run (the paper's comparison basis), then the variants a careful
+#: user would run (the bound-keeping basis counts them too).
+PAPER_SYSTEMS = ("verl-sync", "one-step-off", "verl-async", "areal", "roll-flash")
+BASELINES = (*PAPER_SYSTEMS, "areal-filter", "areal-tight")
 #: Baselines with one mechanism idealised: columns of a grid where they ran, never the best bound-keeping one.
 BASELINE_ABLATIONS = ("roll-flash-ideal-routing",)
 #: StaleFlow as another code base runs it: columns beside ``staleflow``, measured against the same baselines.
 STALEFLOW_VARIANTS = ("staleflow-authors", "staleflow-authors-sync99")
 BEST = "best bound-keeping"
+BEST_PAPER = "best paper system"
+#: The figure a ratio compares: the whole run's trained tokens/s, or the steady state's (the first
+#: eta + 2 steps left out, ``steady_tokens_per_s`` in results.json).
+WHOLE, STEADY = "tokens_per_s", "steady_tokens_per_s"
 
 
 def load(paths: list[str]) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, dict[str, dict[int, dict[str, Any]]]]]:
@@ -47,7 +56,8 @@ def load(paths: list[str]) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[s
 
 def _merge(seeds: dict[int, dict[str, Any]], report: dict[str, Any], path: str) -> None:
     """Add ``report``'s systems to its seed's run in ``seeds``."""
-    run = seeds.setdefault(report["seed"], {"bound": report["upper_bound_tokens_per_s"], "steps": report["steps"], "by_eta": {}})
+    run = seeds.setdefault(report["seed"], {"bound": report["upper_bound_tokens_per_s"], "steps": report["steps"], "by_eta": {},
+                                            "rollout_bound": report["upper_bound"]["rollout_tokens_per_s"]})
     if run["steps"] != report["steps"]:
         raise SystemExit(f"{path}: {report['steps']} steps, other runs of this seed have {run['steps']}")
     for eta, figures in report["by_eta"].items():
@@ -65,27 +75,51 @@ def share(fraction: float) -> str:
     return f"{fraction:.1%}" if fraction >= 0.0005 else "<0.1%"
 
 
-def best_keeping(systems: dict[str, Any], eta: int) -> tuple[str, float]:
+def best_keeping(systems: dict[str, Any], eta: int, key: str = WHOLE) -> tuple[str, float]:
     """The fastest baseline whose p99 staleness is within ``eta`` (what ``simulate`` calls best-bound-keeping)."""
-    keeping = [(f["tokens_per_s"], name) for name, f in systems.items()
-               if name in BASELINES and f["staleness_p99"] <= eta and f["tokens_per_s"] > 0]
+    keeping = [(f[key], name) for name, f in systems.items()
+               if name in BASELINES and f["staleness_p99"] <= eta and f[key] > 0]
     speed, name = max(keeping)
+    return name, speed
+
+
+def best_paper(systems: dict[str, Any], key: str = WHOLE) -> tuple[str, float]:
+    """The fastest system the paper ran, as it runs (what ``simulate`` calls best-paper-system)."""
+    speed, name = max((f[key], name) for name, f in systems.items() if name in PAPER_SYSTEMS and f[key] > 0)
     return name, speed
 
 
 def with_system(seeds: dict[int, dict[str, Any]], name: str) -> dict[int, dict[str, Any]]:
     """The seeds that ran ``name`` at every eta (``BEST``: every seed, over the baselines it ran)."""
-    return {s: run for s, run in seeds.items() if name == BEST or all(name in systems for systems in run["by_eta"].values())}
+    return {s: run for s, run in seeds.items()
+            if name in (BEST, BEST_PAPER) or all(name in systems for systems in run["by_eta"].values())}
 
 
-def ratios(seeds: dict[int, dict[str, Any]], eta: int, name: str, over: str = "staleflow") -> list[float]:
-    """``over`` (StaleFlow, or a variant of it) over ``name`` (a system, or ``BEST``) per seed at ``eta``."""
+def ratios(seeds: dict[int, dict[str, Any]], eta: int, name: str, over: str = "staleflow", key: str = WHOLE) -> list[float]:
+    """``over`` (StaleFlow, or a variant of it) over ``name`` (a system, ``BEST`` or ``BEST_PAPER``)
+    per seed at ``eta``, on ``key`` (whole run or steady state)."""
     out = []
     for run in with_system(with_system(seeds, over), name).values():
         systems = run["by_eta"][eta]
-        other = best_keeping(systems, eta)[1] if name == BEST else systems[name]["tokens_per_s"]
-        out.append(systems[over]["tokens_per_s"] / other)
+        other = best_keeping(systems, eta, key)[1] if name == BEST else best_paper(systems, key)[1] if name == BEST_PAPER \
+            else systems[name][key]
+        out.append(systems[over][key] / other)
     return out
+
+
+def both(seeds: dict[int, dict[str, Any]], eta: int, name: str, over: str = "staleflow") -> str:
+    """The ratio on the whole run and in steady state: ``1.02x [0.98, 1.05] (steady 1.10x [..])``."""
+    return f"{spread(ratios(seeds, eta, name, over), '.2f', 'x')} (steady {spread(ratios(seeds, eta, name, over, STEADY), '.2f', 'x')})"
+
+
+def binding_side(run: dict[str, Any], eta: int) -> str:
+    """What holds StaleFlow back at ``eta`` in one seed's run: ``training`` (the trainer busy at least
+    90% of the time), ``rollout`` (the fleet generating at 90% or more of the upper bound's rollout
+    rate), else ``tail`` (the trainer waits for stragglers while the fleet has room)."""
+    figures = run["by_eta"][eta]["staleflow"]
+    if figures["trainer_busy"] >= 0.9:
+        return "training"
+    return "rollout" if figures["generated_tokens_per_s"] >= 0.9 * run["rollout_bound"] else "tail"
 
 
 def past_eta(seeds: dict[int, dict[str, Any]], eta: int, name: str) -> str:
@@ -107,9 +141,10 @@ def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
     lines = [f"Upper bound {first['bound']:,.0f} tokens/s; {first['steps']} steps; {ran}. "
              "Cells: tokens/s median [range over seeds]; StaleFlow's ratio to it, median [range] of the per-seed ratios; "
              "for a system past eta its worst p99/max staleness and share of trained groups past eta over the seeds; "
-             "a variant of StaleFlow: its ratio to StaleFlow and to the best bound-keeping baseline.", "",
-             "| eta | staleflow | " + " | ".join((*variants, *systems)) + f" | {BEST} |",
-             "|---" * (len(variants) + len(systems) + 3) + "|"]
+             "a variant of StaleFlow: its ratio to StaleFlow and to the best bound-keeping baseline. "
+             "(steady ...): the same ratio without the first eta + 2 steps.", "",
+             "| eta | staleflow | " + " | ".join((*variants, *systems)) + f" | {BEST_PAPER} | {BEST} |",
+             "|---" * (len(variants) + len(systems) + 4) + "|"]
     for eta in etas:
         speeds = [run["by_eta"][eta]["staleflow"]["tokens_per_s"] for run in seeds.values()]
         share = [s / run["bound"] for s, run in zip(speeds, seeds.values())]
@@ -125,19 +160,23 @@ def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
             note = f" (admits at {admits})" if name == "areal-tight" and all(f["admission_eta"] == admits for f in figures) else \
                 " (admits at " + "/".join(str(f["admission_eta"]) for f in figures) + ")" if name == "areal-tight" else ""
             wasted = f"; {spread([f['wasted_tokens'] for f in figures], ',.0f')} tokens wasted" if name == "areal-filter" else ""
-            cells.append(f"{spread([f['tokens_per_s'] for f in figures], ',.0f')} {spread(ratios(seeds, eta, name), '.2f', 'x')}"
+            cells.append(f"{spread([f['tokens_per_s'] for f in figures], ',.0f')} {both(seeds, eta, name)}"
                          f"{note}{past_eta(seeds, eta, name)}{wasted}")
+        names = sorted({best_paper(run["by_eta"][eta])[0] for run in seeds.values()})
+        cells.append(f"{both(seeds, eta, BEST_PAPER)} ({', '.join(names)})")
         names = sorted({best_keeping(run["by_eta"][eta], eta)[0] for run in seeds.values()})
-        cells.append(f"{spread(ratios(seeds, eta, BEST), '.2f', 'x')} ({', '.join(names)})")
+        cells.append(f"{both(seeds, eta, BEST)} ({', '.join(names)})")
         lines.append(f"| {eta} | " + " | ".join(cells) + " |")
     means = [f"**{mean_over_eta(seeds, etas, BEST, over=name)} best**" for name in variants]
-    means += [f"**{mean_over_eta(seeds, etas, name)}**" for name in (*systems, BEST)]
+    means += [f"**{mean_over_eta(seeds, etas, name)}**" for name in (*systems, BEST_PAPER, BEST)]
     lines.append("| mean over eta | | " + " | ".join(means) + " |")
     details = []
     for eta in etas:
         sf = [run["by_eta"][eta]["staleflow"] for run in seeds.values()]
         details.append(
-            f"eta {eta}: step {spread([f['step_time_s'] for f in sf], '.0f')} s, trainer busy "
+            f"eta {eta}: step {spread([f['step_time_s'] for f in sf], '.0f')} s (steady "
+            f"{spread([f['steady_step_time_s'] for f in sf], '.0f')} s), binds: "
+            f"{'/'.join(sorted({binding_side(run, eta) for run in seeds.values()}))}, trainer busy "
             f"{spread([f['trainer_busy'] for f in sf], '.0%')}, {spread([f['proactive_aborted'] for f in sf], '.0f')} groups "
             f"re-queued ({spread([f['wasted_tokens'] for f in sf], ',.0f')} tokens wasted), mean trained length "
             f"{spread([f['mean_trained_length'] for f in sf], ',.0f')}")
@@ -145,9 +184,9 @@ def grid_table(workload: str, seeds: dict[int, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def mean_over_eta(seeds: dict[int, dict[str, Any]], etas: list[int], name: str, over: str = "staleflow") -> str:
+def mean_over_eta(seeds: dict[int, dict[str, Any]], etas: list[int], name: str, over: str = "staleflow", key: str = WHOLE) -> str:
     """``over``'s ratio to ``name``: each seed's mean over ``etas``, median [range] over the seeds."""
-    per_seed = [statistics.mean(ratios({s: run}, eta, name, over)[0] for eta in etas)
+    per_seed = [statistics.mean(ratios({s: run}, eta, name, over, key)[0] for eta in etas)
                 for s, run in with_system(with_system(seeds, over), name).items()]
     return spread(per_seed, ".2f", "x")
 
@@ -188,26 +227,46 @@ def ablation_table(seeds: dict[int, dict[str, Any]]) -> list[str]:
 
 
 def summary_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
-    """One row per workload: StaleFlow's mean-over-eta ratio to each baseline, its share of the bound."""
-    variants = [v for v in STALEFLOW_VARIANTS if any(with_system(seeds, v) for seeds in grids.values())]
-    lines = ["| setting | seeds (StaleFlow/fewest) | " + " | ".join(BASELINES) + f" | {BEST} | "
-             + "".join(f"{v} over {BEST} | " for v in variants) + "StaleFlow of upper bound (eta 1/2/3) |",
-             "|---" * (len(BASELINES) + len(variants) + 4) + "|"]
+    """The paper's basis: one row per workload, StaleFlow's mean-over-eta ratio to each system the
+    paper ran (with the worst share of groups it trained past eta and its largest lag) and to their best."""
+    lines = ["| setting | seeds (StaleFlow/fewest) | " + " | ".join(PAPER_SYSTEMS) + f" | {BEST_PAPER} |",
+             "|---" * (len(PAPER_SYSTEMS) + 3) + "|"]
     for workload, seeds in sorted(grids.items()):
-        run = next(iter(seeds.values()))
-        etas = sorted(run["by_eta"])
+        etas = sorted(next(iter(seeds.values()))["by_eta"])
         if not all(with_system(seeds, b) for b in BASELINES):
             continue
         cells = []
-        for name in (*BASELINES, BEST):
-            worst = 0.0 if name == BEST else \
-                max(r["by_eta"][e][name]["past_eta_share"] for r in with_system(seeds, name).values() for e in etas)
-            cells.append(mean_over_eta(seeds, etas, name) + (f" (up to {share(worst)} past eta)" if worst > 0 else ""))
-        cells += [mean_over_eta(seeds, etas, BEST, over=v) if with_system(seeds, v) else "not run" for v in variants]
-        shares = "/".join(f"{statistics.median(r['by_eta'][e]['staleflow']['tokens_per_s'] / r['bound'] for r in seeds.values()):.0%}"
-                          for e in etas)
+        for name in (*PAPER_SYSTEMS, BEST_PAPER):
+            figures = [] if name == BEST_PAPER else [r["by_eta"][e][name] for r in with_system(seeds, name).values() for e in etas]
+            worst = max((f["past_eta_share"] for f in figures), default=0.0)
+            lag = f", up to {share(worst)} past eta, max lag {max(f['max_staleness'] for f in figures)}" if worst > 0 else ""
+            cells.append(f"{mean_over_eta(seeds, etas, name)} (steady {mean_over_eta(seeds, etas, name, key=STEADY)}{lag})")
         fewest = min(len(with_system(seeds, name)) for name in BASELINES)
-        lines.append(f"| {workload} | {len(with_system(seeds, 'staleflow'))}/{fewest} | " + " | ".join(cells) + f" | {shares} |")
+        lines.append(f"| {workload} | {len(with_system(seeds, 'staleflow'))}/{fewest} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def bound_keeping_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """The bound-keeping basis: one row per workload, StaleFlow over the best baseline whose p99
+    staleness is within eta (variants included) and StaleFlow's variants over it; StaleFlow's share of
+    the upper bound and what binds it at each eta."""
+    variants = [v for v in STALEFLOW_VARIANTS if any(with_system(seeds, v) for seeds in grids.values())]
+    lines = [f"| setting | {BEST} (whole run) | {BEST} (steady) | " + "".join(f"{v} over {BEST} | " for v in variants)
+             + "StaleFlow of upper bound, whole/steady (per eta) | binds (per eta) |",
+             "|---" * (len(variants) + 5) + "|"]
+    for workload, seeds in sorted(grids.items()):
+        etas = sorted(next(iter(seeds.values()))["by_eta"])
+        if not all(with_system(seeds, b) for b in BASELINES):
+            continue
+        cells = [mean_over_eta(seeds, etas, BEST), mean_over_eta(seeds, etas, BEST, key=STEADY)]
+        cells += [mean_over_eta(seeds, etas, BEST, over=v) if with_system(seeds, v) else "not run" for v in variants]
+
+        def of_bound(eta: int, key: str) -> str:
+            return f"{statistics.median(r['by_eta'][eta]['staleflow'][key] / r['bound'] for r in seeds.values()):.0%}"
+
+        cells.append("; ".join(f"{e}: {of_bound(e, WHOLE)}/{of_bound(e, STEADY)}" for e in etas))
+        cells.append("; ".join(f"{e}: {'/'.join(sorted({binding_side(r, e) for r in seeds.values()}))}" for e in etas))
+        lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -238,7 +297,8 @@ def main(paths: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     grids, ticks = load(paths)
-    print("### Summary\n\n" + "\n".join(summary_table(grids)) + "\n")
+    print("### Summary: the paper's basis\n\n" + "\n".join(summary_table(grids)) + "\n")
+    print("### Summary: the bound-keeping basis\n\n" + "\n".join(bound_keeping_table(grids)) + "\n")
     if len(tick_table(ticks)) > 2:
         print("### Tick sensitivity\n\n" + "\n".join(tick_table(ticks)) + "\n")
     for workload, seeds in sorted(grids.items()):

@@ -15,21 +15,28 @@ import pytest
 pytestmark = pytest.mark.unit
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "simulate_tables.py"
-BASELINES = ("verl-sync", "one-step-off", "verl-async", "areal", "areal-filter", "areal-tight", "roll-flash")
+PAPER = ("verl-sync", "one-step-off", "verl-async", "areal", "roll-flash")
+BASELINES = (*PAPER, "areal-filter", "areal-tight")
 
 
-def figures(tokens_per_s: float, eta: int, *, past: float = 0.0) -> dict[str, Any]:
-    return {"tokens_per_s": tokens_per_s, "staleness_p99": eta + (1 if past else 0), "max_staleness": eta + (1 if past else 0),
+def figures(tokens_per_s: float, eta: int, *, past: float = 0.0, steady: float = 1.0) -> dict[str, Any]:
+    """A system's figures; its steady-state tokens/s is ``steady`` times the whole run's."""
+    return {"tokens_per_s": tokens_per_s, "steady_tokens_per_s": steady * tokens_per_s, "steady_step_time_s": 90.0,
+            "generated_tokens_per_s": 950.0, "staleness_p99": eta + (1 if past else 0), "max_staleness": eta + (1 if past else 0),
             "past_eta_share": past, "admission_eta": max(0, eta - 1), "wasted_tokens": 0, "step_time_s": 100.0,
             "trainer_busy": 0.5, "proactive_aborted": 0, "mean_trained_length": 1000.0, "lost": 0, "duplicated": 0,
             "keeps_bound": not past, "eta": eta}
 
 
 def report(path: Path, seed: int, systems: dict[str, float], *, tick: float | None = 2.0, etas: tuple[int, ...] = (1, 2)) -> str:
-    """One ``results.json``: every system at ``tokens_per_s`` (verl-async trains past eta)."""
-    data: dict[str, Any] = {"workload": "w", "steps": 30, "seed": seed, "upper_bound_tokens_per_s": 1000.0, "by_eta": {
-        str(eta): {"systems": {name: figures(speed, eta, past=0.2 if name == "verl-async" else 0.0) for name, speed in systems.items()}}
-        for eta in etas}}
+    """One ``results.json``: every system at ``tokens_per_s`` (verl-async trains past eta; StaleFlow's
+    steady state is twice its whole run, the others' equal to it)."""
+    data: dict[str, Any] = {
+        "workload": "w", "steps": 30, "seed": seed, "upper_bound_tokens_per_s": 1000.0,
+        "upper_bound": {"rollout_tokens_per_s": 1000.0}, "by_eta": {
+            str(eta): {"systems": {name: figures(speed, eta, past=0.2 if name == "verl-async" else 0.0,
+                                                 steady=2.0 if name == "staleflow" else 1.0) for name, speed in systems.items()}}
+            for eta in etas}}
     if tick is not None:  # results written before the tick was recorded have neither field
         data |= {"tick_s": tick, "workload_tick_s": 2.0}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,13 +67,19 @@ def test_grids_merge_by_seed_variants_are_measured_against_the_best_baseline_and
     ]
     out = tables(*paths)
 
-    summary = row(out, "| w |")
+    paper_part, keeping_part = out.split("### Summary: the bound-keeping basis")
+    summary = row(paper_part, "| w |")
     assert summary[1] == "2/2"  # both seeds ran StaleFlow and every baseline
-    # StaleFlow over roll-flash: 600/400 = 1.5 and 550/400 = 1.375 (the tick-4 run, 60/40, is not in the grid)
-    assert summary[2 + BASELINES.index("roll-flash")] == "1.44x [1.38, 1.50]"
-    # the best bound-keeping baseline is 500 (verl-async, faster, trains past eta); the authors' variant over it: 1.4, 0.9
-    assert summary[2 + len(BASELINES)] == "1.15x [1.10, 1.20]"
-    assert summary[3 + len(BASELINES)] == "1.15x [0.90, 1.40]"
+    # the paper's basis. StaleFlow over roll-flash: 600/400 = 1.5 and 550/400 = 1.375 (the tick-4 run,
+    # 60/40, is not in the grid); in steady state StaleFlow is twice as fast
+    assert summary[2 + PAPER.index("roll-flash")] == "1.44x [1.38, 1.50] (steady 2.88x [2.75, 3.00])"
+    # verl-async trains 20% past eta, its largest lag 3 (eta 2 + 1); it is the best system the paper ran (900)
+    assert summary[2 + PAPER.index("verl-async")].endswith("up to 20.0% past eta, max lag 3)")
+    assert summary[2 + len(PAPER)] == "0.64x [0.61, 0.67] (steady 1.28x [1.22, 1.33])"
+    # the bound-keeping basis: the best is 500 (verl-async, faster, trains past eta); the authors' variant over it: 1.4, 0.9
+    keeping = row(keeping_part, "| w |")
+    assert keeping[1:4] == ["1.15x [1.10, 1.20]", "2.30x [2.20, 2.40]", "1.15x [0.90, 1.40]"]
+    assert keeping[-1] == "1: rollout; 2: rollout"  # the trainer half busy, the fleet at 95% of the rollout bound
 
     eta1 = row(out, "| 1 |")
     assert eta1[1] == "575 [550, 600] (57% [55%, 60%] of bound)"
