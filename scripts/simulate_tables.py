@@ -246,6 +246,11 @@ def summary_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def of_bound(seeds: dict[int, dict[str, Any]], eta: int, key: str) -> str:
+    """StaleFlow's share of the upper bound at ``eta`` (``key``: whole run or steady state), median over seeds."""
+    return f"{statistics.median(r['by_eta'][eta]['staleflow'][key] / r['bound'] for r in seeds.values()):.0%}"
+
+
 def bound_keeping_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
     """The bound-keeping basis: one row per workload, StaleFlow over the best baseline whose p99
     staleness is within eta (variants included) and StaleFlow's variants over it; StaleFlow's share of
@@ -260,11 +265,7 @@ def bound_keeping_table(grids: dict[str, dict[int, dict[str, Any]]]) -> list[str
             continue
         cells = [mean_over_eta(seeds, etas, BEST), mean_over_eta(seeds, etas, BEST, key=STEADY)]
         cells += [mean_over_eta(seeds, etas, BEST, over=v) if with_system(seeds, v) else "not run" for v in variants]
-
-        def of_bound(eta: int, key: str) -> str:
-            return f"{statistics.median(r['by_eta'][eta]['staleflow'][key] / r['bound'] for r in seeds.values()):.0%}"
-
-        cells.append("; ".join(f"{e}: {of_bound(e, WHOLE)}/{of_bound(e, STEADY)}" for e in etas))
+        cells.append("; ".join(f"{e}: {of_bound(seeds, e, WHOLE)}/{of_bound(seeds, e, STEADY)}" for e in etas))
         cells.append("; ".join(f"{e}: {'/'.join(sorted({binding_side(r, e) for r in seeds.values()}))}" for e in etas))
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     return lines
