@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 BASELINES = ("verl-sync", "one-step-off", "verl-async", "areal", "areal-filter", "areal-tight", "roll-flash")
-#: Baselines with one mechanism idealised: columns of a grid where they ran, never the best bound-keeping one.
-BASELINE_ABLATIONS = ("roll-flash-ideal-routing",)
+#: Baselines with one mechanism idealised, or a later version of their code than the paper ran (roll-flash-2026):
+#: columns of a grid where they ran, never the best bound-keeping one.
+BASELINE_ABLATIONS = ("roll-flash-ideal-routing", "roll-flash-2026")
 #: StaleFlow as another code base runs it: columns beside ``staleflow``, measured against the same baselines.
 STALEFLOW_VARIANTS = ("staleflow-authors", "staleflow-authors-sync99")
 BEST = "best bound-keeping"
