@@ -1,6 +1,8 @@
-"""ROLL Flash as its code runs (alibaba/ROLL ``router.py``, ``generate_scheduler.py``, ``rlvr_pipeline.py``):
-prompt-affinity routing, the whole-fleet update pause with the trainer blocked, and the per-instance
-skew figures of ``staleflow simulate``."""
+"""ROLL Flash as its code runs: ``roll-flash`` as the paper measured it (alibaba/ROLL commit aa6ad590:
+admission of ``max(1, eta)`` batches, prompts round-robin, interrupted requests resent round-robin one
+at a time) and ``roll-flash-2026`` (commit 8eb27cc2: ``router.py``, ``generate_scheduler.py``; prompt-
+affinity routing), the whole-fleet update pause with the trainer blocked, and the per-instance skew
+figures of ``staleflow simulate``."""
 
 from __future__ import annotations
 
@@ -16,12 +18,12 @@ from staleflow.runtime.coordination.coordinator import Coordinator
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import FleetArrays, InstanceView
 from staleflow.runtime.coordination.observations import Tick
-from staleflow.runtime.coordination.routing import LeastLoadedRouter, PromptAffinityRouter
+from staleflow.runtime.coordination.routing import LeastLoadedRouter, PromptAffinityRouter, make_router
 from staleflow.runtime.run.clock import VirtualClock
 from staleflow.runtime.run.decision import decide
 from staleflow.runtime.run.group_life import GroupLife
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
-from staleflow.runtime.settings.policies import POLICIES, make_policy
+from staleflow.runtime.settings.policies import POLICIES, SystemPolicy, make_policy
 from staleflow.runtime.settings.workload import REQUEST_LENGTH_KEY, NetworkSpec, load_workload
 from staleflow.runtime.types import InstanceSnapshot, PromptGroup, RolloutRequest
 
@@ -99,10 +101,10 @@ def test_affinity_pins_are_cleared_and_a_lost_instance_unpinned():
 
 
 # ----------------------------------------------------------------------------- the coordinator
-def _coordinator(policy: str, instances: int, group_size: int, groups: int = 20, **knobs):
+def _coordinator(policy: str, instances: int, group_size: int, groups: int = 20, eta: int = 1, **knobs):
     ts = TrajectoryServer()
     ts.add_groups(PromptGroup(f"g{i}", [1] * 8, group_size, 0, {"max_new_tokens": 50}) for i in range(groups))
-    m = StalenessManager(1, 2)
+    m = StalenessManager(eta, 2)
     c = Coordinator(GroupLife(m, ts), make_policy(policy, **knobs), MODEL, [snap(f"i{k}") for k in range(instances)])
     return c, m, ts
 
@@ -116,8 +118,8 @@ def _instances_of_groups(commands) -> dict[str, set[str]]:
     return by_group
 
 
-def test_roll_flash_routes_every_request_of_a_group_to_one_instance():
-    c, m, ts = _coordinator("roll-flash", instances=4, group_size=4)
+def test_roll_flash_2026_routes_every_request_of_a_group_to_one_instance():
+    c, m, ts = _coordinator("roll-flash-2026", instances=4, group_size=4)
     commands = decide(c, c.groups, Tick(0, True, False))
     placed = _instances_of_groups(commands)
     assert len(placed) == 4 and all(len(where) == 1 for where in placed.values())  # (eta + 1) * B groups, one instance each
@@ -127,8 +129,8 @@ def test_roll_flash_routes_every_request_of_a_group_to_one_instance():
     assert any(len(w) > 1 for w in _instances_of_groups(decide(c, c.groups, Tick(0, True, False))).values())
 
 
-def test_roll_flash_caps_an_instance_and_queues_the_rest_of_its_group():
-    c, m, ts = _coordinator("roll-flash", instances=2, group_size=4, max_running=3)
+def test_roll_flash_2026_caps_an_instance_and_queues_the_rest_of_its_group():
+    c, m, ts = _coordinator("roll-flash-2026", instances=2, group_size=4, max_running=3)
     commands = decide(c, c.groups, Tick(0, True, False))
     routed = {rid: cmd.instance_id for cmd in commands if isinstance(cmd, Route) for rid in cmd.request_ids}
     groups = _instances_of_groups(commands)
@@ -138,8 +140,8 @@ def test_roll_flash_caps_an_instance_and_queues_the_rest_of_its_group():
     assert ts.queued_count() > len(routed)
 
 
-def test_roll_flash_clears_its_pins_at_every_weight_update():
-    c, m, ts = _coordinator("roll-flash", instances=2, group_size=2)
+def test_roll_flash_2026_clears_its_pins_at_every_weight_update():
+    c, m, ts = _coordinator("roll-flash-2026", instances=2, group_size=2)
     for cmd in decide(c, c.groups, Tick(0, True, False)):
         ts.mark_routed(cmd.request_ids, cmd.instance_id)
     assert isinstance(c.router, PromptAffinityRouter) and len(c.router.pins) == 4
@@ -152,13 +154,114 @@ def test_roll_flash_clears_its_pins_at_every_weight_update():
     assert c.router.pins == {}  # ROLL's abort_all clears id_to_dp_rank
 
 
+# ----------------------------------------------------------------------------- roll-flash (aa6ad590)
+def test_roll_flash_admits_one_batch_fewer_than_roll_flash_2026():
+    """ROLL aa6ad590 sends a prompt while fewer than ``batch_size * max(1, ratio)`` are outstanding:
+    at eta 2 two batches, where the protocol (and roll-flash-2026) admits three; once a batch is
+    consumed the cap lets exactly one more batch in."""
+    outstanding = {}
+    for name in ("roll-flash", "roll-flash-2026"):
+        c, m, ts = _coordinator(name, instances=4, group_size=2, eta=2)
+        for cmd in decide(c, c.groups, Tick(0, True, False)):
+            ts.mark_routed(cmd.request_ids, cmd.instance_id)
+        outstanding[name] = [len(m)]
+        for g in ("g0", "g1"):
+            m.occupy(g)
+        m.consume()
+        decide(c, c.groups, Tick(1, False, False))  # the update: every instance pulls version 1
+        for k in range(4):
+            c.step(snap(f"i{k}", version=1))  # loaded (the interrupted requests are left out: not needed here)
+        decide(c, c.groups, Tick(1, True, False))
+        outstanding[name].append(len(m))
+    assert outstanding == {"roll-flash": [4, 4], "roll-flash-2026": [6, 6]}  # max(1, 2) * 2 vs (2 + 1) * 2
+    c, m, ts = _coordinator("roll-flash", instances=4, group_size=2, eta=0)
+    decide(c, c.groups, Tick(0, True, False))
+    assert len(m) == 2  # eta 0: max(1, 0) = 1 batch, what the protocol allows too
+
+
+def test_prompt_round_robin_places_groups_in_turn_whatever_the_load():
+    # cap 8; i0 holds 5, i1 none, i2 8 (at the cap), i3 7: new groups go to the instances in turn
+    # whatever their load, i2 skipped, each group's four requests all on its instance, even past the cap
+    views = [view("i0", n=5), view("i1"), view("i2", n=8), view("i3", n=7)]
+    router = make_router("prompt_round_robin", MODEL, 0.3, 8)
+    fleet = FleetArrays.of(views)
+    eligible = np.ones(4, bool)
+    placed = [router.choose(fleet, 10, eligible, group=f"g{k}") + router.choose(fleet, 10, eligible, count=3, group=f"g{k}")
+              for k in range(4)]
+    # g0 on i0 (the emptiest is i1), g1 on i1, g2 on i3 (i2 at the cap), g3: the turn is back at i0,
+    # now past the cap, so i1
+    assert placed == [[0] * 4, [1] * 4, [3] * 4, [1] * 4]
+    assert fleet.n.tolist() == [9, 8, 8, 11]
+    # the 2026 router picks by load instead: the emptiest instance, and its requests stop at the cap
+    router = make_router("prompt_affinity", MODEL, 0.3, 8)
+    fleet = FleetArrays.of(views)
+    assert router.choose(fleet, 10, eligible, count=4, group="g") == [1] * 4
+
+
+def test_roll_flash_routes_groups_round_robin_through_the_coordinator():
+    c, m, ts = _coordinator("roll-flash", instances=3, group_size=3, eta=3)
+    commands = decide(c, c.groups, Tick(0, True, False))
+    placed = _instances_of_groups(commands)
+    assert all(len(where) == 1 for where in placed.values())
+    assert [next(iter(placed[f"g{k}"])) for k in range(6)] == ["i0", "i1", "i2", "i0", "i1", "i2"]
+
+
+def _resent_after_an_update(policy: str) -> tuple[list[str], dict[str, str]]:
+    """Groups of three requests on three instances (eta 2); g0 and g1 are trained, so the update
+    interrupts the requests of the others, which come back as partials once every instance has
+    loaded version 1. Returns the partials in the queue's order and where each was routed."""
+    c, m, ts = _coordinator(policy, instances=3, group_size=3, eta=2)
+    for cmd in decide(c, c.groups, Tick(0, True, False)):
+        ts.mark_routed(cmd.request_ids, cmd.instance_id)
+    for g in ("g0", "g1"):
+        m.occupy(g)
+    m.consume()  # version 1: every instance pauses at once, its requests interrupted
+    left = [g.group_id for g in m.groups()]
+    for cmd in decide(c, c.groups, Tick(1, False, False)):
+        if isinstance(cmd, Interrupt):
+            live = [ts.request(rid) for rid in cmd.request_ids if rid.split("/")[0] in left]
+            ts.requeue(live, cmd.instance_id)
+    for k in range(3):
+        c.step(snap(f"i{k}", version=1))  # loaded
+    order = [r.request_id for r in ts.queue_view().requests(0, ts.queued_count())]
+    commands = decide(c, c.groups, Tick(1, False, False))
+    routed = {rid: cmd.instance_id for cmd in commands if isinstance(cmd, Route) for rid in cmd.request_ids}
+    return order, {rid: routed[rid] for rid in order}
+
+
+def test_roll_flash_resends_interrupted_requests_one_at_a_time_round_robin():
+    """ROLL aa6ad590 resends the paused requests one by one, each to the next instance in turn, so
+    a group's partials spread over the instances; roll-flash-2026 routes them again by their group,
+    each group's on one instance."""
+    order, where = _resent_after_an_update("roll-flash")
+    assert len(order) == 6  # g2 and g3: two batches of two groups were outstanding
+    # the turn goes on from where the four groups left it (i0, i1, i2, i0): i1 next
+    assert [where[rid] for rid in order] == ["i1", "i2", "i0", "i1", "i2", "i0"]
+    by_group = {g: {where[rid] for rid in order if rid.startswith(g + "/")} for g in ("g2", "g3")}
+    assert by_group == {"g2": {"i0", "i1", "i2"}, "g3": {"i0", "i1", "i2"}}
+    order, where = _resent_after_an_update("roll-flash-2026")
+    assert len(order) == 12  # g2 to g5
+    assert all(len({where[rid] for rid in order if rid.startswith(f"g{k}/")}) == 1 for k in range(2, 6))
+
+
 def test_roll_flash_policies():
-    roll, ideal = POLICIES["roll-flash"], POLICIES["roll-flash-ideal-routing"]
+    roll, ideal = POLICIES["roll-flash-2026"], POLICIES["roll-flash-ideal-routing"]
     assert (roll.routing, roll.max_running, roll.sync, roll.weight_transfer) == ("prompt_affinity", 128, "global_immediate", "broadcast")
     assert roll.update_pause_s == ideal.update_pause_s > 0 and not roll.pull_keeps_requests
     assert (ideal.routing, ideal.max_running) == ("least_loaded", 1_000_000)
+    assert (roll.outstanding, roll.resend_round_robin) == (ideal.outstanding, ideal.resend_round_robin) == ("protocol", False)
+    # the paper's ROLL Flash (aa6ad590) differs from the 2026 model in exactly its three knobs
+    paper = POLICIES["roll-flash"]
+    assert (paper.routing, paper.outstanding, paper.resend_round_robin) == ("prompt_round_robin", "ratio", True)
+    assert {k for k in SystemPolicy.__dataclass_fields__ if getattr(paper, k) != getattr(roll, k)} == {
+        "name", "routing", "outstanding", "resend_round_robin"}
+    assert make_policy("start-version-gc").name == "roll-flash-2026"
     with pytest.raises(ValueError, match="update_pause_s"):
         make_policy("roll-flash", update_pause_s=-1.0)
+    with pytest.raises(ValueError, match="outstanding"):
+        make_policy("roll-flash", outstanding="eta")
+    with pytest.raises(ValueError, match="resend_round_robin"):
+        make_policy("roll-flash", resubmit_same_instance=True)
     # an ablation is never the best bound-keeping baseline
     figures = {"tokens_per_s": 10.0, "staleness_p99": 0}
     r = ratios({"staleflow": figures, "roll-flash": {**figures, "tokens_per_s": 5.0},

@@ -362,7 +362,7 @@ def test_coordinator_migrates_on_full_ticks_only():
 # ----------------------------------------------------------------------------- policies
 def test_policies_and_their_errors():
     assert set(POLICIES) >= {"staleflow", "sync", "one-step-off", "inflight-cap", "roll-flash", "areal", "verl-async", "verl-sync"}
-    assert make_policy("start-version-gc").name == "roll-flash"  # the old name runs ROLL Flash's behaviour
+    assert make_policy("start-version-gc").name == "roll-flash-2026"  # the old name runs the ROLL Flash model it was replaced by
     assert make_policy("sync").protocol_eta(3) == 0
     assert make_policy("one-step-off").protocol_eta(3) == 1
     assert make_policy("one-step-off").protocol_eta(0) == 0

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "simulate_tables.py"
 PAPER = ("verl-sync", "one-step-off", "verl-async", "areal", "roll-flash")
-BASELINES = (*PAPER, "areal-filter", "areal-tight")
+BASELINES = (*PAPER, "areal-filter", "areal-tight", "roll-flash-2026")
 
 
 def figures(tokens_per_s: float, eta: int, *, past: float = 0.0, steady: float = 1.0) -> dict[str, Any]:

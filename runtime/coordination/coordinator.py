@@ -55,7 +55,7 @@ from staleflow.runtime.coordination.observations import (
     StepStarted,
     Tick,
 )
-from staleflow.runtime.coordination.routing import PromptAffinityRouter, make_router
+from staleflow.runtime.coordination.routing import PromptAffinityRouter, RoundRobinRouter, make_router, route_interrupted
 from staleflow.runtime.coordination.sync import plan_pulls
 from staleflow.runtime.run.group_life import GroupLife
 from staleflow.runtime.servers.request_queue import request_tokens
@@ -101,8 +101,13 @@ class Coordinator:
         self._routes: dict[int, list[str]] = {}  # the decision in progress: instance index -> requests
         self._admitting = False  # the decision in progress may admit groups
         self._ps_version: int | None = None
-        #: resubmit_same_instance: requests interrupted by a pull -> the index of the instance they ran on
-        self._resubmit_to: dict[str, int] = {}
+        #: resubmit_same_instance / resend_round_robin: requests interrupted by a pull, not routed
+        #: again yet -> the index of the instance they ran on
+        self._interrupted: dict[str, int] = {}
+        #: resend_round_robin: the turn the interrupted requests are resent by; prompt_round_robin's own
+        #: (ROLL takes new prompts and resent requests from one ``get_available_dp_rank``)
+        own_turn = self.router.turn if isinstance(self.router, PromptAffinityRouter) else None
+        self._resend_turn = (own_turn or RoundRobinRouter(policy.max_running)) if policy.resend_round_robin else None
         #: freshness-aware admission: buffers beyond the head that admission may fill
         self.lookahead = Lookahead(groups.manager.eta, policy.freshness_patience)
         self.stats: Counter[str] = Counter()
@@ -201,8 +206,8 @@ class Coordinator:
     def _instance_down(self, instance_id: str) -> None:
         """The instance failed a call: no work for it until it is back (:meth:`Fleet.lose`)."""
         index = self.fleet.lose(instance_id)
-        if self._resubmit_to:  # its interrupted requests go wherever routing places them
-            self._resubmit_to = {rid: i for rid, i in self._resubmit_to.items() if i != index}
+        if self._interrupted:  # its interrupted requests go wherever routing places them
+            self._interrupted = {rid: i for rid, i in self._interrupted.items() if i != index}
         if isinstance(self.router, PromptAffinityRouter):  # its groups are pinned afresh
             self.router.unpin_instance(index)
 
@@ -234,8 +239,8 @@ class Coordinator:
                 self.fleet.forget(view.instance_id, rids)
                 commands.append(Interrupt(view.instance_id, rids))
                 self.stats["interrupted_for_pull"] += len(rids)
-                if self.policy.resubmit_same_instance:
-                    self._resubmit_to.update(dict.fromkeys(rids, i))
+                if self.policy.resubmit_same_instance or self.policy.resend_round_robin:
+                    self._interrupted.update(dict.fromkeys(rids, i))
             commands.append(self._pull(view.instance_id, ps_version))
         if pulls and isinstance(self.router, PromptAffinityRouter):
             self.router.clear_pins()  # ROLL's abort_all at the weight update clears the prompt pins
@@ -275,8 +280,8 @@ class Coordinator:
         placed are read."""
         if self.ts.queued_count() == 0:
             return True
-        if self._resubmit_to:
-            return self._route_queue_resubmitting(fleet, routes)
+        if self._interrupted:
+            return self._route_queue_interrupted(fleet, routes)
         queue = self.ts.queue_view()
         if isinstance(self.router, PromptAffinityRouter):  # request by request; new groups go on while only pinned ones wait
             placed, new_groups_wait = self.router.route_each(fleet, queue.requests(0, len(queue)), queue.tokens.tolist())
@@ -293,32 +298,15 @@ class Coordinator:
                 return False
         return True
 
-    def _route_queue_resubmitting(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        """:meth:`_route_queue` while interrupted requests wait to go back to their instance (one
-        request at a time): such a request goes there once the instance has loaded the new weights
-        (whatever its load: the server queues it) and waits until then; the others are routed in
-        order as usual. False if a request stays queued."""
+    def _route_queue_interrupted(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
+        """:meth:`_route_queue` while requests interrupted by a pull wait to be routed again
+        (:func:`~staleflow.runtime.coordination.routing.route_interrupted`); False if a request stays queued."""
         queue = self.ts.queue_view()
-        queued = queue.requests(0, len(queue))
-        ids = {request.request_id for request in queued}
-        self._resubmit_to = {rid: i for rid, i in self._resubmit_to.items() if rid in ids}  # cancelled ones go
-        placed_all = True
-        for request, tokens in zip(queued, queue.tokens.tolist()):
-            rid, version = request.request_id, request.group_version
-            home = self._resubmit_to.get(rid)
-            if home is not None:
-                if fleet.loading[home] or fleet.version[home] < version:
-                    placed_all = False
-                    continue
-                del self._resubmit_to[rid]
-                fleet.add(home, tokens)
-                self._assign(home, rid, tokens, version, routes)
-            elif placed_all:
-                chosen = self._choose(fleet, version, tokens, 1)
-                if not chosen:
-                    placed_all = False
-                    continue
-                self._assign(chosen[0], rid, tokens, version, routes)
+        placed, placed_all = route_interrupted(
+            fleet, queue.requests(0, len(queue)), queue.tokens.tolist(), self._interrupted, self._resend_turn, self._choose,
+        )
+        for i, request, size in placed:
+            self._assign(i, request.request_id, size, request.group_version, routes)
         return placed_all
 
     def _choose(self, fleet: FleetArrays, version: int, tokens: int, count: int, group: GroupId | None = None) -> list[int]:
@@ -338,6 +326,8 @@ class Coordinator:
             cap = (self.manager.eta + (ps_version or 0) + 1) * self.manager.batch_size
             if self.groups.live >= cap:
                 return []
+        if self.policy.outstanding == "ratio" and len(self.manager) >= max(1, self.manager.eta) * self.manager.batch_size:
+            return []  # ROLL aa6ad590: batch_size * max(1, async_generation_ratio) prompts outstanding
         concurrency = self.policy.rollout_concurrency * self.manager.batch_size
         if concurrency and self.groups.running >= concurrency:
             return []

@@ -15,22 +15,24 @@ candidates by ``(reserve indicator, version)``, which gives exactly these two or
 the fewest requests, up to ``max_running``, preferring instances with no waiting queue; the engine
 queues what it cannot run yet.
 
-:class:`PromptAffinityRouter` (ROLL Flash as its code runs): every request of a group goes to the
-instance its group was pinned to; a group is pinned on its first request to the instance with the
-fewest requests in flight among those below ``max_running`` (count only: no KV-cache or waiting-queue
-awareness); a request waits while its instance holds ``max_running``; the pins are cleared at every
-weight update (ROLL's ``abort_all``).
+:class:`PromptAffinityRouter` (ROLL Flash): every request of a group goes to the instance its group
+was pinned to, and the pins are cleared at every weight update. ROLL's 2026 ``PromptAffinityRouter``
+(``pick="fewest"``, routing ``prompt_affinity``) pins a group on its first request to the instance
+with the fewest requests in flight among those below ``max_running`` (count only: no KV-cache or
+waiting-queue awareness), and a request waits while its instance holds ``max_running``. ROLL's
+December 2025 scheduler (``pick="round_robin"``, routing ``prompt_round_robin``) pins it to the next
+instance in turn below ``max_running`` and sends the whole group there at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Hashable, Sequence
+from typing import Literal, Protocol
 
 import numpy as np
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import FleetArrays
-from staleflow.runtime.types import RolloutRequest
+from staleflow.runtime.types import GroupId, RolloutRequest
 
 
 class Router(Protocol):
@@ -55,7 +57,53 @@ def make_router(routing: str, cost_model: CostModel, mu: float, max_running: int
         return RoundRobinRouter(max_running)
     if routing == "prompt_affinity":
         return PromptAffinityRouter(max_running)
+    if routing == "prompt_round_robin":
+        return PromptAffinityRouter(max_running, pick="round_robin")
     return LeastLoadedRouter(max_running)
+
+
+def route_interrupted(
+    fleet: FleetArrays, requests: Sequence[RolloutRequest], tokens: Sequence[int], interrupted: dict[str, int],
+    resend_turn: RoundRobinRouter | None, choose: Callable[[FleetArrays, int, int, int, GroupId], list[int]],
+) -> tuple[list[tuple[int, RolloutRequest, int]], bool]:
+    """Queued requests, some of them interrupted by a pull (``interrupted``: request id -> the
+    instance it ran on), placed one at a time in order: ``(instance, request, tokens)`` of those
+    placed, and whether all were. ``interrupted`` is updated: the placed and the cancelled leave it.
+
+    An interrupted request goes back to the instance it ran on once that instance has loaded the
+    new weights, whatever its load, and waits until then (AReaL's ``resubmit_same_instance``); or,
+    given a ``resend_turn``, to the next instance in turn below its cap, whatever its group's pin
+    (ROLL aa6ad590's ``send_paused_requests``). The others go through ``choose(fleet, version, tokens,
+    1, group)``; a request that cannot be placed holds back the rest, except those waiting for their
+    own instance.
+    """
+    queued = {request.request_id for request in requests}
+    for rid in [rid for rid in interrupted if rid not in queued]:  # cancelled meanwhile
+        del interrupted[rid]
+    placed: list[tuple[int, RolloutRequest, int]] = []
+    placed_all = True
+    for request, size in zip(requests, tokens):
+        rid, version = request.request_id, request.group_version
+        home = interrupted.get(rid)
+        if home is not None and resend_turn is None:
+            if fleet.loading[home] or fleet.version[home] < version:
+                placed_all = False
+                continue
+            fleet.add(home, size)
+            chosen = [home]
+        elif not placed_all:
+            continue
+        else:
+            if home is not None and resend_turn is not None:
+                chosen = resend_turn.choose(fleet, size, fleet.version >= version)
+            else:
+                chosen = choose(fleet, version, size, 1, request.group_id)
+            if not chosen:
+                placed_all = False
+                continue
+        interrupted.pop(rid, None)
+        placed.append((chosen[0], request, size))
+    return placed, placed_all
 
 
 def fleet_throughput(model: CostModel, n: np.ndarray, kv: np.ndarray) -> np.ndarray:
@@ -193,35 +241,53 @@ class RoundRobinRouter:
         """Instances for up to ``count`` requests, each the next eligible one after the last chosen."""
         open_ = below_cap(fleet, eligible, self.max_running)
         chosen: list[int] = []
-        size = len(open_)
         for _ in range(count):
-            candidates = np.flatnonzero(open_)
-            if candidates.size == 0:
+            index = self.next_in_turn(open_)
+            if index is None:
                 break
-            after = candidates[candidates >= self._next % size]
-            index = int(after[0] if after.size else candidates[0])
             fleet.add(index, tokens)
             chosen.append(index)
-            self._next = index + 1
             if fleet.n[index] >= self.max_running:
                 open_[index] = False
         return chosen
 
+    def next_in_turn(self, open_: np.ndarray) -> int | None:
+        """The first instance of the mask ``open_`` at or after the turn (wrapping round), which
+        passes the turn to the instance after it; None if ``open_`` is empty."""
+        candidates = np.flatnonzero(open_)
+        if candidates.size == 0:
+            return None
+        after = candidates[candidates >= self._next % len(open_)]
+        index = int(after[0] if after.size else candidates[0])
+        self._next = index + 1
+        return index
+
 
 class PromptAffinityRouter:
-    """ROLL's ``PromptAffinityRouter`` (alibaba/ROLL ``roll/distributed/scheduler/router.py``, commit
-    8eb27cc2): the group of a request is its prompt (``uid``).
+    """ROLL Flash's placement of a prompt's requests on one instance: the group of a request is its prompt.
 
-    A group without a pin takes the instance with the fewest requests in flight among those below
-    ``max_running`` (the first such instance on a tie, as ROLL's linear scan in ``acquire``) and is
-    pinned there; every later request of the group goes to that instance once it holds fewer than
-    ``max_running`` (``reacquire``), whatever its KV cache or waiting queue. :meth:`clear_pins` is
-    ROLL's ``abort_all``, which clears ``id_to_dp_rank`` at every weight update.
+    ``pick="fewest"``: ROLL's ``PromptAffinityRouter`` (alibaba/ROLL
+    ``roll/distributed/scheduler/router.py``, commit 8eb27cc2). A group without a pin takes the
+    instance with the fewest requests in flight among those below ``max_running`` (the first such
+    instance on a tie, as ROLL's linear scan in ``acquire``) and is pinned there; every later request
+    of the group goes to that instance once it holds fewer than ``max_running`` (``reacquire``),
+    whatever its KV cache or waiting queue.
+
+    ``pick="round_robin"``: ROLL's December 2025 ``AsyncDynamicSamplingScheduler`` (commit aa6ad590,
+    ``send_query_items``): ``next(get_available_dp_rank())`` once per prompt, the next instance in
+    turn (:attr:`turn`, a :class:`RoundRobinRouter`) below ``max_running``, whatever its load; the
+    cap is looked at only then, so all the group's requests go to that instance together, even past
+    the cap.
+
+    :meth:`clear_pins` is ROLL's ``abort_all``, which clears ``id_to_dp_rank`` at every weight update
+    (with ``round_robin`` a pin only joins a group's requests at admission).
     """
 
-    def __init__(self, max_running: int) -> None:
+    def __init__(self, max_running: int, pick: Literal["fewest", "round_robin"] = "fewest") -> None:
         self.max_running = max_running
         self.pins: dict[Hashable, int] = {}
+        #: the turn of ``pick="round_robin"`` (None with ``fewest``)
+        self.turn = RoundRobinRouter(max_running) if pick == "round_robin" else None
 
     def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
         """Whether a new group could be pinned now (the fleet is not changed)."""
@@ -232,24 +298,31 @@ class PromptAffinityRouter:
         group: Hashable | None = None,
     ) -> list[int]:
         """Instances for up to ``count`` requests of ``group`` (all the same one: its pin, made now if
-        it has none); fewer while the pinned instance is at ``max_running`` (the fleet is updated)."""
+        it has none); with ``pick="fewest"``, fewer while the pinned instance is at ``max_running``
+        (the fleet is updated)."""
         pin = self.pins.get(group) if group is not None else None
         if pin is None:
-            open_ = np.flatnonzero(below_cap(fleet, eligible, self.max_running))
-            if open_.size == 0:
+            pin = self._pick(fleet, below_cap(fleet, eligible, self.max_running))
+            if pin is None:
                 return []
-            pin = int(open_[np.argmin(fleet.n[open_])])
             if group is not None:
                 self.pins[group] = pin
         elif not eligible[pin] or fleet.loading[pin]:
             return []
         chosen: list[int] = []
         for _ in range(count):
-            if fleet.n[pin] >= self.max_running:
+            if self.turn is None and fleet.n[pin] >= self.max_running:
                 break
             fleet.add(pin, tokens)
             chosen.append(pin)
         return chosen
+
+    def _pick(self, fleet: FleetArrays, open_: np.ndarray) -> int | None:
+        """The instance a new group is pinned to among the mask ``open_``, or None if it is empty."""
+        if self.turn is not None:
+            return self.turn.next_in_turn(open_)
+        candidates = np.flatnonzero(open_)
+        return int(candidates[np.argmin(fleet.n[candidates])]) if candidates.size else None
 
     def route_each(
         self, fleet: FleetArrays, requests: Sequence[RolloutRequest], tokens: Sequence[int]

@@ -7,7 +7,7 @@ default :data:`DEFAULT_ETA`) and whether it takes redundancy. The job config
 (:func:`training_systems`), their default ``eta`` and its consistency rules; nothing restates them.
 
 Systems that keep the bound (StaleFlow, ``verl-sync``, ``one-step-off``, ``roll-flash``,
-``inflight-cap``) run through :class:`~staleflow.protocol.StalenessManager`, which alone decides
+``roll-flash-2026``, ``inflight-cap``) run through :class:`~staleflow.protocol.StalenessManager`, which alone decides
 admission and consumption, so their staleness never exceeds ``eta``. The peers that do not keep a
 per-group bound (``areal``, ``verl-async``) run as the real systems run: their admission cap, their
 consumption order, and an unbounded accounting (:class:`~staleflow.runtime.run.group_life.CompletionLedger`,
@@ -37,20 +37,41 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
 ``areal-filter``
     ``areal`` with a filter that drops finished groups past ``eta`` at consume (``should_accept_fn``);
     their tokens are reported as wasted.
-``roll-flash`` (ROLL ``generate_scheduler.py``, ``router.py``, ``rlvr_pipeline.py``, commit 8eb27cc2; old name ``start-version-gc``)
+``roll-flash`` (ROLL ``AsyncDynamicSamplingScheduler``, ``rlvr_pipeline.py``, commit aa6ad590, December 2025: the code the paper measured)
+    Each prompt is bound to its start step (``async_generation_ratio`` = ``eta``) and the batch
+    waits for the oldest start-step groups, through the protocol (earliest-deadline consumption, as
+    ``roll-flash-2026``). Differences from ``roll-flash-2026``, each a knob:
+    *admission* (``outstanding="ratio"``): ``AsyncDynamicSamplingScheduler.sending_request`` sends a
+    new prompt only while the prompts in its replay buffer (admitted and not yet taken by
+    ``get_batch``) are fewer than ``batch_size * max(1, async_generation_ratio)``, so at most
+    ``max(1, eta)`` batches are outstanding, one fewer than the protocol allows;
+    *placement* (``routing="prompt_round_robin"``): ``send_query_items`` takes
+    ``next(get_available_dp_rank())`` (``pre_send_dp_rank``) once per prompt, the next instance in turn
+    below ``max_running_requests`` = 128, and sends all the prompt's samples there, whatever the load;
+    *update*: ``pause_sampling`` STOPs every worker and waits for every request to come back (the
+    same whole-fleet pause, ``update_pause_s``, trainer blocked), then ``send_paused_requests`` resends
+    the interrupted requests as prompt plus partial output (a full re-prefill) one at a time, each to
+    the next instance in turn (``resend_round_robin``: per request, so a group's partials spread over
+    the instances), before any new prompt.
+``roll-flash-2026`` (ROLL ``generate_scheduler.py``, ``router.py``, ``rlvr_pipeline.py``, commit 8eb27cc2; old name ``start-version-gc``)
     Each prompt is bound to its start step (``async_generation_ratio`` = ``eta``); the batch waits
     for the oldest start-step groups and leftovers past their start step are aborted only after the
     batch is assembled (never a group that could still be trained). Without additional prompts
     (ROLL's default) no leftover is ever past its step, so this is the protocol's earliest-deadline
-    consumption. Routing is ROLL's ``PromptAffinityRouter`` (``prompt_affinity``): a group's requests
+    consumption, with its admission (up to ``eta + 1`` batches outstanding). Routing is ROLL's
+    ``PromptAffinityRouter`` (``prompt_affinity``): a group's requests
     all go to one instance, picked by requests in flight only, at most ``max_running_requests`` = 128
     per instance, pins cleared at each ``abort_all``. Each step every instance pauses at once
     (``pause_sampling``: router suspended, ``abort_all``, ``wait_complete``; ``offload_states``,
     ``model_update`` broadcast, ``load_states``) with the trainer blocked throughout
     (``update_pause_s``); every request in flight is resent as prompt plus partial output (a full
-    re-prefill).
+    re-prefill), routed again by its group's new pin. Both versions also offload the trainer's states
+    to host memory after every step and load them back (``offloads_trainer``; ``actor_train``'s
+    ``offload_states`` / ``load_states`` in ``rlvr_pipeline.py``): 16 bytes per parameter per trainer
+    GPU out and back at the workload's ``network.host_gb_per_s`` (25 GB/s in the paper workloads, an
+    effective PCIe Gen5 x16 rate), about 0.6 s per step for the 30B and 32B models on 64 trainer GPUs.
 ``roll-flash-ideal-routing``
-    ``roll-flash`` with the least-requests routing the simulator gave it before (no pins, no cap,
+    ``roll-flash-2026`` with the least-requests routing the simulator gave it before (no pins, no cap,
     instances with a waiting queue avoided): an ablation row that shows what routing alone is worth.
 ``inflight-cap``
     A hybrid kept for comparison: AReaL's admission cap through the strict protocol (a straggler
@@ -83,9 +104,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-Routing = Literal["throughput", "least_loaded", "round_robin", "prompt_affinity"]
+Routing = Literal["throughput", "least_loaded", "round_robin", "prompt_affinity", "prompt_round_robin"]
 Sync = Literal["per_instance", "global_immediate", "global_drained"]
 Admission = Literal["protocol", "inflight_cap"]
+Outstanding = Literal["protocol", "ratio"]
 Consumption = Literal["deadline", "oldest_finished", "finish_order"]
 MigrationRule = Literal["split", "evacuate"]
 WeightTransfer = Literal["ps_pull", "broadcast", "colocated"]
@@ -98,13 +120,20 @@ class SystemPolicy:
     Args:
         name: the system's name in reports.
         routing: ``throughput`` (marginal gain of the cost model, waterfall over versions, ``mu``),
-            ``least_loaded`` (fewest requests, at most ``max_running`` per instance) or
-            ``round_robin`` (the next instance in turn, AReaL).
+            ``least_loaded`` (fewest requests, at most ``max_running`` per instance),
+            ``round_robin`` (the next instance in turn, AReaL), ``prompt_affinity`` (a group's
+            requests on the instance with the fewest requests when its first one is placed, each
+            waiting there while it holds ``max_running``: ROLL 2026) or ``prompt_round_robin`` (a
+            group's requests all at once on the next instance in turn below ``max_running``: ROLL
+            aa6ad590); see :mod:`~staleflow.runtime.coordination.routing`.
         sync: ``per_instance`` (pull one instance when it is nearly drained or can no longer
             admit), ``global_immediate`` (every instance as soon as a version is pushed), or
             ``global_drained`` (every instance together once all are drained).
         migration: interrupt and re-route waiting and excess requests.
         admission: ``protocol`` (reserve only) or ``inflight_cap`` (also the AReaL cap).
+        outstanding: the most groups admitted and not yet consumed: ``protocol`` (what the protocol
+            reserves, ``eta + 1`` batches plus the redundancy) or ``ratio`` (``max(1, eta)`` batches,
+            ROLL aa6ad590's ``batch_size * max(1, async_generation_ratio)``).
         fixed_eta: the bound this system runs with whatever the user asks (sync: 0, one-step-off: 1);
             a job config must ask for exactly this bound, and leaving ``eta`` out takes it
             (:attr:`default_eta`).
@@ -162,6 +191,10 @@ class SystemPolicy:
             they are interrupted first and re-routed as partials (abort-and-resubmit, as the
             reference coordinator's SYNC command and the peer systems do), which costs a prefill
             of their tokens so far.
+        resend_round_robin: the requests interrupted by a pull are routed one at a time, each to the
+            next instance in turn below ``max_running`` (the turn of ``prompt_round_robin`` when the
+            policy routes so), whatever their group's pin, in the queue's order and before any new
+            group is admitted (ROLL aa6ad590's ``send_paused_requests``).
         resubmit_same_instance: a request interrupted by a pull goes back to the instance it ran on
             once that instance has the new weights (AReaL's ``agenerate`` keeps one server per
             request id across interruptions), not wherever routing would place it.
@@ -187,6 +220,7 @@ class SystemPolicy:
     sync: Sync = "per_instance"
     migration: bool = True
     admission: Admission = "protocol"
+    outstanding: Outstanding = "protocol"
     fixed_eta: int | None = None
     takes_redundancy: bool = True
     consumption: Consumption = "deadline"
@@ -211,16 +245,18 @@ class SystemPolicy:
     pull_keeps_requests: bool = False
     request_budget: int = 1024
     resubmit_same_instance: bool = False
+    resend_round_robin: bool = False
     update_pause_s: float = 0.0
     recomputes_logprobs: bool = True
     offloads_trainer: bool = False
 
     def __post_init__(self) -> None:
-        _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin", "prompt_affinity"))
+        _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin", "prompt_affinity", "prompt_round_robin"))
         _choice("consumption", self.consumption, ("deadline", "oldest_finished", "finish_order"))
         _choice("weight_transfer", self.weight_transfer, ("ps_pull", "broadcast", "colocated"))
         _choice("sync", self.sync, ("per_instance", "global_immediate", "global_drained"))
         _choice("admission", self.admission, ("protocol", "inflight_cap"))
+        _choice("outstanding", self.outstanding, ("protocol", "ratio"))
         _choice("migration_rule", self.migration_rule, ("split", "evacuate"))
         counts = ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort",
                   "request_budget", "evacuate_min_requests")
@@ -232,6 +268,8 @@ class SystemPolicy:
             raise ValueError(f"policy {self.name!r}: fixed_eta must be None or an int >= 0")
         if self.batch_redundancy and not self.takes_redundancy:
             raise ValueError(f"policy {self.name!r}: batch_redundancy must be 0 (this system admits exactly one batch per version)")
+        if self.resend_round_robin and self.resubmit_same_instance:
+            raise ValueError(f"policy {self.name!r}: resend_round_robin and resubmit_same_instance are two rules for the same requests")
         if self.filter_stale and self.keeps_bound:
             raise ValueError(f"policy {self.name!r}: filter_stale needs an unbounded consumption (the protocol keeps the bound)")
         for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency", "update_pause_s", "check_period_s"):
@@ -297,6 +335,11 @@ ROLL_MAX_RUNNING_REQUESTS = 128
 #: ``wait_complete``, two prefix-cache resets and a ``gc.collect`` / ``empty_cache`` per instance), not a
 #: measurement; the broadcast runs at the workload's ``network.broadcast_gb_per_s``.
 _ROLL: dict[str, Any] = {**_BASELINE, "sync": "global_immediate", "update_pause_s": 1.0, "offloads_trainer": True}
+#: ROLL Flash as the paper measured it (commit aa6ad590): see the module docstring for each knob's source.
+_ROLL_AA6AD590: dict[str, Any] = {
+    **_ROLL, "routing": "prompt_round_robin", "max_running": ROLL_MAX_RUNNING_REQUESTS, "outstanding": "ratio",
+    "resend_round_robin": True,
+}
 
 
 def _staleflow(name: str, **knobs: Any) -> SystemPolicy:
@@ -320,14 +363,16 @@ POLICIES: dict[str, SystemPolicy] = {
                                consumption="finish_order", recomputes_logprobs=False, **_BASELINE),
     "areal": SystemPolicy("areal", **_AREAL),
     "areal-filter": SystemPolicy("areal-filter", filter_stale=True, **_AREAL),
-    "roll-flash": SystemPolicy("roll-flash", **{**_ROLL, "routing": "prompt_affinity", "max_running": ROLL_MAX_RUNNING_REQUESTS}),
+    "roll-flash": SystemPolicy("roll-flash", **_ROLL_AA6AD590),
+    "roll-flash-2026": SystemPolicy("roll-flash-2026", **{**_ROLL, "routing": "prompt_affinity", "max_running": ROLL_MAX_RUNNING_REQUESTS}),
     "roll-flash-ideal-routing": SystemPolicy("roll-flash-ideal-routing", **_ROLL),
     "inflight-cap": SystemPolicy("inflight-cap", sync="global_immediate", admission="inflight_cap", **_BASELINE),
 }
 
 #: Old names that still work: ``start-version-gc`` aborted groups at once when the trainer waited
-#: (it churned: chaos seed 100051); ROLL Flash waits first, which ``roll-flash`` does.
-ALIASES = {"start-version-gc": "roll-flash"}
+#: (it churned: chaos seed 100051); ROLL Flash waits first, which ``roll-flash-2026`` does (the
+#: model the old name was replaced by).
+ALIASES = {"start-version-gc": "roll-flash-2026"}
 
 
 def find_policy(name: str) -> SystemPolicy | None:
