@@ -180,18 +180,20 @@ def test_roll_flash_admits_one_batch_fewer_than_roll_flash_2026():
 
 
 def test_prompt_round_robin_places_groups_in_turn_whatever_the_load():
-    # cap 8; i0 holds 5, i1 none, i2 8 (at the cap), i3 7: new groups go to the instances in turn
-    # whatever their load, i2 skipped, each group's four requests all on its instance, even past the cap
+    """ROLL aa6ad590: a bare turn over every instance (``get_available_dp_rank``), each group's
+    requests together on its instance whatever its load; the only cap is the fleet's: no new prompt
+    while the requests in flight reach ``max_running_requests x dp_size`` (``sending_request``)."""
+    # cap 8 per instance, 32 for the fleet; i0 holds 5, i1 none, i2 8, i3 7: 20 in flight
     views = [view("i0", n=5), view("i1"), view("i2", n=8), view("i3", n=7)]
     router = make_router("prompt_round_robin", MODEL, 0.3, 8)
     fleet = FleetArrays.of(views)
     eligible = np.ones(4, bool)
     placed = [router.choose(fleet, 10, eligible, group=f"g{k}") + router.choose(fleet, 10, eligible, count=3, group=f"g{k}")
               for k in range(4)]
-    # g0 on i0 (the emptiest is i1), g1 on i1, g2 on i3 (i2 at the cap), g3: the turn is back at i0,
-    # now past the cap, so i1
-    assert placed == [[0] * 4, [1] * 4, [3] * 4, [1] * 4]
-    assert fleet.n.tolist() == [9, 8, 8, 11]
+    # g0 on i0 (the emptiest is i1), g1 on i1, g2 on i2 (past 8: no per-instance cap), then 32 in
+    # flight: g3 waits, and so does any new group
+    assert placed == [[0] * 4, [1] * 4, [2] * 4, []]
+    assert fleet.n.tolist() == [9, 4, 12, 7] and not router.has_room(fleet, 10, eligible)
     # the 2026 router picks by load instead: the emptiest instance, and its requests stop at the cap
     router = make_router("prompt_affinity", MODEL, 0.3, 8)
     fleet = FleetArrays.of(views)

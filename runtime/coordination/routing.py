@@ -217,6 +217,10 @@ class LeastLoadedRouter:
         return chosen
 
 
+#: No cap on an instance's requests (a bare turn: ROLL aa6ad590's ``get_available_dp_rank``).
+UNCAPPED = 1_000_000
+
+
 def below_cap(fleet: FleetArrays, eligible: np.ndarray, max_running: int) -> np.ndarray:
     """The eligible instances not loading weights and holding fewer than ``max_running`` requests."""
     return eligible & ~fleet.loading & (fleet.n < max_running)
@@ -274,10 +278,12 @@ class PromptAffinityRouter:
     whatever its KV cache or waiting queue.
 
     ``pick="round_robin"``: ROLL's December 2025 ``AsyncDynamicSamplingScheduler`` (commit aa6ad590,
-    ``send_query_items``): ``next(get_available_dp_rank())`` once per prompt, the next instance in
-    turn (:attr:`turn`, a :class:`RoundRobinRouter`) below ``max_running``, whatever its load; the
-    cap is looked at only then, so all the group's requests go to that instance together, even past
-    the cap.
+    ``roll/distributed/scheduler/async_generate_scheduler.py``): ``send_query_items`` takes
+    ``next(get_available_dp_rank())`` once per prompt, a bare turn over every instance
+    (``pre_send_dp_rank = (pre_send_dp_rank + 1) % dp_size``: :attr:`turn`, a :class:`RoundRobinRouter`
+    without a cap), whatever its load, and sends all the group's requests there together. The cap
+    is the fleet's: ``sending_request`` sends no new prompt while the requests in flight are at least
+    ``max_running_requests x dp_size`` (here ``max_running`` times the instances).
 
     :meth:`clear_pins` is ROLL's ``abort_all``, which clears ``id_to_dp_rank`` at every weight update
     (with ``round_robin`` a pin only joins a group's requests at admission).
@@ -286,12 +292,22 @@ class PromptAffinityRouter:
     def __init__(self, max_running: int, pick: Literal["fewest", "round_robin"] = "fewest") -> None:
         self.max_running = max_running
         self.pins: dict[Hashable, int] = {}
-        #: the turn of ``pick="round_robin"`` (None with ``fewest``)
-        self.turn = RoundRobinRouter(max_running) if pick == "round_robin" else None
+        #: the turn of ``pick="round_robin"``, over every instance (None with ``fewest``)
+        self.turn = RoundRobinRouter(UNCAPPED) if pick == "round_robin" else None
 
     def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
         """Whether a new group could be pinned now (the fleet is not changed)."""
-        return bool(np.any(below_cap(fleet, eligible, self.max_running)))
+        return bool(np.any(self._open(fleet, eligible)))
+
+    def _open(self, fleet: FleetArrays, eligible: np.ndarray) -> np.ndarray:
+        """The instances a new group may be pinned to: below ``max_running`` each (``fewest``), or
+        every eligible one while the fleet holds fewer than ``max_running`` per instance in all
+        (``round_robin``)."""
+        if self.turn is None:
+            return below_cap(fleet, eligible, self.max_running)
+        if int(fleet.n.sum()) >= self.max_running * len(fleet.n):
+            return np.zeros(len(fleet.n), bool)
+        return eligible & ~fleet.loading
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
@@ -302,7 +318,7 @@ class PromptAffinityRouter:
         (the fleet is updated)."""
         pin = self.pins.get(group) if group is not None else None
         if pin is None:
-            pin = self._pick(fleet, below_cap(fleet, eligible, self.max_running))
+            pin = self._pick(fleet, self._open(fleet, eligible))
             if pin is None:
                 return []
             if group is not None:

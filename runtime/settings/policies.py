@@ -47,7 +47,9 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     ``max(1, eta)`` batches are outstanding, one fewer than the protocol allows;
     *placement* (``routing="prompt_round_robin"``): ``send_query_items`` takes
     ``next(get_available_dp_rank())`` (``pre_send_dp_rank``) once per prompt, the next instance in turn
-    below ``max_running_requests`` = 128, and sends all the prompt's samples there, whatever the load;
+    with no look at its load or its requests, and sends all the prompt's samples there; the only cap
+    is the fleet's: ``sending_request`` sends no new prompt while the requests in flight reach
+    ``max_running_requests`` (128) x the instances (``cluster_max_running_requests``);
     *update*: ``pause_sampling`` STOPs every worker and waits for every request to come back (the
     same whole-fleet pause, ``update_pause_s``, trainer blocked), then ``send_paused_requests`` resends
     the interrupted requests as prompt plus partial output (a full re-prefill) one at a time, each to
