@@ -55,7 +55,13 @@ from staleflow.runtime.coordination.observations import (
     StepStarted,
     Tick,
 )
-from staleflow.runtime.coordination.routing import PromptAffinityRouter, RoundRobinRouter, make_router, route_interrupted
+from staleflow.runtime.coordination.routing import (
+    LeastLoadedRouter,
+    PromptAffinityRouter,
+    RoundRobinRouter,
+    make_router,
+    route_interrupted,
+)
 from staleflow.runtime.coordination.sync import plan_pulls
 from staleflow.runtime.run.group_life import GroupLife
 from staleflow.runtime.servers.request_queue import request_tokens
@@ -376,11 +382,17 @@ class Coordinator:
                 return None
             tokens = len(group.prompt_ids)
             fleet = self.fleet.arrays
+            eligible = np.isin(fleet.version, admissible)
+            if isinstance(self.router, LeastLoadedRouter):  # no piling onto the few instances at the version
+                balanced = self.router.admissible(fleet, eligible)
+                if not self.router.has_room(fleet, tokens, balanced) and self.router.has_room(fleet, tokens, eligible):
+                    self.stats["admission_held_for_balance"] += 1
+                eligible = balanced
             chosen = []
             if self.policy.freshness:  # the newest version first: its groups start freshest
-                chosen = self.router.choose(fleet, tokens, fleet.version == max(admissible), group=group.group_id)
+                chosen = self.router.choose(fleet, tokens, eligible & (fleet.version == max(admissible)), group=group.group_id)
             if not chosen:
-                chosen = self.router.choose(fleet, tokens, np.isin(fleet.version, admissible), group=group.group_id)
+                chosen = self.router.choose(fleet, tokens, eligible, group=group.group_id)
             if not chosen:
                 self._admitting = False
                 self._starved = True

@@ -25,6 +25,7 @@ class InstanceView:
         "_checked",
         "_removals",
         "accepted",
+        "down",
         "instance_id",
         "kv_capacity",
         "kv_tokens",
@@ -43,6 +44,7 @@ class InstanceView:
         self.kv_tokens = snapshot.kv_tokens
         self.kv_capacity = snapshot.kv_capacity
         self.tokens_per_s = snapshot.tokens_per_s
+        self.down = False  # lost (:meth:`Fleet.lose`) until it is back
         #: request id -> (tokens in KV when routed, group version)
         self.requests: dict[str, tuple[int, int]] = {}
         self.waiting: tuple[str, ...] = snapshot.waiting
@@ -109,6 +111,7 @@ class FleetArrays:
     version: np.ndarray
     waiting: np.ndarray
     loading: np.ndarray
+    down: np.ndarray
 
     @classmethod
     def of(cls, views: Sequence[InstanceView]) -> FleetArrays:
@@ -119,6 +122,7 @@ class FleetArrays:
             version=np.array([v.version for v in views], dtype=np.int64),
             waiting=np.array([len(v.waiting) for v in views], dtype=np.int64),
             loading=np.array([v.loading for v in views], dtype=bool),
+            down=np.array([v.down for v in views], dtype=bool),
         )
 
     def add(self, index: int, tokens: int) -> None:
@@ -133,6 +137,7 @@ class FleetArrays:
         self.version[index] = view.version
         self.waiting[index] = len(view.waiting)
         self.loading[index] = view.loading
+        self.down[index] = view.down
 
 
 class Fleet:
@@ -180,6 +185,7 @@ class Fleet:
         for rid in list(view.requests):
             view.remove(rid)
         view.loading = True
+        view.down = True
         self._changed.add(index)
         return index
 

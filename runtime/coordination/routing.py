@@ -13,7 +13,8 @@ candidates by ``(reserve indicator, version)``, which gives exactly these two or
 
 :class:`LeastLoadedRouter` (the vanilla counterpart and the baselines): the eligible instance with
 the fewest requests, up to ``max_running``, preferring instances with no waiting queue; the engine
-queues what it cannot run yet.
+queues what it cannot run yet. A new group is admitted only on an instance no more loaded than the
+least loaded of the fleet (:meth:`LeastLoadedRouter.admissible`): otherwise it waits for that one.
 
 :class:`PromptAffinityRouter` (ROLL Flash): every request of a group goes to the instance its group
 was pinned to, and the pins are cleared at every weight update. ROLL's 2026 ``PromptAffinityRouter``
@@ -193,6 +194,25 @@ class LeastLoadedRouter:
     def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
         """Whether :meth:`choose` would place one request now (the fleet is not changed)."""
         return bool(np.any(fleet.n[np.flatnonzero(eligible & ~fleet.loading)] < self.max_running))
+
+    @staticmethod
+    def admissible(fleet: FleetArrays, eligible: np.ndarray) -> np.ndarray:
+        """The ``eligible`` instances a *new* group may be admitted on: those holding no more requests
+        than the least loaded instance of the fleet that is up, whether or not that one is at an
+        admissible version or loading one.
+
+        Least-requests balances load over the whole fleet; only the version gate narrows the choice.
+        When few instances have the admissible version (the first to finish a pull from the parameter
+        server, or the one that pulled alone), placing every admissible group on them would pile the
+        protocol's whole allowance onto one engine while the others drain (its queue, far beyond its
+        KV cache, is then worked off alone). A new group can wait instead: it stays pending (the
+        coordinator reports the fleet starved, so a per-instance sync brings another instance up)
+        and goes wherever the load is least once that instance has the version.
+        """
+        up = ~fleet.down
+        if not up.any():
+            return eligible
+        return eligible & (fleet.n <= fleet.n[up].min())
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,

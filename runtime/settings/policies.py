@@ -182,7 +182,8 @@ class SystemPolicy:
             ``freshness_patience`` steps in a row without that; instances pull a new version as soon
             as it is pushed (``per_instance`` sync made eager) and new groups go first to instances at
             the newest admissible version. It only chooses when to reserve, never what the
-            protocol allows.
+            protocol allows. Where the trainer waits at every step (a rollout-bound workload) the lookahead
+            never narrows below ``eta`` and the policy runs exactly as without it.
         freshness_patience: steps without a costly wait before the lookahead shrinks.
         request_budget: queued requests of one version whose KV tokens fall in the same bucket of
             this many tokens (the reference's ``request_budget``, 1024 in the authors' script) are
