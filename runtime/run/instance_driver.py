@@ -231,7 +231,10 @@ class InstanceDriver:
     def _load(self, command: Pull) -> None:
         """The engine's side of a Pull: the version from the parameter server into the instance."""
         version, weights = self.ps.pull(command.version)
-        self.engines[command.instance_id].load_weights(version, weights)
+        if command.broadcast:
+            self.engines[command.instance_id].load_weights(version, weights, broadcast=True)
+        else:
+            self.engines[command.instance_id].load_weights(version, weights)
 
     def _executed(self, iid: str, kind: str) -> None:
         """Bookkeeping after a command of ``kind`` on ``iid`` (in the loop's thread)."""
