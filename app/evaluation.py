@@ -6,7 +6,10 @@ A job whose prompts come from files is evaluated on ``task.eval_file`` (its firs
 ``task.eval_prompts`` rows), or, without one, on a fixed seeded sample of the training rows (then the
 figures are not held-out ones and are labelled so). The evaluator owns one extra rollout engine (the
 same vLLM binding as the rollout instances, in its own Ray actor, sampling greedy or at
-``rollout.temperature``); at each evaluation it loads the trainer's newest weights into it, submits
+``rollout.temperature``); at each evaluation it loads the trainer's newest version into it as a
+rollout instance's Pull does (from the run's parameter server, through the job's weight transfer:
+a reference, vLLM's weight-transfer API, or a state dict written to the instances' scratch folder;
+version 0 from the folder the instances start from), submits
 every eval prompt (``task.eval_samples`` responses each when sampled) through the
 :class:`~staleflow.runtime.interfaces.RolloutEngine` seam, collects the responses and scores them
 with the job's reward in worker processes under the reward timeout.
@@ -84,7 +87,7 @@ class EngineEvaluator:
         return len(self._groups)
 
     def run(self, version: int, weights: Any) -> dict[str, Any]:
-        """Evaluate model ``version`` (``weights``: a state dict or a safetensors path)."""
+        """Evaluate model ``version`` (``weights``: what a Pull of it hands out, a state dict or a safetensors path)."""
         begin = time.perf_counter()
         if version > self._loaded:
             self._engine.load_weights(version, weights)
@@ -238,11 +241,12 @@ class Evaluator:
         }
 
 
-def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, run_dir: Path) -> Any:
+def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, weights_dir: Path) -> Any:
     """The trainer's greedy :class:`Evaluator` for the built-in stream, or a disabled one
     (``task.eval_prompts=0``); for prompts from files, an :class:`EngineEvaluator` on its own rollout
     engine (a Ray actor of ``placement``), which on GPUs is ready when this returns, so that the
-    trainer does not start during its memory profiling (:func:`~staleflow.app.job_parts.start_engines`)."""
+    trainer does not start during its memory profiling (:func:`~staleflow.app.job_parts.start_engines`).
+    ``weights_dir``: the rollout instances' scratch folder for the weight files they reload."""
     if data.train is None and data.held_out is None:
         return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data, model_dir=base)
     if config.task.eval_prompts == 0:
@@ -264,7 +268,7 @@ def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement:
         max_num_seqs=config.rollout.max_num_seqs,
         seed=config.seed * 1000 + 999,
         clock=clock,
-        weights_dir=str(run_dir / ".eval-weights"),
+        weights_dir=str(weights_dir),
         engine_kwargs=config.rollout.engine_settings(),
         start_timeout_s=config.rollout.start_timeout_s,
     )

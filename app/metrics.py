@@ -208,9 +208,9 @@ class TrackedEngine:
     def abort(self, request_ids: Sequence[str]) -> None:
         self._engine.abort(request_ids)
 
-    def load_weights(self, version: int, weights: Any) -> None:
+    def load_weights(self, version: int, weights: Any, broadcast: bool = False) -> None:
         started = time.perf_counter()
-        self._engine.load_weights(version, weights)
+        self._engine.load_weights(version, weights, broadcast)
         self._ledger.synced(self.instance_id, version, time.perf_counter() - started)
 
     def snapshot(self) -> InstanceSnapshot:

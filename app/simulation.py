@@ -171,6 +171,7 @@ def simulate_system(
         "virtual_s": metrics.elapsed_s,
         "wall_s": wall,
         "coordinator_decision_s": metrics.coordinator.get("decision_seconds", 0.0),
+        "sync_loads": {kind: int(metrics.coordinator.get(kind, 0)) for kind in ("pulls", "broadcast_pulls")},
         "reused_run": False,
         "instance_skew": skew.figures(),
     }, policy.protocol_eta(eta), eta)

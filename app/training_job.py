@@ -56,7 +56,7 @@ TRACE_FILE = "trace.jsonl"
 #: what a job raises before anything starts for a config it cannot run (the command's exit 2)
 START_ERRORS = (PlacementError, VLLMBuildError, PromptFileError, RewardSpecError, ScorerCheckError)
 #: scratch folders of a run, removed when it ends
-SCRATCH = (DISK_SCRATCH, ".eval-weights", ".eval-snapshots")
+SCRATCH = (DISK_SCRATCH, ".eval-snapshots")
 
 
 def train(config: JobConfig, run_dir: Path, checkpoint: Path | None = None) -> dict[str, Any]:
@@ -114,9 +114,9 @@ class TrainingJob:
         clock = RealClock()
         self._reserve()
         engine_start = time.perf_counter()
-        self._weights_dir = weights_scratch_dir(self.run_dir, model_bytes(base), self.config.rollout.instances)
+        self._weights_dir = weights_scratch_dir(self.run_dir, model_bytes(base), self.config.rollout.instances + 1)  # + the eval engine
         engines = self._start_engines(base, clock, self._weights_dir)
-        self._evaluator = make_evaluator(self.config, self.tokens, self.data, self._placement, base, clock, self.run_dir)
+        self._evaluator = make_evaluator(self.config, self.tokens, self.data, self._placement, base, clock, self._weights_dir)
         self._start_model(base, engines)
         self._engine_s = time.perf_counter() - engine_start
         self._open_records()
@@ -328,7 +328,8 @@ class TrainingJob:
         assert self._log is not None
         if isinstance(self._evaluator, Evaluator):
             figures = self._evaluator.run(self.trainer)
-        else:
-            weights = self.trainer.weights() if self.trainer.version > 0 else str(self.model_v0)
-            figures = self._evaluator.run(self.trainer.version, weights)
+        elif self.trainer.version > 0:  # the version as the rollout instances pull it, through the same transfer
+            figures = self._evaluator.run(*self._loop.weights.pull(self.trainer.version))
+        else:  # version 0: the files the rollout instances start from
+            figures = self._evaluator.run(0, str(self.model_v0))
         self._log.eval(step, figures)

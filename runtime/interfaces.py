@@ -97,10 +97,13 @@ class RolloutEngine(Protocol):
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stop these requests and discard their output."""
 
-    def load_weights(self, version: int, weights: Any) -> None:
+    def load_weights(self, version: int, weights: Any, broadcast: bool = False) -> None:
         """Pull: switch to model ``version``. Running requests keep their tokens and continue on
         the new weights (their per-token versions record the switch). ``weights`` may be a
-        :class:`WeightsReference`, which the engine fetches itself."""
+        :class:`WeightsReference`, which the engine fetches itself. ``broadcast``: the load is one of
+        a global broadcast to every instance behind (a simulated engine times it so; a real one
+        receives it through the parameter server's transfer, as a pull). The run loop passes it
+        only when true."""
 
     def snapshot(self) -> InstanceSnapshot: ...
 

@@ -44,6 +44,7 @@ class ScriptedEngine:
     def load_weights(self, version: int, weights: object) -> None:
         self.loads.append(version)
         self.version = version
+        self.weights = weights
 
     def submit(self, requests: list[RolloutRequest]) -> None:
         for r in requests:
@@ -111,6 +112,40 @@ def test_engine_evaluation_reports_mean_reward_and_pass_at_1() -> None:
         assert latest["eval_pass@1"] == 1.0 and latest["eval_reward"] == 1.0
     finally:
         evaluator.close()
+
+
+def test_the_evaluation_engine_gets_a_version_as_the_rollout_instances_pull_it_not_from_the_trainer(tmp_path: Path) -> None:
+    """The job's evaluation loads version v through the run's parameter server (whatever it hands a
+    rollout instance's Pull: a reference, a transfer), after the push in flight, never the trainer's
+    state dict written to a file of its own; version 0 is the folder the instances start from."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from staleflow.app.training_job import TrainingJob
+    from staleflow.runtime.run.weight_sync import WeightPublisher
+    from staleflow.runtime.servers.parameter_server import ParameterServer
+
+    handed_out = object()  # what the parameter server hands a Pull of version 3
+    publisher = WeightPublisher(ParameterServer(copy_weights=lambda w: w), background=True, counters=Counter())
+    publisher.push(3, handed_out)  # in the background: the evaluation waits for it
+    engine = ScriptedEngine({v: {PROMPTS[0].text: ["#### 5"]} for v in (0, 3)})
+    logged: list[tuple[int, dict]] = []
+    job = TrainingJob(load_config(overrides=["warmup.when=never"]), tmp_path / "run")
+    job._evaluator = EngineEvaluator(engine, PROMPTS[:1], encode=encode, reward=lambda t, m: 1.0, reward_timeout_s=30, max_new_tokens=8)
+    job._loop = SimpleNamespace(weights=publisher)
+    job._log = SimpleNamespace(eval=lambda step, figures: logged.append((step, figures)))
+    job.model_v0 = tmp_path / "model-v0"
+    try:
+        job.trainer = SimpleNamespace(version=0, weights=lambda: pytest.fail("the trainer's weights went to the evaluation engine"))
+        job._log_eval(0)
+        assert engine.loads == [0] and engine.weights == str(tmp_path / "model-v0")
+        job.trainer.version = 3
+        job._log_eval(2)
+        assert engine.loads == [0, 3] and engine.weights is handed_out
+        assert [(step, figures["eval_version"]) for step, figures in logged] == [(0, 0), (2, 3)]
+    finally:
+        job._evaluator.close()
+        publisher.close()
 
 
 def test_new_task_keys_validate_and_the_shipped_config_loads() -> None:
@@ -242,7 +277,7 @@ def test_a_users_scorer_with_evaluation_off_sets_the_job_up(tmp_path: Path, tiny
                                     "task.eval_prompts=0", "task.eval_every=0"])
     tokens = Tokens(tiny_model)
     data = TaskData(config, tokens)
-    evaluator = make_evaluator(config, tokens, data, placement=None, base=tiny_model, clock=None, run_dir=tmp_path)
+    evaluator = make_evaluator(config, tokens, data, placement=None, base=tiny_model, clock=None, weights_dir=tmp_path)
     assert isinstance(evaluator, Evaluator) and not evaluator.enabled
     assert [p.answer for p in data.train] == ["ok"] * 3
 

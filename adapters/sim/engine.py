@@ -20,7 +20,7 @@ Model of execution:
 * A request finishes after generating ``metadata[REQUEST_LENGTH_KEY]`` tokens, capped by
   ``max_new_tokens`` (finish reason ``"length"`` then; without the key it runs to the cap).
 * ``load_weights`` switches the version at once and blocks this instance for ``weight_load_s`` plus
-  the transfer (``weight_link``: a parameter-server pull sharing its bandwidth, or a broadcast);
+  the transfer (``weight_link``: a parameter-server pull sharing its bandwidth, or a broadcast: ``broadcast=True``);
   running requests keep their tokens and go on with the new weights. With ``reload_recomputes_kv``
   their KV cache is rebuilt first (a prefill of every resident request), as when a sync interrupts
   and resumes them (the reference) or an engine discards stale KV (AReaL); without it the stale KV
@@ -196,14 +196,14 @@ class SimEngine:
             self._finished = [t for t in self._finished if t.request_id not in ids]
         self._advance(self._clock.now())
 
-    def load_weights(self, version: int, weights: Any = None) -> None:
+    def load_weights(self, version: int, weights: Any = None, broadcast: bool = False) -> None:
         if version < self._version:
             raise ValueError(f"{self.instance_id}: cannot go back from version {self._version} to {version}")
         self._settle()
         self._version = version
         self._version_marks.append((self._steps, version))
         start = max(self._t, self._busy_until)
-        stall = self._load_s + (self._link.transfer_s(start) if self._link is not None else 0.0)
+        stall = self._load_s + (self._link.transfer_s(start, broadcast) if self._link is not None else 0.0)
         if self._reload_recomputes_kv:
             stall += sum(self._prefill_s(live.context + self._steps - live.base_step) for live in self._running.values())
         self._busy_until = self._load_until = start + stall

@@ -4,7 +4,9 @@
   (StaleFlow). One pull takes ``weights_gb / min(link_gb_per_s, ps_gb_per_s / k)`` where ``k`` is the
   number of pulls in flight when it starts, itself included: the server's egress is shared, and a
   pull that starts while many others run is slower (the share is fixed at its start, a
-  simplification of fair sharing).
+  simplification of fair sharing). A load the coordinator marks as part of a global broadcast (the
+  ``adaptive`` sync) takes the :class:`Broadcast` time instead, with the trainer not blocked (the
+  parameter server sends, not the trainer).
 * :class:`Broadcast`: a global NCCL broadcast (the peers): every instance receives the version at
   once in ``weights_gb / broadcast_gb_per_s``, after ``pause_s`` of a whole-fleet pause if the
   system pauses around its updates (ROLL's ``pause_sampling``); the trainer is blocked as long
@@ -26,8 +28,9 @@ from staleflow.runtime.settings.workload import NetworkSpec
 
 
 class WeightTransfer(Protocol):
-    def transfer_s(self, start: float) -> float:
-        """Seconds a weight load that starts at ``start`` spends receiving the weights."""
+    def transfer_s(self, start: float, broadcast: bool = False) -> float:
+        """Seconds a weight load that starts at ``start`` spends receiving the weights; ``broadcast``:
+        the load is one of a global broadcast's."""
         ...
 
 
@@ -37,8 +40,11 @@ class ParameterServerLink:
     def __init__(self, network: NetworkSpec) -> None:
         self._network = network
         self._ends: list[float] = []
+        self._broadcast = Broadcast(network)
 
-    def transfer_s(self, start: float) -> float:
+    def transfer_s(self, start: float, broadcast: bool = False) -> float:
+        if broadcast:
+            return self._broadcast.seconds
         self._ends = [end for end in self._ends if end > start]
         net = self._network
         seconds = net.weights_gb / min(net.link_gb_per_s, net.ps_gb_per_s / (len(self._ends) + 1))
@@ -57,8 +63,8 @@ class Broadcast:
     def __init__(self, network: NetworkSpec, pause_s: float = 0.0) -> None:
         self.seconds = pause_s + network.weights_gb / network.broadcast_gb_per_s
 
-    def transfer_s(self, start: float) -> float:
-        return self.seconds
+    def transfer_s(self, start: float, broadcast: bool = False) -> float:
+        return self.seconds  # a broadcast whatever the load
 
 
 def prefill_seconds(context: int, per_token: float, attn_per_token2: float) -> float:

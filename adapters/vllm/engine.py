@@ -164,13 +164,13 @@ class VLLMEngine:
         with self._lock:
             self._finished = [t for t in self._finished if t.request_id not in ids]
 
-    def load_weights(self, version: int, weights: Any) -> None:
+    def load_weights(self, version: int, weights: Any, broadcast: bool = False) -> None:
         """Reload the weights in place and become ``version``; returns when the new weights serve.
 
-        ``weights``: a safetensors file, a folder holding ``model.safetensors``, a state dict
-        (name -> tensor, checkpoint names), which is written to a temporary safetensors file first,
-        a :class:`~staleflow.runtime.interfaces.WeightsReference`, fetched here first (from a parameter
-        server in another process), or a ``TransferWeights``, through vLLM's weight-transfer API.
+        ``weights``: a safetensors file, a folder holding ``model.safetensors``, a state dict (name ->
+        tensor, checkpoint names), which is written to a temporary safetensors file first, a
+        :class:`~staleflow.runtime.interfaces.WeightsReference`, fetched here first (from a parameter server in another
+        process), or a ``TransferWeights``, through vLLM's weight-transfer API; a global broadcast's load (``broadcast``) too.
         """
         with self._lock:
             self._published.loads_pending += 1

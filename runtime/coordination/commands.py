@@ -31,10 +31,16 @@ class Interrupt:
 
 @dataclass(frozen=True)
 class Pull:
-    """Load model ``version`` from the parameter server into ``instance_id`` (running requests stay)."""
+    """Load model ``version`` from the parameter server into ``instance_id`` (running requests stay).
+
+    ``broadcast``: one of the loads of a global broadcast, the version going to every instance behind
+    at once (the ``adaptive`` sync, :mod:`~staleflow.runtime.coordination.sync`); the engine is told
+    so (``load_weights(..., broadcast=True)``: a simulated one times it as a broadcast).
+    """
 
     instance_id: str
     version: int
+    broadcast: bool = False
 
 
 @dataclass(frozen=True)

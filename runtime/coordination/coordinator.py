@@ -62,7 +62,7 @@ from staleflow.runtime.coordination.routing import (
     make_router,
     route_interrupted,
 )
-from staleflow.runtime.coordination.sync import plan_pulls
+from staleflow.runtime.coordination.sync import TransferCosts, plan_sync
 from staleflow.runtime.run.group_life import GroupLife
 from staleflow.runtime.servers.request_queue import request_tokens
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
@@ -83,6 +83,7 @@ class Coordinator:
         policy: the system policy (strategies and knobs).
         cost_model: the instances' decode cost model (throughput routing and migration).
         snapshots: one initial snapshot per instance (empty instances), in a fixed order.
+        transfer: what moving a version costs, for the ``adaptive`` sync (None: it pulls per instance).
     """
 
     def __init__(
@@ -90,13 +91,13 @@ class Coordinator:
         groups: GroupLife,
         policy: SystemPolicy,
         cost_model: CostModel,
-        snapshots: Sequence[InstanceSnapshot],
+        snapshots: Sequence[InstanceSnapshot], transfer: TransferCosts | None = None,
     ) -> None:
         if not snapshots:
             raise ValueError("the coordinator needs at least one rollout instance")
         self.groups = groups
         self.policy = policy
-        self.cost_model = cost_model
+        self.cost_model, self.transfer = cost_model, transfer
         self.fleet = Fleet(snapshots)
         self.views = self.fleet.views  # one list: a view that starts afresh replaces its entry
         self.router = make_router(policy.routing, cost_model, policy.mu, policy.max_running)
@@ -233,9 +234,9 @@ class Coordinator:
         """
         started = time.perf_counter()
         commands = self._outbox
-        pulls = plan_pulls(
+        pulls, broadcast = plan_sync(
             self.policy.sync, self.views, ps_version, self.manager, self.policy.sync_kv_fraction, self._starved,
-            eager=self.policy.freshness and self.lookahead.width < self.manager.eta,
+            eager=self.policy.freshness and self.lookahead.width < self.manager.eta, costs=self.transfer,
         )
         for i in pulls:
             assert ps_version is not None
@@ -247,7 +248,7 @@ class Coordinator:
                 self.stats["interrupted_for_pull"] += len(rids)
                 if self.policy.resubmit_same_instance or self.policy.resend_round_robin:
                     self._interrupted.update(dict.fromkeys(rids, i))
-            commands.append(self._pull(view.instance_id, ps_version))
+            commands.append(self._pull(view.instance_id, ps_version, broadcast))
         if pulls and isinstance(self.router, PromptAffinityRouter):
             self.router.clear_pins()  # ROLL's abort_all at the weight update clears the prompt pins
         fleet = self.fleet.synced()
@@ -263,7 +264,7 @@ class Coordinator:
             self._admitting = self._route_queue(fleet, self._routes)
         elif self.ts.pending_count():
             self._starved = True  # no instance version is admissible (or the cap is reached)
-        self.stats["pulls"] += len(pulls)
+        self.stats["broadcast_pulls" if broadcast else "pulls"] += len(pulls)
         self.decision_seconds += time.perf_counter() - started
 
     def _interrupt(self, plan: dict[int, list[str]], counter: str) -> FleetArrays:
@@ -274,10 +275,10 @@ class Coordinator:
             self.stats[counter] += len(rids)
         return self.fleet.synced()
 
-    def _pull(self, instance_id: str, version: int) -> Pull:
+    def _pull(self, instance_id: str, version: int, broadcast: bool = False) -> Pull:
         """A Pull command; the view takes the new version at once (older snapshots are stale)."""
         self.fleet.pull(instance_id, version)
-        return Pull(instance_id, version)
+        return Pull(instance_id, version, broadcast)
 
     def _route_queue(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
         """Place queued requests in order; False if one could not be placed. A *run* of consecutive

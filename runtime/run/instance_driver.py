@@ -7,6 +7,13 @@ Every engine call goes through here, and every call that raises the failure cont
 :meth:`InstanceDriver.failed`. The driver tells nobody: each method returns what it observed
 (snapshots, instances lost or back: :mod:`~staleflow.runtime.coordination.observations`), in order,
 and the loop hands it to the coordinator.
+
+With a real clock the Pulls of a batch of commands run concurrently, one thread each: every pull
+starts when its turn in the batch comes, a later command to the same instance waits for that
+instance's pull, and all of them have ended when :meth:`InstanceDriver.execute` returns, so N pulls
+hold the loop up for about one transfer rather than N. A pull that fails marks only its own instance
+down; the others still finish and are recorded. With a virtual clock they run inline, in order
+(simulated transfers depend on the order they start in).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from staleflow.runtime.coordination.commands import Abort, Command, Interrupt, Pull, Route
 from staleflow.runtime.coordination.observations import InstanceBack, InstanceLost
@@ -57,6 +65,7 @@ class InstanceDriver:
         self.next_event: dict[str, float | None] = {iid: None for iid in self.engines}
         self.touched: set[str] = set()
         self._observed_at: dict[str, float] = {}
+        self._pulls = None if clock.simulated else ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="pull")
 
     def first_snapshots(self) -> list[InstanceSnapshot]:
         """One snapshot per instance, to start the coordinator with; instances that do not answer
@@ -167,17 +176,43 @@ class InstanceDriver:
         return InstanceBack(result.snapshot)
 
     def execute(self, commands: Sequence[Command]) -> list[InstanceLost]:
-        """Carry out commands in order; a failing instance is marked down (and returned) and its
-        commands skipped."""
-        lost = []
-        for command in commands:
-            if command.instance_id in self.down:
-                continue  # its requests were re-queued; requests routed to it are still queued
-            try:
-                self._execute_one(command)
-            except INSTANCE_FAILURES:
-                lost.append(self.failed(command.instance_id))
+        """Carry out commands in order (Pulls concurrently with a real clock: module docstring); a
+        failing instance is marked down (and returned) and its later commands skipped."""
+        lost: list[InstanceLost] = []
+        pulls: dict[str, Future[None]] = {}
+        try:
+            for command in commands:
+                iid = command.instance_id
+                if iid in pulls:  # the instance's pull ends before its next command
+                    self._await_pulls({iid: pulls.pop(iid)}, lost)
+                if iid in self.down:
+                    continue  # its requests were re-queued; requests routed to it are still queued
+                if isinstance(command, Pull) and self._pulls is not None:
+                    pulls[iid] = self._pulls.submit(self._load, command)
+                    continue
+                try:
+                    self._execute_one(command)
+                except INSTANCE_FAILURES:
+                    lost.append(self.failed(iid))
+        finally:
+            self._await_pulls(pulls, lost)
         return lost
+
+    def _await_pulls(self, pulls: Mapping[str, Future[None]], lost: list[InstanceLost]) -> None:
+        """Wait for every pull of ``pulls``, then record each: done, or its instance lost (added to
+        ``lost``); an error outside the failure contract is raised once every pull is recorded."""
+        wait(pulls.values())
+        error: Exception | None = None
+        for iid, future in pulls.items():
+            try:
+                future.result()
+                self._executed(iid, Pull.__name__)
+            except INSTANCE_FAILURES:
+                lost.append(self.failed(iid))
+            except Exception as unexpected:  # noqa: BLE001 - raised below, after the other pulls are recorded
+                error = error or unexpected
+        if error is not None:
+            raise error
 
     def _execute_one(self, command: Command) -> None:
         engine = self.engines[command.instance_id]
@@ -186,15 +221,26 @@ class InstanceDriver:
         elif isinstance(command, Interrupt):
             self.ts.requeue(engine.interrupt(command.request_ids), command.instance_id)
         elif isinstance(command, Pull):
-            version, weights = self.ps.pull(command.version)
-            engine.load_weights(version, weights)
+            self._load(command)
         elif isinstance(command, Abort):
             engine.abort(command.request_ids)
         else:
             raise TypeError(f"unknown command {command!r}")
-        self.counters[f"command_{type(command).__name__.lower()}"] += 1
-        self.next_event[command.instance_id] = engine.next_event_time()
-        self.touched.add(command.instance_id)
+        self._executed(command.instance_id, type(command).__name__)
+
+    def _load(self, command: Pull) -> None:
+        """The engine's side of a Pull: the version from the parameter server into the instance."""
+        version, weights = self.ps.pull(command.version)
+        if command.broadcast:
+            self.engines[command.instance_id].load_weights(version, weights, broadcast=True)
+        else:
+            self.engines[command.instance_id].load_weights(version, weights)
+
+    def _executed(self, iid: str, kind: str) -> None:
+        """Bookkeeping after a command of ``kind`` on ``iid`` (in the loop's thread)."""
+        self.counters[f"command_{kind.lower()}"] += 1
+        self.next_event[iid] = self.engines[iid].next_event_time()
+        self.touched.add(iid)
 
     def take_touched(self) -> set[str]:
         """The instances touched since the last call (their load may have changed)."""
@@ -217,6 +263,8 @@ class InstanceDriver:
         return held, lost
 
     def close(self) -> None:
+        if self._pulls is not None:
+            self._pulls.shutdown()
         for engine in self.engines.values():
             try:
                 engine.close()

@@ -150,7 +150,7 @@ class RunLoop:
             manager.add_event_hook(hook)
         self.groups = GroupLife(manager, self.ts)
         self.instances = InstanceDriver(parts.engines, self.ts, self.ps, self.clock, self.stats.counters)
-        self.coordinator = Coordinator(self.groups, policy, parts.cost_model, self.instances.first_snapshots())
+        self.coordinator = Coordinator(self.groups, policy, parts.cost_model, self.instances.first_snapshots(), spec.transfer)
         self.weights = WeightPublisher(self.ps, background=not self.clock.simulated, counters=self.stats.counters)
         self.rewards = RewardRunner(parts.reward_fn, spec.reward_timeout_s)
         self._prompts: Iterator[PromptGroup] = iter(parts.prompts)

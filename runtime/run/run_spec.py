@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from staleflow.runtime.coordination.sync import TransferCosts
 from staleflow.runtime.interfaces import Clock
 from staleflow.runtime.settings.policies import SystemPolicy, make_policy
 
@@ -30,7 +31,8 @@ class RunSpec:
     instance, migration), with a real clock also the polling period (None: :data:`DEFAULT_TICK_S`
     for the run's clock); ``reward_timeout_s``: per-group reward timeout (wall clock);
     ``pending_groups``: drawn prompt groups kept waiting for admission (default
-    ``2 * batch_size * (eta + 1)``).
+    ``2 * batch_size * (eta + 1)``); ``transfer``: what moving a version costs, which the
+    ``adaptive`` sync compares (a simulated workload's network; None: it pulls per instance).
     """
 
     policy: SystemPolicy
@@ -39,6 +41,7 @@ class RunSpec:
     tick_s: float | None = None
     reward_timeout_s: float = 30.0
     pending_groups: int | None = None
+    transfer: TransferCosts | None = None
 
     def __post_init__(self) -> None:
         if self.tick_s is not None and self.tick_s <= 0:
@@ -69,7 +72,10 @@ class RunSpec:
         ``tick_s``, else the policy's ``check_period_s``, else the workload's."""
         policy = make_policy(system, **knobs)
         default_tick = policy.check_period_s or workload.simulation.tick_s
-        return cls(policy, eta=eta, batch_size=workload.batch.groups_per_step, tick_s=default_tick if tick_s is None else tick_s)
+        net, load_s = workload.network, workload.instance.weight_load_s
+        transfer = TransferCosts(net.weights_gb, net.ps_gb_per_s, net.link_gb_per_s, net.broadcast_gb_per_s, load_s)
+        return cls(policy, eta=eta, batch_size=workload.batch.groups_per_step, tick_s=default_tick if tick_s is None else tick_s,
+                   transfer=transfer)
 
     def tick_for(self, clock: Clock) -> float:
         """The tick period on ``clock``: :attr:`tick_s`, or the clock's default."""

@@ -80,6 +80,14 @@ class WeightPublisher:
                 f"version {self._unpushed[0][0]} could not be pushed in {PUSH_ATTEMPTS} attempts ({needed_by} needs it)"
             )
 
+    def pull(self, version: int) -> tuple[int, Any]:
+        """``version`` as a rollout instance's Pull gets it from the parameter server (the weights, a
+        reference or a transfer: whatever the server hands out), once every push has finished (the
+        evaluation engine loads its versions so)."""
+        self.wait()
+        self.flush(f"a pull of version {version}")
+        return self.ps.pull(version)
+
     def wait(self) -> None:
         """Wait for the background push in flight, if any (its error, if any, is raised here)."""
         if self._future is not None:

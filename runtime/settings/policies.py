@@ -107,7 +107,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 Routing = Literal["throughput", "least_loaded", "round_robin", "prompt_affinity", "prompt_round_robin"]
-Sync = Literal["per_instance", "global_immediate", "global_drained"]
+Sync = Literal["per_instance", "global_immediate", "global_drained", "adaptive"]
 Admission = Literal["protocol", "inflight_cap"]
 Outstanding = Literal["protocol", "ratio"]
 Consumption = Literal["deadline", "oldest_finished", "finish_order"]
@@ -129,8 +129,10 @@ class SystemPolicy:
             group's requests all at once on the next instance in turn below ``max_running``: ROLL
             aa6ad590); see :mod:`~staleflow.runtime.coordination.routing`.
         sync: ``per_instance`` (pull one instance when it is nearly drained or can no longer
-            admit), ``global_immediate`` (every instance as soon as a version is pushed), or
-            ``global_drained`` (every instance together once all are drained).
+            admit), ``global_immediate`` (every instance as soon as a version is pushed),
+            ``global_drained`` (every instance together once all are drained), or ``adaptive``
+            (``per_instance``, or a global broadcast to every instance behind where the run's
+            transfer costs make it cheaper: :mod:`~staleflow.runtime.coordination.sync`).
         migration: interrupt and re-route waiting and excess requests.
         admission: ``protocol`` (reserve only) or ``inflight_cap`` (also the AReaL cap).
         outstanding: the most groups admitted and not yet consumed: ``protocol`` (what the protocol
@@ -257,7 +259,7 @@ class SystemPolicy:
         _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin", "prompt_affinity", "prompt_round_robin"))
         _choice("consumption", self.consumption, ("deadline", "oldest_finished", "finish_order"))
         _choice("weight_transfer", self.weight_transfer, ("ps_pull", "broadcast", "colocated"))
-        _choice("sync", self.sync, ("per_instance", "global_immediate", "global_drained"))
+        _choice("sync", self.sync, ("per_instance", "global_immediate", "global_drained", "adaptive"))
         _choice("admission", self.admission, ("protocol", "inflight_cap"))
         _choice("outstanding", self.outstanding, ("protocol", "ratio"))
         _choice("migration_rule", self.migration_rule, ("split", "evacuate"))

@@ -155,12 +155,12 @@ class FaultyEngine:
         self._in_transit = [(at, t) for at, t in self._in_transit if t.request_id not in ids]
         engine.abort(request_ids)
 
-    def load_weights(self, version: int, weights: Any) -> None:
+    def load_weights(self, version: int, weights: Any, broadcast: bool = False) -> None:
         engine = self._live()
         if self._plan.happens(self._rng, self._plan.rates.pull_fail):
             self._plan.record(FaultKind.PULL_FAIL, self.instance_id, f"version {version}")
             raise WeightSyncError(f"{self.instance_id}: transfer of version {version} failed")
-        engine.load_weights(version, weights)
+        engine.load_weights(version, weights, broadcast)
         if self._plan.happens(self._rng, self._plan.rates.pull_slow):
             seconds = self._plan.delay(self._rng)
             self._local.stall(seconds)
