@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from staleflow.runtime.interfaces import Clock
@@ -54,7 +54,7 @@ class RunSpec:
             **config.coordinator.policy_knobs(),
         )
         return cls(
-            policy,
+            engine_bound(policy, config.rollout.max_num_seqs),
             eta=config.protocol.eta,
             batch_size=config.protocol.batch_groups,
             tick_s=config.coordinator.tick_s,
@@ -67,10 +67,19 @@ class RunSpec:
     ) -> RunSpec:
         """A simulated workload's run of ``system`` (``knobs`` override the policy's); the tick is
         ``tick_s``, else the policy's ``check_period_s``, else the workload's."""
-        policy = make_policy(system, **knobs)
+        policy = engine_bound(make_policy(system, **knobs), workload.instance.max_running)
         default_tick = policy.check_period_s or workload.simulation.tick_s
         return cls(policy, eta=eta, batch_size=workload.batch.groups_per_step, tick_s=default_tick if tick_s is None else tick_s)
 
     def tick_for(self, clock: Clock) -> float:
         """The tick period on ``clock``: :attr:`tick_s`, or the clock's default."""
         return self.tick_s if self.tick_s is not None else DEFAULT_TICK_S[clock.simulated]
+
+
+def engine_bound(policy: SystemPolicy, max_num_seqs: int) -> SystemPolicy:
+    """``policy`` with throughput routing capped at what an engine runs at once (vLLM's
+    ``max_num_seqs``): the cap the router fills an instance to when its cost model says the instance
+    is memory-bound. The other routing rules keep the caps of the code they follow."""
+    if policy.routing != "throughput" or policy.max_running <= max_num_seqs:
+        return policy
+    return replace(policy, max_running=max_num_seqs)
