@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -144,18 +145,20 @@ def test_the_online_fit_on_a_vllm_cpu_engine_matches_an_offline_profile(tmp_path
     online = OnlineCostModel(shape.cost_model(DEVICES["cpu"]), "cpu roofline", refit_s=1.0, max_n=32)
     sampling = SamplingConfig(temperature=1.0, ignore_eos=True)
     with VLLMEngine("fit", model_dir, sampling=sampling, max_model_len=256, max_num_seqs=32, seed=0) as engine:
-        offline = profile_engine(engine, [1, 8, 32], [16, 96], decode_tokens=16)
-        for batch, (n, prompt) in enumerate([(n, p) for p in (16, 96) for n in (1, 8, 32)]):
+        offline = profile_engine(engine, [1, 8, 32], [64], decode_tokens=16)
+        for batch, (n, prompt) in enumerate([(n, 64) for n in (1, 8, 32)]):
             ids = [f"b{batch}-{i}" for i in range(n)]
             engine.submit([RolloutRequest(rid, rid, [5 + i % 200 for i in range(prompt)], 16, engine.version) for rid in ids])
             pending = set(ids)
             while pending:
                 pending -= {t.request_id for t in engine.collect()}
+                time.sleep(0.002)  # as the run loop polls: a busy loop would take the GIL from the engine thread
             online.refit(float(batch), engine.decode_steps())
     assert online.figures(0.0)["cost_fit_refits"] >= 1
     difference = relative_error(online.model, [
         ProfileRecord(p.n, p.kv_tokens, offline.model.step_latency(p.n, p.kv_tokens)) for p in offline.points
     ])
+    print(f"online {online.model}, offline {offline.model}")
     print(f"online vs offline fit: {difference:.1%}; online fit error {online.figures(0.0)['cost_fit_error']:.1%}; "
           f"prior error {online.figures(0.0)['cost_prior_error']:.1%}")
     assert difference < 0.25

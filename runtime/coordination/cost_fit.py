@@ -10,9 +10,10 @@ the same device) and, every ``refit_s`` seconds of the run's clock, refits
 * steps are pooled per ``(n, K)`` bin (``n`` exact, ``K`` in quarter octaves) into one point at the
   bin's mean ``K`` with the lower quartile of its latencies (a step slowed by another process can
   only be slower: the profiler's rule, ``app/profile.py``);
-* batch sizes the engines have not run (the powers of two up to ``max_n`` with no observed ``n``
-  within a factor 1.5) keep the prior's latency, at the observed KV per request: a run that only
-  ever holds 200 requests does not tell the fit where compute binds, so the prior still does.
+* batch sizes beyond those the engines have run (the powers of two up to ``max_n`` above 1.5 times
+  the largest observed ``n``) keep the prior's latency, at the observed KV per request: a run that
+  only ever holds 40 requests does not tell the fit where compute binds, so the prior still does
+  (between observed sizes the model's form interpolates).
 
 :meth:`OnlineCostModel.figures` reports the fit: its mean relative error on the pooled points (and
 the prior's, on the same points), its age (seconds since the last refit), steps and points.
@@ -126,14 +127,14 @@ class OnlineCostModel:
         return changed
 
     def _prior_points(self, points: list[ProfileRecord]) -> list[ProfileRecord]:
-        """The prior's latency at the batch sizes no point is near (module docstring)."""
-        seen = np.array([p.n for p in points], dtype=float)
-        per_request = sum(p.kv_tokens for p in points) / seen.sum()
-        sizes = [2**i for i in range(int(math.log2(self.max_n)) + 1)] + [self.max_n]
+        """The prior's latency at the batch sizes beyond those run (module docstring)."""
+        largest = max(p.n for p in points)
+        per_request = sum(p.kv_tokens for p in points) / sum(p.n for p in points)
+        sizes = {2**i for i in range(int(math.log2(self.max_n)) + 1)} | {self.max_n}
         return [
             ProfileRecord(n=n, kv_tokens=round(n * per_request), latency=self.prior.step_latency(n, n * per_request))
-            for n in sorted(set(sizes))
-            if not np.any((seen >= n / 1.5) & (seen <= n * 1.5))
+            for n in sorted(sizes)
+            if n > 1.5 * largest
         ]
 
     def figures(self, now: float) -> dict[str, Any]:
