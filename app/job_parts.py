@@ -1,9 +1,11 @@
 """The parts of a training job built from its config: the tokenizer, the base model (a local folder or
-the built-in tiny model), the prompt stream, version 0 after the warm-up and the trainer binding.
+the built-in tiny model), the prompt stream, version 0 after the warm-up, the trainer binding and the
+rollout instances' cost model.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -11,7 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
+from staleflow.runtime.coordination.cost_fit import OnlineCostModel
+from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.settings.config_sections import default_tiny_model_dir
+from staleflow.runtime.settings.cost_prior import ModelShape, device_spec
 from staleflow.runtime.settings.placement_plan import trainer_rank_gpus
 from staleflow.runtime.tasks import Prompt, cycle_prompts, plain_render, read_prompt_file, repeat_letter_prompts
 
@@ -180,3 +185,20 @@ def make_trainer(config: JobConfig, model_dir: Path, tokens: Tokens, placement_g
                            world_size=config.train.world_size, device=device, launcher=launcher,
                            gpus_per_rank=trainer_rank_gpus(config) or 0.0, placement_group=placement_group if config.train.gpus else None)
     return TorchTrainer(model_dir, settings=settings, pad_id=tokens.pad_id, seed=config.seed, threads=config.train.threads, device=device)
+
+
+def job_cost_model(config: JobConfig, model_dir: Path) -> OnlineCostModel:
+    """The rollout instances' cost model (``coordinator.cost_model``): the prior is a ``staleflow
+    profile`` file if one is given (measured on these engines' device), else the roofline of the
+    model's shape (its ``config.json``, in the engines' dtype) on the configured device; it is
+    refitted online to the engines' decode steps unless ``online`` is false. Never a fit of another
+    device: the config carries no coefficients."""
+    settings, rollout = config.coordinator.cost_model, config.rollout
+    if settings.profile is not None:
+        prior, source = CostModel.load(settings.profile), f"profile {settings.profile}"
+    else:
+        device = settings.device_name(rollout.gpus_per_instance)
+        dtype_bytes = 4 if rollout.engine_settings()["dtype"] == "float32" else 2
+        shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")), dtype_bytes)
+        prior, source = shape.cost_model(device_spec(device), rollout.tensor_parallel_size), f"roofline of {model_dir.name} on {device}"
+    return OnlineCostModel(prior, source, online=settings.online, refit_s=settings.refit_s, max_n=rollout.max_num_seqs)

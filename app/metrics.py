@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from staleflow.runtime.coordination.cost_model import ProfileRecord
 from staleflow.runtime.interfaces import RolloutEngine
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
 
@@ -220,6 +221,9 @@ class TrackedEngine:
 
     def collect(self) -> list[Trajectory]:
         return self._engine.collect()
+
+    def decode_steps(self) -> list[ProfileRecord]:
+        return self._engine.decode_steps()
 
     def next_event_time(self) -> float | None:
         return self._engine.next_event_time()

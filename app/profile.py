@@ -9,9 +9,8 @@ process preempted can only be slower, never faster, so on a shared machine the l
 closer to the engine's own cost than the median or the mean. The cost model of
 :mod:`staleflow.runtime.coordination.cost_model` is fitted to the points, its mean relative error is reported
 (the paper: 10.5%), and the coefficients are written where the coordinator loads them
-(:meth:`CostModel.load`).
-
-:class:`OnlineRefit` refits the same model during a run from the instances' snapshots.
+(:meth:`CostModel.load`): ``coordinator.cost_model.profile`` makes it the prior that a training job's
+online fit (:mod:`staleflow.runtime.coordination.cost_fit`) starts from.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ import itertools
 import random
 import statistics
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,6 @@ from staleflow.runtime.coordination.cost_model import (
     fit_cost_model,
 )
 from staleflow.runtime.settings.config_sections import default_tiny_model_dir
-from staleflow.runtime.types import InstanceSnapshot
 
 POINTS_PER_BATCH = 4
 
@@ -150,43 +147,6 @@ def _quantile(ordered: Sequence[float], q: float) -> float:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-class OnlineRefit:
-    """Refits an instance cost model during a run from snapshots (no extra measurement).
-
-    Each snapshot with running requests and a positive throughput gives a sample
-    ``(n, K, L = n / tokens_per_s)``; every ``refit_every`` new samples (once ``min_samples`` with
-    at least three distinct ``n`` are held) the model is refitted on the last ``window`` samples.
-    A throughput measured over an interval in which ``n`` changed is an average, so the online
-    model is rougher than a profile; :attr:`report` says how well it fits its own samples.
-    """
-
-    def __init__(self, initial: CostModel, window: int = 2000, min_samples: int = 50, refit_every: int = 200) -> None:
-        if not 0 < min_samples <= window:
-            raise ValueError(f"need 0 < min_samples ({min_samples}) <= window ({window})")
-        if refit_every < 1:
-            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
-        self.model = initial
-        self.report: FitReport | None = None
-        self._samples: deque[ProfileRecord] = deque(maxlen=window)
-        self._min_samples = min_samples
-        self._refit_every = refit_every
-        self._since_fit = 0
-
-    def observe(self, snapshots: Iterable[InstanceSnapshot]) -> bool:
-        """Take samples from ``snapshots``; returns True when this call refitted :attr:`model`."""
-        for snap in snapshots:
-            n = len(snap.running)
-            if n == 0 or snap.tokens_per_s <= 0 or snap.loading:
-                continue
-            self._samples.append(ProfileRecord(n=n, kv_tokens=snap.kv_tokens, latency=n / snap.tokens_per_s))
-            self._since_fit += 1
-        if self._since_fit < self._refit_every or len(self._samples) < self._min_samples or len({s.n for s in self._samples}) < 3:
-            return False
-        self.model, self.report = fit_cost_model(self._samples)
-        self._since_fit = 0
-        return True
 
 
 def run_engine_settings(config: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.app.metrics import INSTANCES_FILE, read_metrics
+from staleflow.app.summary import cost_fit_line
 
 
 def pyplot() -> Any:
@@ -182,6 +183,7 @@ def write_report(run_dir: Path) -> Path:
         f"| weight syncs (time) | {inst['weight_syncs']:.0f} ({inst['sync_seconds']:.1f} s) |",
         f"| time: train / reward / weight sync / rollout busy (mean) "
         f"| {times['train']:.1f} / {times['reward']:.1f} / {times['weight_sync']:.1f} / {times['rollout_busy_mean']:.1f} s |",
+        f"| cost model (fitted online to the engines' decode steps) | {cost_fit_line(summary.get('cost_fit') or {})} |",
         f"| protocol trace | `{Path(summary['trace']).name}` (`staleflow verify --trace {summary['trace']}`) |",
         "",
         "## Reward",

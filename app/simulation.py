@@ -79,13 +79,16 @@ def simulate_system(
     trace_path: Path | None = None,
     estimation_error: float = 0.0,
     admission_eta: int | None = None,
+    cost_refit_s: float | None = None,
     **knobs: Any,
 ) -> dict[str, Any]:
     """Run one system for ``steps`` training steps; returns its figures (the JSON entry).
 
     With ``trace_path`` the run's protocol trace is written there (JSONL, for ``verify --trace``).
     ``estimation_error``: the coordinator plans with the cost model off by this much (the engines
-    run the exact one). ``admission_eta``: a system that does not keep the bound admits with this
+    run the exact one); ``cost_refit_s``: the coordinator refits that model to the engines' decode
+    steps every so many simulated seconds, as a training job does (None: it plans with it as it is).
+    ``admission_eta``: a system that does not keep the bound admits with this
     bound instead of ``eta`` (its staleness is still measured against ``eta``). ``knobs`` override
     the policy's.
     """
@@ -93,6 +96,7 @@ def simulate_system(
     from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer, trainer_offload_seconds
     from staleflow.adapters.sim.trainer import SimTrainer
     from staleflow.app.instance_skew import SkewRecorder
+    from staleflow.runtime.coordination.cost_fit import OnlineCostModel
     from staleflow.runtime.run.assembly import assemble_run
     from staleflow.runtime.run.clock import VirtualClock
     from staleflow.runtime.run.loop import RunParts
@@ -119,6 +123,7 @@ def simulate_system(
         link = ParameterServerLink(workload.network)
     if policy.offloads_trainer:
         after_step += trainer_offload_seconds(workload.network, cluster.trainer_gpus)
+    estimate = workload.build_cost_model().with_error(estimation_error, seed)
     engines = [
         SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link) for i in range(instances)
     ]
@@ -126,7 +131,8 @@ def simulate_system(
         engines=list(engines),
         trainer=SimTrainer.from_workload(workload, clock, scale=scale, after_step_s=after_step, recompute=policy.recomputes_logprobs),
         prompts=workload.prompt_groups(seed, n_extra=policy.group_redundancy),
-        cost_model=workload.build_cost_model().with_error(estimation_error, seed),
+        cost_model=estimate if cost_refit_s is None else OnlineCostModel(
+            estimate, f"the workload's, {estimation_error:.0%} error", refit_s=cost_refit_s, max_n=workload.instance.max_running),
         clock=clock,
     )
     loop = assemble_run(spec, parts, trace_path=trace_path)
@@ -174,6 +180,7 @@ def simulate_system(
         "sync_loads": {kind: int(metrics.coordinator.get(kind, 0)) for kind in ("pulls", "broadcast_pulls")},
         "reused_run": False,
         "instance_skew": skew.figures(),
+        "cost_fit": metrics.cost_fit,
     }, policy.protocol_eta(eta), eta)
 
 
@@ -263,6 +270,7 @@ class Comparison:
     tick_s: float | None = None
     event_quantum_s: float | None = None
     estimation_error: float = 0.1
+    cost_refit_s: float | None = None
     group_redundancy: int = 0
     batch_redundancy: int = 0
     trace_dir: Path | None = None
@@ -286,6 +294,7 @@ def compare_systems(
         "steps": comparison.steps,
         "seed": comparison.seed,
         "estimation_error": comparison.estimation_error,
+        "cost_refit_s": comparison.cost_refit_s,
         # what tells runs of one workload and seed apart (scripts/simulate_tables.py keys its grids by them)
         "tick_s": comparison.tick_s if comparison.tick_s is not None else workload.simulation.tick_s,
         "workload_tick_s": workload.simulation.tick_s,
@@ -345,6 +354,7 @@ def _runner(
         figures = simulate_system(
             workload, system, eta, comparison.steps, comparison.seed, comparison.tick_s, comparison.event_quantum_s,
             on_step=lambda: progress.advance(task), trace_path=trace, estimation_error=comparison.estimation_error,
+            cost_refit_s=comparison.cost_refit_s,
             **knobs_for(system, comparison.group_redundancy, comparison.batch_redundancy), **extra,
         )
         runs[key] = (figures, trace)

@@ -29,8 +29,26 @@ def step_record(metrics: Any, ledger: Any, reward_seconds: float, trained_before
         "utilisation": metrics.utilisation,
         "reward_s_total": reward_seconds,
         **{k: v for k, v in ledger.summary().items()},
+        **cost_fit_scalars(metrics.cost_fit),
     }
     return record
+
+
+def cost_fit_scalars(fit: dict[str, Any]) -> dict[str, Any]:
+    """The online cost fit's figures as flat metrics (TensorBoard takes numbers only): its error, the
+    prior's, its age, steps, points and refits, and the coefficients as ``cost_<name>``."""
+    coefficients = {f"cost_{name}": value for name, value in fit.get("cost_model", {}).items()}
+    return {**{k: v for k, v in fit.items() if k not in ("cost_model", "cost_prior")}, **coefficients}
+
+
+def cost_fit_line(fit: dict[str, Any]) -> str:
+    """One line on the cost model the coordinator planned with at the end of the run."""
+    if not fit:
+        return "-"
+    error, prior = fit["cost_fit_error"], fit["cost_prior_error"]
+    errors = "no decode step measured" if error is None else f"mean relative error {error:.1%} (prior {prior:.1%})"
+    return (f"{errors}; {fit['cost_fit_refits']} refits on {fit['cost_fit_steps']} decode steps ({fit['cost_fit_points']} points), "
+            f"last {fit['cost_fit_age_s']:.0f} s before the end; prior: {fit['cost_prior']}")
 
 
 @dataclass(frozen=True)
@@ -137,6 +155,7 @@ def summary_text(summary: dict[str, Any], run_dir: Path) -> str:
             f"  instances: max version spread {inst['max_version_spread']:.0f}, interrupted {inst['interrupted_requests']:.0f}, "
             f"resumed elsewhere {inst['resumed_elsewhere']:.0f}, weight syncs {inst['weight_syncs']:.0f}"
         ),
+        f"  cost model: {cost_fit_line(summary.get('cost_fit') or {})}",
         f"  audit: lost {summary['lost']}, duplicated {summary['duplicated']}, orphaned {summary['orphaned']}, ok {summary['audit_ok']}",
         f"  files: {run_dir}/ (report.md, metrics.jsonl, {Path(summary['trace']).name}, checkpoints/)",
     ]

@@ -32,13 +32,12 @@ from staleflow.adapters.vllm.build import VLLMBuildError, check_build_fits, inst
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.app.checkpoints import LOOP_STATE, restore_trainer, save_checkpoint
 from staleflow.app.evaluation import DeferredEvaluation, Evaluator, make_evaluator
-from staleflow.app.job_parts import TaskData, Tokens, base_model, make_trainer, start_engines, warm_start
+from staleflow.app.job_parts import TaskData, Tokens, base_model, job_cost_model, make_trainer, start_engines, warm_start
 from staleflow.app.metrics import EngineLedger, MetricsLog, TrackedEngine
 from staleflow.app.report import write_report
 from staleflow.app.rewards import ScorerCheckError, check_scorer, pooled_reward
 from staleflow.app.summary import RunOutcome, step_record, summarise
 from staleflow.app.weights_scratch import DISK_SCRATCH, model_bytes, weights_scratch_dir
-from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.run.assembly import assemble_run
 from staleflow.runtime.run.clock import RealClock
 from staleflow.runtime.run.loop import RunParts
@@ -120,7 +119,7 @@ class TrainingJob:
         self._start_model(base, engines)
         self._engine_s = time.perf_counter() - engine_start
         self._open_records()
-        self._loop = self._assemble(engines, clock)
+        self._loop = self._assemble(engines, clock, base)
         if self._saved_state is not None:
             self._resume_loop()
 
@@ -223,7 +222,7 @@ class TrainingJob:
             self._log.event("prompts_filtered", file=path, skipped=skipped, rows=rows, max_prompt_tokens=config.task.max_prompt_tokens)
         self._ledger = EngineLedger(self.run_dir / "instances.jsonl", append=resuming)
 
-    def _assemble(self, engines: list[Any], clock: RealClock) -> Any:
+    def _assemble(self, engines: list[Any], clock: RealClock, base: Path) -> Any:
         """The run loop over the tracked engines, the trainer, the prompt groups and the job's reward
         (a resumed run appends a segment, headed by the restored protocol state, to the same trace)."""
         config = self.config
@@ -232,7 +231,7 @@ class TrainingJob:
             engines=[TrackedEngine(e, self._ledger, instance_id=f"rollout-{i}") for i, e in enumerate(engines)],
             trainer=self.trainer,
             prompts=self._groups(),
-            cost_model=CostModel(**config.coordinator.cost_model.model_dump()),
+            cost_model=job_cost_model(config, base),
             clock=clock,
             reward_fn=pooled_reward(config, self.tokens, self._reward_s),
         )

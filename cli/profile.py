@@ -59,8 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"coefficients: {coefficients}")
         print(f"peak decode throughput {result.peak_tokens_per_s:.0f} tokens/s; in-place reload {result.reload_ms:.1f} ms")
         print(f"fit error: mean {result.report.mean_relative_error:.1%}, max {result.report.max_relative_error:.1%} (paper: 10.5% mean)")
-        print(f"wrote {args.out}; as overrides for staleflow train:")
-        print(" ".join(f"coordinator.cost_model.{k}={v:.4g}" for k, v in result.model.to_dict().items()))
+        print(f"wrote {args.out}; the prior of staleflow train on this device: coordinator.cost_model.profile={args.out}")
     return 0
 
 

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' response lengths (default: 0)")
     parser.add_argument("--estimation-error", type=float, default=0.1,
                         help="relative error of the cost model the coordinator plans with (default: 0.1, as the paper measured)")
+    parser.add_argument("--cost-refit-s", type=float, default=None, metavar="S",
+                        help="refit the planner's cost model to the engines' decode steps every S simulated seconds, as "
+                        "staleflow train does (default: plan with it as it is)")
     parser.add_argument("--group-redundancy", type=int, default=0, metavar="N_EXTRA",
                         help="StaleFlow samples N_EXTRA more responses per group, keeps the first (default: 0)")
     parser.add_argument("--batch-redundancy", type=int, default=0, metavar="X",
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     comparison = simulation.Comparison(
         systems=systems, etas=list(args.eta), steps=args.steps, seed=args.seed, tick_s=args.tick, event_quantum_s=args.quantum,
-        estimation_error=args.estimation_error, group_redundancy=args.group_redundancy, batch_redundancy=args.batch_redundancy,
+        estimation_error=args.estimation_error, cost_refit_s=args.cost_refit_s, group_redundancy=args.group_redundancy,
+        batch_redundancy=args.batch_redundancy,
         trace_dir=args.trace_dir,
     )
     with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
@@ -94,6 +98,7 @@ def _problems(args: argparse.Namespace) -> list[str]:
     problems += [f"--eta must be >= 0, got {e}" for e in args.eta if e < 0]
     problems += [f"--{k} must be > 0" for k, v in (("tick", args.tick),) if v is not None and v <= 0]
     problems += ["--quantum must be >= 0"] if args.quantum is not None and args.quantum < 0 else []
+    problems += [] if args.cost_refit_s is None or args.cost_refit_s > 0 else [f"--cost-refit-s must be > 0, got {args.cost_refit_s}"]
     problems += [] if 0 <= args.estimation_error < 0.5 else [f"--estimation-error must be in [0, 0.5), got {args.estimation_error}"]
     problems += [f"--{k.replace('_', '-')} must be >= 0" for k in ("group_redundancy", "batch_redundancy") if getattr(args, k) < 0]
     return problems

@@ -1,4 +1,4 @@
-"""``staleflow profile`` (pooling, online refit, the command on real vLLM-CPU)."""
+"""``staleflow profile`` (pooling, the command on real vLLM-CPU)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,9 @@ import importlib.util
 import json
 
 import pytest
-from staleflow.app.profile import OnlineRefit, pool_steps
+from staleflow.app.profile import pool_steps
 from staleflow.cli.profile import add_arguments, run
 from staleflow.runtime.coordination.cost_model import CostModel, ProfileRecord
-from staleflow.runtime.types import InstanceSnapshot
-
-TRUE_MODEL = CostModel(thr=0.004, o_b=0.0, o_k=1e-4, a_b=0.002, a_k=5e-8)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,44 +18,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _snapshot(n: int, kv: int, tokens_per_s: float, loading: bool = False) -> InstanceSnapshot:
-    return InstanceSnapshot("i", 0, tuple(f"r{i}" for i in range(n)), (), kv, 10**6, tokens_per_s, 0.0, loading)
-
-
 def test_pool_steps_takes_the_lower_quartile_of_each_quarter():
     steps = [ProfileRecord(4, 100 + i, latency) for i, latency in enumerate([1, 2, 3, 9, 4, 4, 4, 4])]
     points = pool_steps(steps, groups=2)
     assert [(p.n, p.kv_tokens) for p in points] == [(4, 102), (4, 106)]  # mean K of 100..103, 104..107
     assert points[0].latency == pytest.approx(1.75)  # quartile of 1, 2, 3, 9: slow outliers do not count
     assert points[1].latency == pytest.approx(4.0)
-
-
-def test_online_refit_recovers_the_cost_model_from_snapshots():
-    refit = OnlineRefit(initial=CostModel(thr=1.0, o_b=0.0, o_k=0.0, a_b=0.0, a_k=0.0), min_samples=20, refit_every=40)
-    snapshots = [
-        _snapshot(n, n * k, n / TRUE_MODEL.step_latency(n, n * k))
-        for n in (1, 2, 8, 32, 64, 128, 256)
-        for k in (50, 200, 400)
-    ] * 2
-    fitted_at = [refit.observe([s]) for s in snapshots]
-    assert fitted_at.count(True) == 1 and fitted_at.index(True) == 39
-    assert refit.report is not None and refit.report.mean_relative_error < 0.01
-    for n, kv in ((4, 800), (100, 30_000)):
-        assert refit.model.step_latency(n, kv) == pytest.approx(TRUE_MODEL.step_latency(n, kv), rel=0.02)
-
-
-def test_online_refit_ignores_idle_and_loading_snapshots():
-    initial = CostModel(thr=1.0, o_b=0.0, o_k=0.0, a_b=0.0, a_k=0.0)
-    refit = OnlineRefit(initial=initial, min_samples=1, refit_every=1)
-    assert refit.observe([_snapshot(0, 0, 0.0), _snapshot(3, 30, 100.0, loading=True), _snapshot(5, 50, 0.0)]) is False
-    assert refit.model is initial and refit.report is None
-
-
-def test_online_refit_rejects_bad_settings():
-    with pytest.raises(ValueError, match="min_samples"):
-        OnlineRefit(TRUE_MODEL, window=10, min_samples=20)
-    with pytest.raises(ValueError, match="refit_every"):
-        OnlineRefit(TRUE_MODEL, refit_every=0)
 
 
 def test_bad_grid_arguments_are_named(capsys):

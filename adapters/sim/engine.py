@@ -46,7 +46,8 @@ from typing import Any
 
 from staleflow.adapters.sim.network import WeightTransfer, prefill_seconds
 from staleflow.adapters.sim.tokens import RunLengthList
-from staleflow.runtime.coordination.cost_model import CostModel
+from staleflow.runtime.coordination.cost_fit import DecodeStepLog
+from staleflow.runtime.coordination.cost_model import CostModel, ProfileRecord
 from staleflow.runtime.interfaces import Clock
 from staleflow.runtime.settings.workload import REQUEST_LENGTH_KEY, Workload
 from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
@@ -135,6 +136,7 @@ class SimEngine:
         self._quiet = -1  # ``_changes`` when :meth:`_advance` last stopped inside a cached segment
         self._seg: tuple[int, float] | None = None  # cached :meth:`_segment`
         self._ids: tuple[int, tuple[str, ...], tuple[str, ...]] = (0, (), ())
+        self._decode_steps = DecodeStepLog()
         self._closed = False
 
     @classmethod
@@ -144,18 +146,10 @@ class SimEngine:
     ) -> SimEngine:
         spec = workload.instance
         return cls(
-            instance_id,
-            clock,
-            workload.build_cost_model(),
-            spec.kv_capacity_tokens,
-            max_running=spec.max_running,
-            prefill_s_per_token=spec.prefill_s_per_token,
-            weight_load_s=spec.weight_load_s,
-            version=version,
-            event_quantum_s=event_quantum_s,
-            reload_recomputes_kv=spec.reload_recomputes_kv,
-            prefill_attn_s_per_token2=spec.prefill_attn_s_per_token2,
-            weight_link=weight_link,
+            instance_id, clock, workload.build_cost_model(), spec.kv_capacity_tokens, max_running=spec.max_running,
+            prefill_s_per_token=spec.prefill_s_per_token, weight_load_s=spec.weight_load_s, version=version,
+            event_quantum_s=event_quantum_s, reload_recomputes_kv=spec.reload_recomputes_kv,
+            prefill_attn_s_per_token2=spec.prefill_attn_s_per_token2, weight_link=weight_link,
         )
 
     # ------------------------------------------------------------------ the RolloutEngine seam
@@ -260,6 +254,10 @@ class SimEngine:
     def version(self) -> int:
         return self._version
 
+    def decode_steps(self) -> list[ProfileRecord]:
+        """The decode steps since the last call, one record per run of steps of a fixed running set."""
+        return self._decode_steps.drain()
+
     def progress(self) -> tuple[int, int]:
         """Decode tokens made here by now (of interrupted requests too, a segment in progress counted), trajectories finished."""
         self._advance(now := self._clock.now())
@@ -314,6 +312,8 @@ class SimEngine:
         self._seg = None
         n = len(self._running)
         elapsed = self._cost.decode_seconds(steps, n, self._kv)
+        if steps and n:  # one record of the segment's mean step (exact: L is linear in K along it)
+            self._decode_steps.record(n, self._kv + n * (steps - 1) // 2, elapsed / steps)
         self._t += elapsed
         self._steps += steps
         self._kv += n * steps

@@ -26,7 +26,6 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -38,6 +37,7 @@ from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm
 from staleflow.adapters.vllm.pause import reload_weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync, token_versions, with_weight_transfer
+from staleflow.runtime.coordination.cost_fit import DecodeStepLog
 from staleflow.runtime.coordination.cost_model import ProfileRecord
 from staleflow.runtime.interfaces import Clock, InstanceLostError, resolve_weights
 from staleflow.runtime.run.clock import RealClock
@@ -130,7 +130,7 @@ class VLLMEngine:
         self._live: dict[str, RolloutRequest] = {}  # engine thread only
         self._internal_ids: dict[str, str] = {}  # vLLM's internal id -> our id; engine thread only
         self._finished: list[Trajectory] = []  # under the lock
-        self._decode_steps: deque[ProfileRecord] = deque(maxlen=100_000)  # under the lock
+        self._decode_steps = DecodeStepLog()
         self._failure: BaseException | None = None
         self._stopping = threading.Event()
         self._llm: Any = None
@@ -244,10 +244,7 @@ class VLLMEngine:
     def decode_steps(self) -> list[ProfileRecord]:
         """The pure decode steps (no prefill in them) measured since the last call: running
         requests, KV-cache tokens and seconds of each, for fitting the cost model."""
-        with self._lock:
-            steps = list(self._decode_steps)
-            self._decode_steps.clear()
-        return steps
+        return self._decode_steps.drain()
 
     def __enter__(self) -> Self:
         return self
@@ -356,8 +353,8 @@ class VLLMEngine:
             generated += self._absorb(output)
         with self._lock:
             self._published.generated_tokens += generated
-            if decode and n:
-                self._decode_steps.append(ProfileRecord(n=n, kv_tokens=kv, latency=seconds))
+        if decode and n:
+            self._decode_steps.record(n, kv, seconds)
         self._publish()
 
     def _absorb(self, output: Any) -> int:

@@ -1,30 +1,26 @@
 """The rollout coordinator: observations in, commands out (design 3.1; paper section 5).
 
-A core in the manner of etcd-io/raft's ``Step`` / ``Ready``: the run loop tells it what happened
-through one entry, :meth:`Coordinator.step` (the records of
-:mod:`~staleflow.runtime.coordination.observations`), and asks it what to do with
-:meth:`Coordinator.ready` (a :class:`~staleflow.runtime.coordination.commands.Ready`). Nothing calls
-into it from the side and it calls nothing that changes the run: it reads the protocol and the
-trajectory server, and hands out commands for the instances and group changes for
-:class:`~staleflow.runtime.run.group_life.GroupLife`, whose outcome the loop steps back
+A core in the manner of etcd-io/raft's ``Step`` / ``Ready``: the run loop tells it what happened through one entry,
+:meth:`Coordinator.step` (the records of :mod:`~staleflow.runtime.coordination.observations`), and asks it what to do with
+:meth:`Coordinator.ready` (a :class:`~staleflow.runtime.coordination.commands.Ready`). Nothing calls into it from the side and it
+calls nothing that changes the run: it reads the protocol and the trajectory server, and hands out commands for the instances and
+group changes for :class:`~staleflow.runtime.run.group_life.GroupLife`, whose outcome the loop steps back
 (:func:`staleflow.runtime.run.decision.decide` drives one decision).
 
-It keeps a speculative view of every instance (:mod:`staleflow.runtime.coordination.fleet`), takes
-snapshots that agree with it, and on each :class:`~staleflow.runtime.coordination.observations.Tick`
-decides with the policy's strategies:
+It keeps a speculative view of every instance (:mod:`staleflow.runtime.coordination.fleet`), takes snapshots that agree with it,
+and on each :class:`~staleflow.runtime.coordination.observations.Tick` decides with the policy's strategies:
 
 0. **Re-queue** (proactive abort, while the trainer waits): the head buffer's last stragglers, through GroupLife.
 1. **Pull** (:mod:`~staleflow.runtime.coordination.sync`): instances that should load the newest version now
    (their requests are interrupted first unless the policy keeps them in place).
 2. **Interrupt** (:mod:`~staleflow.runtime.coordination.migration`): the ``waiting_bounce`` at every decision,
    migration on full ticks when nothing was pulled: the requests go back to be routed again.
-3. **Route**: queued requests (partials and group members not placed yet) in priority order, each
-   only to instances whose version is at least its group's version; the queue is served in order
-   and a request that cannot be placed holds back the rest until the next decision.
-4. **Admit**: while the queue is empty, pending groups are admitted one at a time: the router picks
-   an instance among those whose version the protocol would admit (the
-   :class:`~staleflow.protocol.StalenessManager` is the only authority); a Ready asks for the
-   admission, GroupLife reserves the group, and its requests, stepped back, are routed.
+3. **Route**: queued requests (partials and group members not placed yet) in priority order, each only to instances whose version
+   is at least its group's version; the queue is served in order and a request that cannot be placed holds back the rest until the
+   next decision.
+4. **Admit**: while the queue is empty, pending groups are admitted one at a time: the router picks an instance among those whose
+   version the protocol would admit (the :class:`~staleflow.protocol.StalenessManager` is the only authority); a Ready asks for
+   the admission, GroupLife reserves the group, and its requests, stepped back, are routed.
 
 Its own state: the speculative view of the fleet, the decision in progress, commands not handed out, counters.
 """
@@ -47,6 +43,7 @@ from staleflow.runtime.coordination.observations import (
     Admitted,
     Cancelled,
     CheckpointStarted,
+    CostModelFitted,
     InstanceBack,
     InstanceLost,
     Observation,
@@ -59,6 +56,7 @@ from staleflow.runtime.coordination.routing import (
     LeastLoadedRouter,
     PromptAffinityRouter,
     RoundRobinRouter,
+    ThroughputRouter,
     make_router,
     route_interrupted,
 )
@@ -74,25 +72,20 @@ class Coordinator:
     """Decides Route / Interrupt / Pull / Abort commands for a fleet of rollout instances.
 
     :meth:`step` takes an observation, :meth:`ready` hands out what to do. A decision starts with a
-    :class:`~staleflow.runtime.coordination.observations.Tick` and runs through the following
-    :meth:`ready` calls: while a Ready asks for a group change, the next step must be its outcome.
+    :class:`~staleflow.runtime.coordination.observations.Tick` and runs through the following :meth:`ready` calls: while a
+    Ready asks for a group change, the next step must be its outcome.
 
     Args:
         groups: the owner of groups' life; read for the protocol, the trajectory server (local
             object or a Ray proxy) and the count of live groups.
         policy: the system policy (strategies and knobs).
-        cost_model: the instances' decode cost model (throughput routing and migration).
+        cost_model: the instances' decode cost model (routing, migration) until a ``CostModelFitted`` replaces it.
         snapshots: one initial snapshot per instance (empty instances), in a fixed order.
         transfer: what moving a version costs, for the ``adaptive`` sync (None: it pulls per instance).
     """
 
-    def __init__(
-        self,
-        groups: GroupLife,
-        policy: SystemPolicy,
-        cost_model: CostModel,
-        snapshots: Sequence[InstanceSnapshot], transfer: TransferCosts | None = None,
-    ) -> None:
+    def __init__(self, groups: GroupLife, policy: SystemPolicy, cost_model: CostModel, snapshots: Sequence[InstanceSnapshot],
+                 transfer: TransferCosts | None = None) -> None:
         if not snapshots:
             raise ValueError("the coordinator needs at least one rollout instance")
         self.groups = groups
@@ -145,6 +138,10 @@ class Coordinator:
             self._outbox += [self._pull(v.instance_id, observation.version) for v in self.views if v.version != observation.version]
         elif isinstance(observation, CheckpointStarted):
             self._interrupt_all()
+        elif isinstance(observation, CostModelFitted):
+            self.cost_model = observation.model
+            if isinstance(self.router, ThroughputRouter):
+                self.router.cost_model = observation.model
         else:
             raise TypeError(f"not an observation the coordinator asked for or takes: {observation!r}")
 

@@ -3,7 +3,7 @@
 Each record is something that happened: on an instance (a snapshot taken, requests collected, the
 instance lost or back), to groups (requests cancelled, a group admitted, as the coordinator asked),
 to the trainer (a step started) or to the run (a decision is due, the run started, a checkpoint
-is being taken). The coordinator answers with :class:`~staleflow.runtime.coordination.commands.Ready`.
+is being taken, the cost model was refitted). The coordinator answers with :class:`~staleflow.runtime.coordination.commands.Ready`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from staleflow.runtime.coordination.commands import Admission
+from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.types import Cancellations, InstanceSnapshot, RolloutRequest
 
 
@@ -82,7 +83,15 @@ class CheckpointStarted:
     """A checkpoint is being taken: every request is interrupted, so its partial is in the trajectory server."""
 
 
+@dataclass(frozen=True)
+class CostModelFitted:
+    """The online fit has a new cost model (:mod:`~staleflow.runtime.coordination.cost_fit`): routing
+    and migration plan with it from now on."""
+
+    model: CostModel
+
+
 Observation = (
     InstanceSnapshot | RequestsLeft | InstanceLost | InstanceBack | Cancelled | Admitted | StepStarted | Tick | RunStarted
-    | CheckpointStarted
+    | CheckpointStarted | CostModelFitted
 )

@@ -4,10 +4,12 @@
 and that have no waiting queue, go through them by version tier and pick, in the first tier where
 one qualifies, the instance with the largest marginal throughput gain
 ``T_i(S + r) - T_i(S)``; it qualifies if the gain is at least ``mu`` times the throughput of an
-empty instance running the request alone. Otherwise the request stays queued. Requests of groups
-already reserved (partials, a group's members) try the *oldest* version tier first, which keeps the
-newest instances for new groups; a new group tries the newest first (the reference router orders
-candidates by ``(reserve indicator, version)``, which gives exactly these two orders).
+empty instance running the request alone, or the gain of the request that fills an instance through
+its memory-bound regime, if less (:func:`~staleflow.runtime.coordination.cost_fit.gain_threshold`).
+Otherwise the request stays queued. Requests of groups already reserved (partials, a group's
+members) try the *oldest* version tier first, which keeps the newest instances for new groups; a
+new group tries the newest first (the reference router orders candidates by ``(reserve indicator,
+version)``, which gives exactly these two orders).
 
 :class:`RoundRobinRouter` (AReaL's only policy): the next eligible instance in turn.
 
@@ -31,6 +33,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Literal, Protocol
 
 import numpy as np
+from staleflow.runtime.coordination.cost_fit import gain_threshold
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import FleetArrays
 from staleflow.runtime.types import GroupId, RolloutRequest
@@ -136,7 +139,7 @@ class ThroughputRouter:
             return []
         model = self.cost_model
         n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
-        threshold = self.mu / model.step_latency(1, tokens)
+        threshold = gain_threshold(model, self.mu, tokens, cap, self.max_running)
         versions = fleet.version[candidates]
         order = sorted(set(versions.tolist()), reverse=not oldest_first)
         tiers = [np.flatnonzero(versions == v) for v in order] if len(order) > 1 else None
@@ -152,7 +155,7 @@ class ThroughputRouter:
             kv[pick] += tokens
             running, resident = int(n[pick]), int(kv[pick])
             new_gain = model.throughput(running + 1, resident + tokens) - model.throughput(running, resident)
-            fits = new_gain >= threshold and resident + tokens <= cap[pick] and running < self.max_running
+            fits = new_gain >= threshold[pick] and resident + tokens <= cap[pick] and running < self.max_running
             score[pick] = new_gain if fits else -np.inf
         return chosen
 
@@ -167,7 +170,7 @@ class ThroughputRouter:
         n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
         model = self.cost_model
         gain = fleet_throughput(model, n + 1, kv + tokens) - fleet_throughput(model, n, kv)
-        threshold = self.mu / model.step_latency(1, tokens)
+        threshold = gain_threshold(model, self.mu, tokens, cap, self.max_running)
         fits = (gain >= threshold) & (kv + tokens <= cap) & (n < self.max_running)
         return candidates, np.where(fits, gain, -np.inf)
 

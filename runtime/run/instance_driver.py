@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from staleflow.runtime.coordination.commands import Abort, Command, Interrupt, Pull, Route
+from staleflow.runtime.coordination.cost_model import ProfileRecord
 from staleflow.runtime.coordination.observations import InstanceBack, InstanceLost
 from staleflow.runtime.interfaces import INSTANCE_FAILURES, Clock, RolloutEngine
 from staleflow.runtime.run.instance_health import first_snapshot, probe
@@ -241,6 +242,21 @@ class InstanceDriver:
         self.counters[f"command_{kind.lower()}"] += 1
         self.next_event[iid] = self.engines[iid].next_event_time()
         self.touched.add(iid)
+
+    def decode_steps(self) -> list[ProfileRecord]:
+        """The pure decode steps the up instances measured since the last call (for the online cost
+        fit), from the engines that record them (``decode_steps()``: vLLM's and the simulated ones).
+        An engine that fails to answer is skipped: the next snapshot finds it lost."""
+        steps: list[ProfileRecord] = []
+        for iid, engine in self.engines.items():
+            drain = getattr(engine, "decode_steps", None)
+            if iid in self.down or drain is None:
+                continue
+            try:
+                steps += drain()
+            except INSTANCE_FAILURES:
+                continue
+        return steps
 
     def take_touched(self) -> set[str]:
         """The instances touched since the last call (their load may have changed)."""

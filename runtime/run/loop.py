@@ -48,10 +48,12 @@ from staleflow.protocol.events import EventHook
 from staleflow.protocol.trace import JsonlTraceWriter
 from staleflow.runtime.coordination.commands import Command
 from staleflow.runtime.coordination.coordinator import Coordinator
+from staleflow.runtime.coordination.cost_fit import OnlineCostModel
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.observations import (
     Cancelled,
     CheckpointStarted,
+    CostModelFitted,
     InstanceLost,
     Observation,
     RequestsLeft,
@@ -87,7 +89,8 @@ class RunParts:
     ``engines``: the rollout instances (empty, at version 0 unless the run is resumed);
     ``trainer``: its ``weights()`` at start are version 0; ``prompts``: prompt groups, drawn as
     needed (if the policy has group redundancy and a group has ``n_extra == 0``, the loop sets
-    ``n_extra``); ``cost_model``: the instances' cost model (routing, migration); ``clock``: a
+    ``n_extra``); ``cost_model``: the instances' cost model (routing, migration), fixed or fitted
+    online to the engines' decode steps (:class:`~staleflow.runtime.coordination.cost_fit.OnlineCostModel`); ``clock``: a
     virtual clock for simulated parts, a real one for real parts; the servers: objects or Ray
     proxies (fresh in-process ones by default); ``reward_fn(trajectory, group_metadata) -> float``
     (None: no rewards, as in simulation).
@@ -96,7 +99,7 @@ class RunParts:
     engines: Sequence[RolloutEngine]
     trainer: Trainer
     prompts: Iterable[PromptGroup]
-    cost_model: CostModel
+    cost_model: CostModel | OnlineCostModel
     clock: Clock
     trajectory_server: TrajectoryServer | None = None
     parameter_server: ParameterServer | None = None
@@ -118,11 +121,7 @@ class RunLoop:
     """
 
     def __init__(
-        self,
-        parts: RunParts,
-        spec: RunSpec,
-        event_hooks: Sequence[EventHook] = (),
-        trace_path: str | Path | None = None,
+        self, parts: RunParts, spec: RunSpec, event_hooks: Sequence[EventHook] = (), trace_path: str | Path | None = None,
         trace_refusals: bool = False,
     ) -> None:
         self.spec = spec
@@ -150,7 +149,8 @@ class RunLoop:
             manager.add_event_hook(hook)
         self.groups = GroupLife(manager, self.ts)
         self.instances = InstanceDriver(parts.engines, self.ts, self.ps, self.clock, self.stats.counters)
-        self.coordinator = Coordinator(self.groups, policy, parts.cost_model, self.instances.first_snapshots(), spec.transfer)
+        self.costs = OnlineCostModel.of(parts.cost_model)
+        self.coordinator = Coordinator(self.groups, policy, self.costs.model, self.instances.first_snapshots(), spec.transfer)
         self.weights = WeightPublisher(self.ps, background=not self.clock.simulated, counters=self.stats.counters)
         self.rewards = RewardRunner(parts.reward_fn, spec.reward_timeout_s)
         self._prompts: Iterator[PromptGroup] = iter(parts.prompts)
@@ -201,6 +201,8 @@ class RunLoop:
                 self._observe(self.instances.refresh(now, self.tick_s))
             if full:
                 self._next_tick = now + self.tick_s
+                if self.costs.due(now) and self.costs.refit(now, self.instances.decode_steps()):
+                    self.coordinator.step(CostModelFitted(self.costs.model))
             commands = decide(self.coordinator, self.groups, tick)  # 6
             if quiet:
                 self._settle_quiet(now, commands)
@@ -393,10 +395,11 @@ class RunLoop:
         report = self.audit()
         coordinator = {k: float(v) for k, v in self.coordinator.stats.items()}
         coordinator["decision_seconds"] = self.coordinator.decision_seconds
-        return self.stats.metrics(
+        metrics = self.stats.metrics(
             now, self.policy.name, self.instances.engines, report, coordinator,
             late_discards=self.ts.late_discards(), groups=self.groups, eta=self.spec.eta,
         )
+        return replace(metrics, cost_fit=self.costs.figures(now))
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

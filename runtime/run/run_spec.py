@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from staleflow.runtime.coordination.sync import TransferCosts
@@ -57,7 +57,7 @@ class RunSpec:
             **config.coordinator.policy_knobs(),
         )
         return cls(
-            policy,
+            engine_bound(policy, config.rollout.max_num_seqs),
             eta=config.protocol.eta,
             batch_size=config.protocol.batch_groups,
             tick_s=config.coordinator.tick_s,
@@ -70,7 +70,7 @@ class RunSpec:
     ) -> RunSpec:
         """A simulated workload's run of ``system`` (``knobs`` override the policy's); the tick is
         ``tick_s``, else the policy's ``check_period_s``, else the workload's."""
-        policy = make_policy(system, **knobs)
+        policy = engine_bound(make_policy(system, **knobs), workload.instance.max_running)
         default_tick = policy.check_period_s or workload.simulation.tick_s
         net, load_s = workload.network, workload.instance.weight_load_s
         transfer = TransferCosts(net.weights_gb, net.ps_gb_per_s, net.link_gb_per_s, net.broadcast_gb_per_s, load_s)
@@ -80,3 +80,12 @@ class RunSpec:
     def tick_for(self, clock: Clock) -> float:
         """The tick period on ``clock``: :attr:`tick_s`, or the clock's default."""
         return self.tick_s if self.tick_s is not None else DEFAULT_TICK_S[clock.simulated]
+
+
+def engine_bound(policy: SystemPolicy, max_num_seqs: int) -> SystemPolicy:
+    """``policy`` with throughput routing capped at what an engine runs at once (vLLM's
+    ``max_num_seqs``): the cap the router fills an instance to when its cost model says the instance
+    is memory-bound. The other routing rules keep the caps of the code they follow."""
+    if policy.routing != "throughput" or policy.max_running <= max_num_seqs:
+        return policy
+    return replace(policy, max_running=max_num_seqs)

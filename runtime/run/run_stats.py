@@ -32,7 +32,9 @@ class RunMetrics:
     ``wasted_tokens``: response tokens of finished trajectories of groups dropped or aborted;
     ``reward_failures``: groups whose reward raised or timed out;
     ``cancelled_requests``: group-level redundancy siblings cancelled. ``lost`` and ``duplicated``
-    come from the trajectory-server audit at the end of the run and must be zero.
+    come from the trajectory-server audit at the end of the run and must be zero. ``cost_fit``: the
+    cost model the coordinator planned with at the end, its error and age
+    (:meth:`~staleflow.runtime.coordination.cost_fit.OnlineCostModel.figures`).
     """
 
     system: str
@@ -62,6 +64,7 @@ class RunMetrics:
     audit_ok: bool
     coordinator: dict[str, float]
     train_metrics: list[dict[str, float]] = field(default_factory=list)
+    cost_fit: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

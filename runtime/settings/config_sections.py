@@ -238,17 +238,34 @@ class ProtocolConfig(ConfigSection):
 
 
 class CostModelConfig(ConfigSection):
-    """Decode cost model of one instance, ``L(n, K) = a_b + a_k*K + max(thr, o_b + o_k*n)`` seconds.
+    """Where the decode cost model ``L(n, K) = a_b + a_k*K + max(thr, o_b + o_k*n)`` comes from.
 
-    Defaults: the tiny model on vLLM-CPU with one thread, fitted from 289 decode steps on the
-    development machine (mean relative error 23%); ``staleflow profile`` fits one for your setup.
+    The prior: ``profile`` (a ``staleflow profile --out`` file, measured on the engines' own device)
+    if set, else the roofline of the model's shape on ``device``
+    (:mod:`~staleflow.runtime.settings.cost_prior`; ``auto``: ``cpu`` for CPU instances, ``h100``
+    for GPU ones). ``online``: refit it every ``refit_s`` seconds to the engines' own decode steps
+    (:mod:`~staleflow.runtime.coordination.cost_fit`); false: the prior throughout.
     """
 
-    thr: StrictFloat = Field(2.137e-3, ge=0)
-    o_b: StrictFloat = Field(0.0, ge=0)
-    o_k: StrictFloat = Field(1.549e-4, ge=0)
-    a_b: StrictFloat = Field(5.41e-4, ge=0)
-    a_k: StrictFloat = Field(3.42e-6, ge=0)
+    device: str = "auto"
+    profile: str | None = Field(None, min_length=1)
+    online: StrictBool = True
+    refit_s: StrictFloat = Field(10.0, gt=0, le=86400)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        from staleflow.runtime.settings.cost_prior import device_spec
+
+        if value != "auto":
+            device_spec(value)  # a ValueError naming the known devices
+        return value
+
+    def device_name(self, gpus_per_instance: int) -> str:
+        """The device of the roofline prior (``auto`` resolved for the instances' GPUs)."""
+        if self.device != "auto":
+            return self.device
+        return "h100" if gpus_per_instance else "cpu"
 
 
 class CoordinatorConfig(ConfigSection):
@@ -259,7 +276,7 @@ class CoordinatorConfig(ConfigSection):
     ``phi_wait`` 3, ``phi_throughput`` 5, ``sync_kv_fraction`` 0.6); left out or null, a knob takes
     the chosen system's value. The built-in CPU job sets ``mu`` 0.02: with the CPU cost model, 0.3 stopped
     routing at about 14 requests per instance, where vLLM-CPU still gains throughput from bigger
-    batches.
+    batches. ``cost_model``: where the router's cost model comes from (:class:`CostModelConfig`).
     """
 
     mu: StrictFloat | None = Field(None, ge=0, le=1)
