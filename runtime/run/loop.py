@@ -90,7 +90,8 @@ class RunParts:
     ``n_extra``); ``cost_model``: the instances' cost model (routing, migration); ``clock``: a
     virtual clock for simulated parts, a real one for real parts; the servers: objects or Ray
     proxies (fresh in-process ones by default); ``reward_fn(trajectory, group_metadata) -> float``
-    (None: no rewards, as in simulation).
+    (None: no rewards, as in simulation); ``prefill(tokens)``: seconds an instance takes to rebuild a
+    context of so many tokens (the coordinator's tail moves weigh it; None: no tail moves).
     """
 
     engines: Sequence[RolloutEngine]
@@ -101,6 +102,7 @@ class RunParts:
     trajectory_server: TrajectoryServer | None = None
     parameter_server: ParameterServer | None = None
     reward_fn: RewardFn | None = None
+    prefill: Callable[[int], float] | None = None
 
 
 class RunLoop:
@@ -150,7 +152,7 @@ class RunLoop:
             manager.add_event_hook(hook)
         self.groups = GroupLife(manager, self.ts)
         self.instances = InstanceDriver(parts.engines, self.ts, self.ps, self.clock, self.stats.counters)
-        self.coordinator = Coordinator(self.groups, policy, parts.cost_model, self.instances.first_snapshots())
+        self.coordinator = Coordinator(self.groups, policy, parts.cost_model, self.instances.first_snapshots(), parts.prefill)
         self.weights = WeightPublisher(self.ps, background=not self.clock.simulated, counters=self.stats.counters)
         self.rewards = RewardRunner(parts.reward_fn, spec.reward_timeout_s)
         self._prompts: Iterator[PromptGroup] = iter(parts.prompts)
@@ -320,7 +322,8 @@ class RunLoop:
             cancel.extend(outcome.cancel)
             self.stats.counters["cancelled_requests"] += len(outcome.cancel)
         if trajectories:
-            self.coordinator.step(RequestsLeft(iid, tuple(t.request_id for t in trajectories)))
+            lengths = tuple(len(t.output_ids) for t in trajectories)
+            self.coordinator.step(RequestsLeft(iid, tuple(t.request_id for t in trajectories), lengths))
         observations = self.instances.look(iid)
         self._observe(observations)
         if isinstance(observations[-1], InstanceLost):
