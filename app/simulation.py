@@ -18,6 +18,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ PAPER_SYSTEMS = ("verl-sync", "one-step-off", "verl-async", "areal", "roll-flash
 BASELINES = (*PAPER_SYSTEMS, "areal-filter", "areal-tight", "roll-flash-2026")
 ABLATIONS = (
     "staleflow-no-routing", "staleflow-no-sync", "staleflow-no-migration", "staleflow-no-proactive-abort", "staleflow-fresh",
+    "staleflow-no-growth", "staleflow-tail",
 )
 #: Baselines run with one of their mechanisms idealised: what that mechanism alone is worth (never the best bound-keeping one).
 BASELINE_ABLATIONS = ("roll-flash-ideal-routing",)
@@ -93,7 +95,7 @@ def simulate_system(
     the policy's.
     """
     from staleflow.adapters.sim.engine import SimEngine
-    from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer, trainer_offload_seconds
+    from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer, prefill_seconds, trainer_offload_seconds
     from staleflow.adapters.sim.trainer import SimTrainer
     from staleflow.app.instance_skew import SkewRecorder
     from staleflow.runtime.coordination.cost_fit import OnlineCostModel
@@ -134,6 +136,8 @@ def simulate_system(
         cost_model=estimate if cost_refit_s is None else OnlineCostModel(
             estimate, f"the workload's, {estimation_error:.0%} error", refit_s=cost_refit_s, max_n=workload.instance.max_running),
         clock=clock,
+        prefill=partial(prefill_seconds, per_token=workload.instance.prefill_s_per_token,
+                        attn_per_token2=workload.instance.prefill_attn_s_per_token2),
     )
     loop = assemble_run(spec, parts, trace_path=trace_path)
     skew = SkewRecorder(engines, clock.now, loop.stats.busy_seconds)

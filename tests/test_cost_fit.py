@@ -33,7 +33,7 @@ def _empty_fleet(instances: int, kv_capacity: int) -> FleetArrays:
     return FleetArrays(
         n=np.zeros(instances), kv=np.zeros(instances), cap=np.full(instances, float(kv_capacity)),
         version=np.zeros(instances, dtype=np.int64), waiting=np.zeros(instances, dtype=np.int64),
-        loading=np.zeros(instances, dtype=bool), down=np.zeros(instances, dtype=bool),
+        loading=np.zeros(instances, dtype=bool), down=np.zeros(instances, dtype=bool), growth=np.zeros(instances),
     )
 
 

@@ -14,13 +14,17 @@ and on each :class:`~staleflow.runtime.coordination.observations.Tick` decides w
 1. **Pull** (:mod:`~staleflow.runtime.coordination.sync`): instances that should load the newest version now
    (their requests are interrupted first unless the policy keeps them in place).
 2. **Interrupt** (:mod:`~staleflow.runtime.coordination.migration`): the ``waiting_bounce`` at every decision,
-   migration on full ticks when nothing was pulled: the requests go back to be routed again.
-3. **Route**: queued requests (partials and group members not placed yet) in priority order, each only to instances whose version
-   is at least its group's version; the queue is served in order and a request that cannot be placed holds back the rest until the
-   next decision.
-4. **Admit**: while the queue is empty, pending groups are admitted one at a time: the router picks an instance among those whose
-   version the protocol would admit (the :class:`~staleflow.protocol.StalenessManager` is the only authority); a Ready asks for
-   the admission, GroupLife reserves the group, and its requests, stepped back, are routed.
+   migration on full ticks when nothing was pulled, and the head buffer's tail to its hosts on full ticks
+   (:mod:`~staleflow.runtime.coordination.tail`): the requests go back to be routed again.
+3. **Route**: queued requests (partials and group members not placed yet) in priority order, each
+   only to instances whose version is at least its group's version, off the tail's hosts; with
+   ``plan_growth`` the router keeps room for the KV the requests are expected to add until they
+   finish (:mod:`~staleflow.runtime.coordination.lengths`); the queue is served in order
+   and a request that cannot be placed holds back the rest until the next decision.
+4. **Admit**: while the queue is empty, pending groups are admitted one at a time: the router picks
+   an instance among those whose version the protocol would admit (the
+   :class:`~staleflow.protocol.StalenessManager` is the only authority); a Ready asks for the
+   admission, GroupLife reserves the group, and its requests, stepped back, are routed.
 
 Its own state: the speculative view of the fleet, the decision in progress, commands not handed out, counters.
 """
@@ -29,7 +33,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,6 +43,7 @@ from staleflow.runtime.coordination.commands import Abort, Admission, Command, I
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.coordination.fleet import Fleet, FleetArrays, InstanceView
 from staleflow.runtime.coordination.freshness import Lookahead
+from staleflow.runtime.coordination.lengths import LengthModel
 from staleflow.runtime.coordination.migration import plan_bounce, plan_moves, starved_instances
 from staleflow.runtime.coordination.observations import (
     Admitted,
@@ -61,6 +67,7 @@ from staleflow.runtime.coordination.routing import (
     route_interrupted,
 )
 from staleflow.runtime.coordination.sync import TransferCosts, plan_sync
+from staleflow.runtime.coordination.tail import TailMoves, proactive_aborts
 from staleflow.runtime.run.group_life import GroupLife
 from staleflow.runtime.servers.request_queue import request_tokens
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
@@ -82,16 +89,17 @@ class Coordinator:
         cost_model: the instances' decode cost model (routing, migration) until a ``CostModelFitted`` replaces it.
         snapshots: one initial snapshot per instance (empty instances), in a fixed order.
         transfer: what moving a version costs, for the ``adaptive`` sync (None: it pulls per instance).
+        prefill: seconds to rebuild a context of so many tokens on an instance (tail moves weigh it;
+            None: no tail moves).
     """
 
     def __init__(self, groups: GroupLife, policy: SystemPolicy, cost_model: CostModel, snapshots: Sequence[InstanceSnapshot],
-                 transfer: TransferCosts | None = None) -> None:
+                 transfer: TransferCosts | None = None, prefill: Callable[[int], float] | None = None) -> None:
         if not snapshots:
             raise ValueError("the coordinator needs at least one rollout instance")
-        self.groups = groups
-        self.policy = policy
-        self.cost_model, self.transfer = cost_model, transfer
-        self.fleet = Fleet(snapshots)
+        self.groups, self.policy, self.cost_model, self.transfer = groups, policy, cost_model, transfer
+        self.lengths = LengthModel()  # the response lengths seen (growth planning, tail moves)
+        self.fleet = Fleet(snapshots, self.lengths if policy.plan_growth else None)
         self.views = self.fleet.views  # one list: a view that starts afresh replaces its entry
         self.router = make_router(policy.routing, cost_model, policy.mu, policy.max_running)
         self._outbox: list[Command] = []  # decided, not handed out yet
@@ -101,8 +109,8 @@ class Coordinator:
         self._routes: dict[int, list[str]] = {}  # the decision in progress: instance index -> requests
         self._admitting = False  # the decision in progress may admit groups
         self._ps_version: int | None = None
-        #: resubmit_same_instance / resend_round_robin: requests interrupted by a pull, not routed
-        #: again yet -> the index of the instance they ran on
+        #: requests interrupted by a pull (resubmit_same_instance / resend_round_robin: the instance
+        #: they ran on) or moved to the tail's hosts (the host), not routed again yet -> that index
         self._interrupted: dict[str, int] = {}
         #: resend_round_robin: the turn the interrupted requests are resent by; prompt_round_robin's own
         #: (ROLL takes new prompts and resent requests from one ``get_available_dp_rank``)
@@ -110,6 +118,7 @@ class Coordinator:
         self._resend_turn = (own_turn or RoundRobinRouter(policy.max_running)) if policy.resend_round_robin else None
         #: freshness-aware admission: buffers beyond the head that admission may fill
         self.lookahead = Lookahead(groups.manager.eta, policy.freshness_patience)
+        self.tail = TailMoves(cost_model, self.lengths, prefill, policy) if policy.tail_hosted and prefill else None
         self.stats: Counter[str] = Counter()
         self.decision_seconds = 0.0
 
@@ -122,6 +131,7 @@ class Coordinator:
             self._observe(observation)
         elif isinstance(observation, RequestsLeft):
             self.fleet.forget(observation.instance_id, observation.request_ids)
+            self.lengths.observe(observation.lengths)
         elif isinstance(observation, InstanceLost):
             self._instance_down(observation.instance_id)
         elif isinstance(observation, InstanceBack):
@@ -185,10 +195,9 @@ class Coordinator:
     def _decide(self, tick: Tick) -> Iterator[Ready]:
         """One decision: yields each Ready that asks for a group change, and goes on once its outcome
         is stepped (:meth:`_answer`)."""
-        if tick.trainer_waits and self.policy.proactive_abort:
-            due = self._proactive_aborts()
-            if due:  # re-queued first, so that no route goes to a cancelled request
-                yield self._ready(requeue=tuple(due))
+        if tick.trainer_waits and (due := proactive_aborts(self.groups, self.policy.proactive_abort)):
+            self.stats["proactive_aborted_groups"] += len(due)  # re-queued first: no route goes to a cancelled request
+            yield self._ready(requeue=tuple(due))
         self._plan(tick.ps_version, tick.full)
         while (admission := self._next_admission()) is not None:
             yield self._ready(admit=admission)
@@ -229,8 +238,7 @@ class Coordinator:
 
         ``full``: a periodic tick (migration is considered only then).
         """
-        started = time.perf_counter()
-        commands = self._outbox
+        started, commands = time.perf_counter(), self._outbox
         pulls, broadcast = plan_sync(
             self.policy.sync, self.views, ps_version, self.manager, self.policy.sync_kv_fraction, self._starved,
             eager=self.policy.freshness and self.lookahead.width < self.manager.eta, costs=self.transfer,
@@ -253,6 +261,8 @@ class Coordinator:
         if full and self.policy.migration and not pulls:
             moves = plan_moves(self.policy, self.views, fleet, self.cost_model, self.starved_instances(fleet))
             fleet = self._interrupt(moves, "migrated_requests")
+        if full and self.tail is not None:
+            fleet = self._interrupt(self.tail.plan(self.views, fleet, self.groups, self._interrupted), "tail_moves")
         self._routes = {}
         self._ps_version = ps_version
         self._starved = False
@@ -281,46 +291,51 @@ class Coordinator:
         """Place queued requests in order; False if one could not be placed. A *run* of consecutive
         requests of one group version whose tokens fall in one ``request_budget`` bucket is placed
         by one router call. Runs and their sizes are found on the queue's arrays; only the requests
-        placed are read."""
+        placed are read (and, planning for growth, those of each run tried). While requests
+        interrupted by a pull or moved to the tail's hosts wait to be routed again, or with prompt
+        affinity (new groups go on while only pinned ones wait), they go request by request
+        (:func:`~staleflow.runtime.coordination.routing.route_interrupted`, :meth:`PromptAffinityRouter.route_each`)."""
         if self.ts.queued_count() == 0:
             return True
-        if self._interrupted:
-            return self._route_queue_interrupted(fleet, routes)
         queue = self.ts.queue_view()
-        if isinstance(self.router, PromptAffinityRouter):  # request by request; new groups go on while only pinned ones wait
-            placed, new_groups_wait = self.router.route_each(fleet, queue.requests(0, len(queue)), queue.tokens.tolist())
+        if self._interrupted or isinstance(self.router, PromptAffinityRouter):
+            requests, tokens = queue.requests(0, len(queue)), queue.tokens.tolist()
+            if self._interrupted:
+                placed, placed_all = route_interrupted(fleet, requests, tokens, self._interrupted, self._resend_turn, self._choose)
+            else:
+                assert isinstance(self.router, PromptAffinityRouter)
+                placed, new_groups_wait = self.router.route_each(fleet, requests, tokens)
+                placed_all = not new_groups_wait
             for i, request, size in placed:
-                self._assign(i, request.request_id, size, request.group_version, routes)
-            return not new_groups_wait
+                self._assign(i, request, size, request.group_version, routes)
+            return placed_all
         for start, stop, largest in queue.runs(self.policy.request_budget):
             version = int(queue.versions[start])
-            chosen = self._choose(fleet, version, largest, stop - start)
+            growth = self.fleet.planned_growth(len(r.output_ids) for r in queue.requests(start, stop))
+            chosen = self._choose(fleet, version, largest, stop - start, growth=growth)
             placed = start + len(chosen)
             for i, request, size in zip(chosen, queue.requests(start, placed), queue.tokens[start:placed].tolist()):
-                self._assign(i, request.request_id, size, version, routes)
+                self._assign(i, request, size, version, routes)
             if placed < stop:
                 return False
         return True
 
-    def _route_queue_interrupted(self, fleet: FleetArrays, routes: dict[int, list[str]]) -> bool:
-        """:meth:`_route_queue` while requests interrupted by a pull wait to be routed again
-        (:func:`~staleflow.runtime.coordination.routing.route_interrupted`); False if a request stays queued."""
-        queue = self.ts.queue_view()
-        placed, placed_all = route_interrupted(
-            fleet, queue.requests(0, len(queue)), queue.tokens.tolist(), self._interrupted, self._resend_turn, self._choose,
-        )
-        for i, request, size in placed:
-            self._assign(i, request.request_id, size, request.group_version, routes)
-        return placed_all
-
-    def _choose(self, fleet: FleetArrays, version: int, tokens: int, count: int, group: GroupId | None = None) -> list[int]:
+    def _choose(
+        self, fleet: FleetArrays, version: int, tokens: int, count: int, group: GroupId | None = None, growth: float = 0.0
+    ) -> list[int]:
         """Instances for ``count`` requests of a group ``version``, each planned as ``tokens`` (the
-        largest of them: the router's estimate errs on the safe side); fewer if some stay queued. ``group``: theirs."""
-        return self.router.choose(fleet, tokens, fleet.version >= version, count, oldest_first=True, group=group)
+        largest of them: the router's estimate errs on the safe side) that grow by ``growth``, off the
+        tail's hosts; fewer if some stay queued. ``group``: theirs."""
+        eligible = self._off_hosts(fleet.version >= version)
+        return self.router.choose(fleet, tokens, eligible, count, oldest_first=True, group=group, growth=growth)
 
-    def _assign(self, i: int, rid: str, tokens: int, group_version: int, routes: dict[int, list[str]]) -> None:
-        self.views[i].add(rid, tokens, group_version)
-        routes.setdefault(i, []).append(rid)
+    def _off_hosts(self, eligible: np.ndarray) -> np.ndarray:
+        """``eligible`` less the instances that host the head buffer's tail (they take no other work)."""
+        return eligible if self.tail is None else eligible & ~self.tail.hosts(len(eligible))
+
+    def _assign(self, i: int, request: RolloutRequest, tokens: int, group_version: int, routes: dict[int, list[str]]) -> None:
+        self.views[i].add(request.request_id, tokens, group_version, len(request.output_ids), request.group_id)
+        routes.setdefault(i, []).append(request.request_id)
 
     def _admissible_versions(self, ps_version: int | None) -> list[int]:
         """Instance versions at which a pending group could be admitted now (none: admit nothing)."""
@@ -378,19 +393,17 @@ class Coordinator:
             if group is None or not admissible:
                 self._admitting = False
                 return None
-            tokens = len(group.prompt_ids)
-            fleet = self.fleet.arrays
-            eligible = np.isin(fleet.version, admissible)
+            tokens, growth, fleet = len(group.prompt_ids), self.fleet.planned_growth([0]), self.fleet.arrays
+            eligible = self._off_hosts(np.isin(fleet.version, admissible))
             if isinstance(self.router, LeastLoadedRouter):  # no piling onto the few instances at the version
                 balanced = self.router.admissible(fleet, eligible)
                 if not self.router.has_room(fleet, tokens, balanced) and self.router.has_room(fleet, tokens, eligible):
                     self.stats["admission_held_for_balance"] += 1
                 eligible = balanced
-            chosen = []
-            if self.policy.freshness:  # the newest version first: its groups start freshest
-                chosen = self.router.choose(fleet, tokens, eligible & (fleet.version == max(admissible)), group=group.group_id)
-            if not chosen:
-                chosen = self.router.choose(fleet, tokens, eligible, group=group.group_id)
+            place = partial(self.router.choose, fleet, tokens, group=group.group_id, growth=growth)
+            # with freshness, the newest version first: its groups start freshest
+            chosen = place(eligible & (fleet.version == max(admissible))) if self.policy.freshness else []
+            chosen = chosen or place(eligible)
             if not chosen:
                 self._admitting = False
                 self._starved = True
@@ -402,14 +415,15 @@ class Coordinator:
     def _place_admitted(self, admission: Admission, requests: Sequence[RolloutRequest]) -> None:
         """Route the requests of a group just reserved as ``admission`` decided."""
         self.stats["groups_admitted"] += 1
-        self._assign(admission.instance_index, requests[0].request_id, len(requests[0].prompt_ids), admission.version, self._routes)
+        self._assign(admission.instance_index, requests[0], len(requests[0].prompt_ids), admission.version, self._routes)
         members = requests[1:]
         if not members:
             return
         sizes = [request_tokens(r) for r in members]
-        chosen = self._choose(self.fleet.arrays, members[0].group_version, max(sizes), len(members), members[0].group_id)
+        growth = self.fleet.planned_growth(len(r.output_ids) for r in members)
+        chosen = self._choose(self.fleet.arrays, members[0].group_version, max(sizes), len(members), members[0].group_id, growth)
         for i, request, size in zip(chosen, members, sizes):
-            self._assign(i, request.request_id, size, request.group_version, self._routes)
+            self._assign(i, request, size, request.group_version, self._routes)
         if len(chosen) < len(members) and not isinstance(self.router, PromptAffinityRouter):
             self._admitting = False  # with prompt affinity the rest waits for its own instance only
 
@@ -446,18 +460,3 @@ class Coordinator:
                 rids = tuple(view.requests)
                 self.fleet.forget(view.instance_id, rids)
                 self._outbox.append(Interrupt(view.instance_id, rids))
-
-    def _proactive_aborts(self) -> list[GroupId]:
-        """Proactive abort (the authors' ``abort_and_truncate_strategy``): while the trainer waits
-        for the head buffer, if at most ``proactive_abort`` groups due in it are still generating
-        and enough finished groups wait to fill the batch without them, those groups, to re-queue."""
-        threshold = self.policy.proactive_abort
-        counts = self.manager.counts()
-        if not threshold or not 0 < counts.running[0] <= threshold or sum(counts.done) < self.manager.batch_size:
-            return []
-        due = self.groups.generating_due(self.manager.version)
-        if len(due) != counts.running[0]:  # some are being rewarded: they are about to be done
-            return []
-        self.stats["proactive_aborted_groups"] += len(due)
-        return due
-

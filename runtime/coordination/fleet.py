@@ -4,7 +4,13 @@ Each :class:`InstanceView` holds what the coordinator believes an instance runs:
 routed there (minus those it interrupted, aborted or saw finish), the model version it told the
 instance to load, and the KV tokens and waiting queue from the last snapshot it accepted. A snapshot
 that contradicts the view (an older version than the pull issued, or a request the coordinator took
-away or never sent) is stale and is rejected. :class:`FleetArrays` lays the views out as numpy
+away or never sent) is stale and is rejected.
+
+A view also estimates each request's progress, which the engine does not report: every running
+request gains one token per decode step, so the instance's decode steps are its measured tokens per
+second over its running requests (:attr:`InstanceView.steps`, summed over the snapshots it takes);
+a request has generated what it came with plus the steps made since it was routed (its time in the
+engine's waiting queue counted as progress). :class:`FleetArrays` lays the views out as numpy
 arrays so a routing decision over many instances is a few vector operations; :class:`Fleet` holds
 both and keeps the arrays in step with the views.
 """
@@ -15,7 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from staleflow.runtime.types import InstanceSnapshot
+from staleflow.runtime.coordination.lengths import LengthModel
+from staleflow.runtime.types import GroupId, InstanceSnapshot
 
 
 class InstanceView:
@@ -32,6 +39,9 @@ class InstanceView:
         "loading",
         "rejected",
         "requests",
+        "seen_at",
+        "starts",
+        "steps",
         "tokens_per_s",
         "version",
         "waiting",
@@ -47,6 +57,10 @@ class InstanceView:
         self.down = False  # lost (:meth:`Fleet.lose`) until it is back
         #: request id -> (tokens in KV when routed, group version)
         self.requests: dict[str, tuple[int, int]] = {}
+        #: request id -> (output tokens when routed less :attr:`steps` then, prompt tokens, its group)
+        self.starts: dict[str, tuple[float, int, GroupId]] = {}
+        self.steps = 0.0  # decode steps estimated since the view started (module docstring)
+        self.seen_at = snapshot.time  # the time of the last snapshot taken
         self.waiting: tuple[str, ...] = snapshot.waiting
         self.accepted = 0
         self.rejected = 0
@@ -80,6 +94,9 @@ class InstanceView:
             self.rejected += 1
             return False
         self.accepted += 1
+        if snapshot.running and snapshot.time > self.seen_at:
+            self.steps += (snapshot.time - self.seen_at) * snapshot.tokens_per_s / len(snapshot.running)
+        self.seen_at = max(self.seen_at, snapshot.time)
         self.loading = snapshot.loading
         self.kv_tokens = snapshot.kv_tokens
         self.kv_capacity = snapshot.kv_capacity
@@ -87,14 +104,22 @@ class InstanceView:
         self.waiting = snapshot.waiting
         return True
 
-    def add(self, request_id: str, tokens: int, group_version: int) -> None:
+    def add(self, request_id: str, tokens: int, group_version: int, generated: int = 0, group: GroupId = "") -> None:
+        """A request routed here with ``tokens`` in KV, ``generated`` of them output, of ``group``."""
         self.requests[request_id] = (tokens, group_version)
+        self.starts[request_id] = (generated - self.steps, tokens - generated, group)
         self.kv_tokens += tokens
+
+    def generated(self, request_ids: Iterable[str]) -> np.ndarray:
+        """The estimated output tokens of these requests (module docstring)."""
+        starts = self.starts
+        return np.fromiter((starts[rid][0] for rid in request_ids), dtype=np.float64) + self.steps
 
     def remove(self, request_id: str) -> None:
         """The request left (finished, interrupted or aborted); unknown ids are ignored."""
         entry = self.requests.pop(request_id, None)
         if entry is not None:
+            del self.starts[request_id]
             self._removals += 1
             self.kv_tokens = max(0, self.kv_tokens - entry[0])
             if request_id in self.waiting:
@@ -103,7 +128,9 @@ class InstanceView:
 
 @dataclass
 class FleetArrays:
-    """The views as arrays, index-aligned with the coordinator's instance list; updated as it routes."""
+    """The views as arrays, index-aligned with the coordinator's instance list; updated as it routes.
+    ``growth``: the KV tokens each instance's requests are expected to add until they finish (0
+    unless the coordinator plans for growth)."""
 
     n: np.ndarray
     kv: np.ndarray
@@ -112,6 +139,7 @@ class FleetArrays:
     waiting: np.ndarray
     loading: np.ndarray
     down: np.ndarray
+    growth: np.ndarray
 
     @classmethod
     def of(cls, views: Sequence[InstanceView]) -> FleetArrays:
@@ -123,14 +151,16 @@ class FleetArrays:
             waiting=np.array([len(v.waiting) for v in views], dtype=np.int64),
             loading=np.array([v.loading for v in views], dtype=bool),
             down=np.array([v.down for v in views], dtype=bool),
+            growth=np.zeros(len(views)),
         )
 
-    def add(self, index: int, tokens: int) -> None:
+    def add(self, index: int, tokens: int, growth: float = 0.0) -> None:
         self.n[index] += 1
         self.kv[index] += tokens
+        self.growth[index] += growth
 
-    def update(self, index: int, view: InstanceView) -> None:
-        """Copy one view's state into the arrays."""
+    def update(self, index: int, view: InstanceView, growth: float = 0.0) -> None:
+        """Copy one view's state into the arrays, with its expected ``growth``."""
         self.n[index] = len(view.requests)
         self.kv[index] = view.kv_tokens
         self.cap[index] = view.kv_capacity
@@ -138,6 +168,7 @@ class FleetArrays:
         self.waiting[index] = len(view.waiting)
         self.loading[index] = view.loading
         self.down[index] = view.down
+        self.growth[index] = growth
 
 
 class Fleet:
@@ -145,16 +176,18 @@ class Fleet:
 
     Every change a view takes from outside a decision goes through here and marks it changed;
     :meth:`synced` copies changed views into the arrays before a decision reads them (a decision
-    then keeps both up to date itself as it routes).
+    then keeps both up to date itself as it routes). Given ``lengths``, a view's expected growth
+    (:attr:`FleetArrays.growth`) is computed from its requests' progress when it is copied.
     """
 
-    def __init__(self, snapshots: Sequence[InstanceSnapshot]) -> None:
+    def __init__(self, snapshots: Sequence[InstanceSnapshot], lengths: LengthModel | None = None) -> None:
         self.views = [InstanceView(s) for s in snapshots]
         self._index = {v.instance_id: i for i, v in enumerate(self.views)}
         if len(self._index) != len(self.views):
             raise ValueError("instance ids must be unique")
         self.arrays = FleetArrays.of(self.views)
         self._changed: set[int] = set()
+        self.lengths = lengths
 
     def index(self, instance_id: str) -> int:
         return self._index[instance_id]
@@ -205,6 +238,19 @@ class Fleet:
     def synced(self) -> FleetArrays:
         """The arrays, with every view changed since the last call copied in."""
         for i in self._changed:
-            self.arrays.update(i, self.views[i])
+            self.arrays.update(i, self.views[i], self.growth(self.views[i]))
         self._changed.clear()
         return self.arrays
+
+    def growth(self, view: InstanceView) -> float:
+        """The KV tokens ``view``'s requests are expected to add until they finish (0 without ``lengths``)."""
+        if self.lengths is None or not view.requests:
+            return 0.0
+        return float(self.lengths.expected_remaining(view.generated(view.requests)).sum())
+
+    def planned_growth(self, generated: Iterable[int]) -> float:
+        """The KV growth to plan for each of some requests that generated so many tokens so far: the
+        most any of them is expected to add (0 without ``lengths``)."""
+        if self.lengths is None:
+            return 0.0
+        return float(self.lengths.expected_remaining(np.fromiter(generated, dtype=np.float64)).max(initial=0.0))

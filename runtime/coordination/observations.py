@@ -17,10 +17,12 @@ from staleflow.runtime.types import Cancellations, InstanceSnapshot, RolloutRequ
 
 @dataclass(frozen=True)
 class RequestsLeft:
-    """These requests no longer run on ``instance_id`` (they finished and were collected)."""
+    """These requests no longer run on ``instance_id`` (they finished and were collected), with
+    ``lengths``, their output lengths (the coordinator learns the lengths of responses from them)."""
 
     instance_id: str
     request_ids: tuple[str, ...]
+    lengths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

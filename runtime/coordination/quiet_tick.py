@@ -4,7 +4,7 @@ A periodic (full) tick snapshots every instance so that the decision that follow
 use. With a short check period (the authors' StaleFlow checks every 100 ms) most ticks find nothing
 to do: no instance behind the newest version (a pull reads KV use), no waiting queue past
 ``phi_wait`` to bounce, no starved instance a migration could fill, nothing queued or admissible to
-route. :func:`decision_reads_load` says, without changing anything, whether any of these could
+route, no tail of the head buffer to move. :func:`decision_reads_load` says, without changing anything, whether any of these could
 happen now; when none can, the decision reads no KV use and gives no command, whatever the
 snapshots would say. The run loop may then leave the snapshots out, as long as the next decision
 comes at the next tick, whose snapshots replace them (see :meth:`RunLoop.run`).
@@ -37,6 +37,8 @@ def decision_reads_load(coordinator: Coordinator, ps_version: int | None, traine
     fleet = coordinator.fleet.synced()
     if ts.pending_count() and any(manager.can_reserve(v) for v in set(fleet.version.tolist())):
         return True  # admission may route (any cap or freshness hold left to the decision)
+    if coordinator.tail is not None and coordinator.tail.active(manager):
+        return True  # the tail may move
     if not policy.migration:
         return False
     targets = ~fleet.loading & coordinator.starved_instances(fleet) & (fleet.waiting == 0)

@@ -6,10 +6,13 @@ one qualifies, the instance with the largest marginal throughput gain
 ``T_i(S + r) - T_i(S)``; it qualifies if the gain is at least ``mu`` times the throughput of an
 empty instance running the request alone, or the gain of the request that fills an instance through
 its memory-bound regime, if less (:func:`~staleflow.runtime.coordination.cost_fit.gain_threshold`).
-Otherwise the request stays queued. Requests of groups already reserved (partials, a group's
-members) try the *oldest* version tier first, which keeps the newest instances for new groups; a
-new group tries the newest first (the reference router orders candidates by ``(reserve indicator,
-version)``, which gives exactly these two orders).
+Otherwise the request stays queued. The KV cache can hold a request if it holds, besides what is
+resident now, the growth expected of the requests there and of this one until they finish
+(``FleetArrays.growth`` and ``growth``: zero unless the coordinator plans for growth, when the fit is
+on the KV in use now). Requests of groups already reserved (partials, a group's members) try the
+*oldest* version tier first, which keeps the newest instances for new groups; a new group tries the
+newest first (the reference router orders candidates by ``(reserve indicator, version)``, which
+gives exactly these two orders).
 
 :class:`RoundRobinRouter` (AReaL's only policy): the next eligible instance in turn.
 
@@ -43,13 +46,14 @@ class Router(Protocol):
     """What the coordinator asks of a routing strategy. ``choose`` places up to ``count`` requests of
     ``tokens`` tokens each among the ``eligible`` instances and updates ``fleet``; ``oldest_first``:
     the requests belong to reserved groups (the waterfall's order); ``group``: their group (only
-    prompt affinity routes by it)."""
+    prompt affinity routes by it); ``growth``: the KV tokens each is expected to add until it finishes
+    (only throughput routing plans for it)."""
 
     def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool: ...
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
-        group: Hashable | None = None,
+        group: Hashable | None = None, growth: float = 0.0,
     ) -> list[int]: ...
 
 
@@ -129,16 +133,17 @@ class ThroughputRouter:
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
-        group: Hashable | None = None,
+        group: Hashable | None = None, growth: float = 0.0,
     ) -> list[int]:
         """Instances for up to ``count`` requests of ``tokens`` tokens each, one decision per request
         (the fleet is updated after each); stops at the first request that stays queued.
         ``oldest_first``: the waterfall goes from the oldest version tier up (reserved groups)."""
-        candidates, score = self._scores(fleet, tokens, eligible)
+        candidates, score = self._scores(fleet, tokens, eligible, growth)
         if candidates.size == 0:
             return []
         model = self.cost_model
         n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
+        planned = kv + fleet.growth[candidates]  # the KV each holds once its requests are done
         threshold = gain_threshold(model, self.mu, tokens, cap, self.max_running)
         versions = fleet.version[candidates]
         order = sorted(set(versions.tolist()), reverse=not oldest_first)
@@ -149,13 +154,14 @@ class ThroughputRouter:
             if pick is None:
                 break
             index = int(candidates[pick])
-            fleet.add(index, tokens)
+            fleet.add(index, tokens, growth)
             chosen.append(index)
             n[pick] += 1
             kv[pick] += tokens
+            planned[pick] += tokens + growth
             running, resident = int(n[pick]), int(kv[pick])
             new_gain = model.throughput(running + 1, resident + tokens) - model.throughput(running, resident)
-            fits = new_gain >= threshold[pick] and resident + tokens <= cap[pick] and running < self.max_running
+            fits = new_gain >= threshold[pick] and planned[pick] + tokens + growth <= cap[pick] and running < self.max_running
             score[pick] = new_gain if fits else -np.inf
         return chosen
 
@@ -164,14 +170,15 @@ class ThroughputRouter:
         candidates, score = self._scores(fleet, tokens, eligible)
         return bool(candidates.size) and bool(np.any(score > -np.inf))
 
-    def _scores(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The candidate instances and each one's score: the marginal gain where it qualifies (mu, KV room), else -inf."""
+    def _scores(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, growth: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """The candidate instances and each one's score: the marginal gain where it qualifies (mu, KV
+        room for the request and the growth planned), else -inf."""
         candidates = np.flatnonzero(eligible & ~fleet.loading & (fleet.waiting == 0))
         n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
         model = self.cost_model
         gain = fleet_throughput(model, n + 1, kv + tokens) - fleet_throughput(model, n, kv)
         threshold = gain_threshold(model, self.mu, tokens, cap, self.max_running)
-        fits = (gain >= threshold) & (kv + tokens <= cap) & (n < self.max_running)
+        fits = (gain >= threshold) & (kv + fleet.growth[candidates] + tokens + growth <= cap) & (n < self.max_running)
         return candidates, np.where(fits, gain, -np.inf)
 
     @staticmethod
@@ -219,7 +226,7 @@ class LeastLoadedRouter:
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
-        group: Hashable | None = None,
+        group: Hashable | None = None, growth: float = 0.0,
     ) -> list[int]:
         """Instances for up to ``count`` requests, the least loaded first (the fleet is updated)."""
         candidates = np.flatnonzero(eligible & ~fleet.loading)
@@ -263,7 +270,7 @@ class RoundRobinRouter:
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
-        group: Hashable | None = None,
+        group: Hashable | None = None, growth: float = 0.0,
     ) -> list[int]:
         """Instances for up to ``count`` requests, each the next eligible one after the last chosen."""
         open_ = below_cap(fleet, eligible, self.max_running)
@@ -334,7 +341,7 @@ class PromptAffinityRouter:
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
-        group: Hashable | None = None,
+        group: Hashable | None = None, growth: float = 0.0,
     ) -> list[int]:
         """Instances for up to ``count`` requests of ``group`` (all the same one: its pin, made now if
         it has none); with ``pick="fewest"``, fewer while the pinned instance is at ``max_running``

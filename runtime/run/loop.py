@@ -86,14 +86,13 @@ class RunStalledError(RuntimeError):
 class RunParts:
     """The parts a run drives.
 
-    ``engines``: the rollout instances (empty, at version 0 unless the run is resumed);
-    ``trainer``: its ``weights()`` at start are version 0; ``prompts``: prompt groups, drawn as
-    needed (if the policy has group redundancy and a group has ``n_extra == 0``, the loop sets
-    ``n_extra``); ``cost_model``: the instances' cost model (routing, migration), fixed or fitted
-    online to the engines' decode steps (:class:`~staleflow.runtime.coordination.cost_fit.OnlineCostModel`); ``clock``: a
-    virtual clock for simulated parts, a real one for real parts; the servers: objects or Ray
-    proxies (fresh in-process ones by default); ``reward_fn(trajectory, group_metadata) -> float``
-    (None: no rewards, as in simulation).
+    ``engines``: the rollout instances (empty, at version 0 unless the run is resumed); ``trainer``: its ``weights()`` at
+    start are version 0; ``prompts``: prompt groups, drawn as needed (with group redundancy a group with ``n_extra == 0``
+    gets the policy's); ``cost_model``: the instances' cost model (routing, migration), fixed or fitted online to the
+    engines' decode steps (:class:`~staleflow.runtime.coordination.cost_fit.OnlineCostModel`); ``clock``: virtual for
+    simulated parts, real for real ones; the servers: objects or Ray proxies (fresh in-process ones by default);
+    ``reward_fn(trajectory, group_metadata) -> float`` (None: no rewards, as in simulation); ``prefill(tokens)``: seconds
+    an instance takes to rebuild a context of so many tokens (tail moves weigh it; None: no tail moves).
     """
 
     engines: Sequence[RolloutEngine]
@@ -104,6 +103,7 @@ class RunParts:
     trajectory_server: TrajectoryServer | None = None
     parameter_server: ParameterServer | None = None
     reward_fn: RewardFn | None = None
+    prefill: Callable[[int], float] | None = None
 
 
 class RunLoop:
@@ -150,7 +150,8 @@ class RunLoop:
         self.groups = GroupLife(manager, self.ts)
         self.instances = InstanceDriver(parts.engines, self.ts, self.ps, self.clock, self.stats.counters)
         self.costs = OnlineCostModel.of(parts.cost_model)
-        self.coordinator = Coordinator(self.groups, policy, self.costs.model, self.instances.first_snapshots(), spec.transfer)
+        self.coordinator = Coordinator(
+            self.groups, policy, self.costs.model, self.instances.first_snapshots(), spec.transfer, parts.prefill)
         self.weights = WeightPublisher(self.ps, background=not self.clock.simulated, counters=self.stats.counters)
         self.rewards = RewardRunner(parts.reward_fn, spec.reward_timeout_s)
         self._prompts: Iterator[PromptGroup] = iter(parts.prompts)
@@ -322,7 +323,8 @@ class RunLoop:
             cancel.extend(outcome.cancel)
             self.stats.counters["cancelled_requests"] += len(outcome.cancel)
         if trajectories:
-            self.coordinator.step(RequestsLeft(iid, tuple(t.request_id for t in trajectories)))
+            left = tuple(t.request_id for t in trajectories), tuple(len(t.output_ids) for t in trajectories)
+            self.coordinator.step(RequestsLeft(iid, *left))
         observations = self.instances.look(iid)
         self._observe(observations)
         if isinstance(observations[-1], InstanceLost):
@@ -355,8 +357,7 @@ class RunLoop:
             self.stats.step_finished(now, result.metrics)
             progress = True
         if self.stats.steps_done < target and self.manager.can_consume():
-            # the first step of a run always waits for its batch: no sign that the lookahead is short
-            idle = now - self.stats.last_step_end
+            idle = now - self.stats.last_step_end  # the first step always waits for its batch: no sign the lookahead is short
             waited = self.stats.steps_done > 0 and idle > (0.0 if self.clock.simulated else 2 * self.tick_s)
             self.coordinator.step(StepStarted(trainer_waited=waited))
             consumed = self.groups.consume()

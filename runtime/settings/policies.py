@@ -86,8 +86,11 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     ``abort_and_truncate_strategy``); an instance that pulls keeps its running requests (in-place
     reload, as the engine seam provides). Knob defaults are the authors' experiment script's where
     the paper is silent (``mu`` 0.2, sync at KV use <= 0.6, migration ratio 5, ``phi_wait`` 3,
-    proactive-abort threshold 2). ``staleflow-no-routing`` / ``-no-sync`` / ``-no-migration`` /
-    ``-no-proactive-abort`` switch one strategy to its vanilla counterpart for the ablation.
+    proactive-abort threshold 2), and routing that plans for the KV growth of the requests it
+    places (``plan_growth``). ``staleflow-no-routing`` / ``-no-sync`` / ``-no-migration`` /
+    ``-no-proactive-abort`` / ``-no-growth`` switch one strategy to its vanilla counterpart (or off)
+    for the ablation. ``staleflow-tail`` adds the head buffer's tail moved to lightly loaded hosts
+    (``tail_hosted`` 8): off by default, as it cost throughput in our measurements (docs/simulation.md).
 ``staleflow-authors`` (psrl ``examples/paper_exp/e2e/moe_ours.sh``, ``14b_ours.sh``; the coordinator's
 ``sync_and_migrate/status_based.py`` and ``sync_and_migrate_mixin.py``)
     StaleFlow as the authors' code runs it: ``mu`` 0.3, sync when the KV cache is at most half full
@@ -214,6 +217,16 @@ class SystemPolicy:
             forward pass over the batch (VeRL's and AReaL's default, and StaleFlow's); False trains on
             the log-probs the rollout returned (verl's fully-async recipe: ``use_rollout_log_probs``
             defaults to True). A simulated cost (:class:`~staleflow.runtime.settings.workload.TrainingSpec`).
+        plan_growth: throughput routing places a request only where the KV cache holds, besides what
+            is resident, the tokens the requests there and this one are expected to add until they
+            finish (from the lengths seen so far, given each one's progress:
+            :mod:`~staleflow.runtime.coordination.lengths`); otherwise the fit is on the KV in use now.
+        tail_hosted: the head buffer's tail (its running requests once at most ``tail_share`` of a
+            batch of its groups generate) moves, request by request where the cost model says it
+            finishes sooner counting the re-prefill, to lightly loaded instances that host at most
+            this many tail requests each and take no other work meanwhile
+            (:mod:`~staleflow.runtime.coordination.tail`); 0: off.
+        tail_share: see ``tail_hosted``.
         offloads_trainer: after each step the trainer's states (weights, gradients, optimizer) go to
             host memory and come back before the next (ROLL's ``offload_states`` / ``load_states`` of
             the actor around every step, ``rlvr_pipeline.py``); the trainer is busy meanwhile. A
@@ -254,6 +267,9 @@ class SystemPolicy:
     update_pause_s: float = 0.0
     recomputes_logprobs: bool = True
     offloads_trainer: bool = False
+    plan_growth: bool = False
+    tail_hosted: int = 0
+    tail_share: float = 0.25
 
     def __post_init__(self) -> None:
         _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin", "prompt_affinity", "prompt_round_robin"))
@@ -264,7 +280,7 @@ class SystemPolicy:
         _choice("outstanding", self.outstanding, ("protocol", "ratio"))
         _choice("migration_rule", self.migration_rule, ("split", "evacuate"))
         counts = ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort",
-                  "request_budget", "evacuate_min_requests")
+                  "request_budget", "evacuate_min_requests", "tail_hosted")
         for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -277,7 +293,7 @@ class SystemPolicy:
             raise ValueError(f"policy {self.name!r}: resend_round_robin and resubmit_same_instance are two rules for the same requests")
         if self.filter_stale and self.keeps_bound:
             raise ValueError(f"policy {self.name!r}: filter_stale needs an unbounded consumption (the protocol keeps the bound)")
-        for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency", "update_pause_s", "check_period_s"):
+        for name in ("mu", "phi_throughput", "sync_kv_fraction", "rollout_concurrency", "update_pause_s", "check_period_s", "tail_share"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
                 raise ValueError(f"policy {self.name!r}: {name} must be a number >= 0")
 
@@ -319,7 +335,7 @@ _BASELINE: dict[str, Any] = {"routing": "least_loaded", "migration": False, "wei
 #: migration at a throughput ratio of 5, phi_wait 3, proactive abort with threshold 2.
 _STALEFLOW: dict[str, Any] = {
     "pull_keeps_requests": True, "mu": 0.2, "sync_kv_fraction": 0.6, "phi_wait": 3, "phi_throughput": 5.0,
-    "proactive_abort": 2,
+    "proactive_abort": 2, "plan_growth": True,
 }
 #: StaleFlow as the authors' code runs it (psrl ``examples/paper_exp/e2e/moe_ours.sh``): see the
 #: module docstring for each knob's source.
@@ -357,6 +373,8 @@ POLICIES: dict[str, SystemPolicy] = {
     "staleflow-no-sync": _staleflow("staleflow-no-sync", sync="global_immediate"),
     "staleflow-no-migration": _staleflow("staleflow-no-migration", migration=False),
     "staleflow-no-proactive-abort": _staleflow("staleflow-no-proactive-abort", proactive_abort=0),
+    "staleflow-no-growth": _staleflow("staleflow-no-growth", plan_growth=False),
+    "staleflow-tail": _staleflow("staleflow-tail", tail_hosted=8),
     "staleflow-fresh": _staleflow("staleflow-fresh", freshness=True),
     "staleflow-authors": SystemPolicy("staleflow-authors", **_STALEFLOW_AUTHORS),
     "staleflow-authors-sync99": SystemPolicy("staleflow-authors-sync99", **{**_STALEFLOW_AUTHORS, "sync_kv_fraction": 0.99}),
