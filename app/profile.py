@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.app.tiny_model import ensure_tiny_model
+from staleflow.runtime.coordination.cost_fit import quantile as quantile_of
 from staleflow.runtime.coordination.cost_model import (
     CostModel,
     FitReport,
@@ -135,18 +136,10 @@ def pool_steps(steps: Sequence[ProfileRecord], groups: int, quantile: float = 0.
             ProfileRecord(
                 n=chunk[0].n,
                 kv_tokens=round(statistics.fmean(s.kv_tokens for s in chunk)),
-                latency=_quantile(sorted(s.latency for s in chunk), quantile),
+                latency=quantile_of(sorted(s.latency for s in chunk), quantile),
             )
         )
     return points
-
-
-def _quantile(ordered: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile of an ascending sequence."""
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def run_engine_settings(config: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:

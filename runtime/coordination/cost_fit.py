@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,12 +70,14 @@ class OnlineCostModel:
         self.refit_s = refit_s
         self.max_n = max_n
         self._bins: OrderedDict[tuple[int, int], tuple[deque[float], float, int]] = OrderedDict()
+        self._points: dict[tuple[int, int], ProfileRecord] = {}  # each bin's point, made again when the bin changes
         self._steps = 0
         self._new = 0
         self._refits = 0
         self._fitted_at: float | None = None
         self._started: float | None = None
-        self._errors: tuple[float | None, float | None] = (None, None)
+        #: the errors of the model in use and of the prior on the pooled points (None: to measure)
+        self._errors: tuple[float | None, float | None] | None = (None, None)
 
     def due(self, now: float) -> bool:
         """Whether it is time to take the engines' steps and refit (every ``refit_s`` from the first call)."""
@@ -92,17 +94,19 @@ class OnlineCostModel:
             latencies, kv_sum, count = self._bins.pop(key, (deque(maxlen=BIN_STEPS), 0.0, 0))
             latencies.append(step.latency)
             self._bins[key] = (latencies, kv_sum + step.kv_tokens, count + 1)
+            self._points.pop(key, None)
             if len(self._bins) > MAX_BINS:
-                self._bins.popitem(last=False)
+                self._points.pop(self._bins.popitem(last=False)[0], None)
             self._steps += 1
             self._new += 1
 
     def points(self) -> list[ProfileRecord]:
-        """One point per bin: its mean ``K`` and the lower quartile of its latest latencies."""
-        return [
-            ProfileRecord(n=n, kv_tokens=round(kv_sum / count), latency=float(np.quantile(latencies, 0.25)))
-            for (n, _), (latencies, kv_sum, count) in self._bins.items()
-        ]
+        """One point per bin: its mean ``K`` and the lower quartile of its latest latencies (only the
+        bins that took steps since the last call are computed again)."""
+        for key, (latencies, kv_sum, count) in self._bins.items():
+            if key not in self._points:
+                self._points[key] = ProfileRecord(n=key[0], kv_tokens=round(kv_sum / count), latency=quantile(sorted(latencies), 0.25))
+        return [self._points[key] for key in self._bins]
 
     @classmethod
     def of(cls, model: CostModel | OnlineCostModel) -> OnlineCostModel:
@@ -123,7 +127,7 @@ class OnlineCostModel:
             self.model, _ = fit_cost_model(points + self._prior_points(points))
             self._refits += 1
             changed = True
-        self._errors = (relative_error(self.model, points), relative_error(self.prior, points))
+        self._errors = None  # measured when :meth:`figures` asks (refits are many, reports few)
         return changed
 
     def _prior_points(self, points: list[ProfileRecord]) -> list[ProfileRecord]:
@@ -143,6 +147,9 @@ class OnlineCostModel:
         ``cost_fit_age_s``, ``cost_fit_steps``, ``cost_fit_points``, ``cost_fit_refits``, the
         coefficients (``cost_model``) and the prior's source."""
         since = self._fitted_at if self._fitted_at is not None else self._started
+        if self._errors is None:
+            points = self.points()
+            self._errors = (relative_error(self.model, points), relative_error(self.prior, points))
         return {
             "cost_fit_error": self._errors[0],
             "cost_prior_error": self._errors[1],
@@ -153,6 +160,14 @@ class OnlineCostModel:
             "cost_model": self.model.to_dict(),
             "cost_prior": self.source,
         }
+
+
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default) of an ascending sequence."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def relative_error(model: CostModel, points: Iterable[ProfileRecord]) -> float:

@@ -236,17 +236,23 @@ class Fleet:
         self._changed.add(index)
 
     def synced(self) -> FleetArrays:
-        """The arrays, with every view changed since the last call copied in."""
-        for i in self._changed:
-            self.arrays.update(i, self.views[i], self.growth(self.views[i]))
+        """The arrays, with every view changed since the last call copied in (their growth estimated together)."""
+        changed = [self.views[i] for i in self._changed]
+        for i, growth in zip(self._changed, self._growths(changed)):
+            self.arrays.update(i, self.views[i], growth)
         self._changed.clear()
         return self.arrays
 
-    def growth(self, view: InstanceView) -> float:
-        """The KV tokens ``view``'s requests are expected to add until they finish (0 without ``lengths``)."""
-        if self.lengths is None or not view.requests:
-            return 0.0
-        return float(self.lengths.expected_remaining(view.generated(view.requests)).sum())
+    def _growths(self, views: Sequence[InstanceView]) -> list[float]:
+        """The KV tokens each view's requests are expected to add until they finish (0 without
+        ``lengths``): one estimate over all their requests."""
+        if self.lengths is None or not views:
+            return [0.0] * len(views)
+        generated = [view.generated(view.requests) for view in views]
+        remaining = self.lengths.expected_remaining(np.concatenate(generated))
+        ends = np.cumsum([len(g) for g in generated])
+        sums = np.add.reduceat(np.append(remaining, 0.0), np.concatenate([[0], ends[:-1]])) if len(remaining) else np.zeros(len(views))
+        return [float(total) if len(g) else 0.0 for total, g in zip(sums, generated)]
 
     def planned_growth(self, generated: Iterable[int]) -> float:
         """The KV growth to plan for each of some requests that generated so many tokens so far: the

@@ -20,6 +20,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
+#: the sorted lengths are rebuilt after this many new ones (until then the answers use the older sort)
+RESORT_EVERY = 64
+
 
 class LengthModel:
     """Output lengths of finished responses and the conditional expectation of the rest (module docstring)."""
@@ -28,9 +31,11 @@ class LengthModel:
         if tail_samples < 1 or warmup < tail_samples or window < warmup:
             raise ValueError("need 1 <= tail_samples <= warmup <= window")
         self._seen: deque[int] = deque(maxlen=window)
+        self.observed = 0  # lengths seen in all (the window keeps the last ``window``)
         self._tail = tail_samples
         self._warmup = warmup
         self._sorted: np.ndarray | None = None  # the seen lengths sorted (None: to rebuild)
+        self._sorted_at = 0  # :attr:`observed` when ``_sorted`` was built
         self._suffix = np.zeros(1)  # _suffix[i]: the sum of _sorted[i:]
 
     def observe(self, lengths: Iterable[int]) -> None:
@@ -38,7 +43,9 @@ class LengthModel:
         lengths = list(lengths)
         if lengths:
             self._seen.extend(lengths)
-            self._sorted = None
+            self.observed += len(lengths)
+            if self._sorted is None or self.observed - self._sorted_at >= RESORT_EVERY:
+                self._sorted = None
 
     @property
     def ready(self) -> bool:
@@ -59,5 +66,6 @@ class LengthModel:
     def _lengths(self) -> np.ndarray:
         if self._sorted is None:
             self._sorted = np.sort(np.fromiter(self._seen, dtype=np.float64, count=len(self._seen)))
+            self._sorted_at = self.observed
             self._suffix = np.concatenate([np.cumsum(self._sorted[::-1])[::-1], [0.0]])
         return self._sorted
