@@ -133,8 +133,10 @@ def test_simulate_refits_from_the_simulated_engines_deterministically():
 def test_the_online_fit_on_a_vllm_cpu_engine_matches_an_offline_profile(tmp_path):
     """One vLLM-CPU engine of the tiny model: ``staleflow profile``'s offline fit, then the online fit
     of the same engine's decode steps while it runs batches as a job would (from the CPU roofline
-    prior). The two models agree within 25% on the profile's points (the machine is shared: the
-    profile itself reports 5-17% between runs, docs/rollout-vllm.md)."""
+    prior), twice over each batch size of 48 decode steps. On the profile's points the online model
+    is within 35% of the offline one (quiet, the two agree within 3%; with both cores busy 14-23%
+    was measured, and 51% with 16 decode steps a batch: the profile itself reports 5-17% between
+    runs, docs/rollout-vllm.md, and CI runs two test files at once)."""
     from staleflow.adapters.vllm.engine import SamplingConfig, VLLMEngine
     from staleflow.app.profile import profile_engine
     from staleflow.app.tiny_model import ensure_tiny_model
@@ -145,20 +147,19 @@ def test_the_online_fit_on_a_vllm_cpu_engine_matches_an_offline_profile(tmp_path
     online = OnlineCostModel(shape.cost_model(DEVICES["cpu"]), "cpu roofline", refit_s=1.0, max_n=32)
     sampling = SamplingConfig(temperature=1.0, ignore_eos=True)
     with VLLMEngine("fit", model_dir, sampling=sampling, max_model_len=256, max_num_seqs=32, seed=0) as engine:
-        offline = profile_engine(engine, [1, 8, 32], [64], decode_tokens=16)
-        for batch, (n, prompt) in enumerate([(n, 64) for n in (1, 8, 32)]):
+        offline = profile_engine(engine, [1, 8, 32], [64], decode_tokens=48)
+        for batch, (n, prompt) in enumerate([(n, 64) for n in (1, 8, 32) * 2]):
             ids = [f"b{batch}-{i}" for i in range(n)]
-            engine.submit([RolloutRequest(rid, rid, [5 + i % 200 for i in range(prompt)], 16, engine.version) for rid in ids])
+            engine.submit([RolloutRequest(rid, rid, [5 + i % 200 for i in range(prompt)], 48, engine.version) for rid in ids])
             pending = set(ids)
             while pending:
                 pending -= {t.request_id for t in engine.collect()}
                 time.sleep(0.002)  # as the run loop polls: a busy loop would take the GIL from the engine thread
             online.refit(float(batch), engine.decode_steps())
     assert online.figures(0.0)["cost_fit_refits"] >= 1
-    difference = relative_error(online.model, [
-        ProfileRecord(p.n, p.kv_tokens, offline.model.step_latency(p.n, p.kv_tokens)) for p in offline.points
-    ])
+    reference = [ProfileRecord(p.n, p.kv_tokens, offline.model.step_latency(p.n, p.kv_tokens)) for p in offline.points]
+    difference, prior_difference = relative_error(online.model, reference), relative_error(online.prior, reference)
     print(f"online {online.model}, offline {offline.model}")
-    print(f"online vs offline fit: {difference:.1%}; online fit error {online.figures(0.0)['cost_fit_error']:.1%}; "
-          f"prior error {online.figures(0.0)['cost_prior_error']:.1%}")
-    assert difference < 0.25
+    print(f"online vs offline fit: {difference:.1%} (the prior: {prior_difference:.1%}); online fit error "
+          f"{online.figures(0.0)['cost_fit_error']:.1%}; prior error {online.figures(0.0)['cost_prior_error']:.1%}")
+    assert difference < 0.35
