@@ -30,7 +30,7 @@ BASELINES = (*PAPER_SYSTEMS, "areal-filter", "areal-tight", "roll-flash-2026")
 #: Baselines with one mechanism idealised: columns of a grid where they ran, never the best bound-keeping one.
 BASELINE_ABLATIONS = ("roll-flash-ideal-routing",)
 #: StaleFlow as another code base runs it: columns beside ``staleflow``, measured against the same baselines.
-STALEFLOW_VARIANTS = ("staleflow-authors", "staleflow-authors-sync99")
+STALEFLOW_VARIANTS = ("staleflow-authors", "staleflow-authors-sync99", "staleflow-no-recompute")
 BEST = "best bound-keeping"
 BEST_PAPER = "best paper system"
 #: The figure a ratio compares: the whole run's trained tokens/s, or the steady state's (the first

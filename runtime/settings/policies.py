@@ -102,6 +102,12 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     ``phi_wait`` = 3 back to the router (``max_num_waiting_reqs_after_preemption``); at most 128
     requests per instance (``max_concurrent_seqs_per_instance``); no proactive abort.
     ``staleflow-authors-sync99`` is the same with ``sync.threshold=0.99`` (``14b_ours.sh``).
+``staleflow-no-recompute``
+    ``staleflow`` whose trainer skips the forward pass that recomputes the old log-probs: what
+    StaleFlow's own trainer does when a step is one minibatch (the proximal policy is then the
+    weights at the start of the step, ``adapters/rlkit/packed_step.py``), and what verl's fully-async
+    recipe does by default. ``staleflow`` pays for it, as the authors' scripts do
+    (``enable_train_engine_recompute_log_prob=True``).
 """
 
 from __future__ import annotations
@@ -377,6 +383,7 @@ POLICIES: dict[str, SystemPolicy] = {
     "staleflow-tail": _staleflow("staleflow-tail", tail_hosted=8),
     "staleflow-fresh": _staleflow("staleflow-fresh", freshness=True),
     "staleflow-authors": SystemPolicy("staleflow-authors", **_STALEFLOW_AUTHORS),
+    "staleflow-no-recompute": _staleflow("staleflow-no-recompute", recomputes_logprobs=False),
     "staleflow-authors-sync99": SystemPolicy("staleflow-authors-sync99", **{**_STALEFLOW_AUTHORS, "sync_kv_fraction": 0.99}),
     "verl-sync": SystemPolicy("verl-sync", sync="global_drained", fixed_eta=0, takes_redundancy=False, colocated=True,
                               **{**_BASELINE, "weight_transfer": "colocated"}),
