@@ -128,3 +128,18 @@ def test_the_head_buffers_tail_moves_to_a_light_instance_and_new_groups_stay_off
     assert c.stats["groups_admitted"] > 4  # new groups were admitted, none on the host
     admitted = [r for rids in (*routed(commands).values(), *again.values()) for r in rids if not r.startswith("g0/")]
     assert admitted and all(r in (routed(commands).get(busy, []) + again.get(busy, [])) for r in admitted)
+
+
+def test_the_kv_reserve_is_the_expected_peak_not_every_final_size_at_once():
+    """Two requests of 10 KV tokens, one expected to finish in 5 steps and one in 100: the cache
+    peaks at 110 just before the long one finishes (the short one is gone by then), 90 above the 20
+    held now; planning for both final sizes at once (15 + 110 = 125) would hold back 105."""
+    import numpy as np
+    from staleflow.runtime.coordination.fleet import kv_peak_growth
+
+    assert kv_peak_growth(np.array([10.0, 10.0]), np.array([100.0, 5.0])) == 90.0
+    # finishing together, the peak is every final size: 2 x (10 + 50) - 20
+    assert kv_peak_growth(np.array([10.0, 10.0]), np.array([50.0, 50.0])) == 100.0
+    # a short request that holds much: the peak is just before it finishes (1,003 + 4), not at the end (11)
+    assert kv_peak_growth(np.array([1000.0, 1.0]), np.array([3.0, 10.0])) == 6.0
+    assert kv_peak_growth(np.array([]), np.array([])) == 0.0

@@ -110,6 +110,11 @@ class InstanceView:
         self.starts[request_id] = (generated - self.steps, tokens - generated, group)
         self.kv_tokens += tokens
 
+    def prompts(self, request_ids: Iterable[str]) -> np.ndarray:
+        """The KV tokens these requests held before they generated anything (prompts, and partials' tokens)."""
+        starts = self.starts
+        return np.fromiter((starts[rid][1] for rid in request_ids), dtype=np.float64)
+
     def generated(self, request_ids: Iterable[str]) -> np.ndarray:
         """The estimated output tokens of these requests (module docstring)."""
         starts = self.starts
@@ -169,6 +174,21 @@ class FleetArrays:
         self.loading[index] = view.loading
         self.down[index] = view.down
         self.growth[index] = growth
+
+
+def kv_peak_growth(kv: np.ndarray, remaining: np.ndarray) -> float:
+    """The most the KV of requests holding ``kv`` tokens each grows above ``kv.sum()`` while they
+    decode, each for its ``remaining`` steps (one token a step) and then gone: at ``t`` the requests
+    still running hold ``kv + t`` each, so the peak is just before one of them finishes,
+    ``max_k sum_{i: r_i >= r_k} (kv_i + r_k)``. Requests do not all peak together: planning for every
+    request's final size at once would hold back more room than the cache ever needs."""
+    if not len(kv):
+        return 0.0
+    order = np.argsort(remaining)
+    r, held = remaining[order], kv[order]
+    alive_kv = np.cumsum(held[::-1])[::-1]  # KV of the requests finishing at r_k or later
+    alive = np.arange(len(r), 0, -1)
+    return float(max(0.0, (alive_kv + alive * r).max() - kv.sum()))
 
 
 class Fleet:
@@ -244,15 +264,14 @@ class Fleet:
         return self.arrays
 
     def _growths(self, views: Sequence[InstanceView]) -> list[float]:
-        """The KV tokens each view's requests are expected to add until they finish (0 without
-        ``lengths``): one estimate over all their requests."""
+        """How far above its KV in use now each view's KV is expected to peak before its requests are
+        done (0 without ``lengths``): :func:`kv_peak_growth` of its requests' expected remaining
+        lengths (one estimate over all the views' requests)."""
         if self.lengths is None or not views:
             return [0.0] * len(views)
         generated = [view.generated(view.requests) for view in views]
-        remaining = self.lengths.expected_remaining(np.concatenate(generated))
-        ends = np.cumsum([len(g) for g in generated])
-        sums = np.add.reduceat(np.append(remaining, 0.0), np.concatenate([[0], ends[:-1]])) if len(remaining) else np.zeros(len(views))
-        return [float(total) if len(g) else 0.0 for total, g in zip(sums, generated)]
+        remaining = np.split(self.lengths.expected_remaining(np.concatenate(generated)), np.cumsum([len(g) for g in generated])[:-1])
+        return [kv_peak_growth(view.prompts(view.requests) + g, r) for view, g, r in zip(views, generated, remaining)]
 
     def planned_growth(self, generated: Iterable[int]) -> float:
         """The KV growth to plan for each of some requests that generated so many tokens so far: the
