@@ -1,5 +1,6 @@
-"""The plots of a simulated comparison (``staleflow simulate --out``): throughput per system, staleness
-per buffer, time per step and the per-instance skew per step for each ``eta``, as PNG files."""
+"""The plots of a simulated comparison (``staleflow simulate --out``): throughput per system (whole run,
+with the steady state marked), staleness per buffer, time per step and the per-instance skew per step
+for each ``eta``, as PNG files."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names) * len(etas)), 4))
     width = 0.8 / max(1, len(etas))
     for j, eta in enumerate(etas):
-        values = [report["by_eta"][eta]["systems"][n]["tokens_per_s"] for n in names]
-        ax.bar([i + j * width for i in range(len(names))], values, width, label=f"eta={eta}")
+        systems = report["by_eta"][eta]["systems"]
+        where = [i + j * width for i in range(len(names))]
+        ax.bar(where, [systems[n]["tokens_per_s"] for n in names], width, label=f"eta={eta}")
+        steady = [(x, systems[n]["steady_tokens_per_s"]) for x, n in zip(where, names) if systems[n]["steady_tokens_per_s"]]
+        ax.scatter([x for x, _ in steady], [y for _, y in steady], marker="_", s=300, color="black",
+                   label="steady state (first eta + 2 steps left out)" if j == 0 else None, zorder=3)
     ax.axhline(bound, color="black", linestyle="--", label="upper bound")
     ax.set_xticks([i + width * (len(etas) - 1) / 2 for i in range(len(names))], names, rotation=20, ha="right")
     ax.set_ylabel("trained tokens / s")
