@@ -353,8 +353,8 @@ class VLLMEngine:
             generated += self._absorb(output)
         with self._lock:
             self._published.generated_tokens += generated
-        if decode and n:
-            self._decode_steps.record(n, kv, seconds)
+        if decode and n:  # seconds per token of each request: a speculative step makes more than one
+            self._decode_steps.record(n, kv, seconds * n / max(generated, n))
         self._publish()
 
     def _absorb(self, output: Any) -> int:

@@ -94,6 +94,25 @@ class WarmupConfig(ConfigSection):
     when: Literal["auto", "always", "never"] = "auto"
 
 
+class SpeculationConfig(ConfigSection):
+    """Speculative decoding of the tail: vLLM drafts ``tokens`` tokens per request with a proposer that
+    needs no draft model (``ngram``: the request's own context; ``suffix``: also earlier responses),
+    only while an instance runs at most ``max_batch`` requests (vLLM's dynamic speculative decoding,
+    ``num_speculative_tokens_per_batch_size``): the long tail of a rollout, where a step is
+    memory-bound and verifying drafts costs little. Sampling stays exact (rejection sampling)."""
+
+    method: Literal["ngram", "suffix"] = "ngram"
+    tokens: StrictInt = Field(4, ge=1, le=32)
+    max_batch: StrictInt = Field(8, ge=1, le=65536)
+
+    def engine_config(self, max_num_seqs: int) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` for engines running up to ``max_num_seqs`` requests."""
+        schedule = [[1, min(self.max_batch, max_num_seqs), self.tokens]]
+        if self.max_batch < max_num_seqs:
+            schedule.append([self.max_batch + 1, max_num_seqs, 0])
+        return {"method": self.method, "num_speculative_tokens": self.tokens, "num_speculative_tokens_per_batch_size": schedule}
+
+
 class RolloutConfig(ConfigSection):
     """Rollout instances and sampling."""
 
@@ -120,6 +139,8 @@ class RolloutConfig(ConfigSection):
     """Share of each GPU vLLM may take (weights, activations, KV cache); GPU instances only."""
     enforce_eager: StrictBool | None = None
     """Disable CUDA graphs; null: eager on CPU, graphs on GPU."""
+    speculation: SpeculationConfig | None = None
+    """Speculative decoding while an instance runs few requests (null: off)."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed to vLLM's ``EngineArgs`` as they are (they override StaleFlow's settings)."""
     start_timeout_s: StrictFloat = Field(900.0, gt=0, le=86400)
@@ -167,6 +188,8 @@ class RolloutConfig(ConfigSection):
             settings["tensor_parallel_size"] = self.tensor_parallel_size
         if self.tensor_parallel_size > 1:  # GPU: workers as Ray actors in the instance's group (placement_plan); CPU: processes
             settings["distributed_executor_backend"] = "ray" if gpu else "mp"
+        if self.speculation is not None:
+            settings["speculative_config"] = self.speculation.engine_config(self.max_num_seqs)
         return {**settings, **self.engine_kwargs}
 
 
