@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from staleflow.app.eval_lane import RolloutEvaluation, SharedEngine
 from staleflow.runtime.settings.config import load_config
 from staleflow.runtime.settings.placement_plan import plan_placement
-from staleflow.runtime.types import TEMPERATURE_KEY, RolloutRequest, Trajectory
+from staleflow.runtime.types import RolloutRequest, Trajectory
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "examples" / "qwen2.5-1.5b-gsm8k-8gpu.yaml"
 TP2 = ["rollout.instances=2", "rollout.gpus_per_instance=2", "train.world_size=4"]
@@ -72,7 +71,7 @@ class _Engine:
 
     def submit(self, requests: list[RolloutRequest]) -> None:
         self.pending += requests
-        self.temperatures.update({r.request_id: r.metadata.get(TEMPERATURE_KEY) for r in requests})
+        self.temperatures.update({r.request_id: r.metadata.get("temperature") for r in requests})
 
     def collect(self) -> list[Trajectory]:
         done, self.pending = self.pending, []
@@ -95,6 +94,10 @@ def _evaluator() -> Any:
 
 
 def test_the_evaluation_borrows_the_newest_rollout_instance_between_steps_and_leaves_the_loops_work_to_the_loop() -> None:
+    from staleflow.app.eval_lane import RolloutEvaluation, SharedEngine
+    from staleflow.runtime.types import TEMPERATURE_KEY
+
+    assert TEMPERATURE_KEY == "temperature"  # the key the fake engine reads
     engines = [_Engine(), _Engine()]
     shared = [SharedEngine(e, f"rollout-{i}") for i, e in enumerate(engines)]
     shared[1].load_weights(3, "weights-3")  # a Pull through the loop
