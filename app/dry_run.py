@@ -31,6 +31,7 @@ from staleflow.runtime.settings.cost_prior import DEVICES, ModelShape
 from staleflow.runtime.settings.memory_estimate import GIB, Offload, TrainerShape, estimate_trainer_memory
 from staleflow.runtime.settings.placement_plan import PlacementPlan, parameter_server_needs_gpu
 
+
 @dataclass
 class DryRun:
     """The dry run's checks (module docstring): ``report`` for print, ``problems`` for the exit code."""
@@ -112,7 +113,8 @@ def _trainer_memory(config: JobConfig, kernel: str, problems: list[str]) -> dict
     shards = train.world_size if train.backend == "fsdp" else train.tensor_parallel * train.pipeline_parallel
     micro = train.micro_batch_tokens if train.micro_batch_tokens != "auto" else _auto_micro_batch(kernel)
     device = config.coordinator.cost_model.device_name(1)
-    server = config.servers.bucket_mb << 20 if parameter_server_needs_gpu(config) and config.servers.weight_transfer == "broadcast" else None
+    beside_rank_0 = parameter_server_needs_gpu(config) and config.servers.weight_transfer == "broadcast"
+    server = config.servers.bucket_mb << 20 if beside_rank_0 else None
     memory = estimate_trainer_memory(
         shape, shards=shards, micro_batch_tokens=micro, logprob_chunk=train.logprob_chunk,
         activation_checkpointing=train.activation_checkpointing, device_bytes=int(DEVICES[device].memory_gb * 1e9 * train.gpus),

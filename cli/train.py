@@ -31,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", metavar="DIR", help="where the run's files go (default runs/<UTC timestamp>)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
     parser.add_argument(
-        "--dry-run", action="store_true", help="print the resolved config, the placement plan (actors, CPUs, GPUs), the engine settings, the cost model, the "
-        "attention kernel and a memory estimate per trainer GPU; start nothing; exit 2 if the plan exceeds the cluster or a GPU"
+        "--dry-run", action="store_true",
+        help="print the resolved config, the placement plan (actors, CPUs, GPUs), the engine settings, the cost model, the "
+        "attention kernel and a memory estimate per trainer GPU; start nothing; exit 2 if the plan exceeds the cluster or a GPU",
     )
     parser.add_argument("--json", action="store_true", help="with --dry-run: print them as JSON")
 
