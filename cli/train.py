@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", metavar="DIR", help="where the run's files go (default runs/<UTC timestamp>)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
     parser.add_argument(
-        "--dry-run", action="store_true", help="print the resolved config and the placement plan (actors, CPUs, GPUs); start nothing"
+        "--dry-run", action="store_true",
+        help="print the resolved config, the placement plan (actors, CPUs, GPUs), the engine settings, the cost model, the "
+        "attention kernel and a memory estimate per trainer GPU; start nothing; exit 2 if the plan exceeds the cluster or a GPU",
     )
     parser.add_argument("--json", action="store_true", help="with --dry-run: print them as JSON")
 
@@ -47,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         job = job_preparation.prepare_job(args.config, overrides, run_dir=args.run_dir, resume=args.resume)
         if args.dry_run:
-            print(job_preparation.dry_run_text(job.config, as_json=args.json))
-            return 0
+            text, problems = job_preparation.dry_run(job.config, as_json=args.json)
+            print(text)
+            for problem in problems:
+                print(f"staleflow train --dry-run: {problem}", file=sys.stderr)
+            return 2 if problems else 0
         job_preparation.check_installed(job.config)
     except job_preparation.PREPARATION_ERRORS as err:
         print(f"staleflow train: {err}", file=sys.stderr)

@@ -265,7 +265,7 @@ def test_one_node_of_eight_gpus_is_planned_bundle_by_bundle(overrides: list[str]
     assert sum(a.gpus for a in plan.actors) == 8  # every GPU has exactly one user
 
 
-def test_the_qwen3_moe_example_plans_tensor_parallel_instances_an_eval_engine_and_sixteen_ranks() -> None:
+def test_the_qwen3_moe_example_plans_twelve_tensor_parallel_instances_and_sixteen_ranks() -> None:
     examples = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "examples"
     config = load_config(examples / "qwen3-30b-a3b-multinode.yaml")
     plan = plan_placement(config)
@@ -273,21 +273,25 @@ def test_the_qwen3_moe_example_plans_tensor_parallel_instances_an_eval_engine_an
     assert len(engines) == 12 and all(len(g.bundles) == 4 and g.strategy == "STRICT_PACK" for g in engines)
     first, rest = {"CPU": 8.0, "GPU": 1.0}, {"GPU": 1.0}
     assert all(b.resources() == (first if i == 0 else rest) for g in engines for i, b in enumerate(g.bundles))
-    assert plan.actor("eval").role == "evaluation engine" and plan.actor("eval").num_gpus == 0
+    assert "eval" not in [g.name for g in engines]  # the rollout instances evaluate (task.eval_engine=rollout)
+    own = plan_placement(load_config(examples / "qwen3-30b-a3b-multinode.yaml", ["task.eval_engine=own"]))
+    assert own.actor("eval").role == "evaluation engine" and own.actor("eval").num_gpus == 0
     assert len(plan.group("trainer").bundles) == 16 and plan.total_gpus == 64
 
 
 def test_the_evaluation_engine_reserves_its_own_bundle_shaped_like_a_rollout_instance() -> None:
     """Finding 2 (issue 24): the evaluation engine ran on a GPU it never reserved. Now a job that
     evaluates on an engine (prompts from files) plans it like a rollout instance; the built-in task
-    (evaluated by the trainer) and a job with evaluation off plan none."""
+    (evaluated by the trainer), a job with evaluation off and one evaluating on its rollout
+    instances (task.eval_engine=rollout, the default since issue 35) plan none."""
     data = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "data"
-    files = [f"task.prompt_file={data / 'arithmetic-train.jsonl'}", "rollout.gpus_per_instance=1"]
+    files = [f"task.prompt_file={data / 'arithmetic-train.jsonl'}", "rollout.gpus_per_instance=1", "task.eval_engine=own"]
     plan = plan_placement(load_config(overrides=files))
     assert _bundles(plan)["eval"] == _bundles(plan)["rollout-0"] == [{"GPU": 1.0}]
     assert plan.actor("eval").num_gpus == 1.0
     assert "eval" not in _bundles(plan_placement(load_config(overrides=[*files, "task.eval_prompts=0", "task.eval_every=0"])))
     assert "eval" not in _bundles(plan_placement(load_config(overrides=["rollout.gpus_per_instance=1"])))
+    assert "eval" not in _bundles(plan_placement(load_config(overrides=[*files[:2]])))
 
 
 def test_collective_trainer_ranks_may_not_share_a_gpu() -> None:
@@ -554,8 +558,8 @@ def test_the_evaluation_engine_is_ready_before_make_evaluator_returns_on_gpus(
     monkeypatch.setitem(sys.modules, "staleflow.adapters.vllm.engine", types.SimpleNamespace(VLLMEngine=object))
     data = types.SimpleNamespace(train=[Prompt("1+1=", "2")], held_out=[Prompt("2+2=", "4")])
     tokens = types.SimpleNamespace(eos_id=0, encode=lambda text: [1, 2], decode=lambda ids: "")
-    config = load_config(overrides=[f"rollout.gpus_per_instance={gpus_per_instance}"])
-    evaluator = evaluation.make_evaluator(config, tokens, data, Placement(), tmp_path, None, tmp_path)  # type: ignore[arg-type]
+    config = load_config(overrides=[f"rollout.gpus_per_instance={gpus_per_instance}", "task.eval_engine=own"])
+    evaluator = evaluation.make_evaluator(config, tokens, data, Placement(), tmp_path, None, tmp_path, [])  # type: ignore[arg-type]
     try:
         assert seen == events
     finally:

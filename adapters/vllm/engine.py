@@ -41,7 +41,7 @@ from staleflow.runtime.coordination.cost_fit import DecodeStepLog
 from staleflow.runtime.coordination.cost_model import ProfileRecord
 from staleflow.runtime.interfaces import Clock, InstanceLostError, resolve_weights
 from staleflow.runtime.run.clock import RealClock
-from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
+from staleflow.runtime.types import TEMPERATURE_KEY, InstanceSnapshot, RolloutRequest, Trajectory
 
 __all__ = ["EngineFailed", "SamplingConfig", "VLLMEngine", "set_vllm_env_defaults"]
 
@@ -417,7 +417,7 @@ class VLLMEngine:
                 continue
             params = SamplingParams(
                 n=1,
-                temperature=self._sampling.temperature,
+                temperature=request.metadata.get(TEMPERATURE_KEY, self._sampling.temperature),
                 top_p=self._sampling.top_p,
                 top_k=self._sampling.top_k,
                 stop_token_ids=list(self._sampling.stop_token_ids),

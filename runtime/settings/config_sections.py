@@ -48,6 +48,9 @@ class TaskConfig(ConfigSection):
     (``chat_template: auto``) or as their contents one per line (``none``). ``reward``: a built-in
     scorer (``repeat_letter``, ``exact_match``, ``gsm8k``, ``math``) or ``module:function``.
     ``eval_file``: a held-out set evaluated through a rollout engine (greedy or sampled).
+    ``eval_engine``: ``rollout`` evaluates on the rollout instances between two steps (the instance
+    holding the newest version; as verl and OpenRLHF do), ``own`` on an engine of its own, planned
+    like one more rollout instance (its GPUs are idle between evaluations).
     ``eval_timing``: ``inline`` evaluates between steps (the run loop waits, rollout instances go
     on generating); ``deferred`` only saves the weights at each evaluation step and evaluates them
     after the run loop, so evaluation takes no time from it (time-to-quality benchmarks).
@@ -71,6 +74,16 @@ class TaskConfig(ConfigSection):
     eval_sampling: Literal["greedy", "sampled"] = "greedy"
     eval_samples: StrictInt = Field(1, ge=1, le=1024)
     eval_timing: Literal["inline", "deferred"] = "inline"
+    eval_engine: Literal["rollout", "own"] = "rollout"
+
+    @model_validator(mode="after")
+    def _deferred_needs_own_engine(self) -> TaskConfig:
+        if self.prompt_file is not None and self.eval_timing == "deferred" and self.eval_engine == "rollout" and self.eval_prompts > 0:
+            raise ValueError(
+                "task.eval_timing=deferred evaluates older versions after the run loop, which a rollout instance "
+                "cannot load over its newer one: set task.eval_engine=own"
+            )
+        return self
 
     @field_validator("reward")
     @classmethod
@@ -239,13 +252,17 @@ class ClusterConfig(ConfigSection):
     address: str | None = None
     """An existing Ray cluster (``auto``, ``ray://host:10001``); null: ``RAY_ADDRESS`` if set, else a
     local cluster started for the job."""
-    num_cpus: StrictInt | None = Field(2, ge=1, le=1_000_000)
-    """CPUs of a local cluster (null: all of this machine's); ignored for an existing cluster."""
+    num_cpus: StrictInt | None = Field(None, ge=1, le=1_000_000)
+    """CPUs of a local cluster started for the job (null: all of this machine's, as verl's
+    ``ray_init.num_cpus``); never passed to a running cluster, which is joined as it is."""
     num_gpus: StrictInt | None = Field(None, ge=0, le=1_000_000)
-    """GPUs of a local cluster (null: those Ray detects); ignored for an existing cluster."""
+    """GPUs of a local cluster started for the job (null: those Ray detects); never passed to a running cluster."""
     gpus_per_node: StrictInt | None = Field(None, ge=1, le=1024)
     """GPUs of one node; a rollout instance wider than that spreads its workers over nodes (null:
     every instance on one node)."""
+    nodes: StrictInt | None = Field(None, ge=1, le=100_000)
+    """Nodes of the cluster: with ``gpus_per_node``, the dry run refuses a plan of more GPUs than
+    ``gpus_per_node x nodes`` (null: checked only against a running cluster)."""
 
 
 class ProtocolConfig(ConfigSection):

@@ -15,7 +15,8 @@ The layout follows what vLLM's Ray executor accepts and what OpenRLHF and verl d
   take one GPU per bundle and no CPU (``VLLM_RAY_BUNDLE_INDICES`` names the bundles; the actor
   captures its group for its child tasks). With
   ``tp == 1`` (or a share of one GPU) the actor holds the GPU and vLLM runs in its process;
-- the evaluation engine, when the job has one, is planned like a rollout instance (its own group);
+- the evaluation engine, when the job asks for one (``task.eval_engine=own``), is planned like a
+  rollout instance (its own group); by default the rollout instances evaluate and nothing is added;
 - trainer ranks with GPUs share one group, rank ``r`` in bundle ``r``, one GPU (or a share) each;
 - Ray-placed servers share a CPU-only group, except a parameter server that broadcasts over NCCL
   (:func:`parameter_server_needs_gpu`): it sends from a GPU, as OpenRLHF sends from trainer
@@ -156,9 +157,10 @@ class PlacementPlan:
 
 
 def has_eval_engine(config: JobConfig) -> bool:
-    """Whether the job evaluates on an engine of its own: prompts from files and a held-out set
-    (the built-in task is evaluated by the trainer's greedy decoder)."""
-    return config.task.prompt_file is not None and config.task.eval_prompts > 0
+    """Whether the job evaluates on an engine of its own: prompts from files, evaluation on, and
+    ``task.eval_engine=own`` (by default the rollout instances evaluate between steps; the built-in
+    task is evaluated by the trainer's greedy decoder)."""
+    return config.task.prompt_file is not None and config.task.eval_prompts > 0 and config.task.eval_engine == "own"
 
 
 def parameter_server_needs_gpu(config: JobConfig) -> bool:
