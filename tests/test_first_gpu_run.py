@@ -5,6 +5,7 @@ message (finding 2), and the dry run refuses a plan the cluster or a GPU cannot 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -161,7 +162,9 @@ def test_a_running_cluster_is_joined_without_resource_arguments(monkeypatch: pyt
     from staleflow.adapters.ray import cluster
     from staleflow.adapters.ray.placement import RayPlacement
 
-    head = subprocess.Popen([sys.executable, "-c", _CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # a loaded machine (CI runs two test files at once) can take more than Ray's 60 s to register the node
+    env = {**os.environ, "RAY_raylet_start_wait_time_s": "600"}
+    head = subprocess.Popen([sys.executable, "-c", _CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         address = head.stdout.readline().strip()  # type: ignore[union-attr]
         assert address, "the cluster did not start"
