@@ -229,3 +229,23 @@ def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_deco
         while time.monotonic() < deadline:  # its owner, rank 0, was killed (Ray notices within seconds)
             fsdp.weights().fetch()
             time.sleep(0.5)
+
+
+def test_the_model_state_estimate_and_the_offload_it_chooses() -> None:
+    """Finding 5 (issue 35): nothing estimated an FSDP rank's model state or moved it off the GPU (7B
+    on 2 ranks: about 57 GiB of fp32 weights, gradients and AdamW state per GPU). The estimate is 16
+    bytes per parameter per rank share; ``auto`` offloads where it takes more than half the GPU."""
+    from staleflow.runtime.settings.trainer_memory import choose_offload, rank_state_bytes
+
+    qwen7b, qwen1_5b, gib = 7_615_616_512, 1_543_714_304, 1 << 30
+    state = rank_state_bytes(qwen7b, 2)
+    assert (state.weights, state.gradients, state.optimizer) == (qwen7b // 2 * 4, qwen7b // 2 * 4, qwen7b // 2 * 8)
+    assert round(state.total / gib, 1) == 56.7
+    h100 = 80 * 10**9
+    assert choose_offload("auto", qwen7b, 2, h100) and not choose_offload("auto", qwen7b, 8, h100)
+    assert not choose_offload("auto", qwen1_5b, 2, h100) and not choose_offload("auto", qwen7b, 2, None)  # CPU: nothing to offload
+    assert choose_offload("on", 1, 1, h100) and not choose_offload("off", qwen7b, 1, h100)
+    assert not choose_offload("on", 1, 1, None)  # a CPU rank's state is in CPU memory (and the policy needs a GPU)
+    with pytest.raises(ValueError, match="train.cpu_offload must be one of auto, on, off, got 'yes'"):
+        choose_offload("yes", 1, 1, None)
+

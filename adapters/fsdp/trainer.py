@@ -7,7 +7,11 @@ shards from rank 0 (the only rank that reads the checkpoint, on CPU), and runs t
 the one-process torch trainer (:func:`~staleflow.adapters.rlkit.packed_step.train_minibatches`):
 packed token-budget micro-batches, chunked log-probs, gradient accumulation, the per-token average
 taken over the whole minibatch on all ranks. Mixed precision on GPU: parameters computed in bf16
-(``MixedPrecisionPolicy``), gradients reduced and weights kept in fp32; fp32 on CPU (gloo).
+(``MixedPrecisionPolicy``), gradients reduced and weights kept in fp32; fp32 on CPU (gloo). With
+``settings.cpu_offload`` on (or ``auto`` where :func:`~staleflow.runtime.settings.trainer_memory.choose_offload`
+finds the state too large for the GPU) each rank keeps its shards of the weights, gradients and AdamW
+state in CPU memory (FSDP2's ``CPUOffloadPolicy``: a layer is copied to the GPU for its compute and
+the optimiser steps on CPU), as verl's 2-GPU 7B recipe does.
 
 The driver side (:class:`FSDPTrainer`) checks and lays out each batch, spreads every minibatch's
 sequences over the ranks with balanced token counts and runs the step on all ranks; after each step
@@ -49,6 +53,7 @@ from staleflow.adapters.rlkit.packing import (
 )
 from staleflow.adapters.rlkit.settings import TrainerSettings
 from staleflow.adapters.rlkit.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer, rank_address, rank_device
+from staleflow.runtime.settings.trainer_memory import choose_offload
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FORMAT = "staleflow-fsdp/1"
@@ -63,11 +68,12 @@ class FSDPRank:
         return rank_address()
 
     def setup(self, rank: int, world_size: int, address: str, model_path: str, settings: TrainerSettings,
-              seed: int, device: str, threads: int, pad_id: int, by_reference: bool) -> None:
+              seed: int, device: str, threads: int, pad_id: int, by_reference: bool) -> bool:
         """Join the process group and shard the model; ``by_reference``: :meth:`publish` puts rank
-        0's copy into Ray's object store and returns a reference (the ranks are Ray actors)."""
+        0's copy into Ray's object store and returns a reference (the ranks are Ray actors). Whether
+        the model state is offloaded to CPU memory."""
         import torch.distributed as dist
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         torch.set_num_threads(threads)
         self.device = rank_device(device, rank)
@@ -91,9 +97,12 @@ class FSDPRank:
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else MixedPrecisionPolicy()
         self.model = LogProbModel(model, chunk=settings.logprob_chunk, temperature=settings.temperature)
         self.micro_batch_tokens = resolve_micro_batch_tokens(model, settings.micro_batch_tokens)
+        device_bytes = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        self.offloaded = choose_offload(settings.cpu_offload, sum(p.numel() for p in model.parameters()), world_size, device_bytes)
+        offload = CPUOffloadPolicy() if self.offloaded else OffloadPolicy()
         for layer in model.get_decoder().layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(self.model, mp_policy=policy)
+            fully_shard(layer, mp_policy=policy, offload_policy=offload)
+        fully_shard(self.model, mp_policy=policy, offload_policy=offload)
         self._receive_weights(model, loaded)
         del loaded
         self.optimizer = torch.optim.AdamW(
@@ -105,6 +114,7 @@ class FSDPRank:
         )
         self.reducer = DistributedReducer(self.device)
         self.shapes, self.params = shapes, [name for name, _ in self.model.named_parameters()]
+        return self.offloaded
 
     def _receive_weights(self, model: Any, loaded: Any) -> None:
         """Materialise the sharded meta-device ``model`` and fill it from rank 0's ``loaded`` copy:
@@ -113,7 +123,7 @@ class FSDPRank:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        self.model.to_empty(device=self.device)
+        self.model.to_empty(device="cpu" if self.offloaded else self.device)  # offloaded shards live in CPU memory
         full = {_PREFIX + k: v for k, v in loaded.state_dict().items()} if loaded is not None else {}
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         source = dict(loaded.named_buffers()) if loaded is not None else {}
@@ -217,7 +227,8 @@ class FSDPTrainer(WorkerGroupTrainer):
     ``world_size``, ``device`` (``cpu``: gloo; ``cuda``: NCCL, one GPU per rank) and ``launcher``
     (``process``: spawned processes; ``ray``: Ray actors, ``gpus_per_rank`` GPUs each on CUDA, or
     ``gpus_per_rank[r]`` for rank ``r``, in bundles ``0 .. world_size - 1`` of ``placement_group``
-    when one is given). With ``ray``,
+    when one is given). ``cpu_offload``: whether the ranks keep their model state in CPU memory
+    (``settings.cpu_offload``, decided in each rank by the device it has). With ``ray``,
     :meth:`weights` is an :class:`~staleflow.adapters.ray.object_weights.ObjectStoreWeights`
     reference to rank 0's copy, not the weights.
     """
@@ -238,7 +249,7 @@ class FSDPTrainer(WorkerGroupTrainer):
         try:
             address = self._workers.call_all("address")[0]
             args = (world_size, address, str(self._model_path), settings, seed, device, threads, pad_id, launcher == "ray")
-            self._workers.call_all("setup", [(rank, *args) for rank in range(world_size)])
+            self.cpu_offload = bool(self._workers.call_all("setup", [(rank, *args) for rank in range(world_size)])[0])
             published = self._publish(version)
         except BaseException:
             self._workers.close()

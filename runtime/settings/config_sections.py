@@ -355,6 +355,10 @@ class TrainConfig(ConfigSection):
     logprob_chunk: StrictInt = Field(1024, ge=1, le=1_000_000)  # positions per [chunk, vocab] log-softmax
     activation_checkpointing: StrictBool = False
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    cpu_offload: Literal["auto", "on", "off"] = "auto"
+    """``fsdp``: keep each rank's parameters, gradients and optimiser state in CPU memory (FSDP2's
+    ``CPUOffloadPolicy``; the optimiser steps on CPU); ``auto``: where the estimate of
+    :mod:`~staleflow.runtime.settings.trainer_memory` says the state does not fit the rank's GPU."""
     publish_bucket_mb: StrictInt = Field(512, ge=1, le=65536)
     """Each version is published in the training dtype, gathered on rank 0 one bucket of this many
     MiB at a time (fsdp; the torch trainer copies whole): never a full fp32 copy of the weights."""

@@ -43,8 +43,8 @@ ANY_NODES = "PACK"
 _NODE_WORDS = {ONE_NODE: "one node", ANY_NODES: "any nodes (packed)"}
 
 #: The fraction of trainer rank 0's GPU share that a parameter server sending over NCCL takes (Ray's
-#: bookkeeping only: both processes use the one device; the server holds vLLM's packed buffers and
-#: NCCL's own, a few hundred MiB, beside rank 0's model).
+#: bookkeeping only: both processes use the one device; the server holds one staging buffer of
+#: ``servers.bucket_mb`` and NCCL's own buffers beside rank 0's model).
 PARAMETER_SERVER_GPU_SHARE = 0.1
 
 
