@@ -28,7 +28,7 @@ from typing import Any
 
 from staleflow.runtime.settings.config import JobConfig
 from staleflow.runtime.settings.cost_prior import DEVICES, ModelShape
-from staleflow.runtime.settings.memory_estimate import GIB, Offload, TrainerShape, estimate_trainer_memory
+from staleflow.runtime.settings.memory_estimate import GIB, Offload, TrainerShape, choose_offload, estimate_trainer_memory
 from staleflow.runtime.settings.placement_plan import PlacementPlan, parameter_server_needs_gpu
 
 
@@ -115,18 +115,21 @@ def _trainer_memory(config: JobConfig, kernel: str, problems: list[str]) -> dict
     device = config.coordinator.cost_model.device_name(1)
     beside_rank_0 = parameter_server_needs_gpu(config) and config.servers.weight_transfer == "broadcast"
     server = config.servers.bucket_mb << 20 if beside_rank_0 else None
+    device_bytes = int(DEVICES[device].memory_gb * 1e9 * train.gpus)
+    offloaded = train.backend == "fsdp" and choose_offload(train.cpu_offload, shape.params, shards, device_bytes)
     memory = estimate_trainer_memory(
         shape, shards=shards, micro_batch_tokens=micro, logprob_chunk=train.logprob_chunk,
-        activation_checkpointing=train.activation_checkpointing, device_bytes=int(DEVICES[device].memory_gb * 1e9 * train.gpus),
-        mixed_precision=train.dtype != "fp32", parameter_server_bucket_bytes=server, offload=Offload(),
+        activation_checkpointing=train.activation_checkpointing, device_bytes=device_bytes,
+        mixed_precision=train.dtype != "fp32", parameter_server_bucket_bytes=server, offload=Offload(offloaded, offloaded),
     )
     if not memory.fits:
         problems.append(
             f"trainer rank 0 needs about {memory.total / GIB:.1f} GiB but a {device} share of {train.gpus:g} GPU holds "
             f"{memory.device_bytes / GIB:.1f} GiB (coordinator.cost_model.device names the card; more ranks, "
-            "a smaller train.micro_batch_tokens or activation checkpointing lower it)"
+            "a smaller train.micro_batch_tokens, activation checkpointing or train.cpu_offload=on lower it)"
         )
-    return {**memory.to_dict(), "device": device, "micro_batch_tokens": micro, "shards": shards, "text": memory.describe()}
+    text = memory.describe() + (", model state offloaded to CPU memory (train.cpu_offload)" if offloaded else "")
+    return {**memory.to_dict(), "device": device, "micro_batch_tokens": micro, "shards": shards, "cpu_offload": offloaded, "text": text}
 
 
 def _auto_micro_batch(kernel: str) -> int:

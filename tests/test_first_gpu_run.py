@@ -229,7 +229,7 @@ def test_the_dry_run_decides_the_kernel_and_shows_the_engine_the_cost_model_and_
     memory = checks["trainer_memory"]
     # 1.54e9 parameters on 2 FSDP ranks: 3.1 GB of fp32 weights (+ one layer in bf16), 3.1 GB of gradients, 6.2 GB of AdamW moments
     assert (memory["weights_gib"], memory["gradients_gib"], memory["optimizer_gib"]) == (2.96, 2.88, 5.75)
-    assert memory["parameter_server_gib"] == 0.56  # 2 x 64 MiB + the embedding in bf16
+    assert memory["parameter_server_gib"] == 0.06 and memory["cpu_offload"] is False  # one 64 MiB staging buffer
     assert memory["activations_gib"] > 0 and memory["fits"] is True
     assert memory["device_bytes_gib"] == round(80e9 * 1 / 2**30, 2) and memory["micro_batch_tokens"] == 16384
     real_find_spec = importlib.util.find_spec
@@ -240,6 +240,11 @@ def test_the_dry_run_decides_the_kernel_and_shows_the_engine_the_cost_model_and_
 def test_the_dry_run_refuses_a_trainer_that_cannot_fit_its_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    code, out, err = _dry_run(capsys, f"model.path={_model(tmp_path, '7b')}", "train.world_size=1", "rollout.instances=7")
+    code, out, err = _dry_run(capsys, f"model.path={_model(tmp_path, '7b')}", "train.world_size=1", "rollout.instances=7",
+                              "train.cpu_offload=off")
     assert code == 2 and out["checks"]["trainer_memory"]["fits"] is False
     assert "trainer rank 0 needs about" in err and "GiB but a h100 share of 1 GPU holds 74.5 GiB" in err
+    # train.cpu_offload=auto (the default) moves the 114 GiB of model state to CPU memory: it fits
+    code, out, err = _dry_run(capsys, f"model.path={tmp_path / 'qwen2.5-7b'}", "train.world_size=1", "rollout.instances=7")
+    memory = out["checks"]["trainer_memory"]
+    assert (code, memory["cpu_offload"], memory["fits"], memory["gradients_gib"], memory["optimizer_gib"]) == (0, True, True, 0, 0)

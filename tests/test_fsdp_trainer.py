@@ -235,7 +235,7 @@ def test_the_model_state_estimate_and_the_offload_it_chooses() -> None:
     """Finding 5 (issue 35): nothing estimated an FSDP rank's model state or moved it off the GPU (7B
     on 2 ranks: about 57 GiB of fp32 weights, gradients and AdamW state per GPU). The estimate is 16
     bytes per parameter per rank share; ``auto`` offloads where it takes more than half the GPU."""
-    from staleflow.runtime.settings.trainer_memory import choose_offload, rank_state_bytes
+    from staleflow.runtime.settings.memory_estimate import choose_offload, rank_state_bytes
 
     qwen7b, qwen1_5b, gib = 7_615_616_512, 1_543_714_304, 1 << 30
     state = rank_state_bytes(qwen7b, 2)

@@ -8,7 +8,7 @@ the one-process torch trainer (:func:`~staleflow.adapters.rlkit.packed_step.trai
 packed token-budget micro-batches, chunked log-probs, gradient accumulation, the per-token average
 taken over the whole minibatch on all ranks. Mixed precision on GPU: parameters computed in bf16
 (``MixedPrecisionPolicy``), gradients reduced and weights kept in fp32; fp32 on CPU (gloo). With
-``settings.cpu_offload`` on (or ``auto`` where :func:`~staleflow.runtime.settings.trainer_memory.choose_offload`
+``settings.cpu_offload`` on (or ``auto`` where :func:`~staleflow.runtime.settings.memory_estimate.choose_offload`
 finds the state too large for the GPU) each rank keeps its shards of the weights, gradients and AdamW
 state in CPU memory (FSDP2's ``CPUOffloadPolicy``: a layer is copied to the GPU for its compute and
 the optimiser steps on CPU), as verl's 2-GPU 7B recipe does.
@@ -53,7 +53,7 @@ from staleflow.adapters.rlkit.packing import (
 )
 from staleflow.adapters.rlkit.settings import TrainerSettings
 from staleflow.adapters.rlkit.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer, rank_address, rank_device
-from staleflow.runtime.settings.trainer_memory import choose_offload
+from staleflow.runtime.settings.memory_estimate import choose_offload
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
 CHECKPOINT_FORMAT = "staleflow-fsdp/1"

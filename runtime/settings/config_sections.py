@@ -358,7 +358,13 @@ class TrainConfig(ConfigSection):
     cpu_offload: Literal["auto", "on", "off"] = "auto"
     """``fsdp``: keep each rank's parameters, gradients and optimiser state in CPU memory (FSDP2's
     ``CPUOffloadPolicy``; the optimiser steps on CPU); ``auto``: where the estimate of
-    :mod:`~staleflow.runtime.settings.trainer_memory` says the state does not fit the rank's GPU."""
+    :mod:`~staleflow.runtime.settings.memory_estimate` says the state does not fit the rank's GPU."""
+
+    @field_validator("cpu_offload", mode="before")
+    @classmethod
+    def _offload_words(cls, value: Any) -> Any:
+        """YAML reads ``on`` / ``off`` (a config file's or ``train.cpu_offload=off``) as booleans."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
     publish_bucket_mb: StrictInt = Field(512, ge=1, le=65536)
     """Each version is published in the training dtype, gathered on rank 0 one bucket of this many
     MiB at a time (fsdp; the torch trainer copies whole): never a full fp32 copy of the weights."""
