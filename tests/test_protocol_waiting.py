@@ -210,8 +210,9 @@ def test_blocking_waits_with_real_threads() -> None:
             time.sleep(0.005)  # train: the producers fill the buffers meanwhile and must wait
 
     condition = _instrumented(locked)
-    threads = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
-    consumer = threading.Thread(target=trainer)
+    # daemon: a failed assertion must not leave the run waiting for them
+    threads = [threading.Thread(target=producer, args=(k,), daemon=True) for k in range(4)]
+    consumer = threading.Thread(target=trainer, daemon=True)
     for t in (consumer, *threads):
         t.start()
     for t in (consumer, *threads):
@@ -240,7 +241,7 @@ def test_blocking_waits_time_out_and_wake_on_a_stale_version() -> None:
             outcome.append(error)
 
     condition = _instrumented(locked)
-    waiting = threading.Thread(target=wait_for_room)
+    waiting = threading.Thread(target=wait_for_room, daemon=True)  # a failed assertion must not leave it blocked
     waiting.start()
     assert condition.sleeping.wait(timeout=300), "the thread never went to sleep in wait_admissible"
     assert outcome == [] and condition.waits == [None]  # blocked (buffer 0 is full), with no timeout: no polling
