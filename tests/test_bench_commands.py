@@ -1,6 +1,7 @@
 """`staleflow bench` subcommands end to end at small arguments: exit code, the JSON figures each
 promises (with their goals), and the exit code 2 of a bad argument. (``bench weight-sync``:
-tests/test_bench_weight_sync.py; the trace cost counted, not timed: tests/test_trace_cost.py; ``bench convergence`` aggregating finished runs:
+tests/test_bench_weight_sync.py; the trace cost counted, not timed: tests/test_trace_cost.py;
+``bench convergence`` aggregating finished runs:
 tests/test_convergence_bench.py; ``bench mutation``'s judging: tests/test_bench_mutation.py.)
 """
 
