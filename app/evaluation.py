@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from staleflow.adapters.vllm.logs import EngineLogs
 from staleflow.adapters.vllm.settings import SamplingConfig
 from staleflow.app.job_parts import TaskData, Tokens, prompt_source, start_engines
 from staleflow.app.rewards import pooled_reward, scorer_arguments
@@ -241,12 +242,16 @@ class Evaluator:
         }
 
 
-def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, weights_dir: Path) -> Any:
+def make_evaluator(
+    config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, weights_dir: Path,
+    logs: EngineLogs | None = None,
+) -> Any:
     """The trainer's greedy :class:`Evaluator` for the built-in stream, or a disabled one
     (``task.eval_prompts=0``); for prompts from files, an :class:`EngineEvaluator` on its own rollout
     engine (a Ray actor of ``placement``), which on GPUs is ready when this returns, so that the
     trainer does not start during its memory profiling (:func:`~staleflow.app.job_parts.start_engines`).
-    ``weights_dir``: the rollout instances' scratch folder for the weight files they reload."""
+    ``weights_dir``: the rollout instances' scratch folder for the weight files they reload; ``logs``:
+    the engine actor's :class:`~staleflow.adapters.vllm.logs.EngineLogs`."""
     if data.train is None and data.held_out is None:
         return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data, model_dir=base)
     if config.task.eval_prompts == 0:
@@ -271,6 +276,7 @@ def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement:
         weights_dir=str(weights_dir),
         engine_kwargs=config.rollout.engine_settings(),
         start_timeout_s=config.rollout.start_timeout_s,
+        logs=logs,
     )
     [engine] = start_engines([start], one_at_a_time=config.rollout.gpus_per_instance > 0)
     return EngineEvaluator(

@@ -10,8 +10,9 @@ whatever ``build()`` started (a context manager calls it).
 
 The run directory receives ``config.yaml``, ``model-v0/`` (the warmed-up starting model),
 ``metrics.jsonl``, ``instances.jsonl``, ``trace.jsonl`` (the protocol trace for ``staleflow verify
---trace``; a resumed run appends a segment to it), ``tensorboard/``, ``checkpoints/step-<n>/`` and, at
-the end, ``summary.json`` and ``report.md`` with its plots.
+--trace``; a resumed run appends a segment to it), ``tensorboard/``, ``logs/`` (every notice of the
+engines and of Ray: :mod:`~staleflow.app.run_logs`), ``checkpoints/step-<n>/`` and, at the end,
+``summary.json`` and ``report.md`` with its plots.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from staleflow.app.job_parts import TaskData, Tokens, base_model, job_cost_model
 from staleflow.app.metrics import EngineLedger, MetricsLog, TrackedEngine
 from staleflow.app.report import write_report
 from staleflow.app.rewards import ScorerCheckError, check_scorer, pooled_reward
+from staleflow.app.run_logs import DriverLogs, engine_logs
 from staleflow.app.summary import RunOutcome, step_record, summarise
 from staleflow.app.weights_scratch import DISK_SCRATCH, model_bytes, weights_scratch_dir
 from staleflow.runtime.run.assembly import assemble_run
@@ -83,6 +85,7 @@ class TrainingJob:
         self._evaluated: set[int] = set()
         self._deferred: DeferredEvaluation | None = None  # task.eval_timing=deferred: evaluated after the run loop
         self._placement: Any = None
+        self._driver_logs: DriverLogs | None = None
         self._weights_dir: Path | None = None  # where the engines write the weight files they reload
         self._evaluator: Any = None
         self._log: MetricsLog | None = None
@@ -115,7 +118,10 @@ class TrainingJob:
         engine_start = time.perf_counter()
         self._weights_dir = weights_scratch_dir(self.run_dir, model_bytes(base), self.config.rollout.instances + 1)  # + the eval engine
         engines = self._start_engines(base, clock, self._weights_dir)
-        self._evaluator = make_evaluator(self.config, self.tokens, self.data, self._placement, base, clock, self._weights_dir)
+        self._evaluator = make_evaluator(
+            self.config, self.tokens, self.data, self._placement, base, clock, self._weights_dir,
+            logs=engine_logs(self.run_dir, "eval", self.config.metrics.verbose),
+        )
         self._start_model(base, engines)
         self._engine_s = time.perf_counter() - engine_start
         self._open_records()
@@ -154,14 +160,17 @@ class TrainingJob:
             self._ledger.close()
         if self._placement is not None:
             self._placement.close()
+        if self._driver_logs is not None:
+            self._driver_logs.close()
         if self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
-        self._log = self._evaluator = self._loop = self._ledger = self._placement = None
+        self._log = self._evaluator = self._loop = self._ledger = self._placement = self._driver_logs = None
 
     # ---------------------------------------------------------------------------------- building
     def _reserve(self) -> None:
         """The Ray placement, with every actor's resources reserved at once before any engine starts."""
         cluster = self.config.cluster
+        self._driver_logs = DriverLogs(self.run_dir, self.config.metrics.verbose, local_cluster=cluster.address is None)
         self._placement = RayPlacement(
             attributes=(), address=cluster.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
             # vLLM's and NCCL's errors in the actors reach the driver's output (``log_to_driver=False`` hid them)
@@ -185,6 +194,7 @@ class TrainingJob:
                     sampling=sampling, max_model_len=rollout.max_model_len, max_num_seqs=rollout.max_num_seqs,
                     seed=self.config.seed * 1000 + i, clock=clock, weights_dir=str(weights_dir),
                     engine_kwargs=rollout.engine_settings(), start_timeout_s=rollout.start_timeout_s,
+                    logs=engine_logs(self.run_dir, f"rollout-{i}", self.config.metrics.verbose),
                 )
                 for i in range(rollout.instances)
             ],

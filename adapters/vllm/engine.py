@@ -34,6 +34,7 @@ from typing import Any, Self, TypeVar
 
 from staleflow.adapters.rlkit.weight_sender import TransferWeights
 from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
+from staleflow.adapters.vllm.logs import EngineLogs, route_engine_output
 from staleflow.adapters.vllm.pause import reload_weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync, token_versions, with_weight_transfer
@@ -76,7 +77,9 @@ class VLLMEngine:
     """A rollout instance on vLLM (see the module docstring). All methods are thread-safe.
 
     ``model`` is a local model folder. ``version`` is the version of the weights in that folder.
-    ``engine_kwargs`` go to vLLM's ``EngineArgs`` (they override the defaults set here).
+    ``engine_kwargs`` go to vLLM's ``EngineArgs`` (they override the defaults set here). ``logs``: in
+    an engine actor of its own, where this process's output goes (:mod:`~staleflow.adapters.vllm.logs`);
+    ``None`` leaves the process's output and vLLM's logging as they are.
     """
 
     def __init__(
@@ -93,7 +96,10 @@ class VLLMEngine:
         weights_dir: str | os.PathLike[str] | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
         start_timeout_s: float = 900.0,
+        logs: EngineLogs | None = None,
     ) -> None:
+        if logs is not None:
+            route_engine_output(logs)  # before vLLM is imported: its import-time notices too
         model_path = Path(model)
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {model_path} has no config.json (vLLM would try the hub)")
@@ -427,7 +433,8 @@ class VLLMEngine:
                 output_kind=RequestOutputKind.DELTA,
                 detokenize=False,
             )
-            prompt = {"prompt_token_ids": request.prompt_ids + request.output_ids}
+            # rendered as vLLM asks (a raw prompt dict is deprecated in LLMEngine.add_request)
+            (prompt,) = self._llm.renderer.render_cmpl([{"prompt_token_ids": request.prompt_ids + request.output_ids}])
             internal = self._llm.add_request(request.request_id, prompt, params)
             self._internal_ids[internal] = request.request_id
             self._live[request.request_id] = request
