@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from staleflow.adapters.vllm.logs import EngineLogs
+from staleflow.adapters.vllm.logs import EngineLogs, logged
 from staleflow.adapters.vllm.settings import SamplingConfig
 from staleflow.app.job_parts import TaskData, Tokens, prompt_source, start_engines
 from staleflow.app.rewards import pooled_reward, scorer_arguments
@@ -265,7 +265,7 @@ def make_evaluator(
     start = functools.partial(
         placement.place_reserved,
         "eval",
-        VLLMEngine,
+        logged(VLLMEngine, logs),
         "eval",
         str(base),
         sampling=SamplingConfig(temperature=0.0 if greedy else config.rollout.temperature, stop_token_ids=(tokens.eos_id,)),
@@ -276,7 +276,6 @@ def make_evaluator(
         weights_dir=str(weights_dir),
         engine_kwargs=config.rollout.engine_settings(),
         start_timeout_s=config.rollout.start_timeout_s,
-        logs=logs,
     )
     [engine] = start_engines([start], one_at_a_time=config.rollout.gpus_per_instance > 0)
     return EngineEvaluator(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from staleflow.adapters.ray.parameter_server import RemoteParameterServer
 from staleflow.adapters.ray.placement import PlacementError, RayPlacement
 from staleflow.adapters.vllm.build import VLLMBuildError, check_build_fits, installed_build
+from staleflow.adapters.vllm.logs import logged
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.app.checkpoints import LOOP_STATE, restore_trainer, save_checkpoint
 from staleflow.app.evaluation import DeferredEvaluation, Evaluator, make_evaluator
@@ -170,7 +171,7 @@ class TrainingJob:
     def _reserve(self) -> None:
         """The Ray placement, with every actor's resources reserved at once before any engine starts."""
         cluster = self.config.cluster
-        self._driver_logs = DriverLogs(self.run_dir, self.config.metrics.verbose, local_cluster=cluster.address is None)
+        self._driver_logs = DriverLogs(self.run_dir, self.config.metrics.verbose)
         self._placement = RayPlacement(
             attributes=(), address=cluster.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
             # vLLM's and NCCL's errors in the actors reach the driver's output (``log_to_driver=False`` hid them)
@@ -190,11 +191,11 @@ class TrainingJob:
         return start_engines(
             [
                 lambda i=i: self._placement.place_reserved(
-                    f"rollout-{i}", VLLMEngine, f"rollout-{i}", str(base),
+                    f"rollout-{i}", logged(VLLMEngine, engine_logs(self.run_dir, f"rollout-{i}", self.config.metrics.verbose)),
+                    f"rollout-{i}", str(base),
                     sampling=sampling, max_model_len=rollout.max_model_len, max_num_seqs=rollout.max_num_seqs,
                     seed=self.config.seed * 1000 + i, clock=clock, weights_dir=str(weights_dir),
                     engine_kwargs=rollout.engine_settings(), start_timeout_s=rollout.start_timeout_s,
-                    logs=engine_logs(self.run_dir, f"rollout-{i}", self.config.metrics.verbose),
                 )
                 for i in range(rollout.instances)
             ],

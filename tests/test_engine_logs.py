@@ -1,6 +1,8 @@
-"""An engine actor's output goes to its log file; the console (the stderr Ray forwards) gets only what
-may signal a problem, or every vLLM notice with ``verbose``. Each case runs in a process of its own,
-as an engine actor does (the routing moves the process's file descriptors 1 and 2)."""
+"""A run's notices go to its log files and the console keeps only what may signal a problem: an
+engine actor's output goes to its log file, the console (the stderr Ray forwards) getting warnings
+of vLLM and errors only of the loggers of expected notices, or every vLLM notice with ``verbose``;
+the driver's Ray notices go to ``driver.log``. Each case runs in a process of its own, as an engine
+actor does (the routing moves the process's file descriptors 1 and 2)."""
 
 from __future__ import annotations
 
@@ -76,3 +78,39 @@ def test_vllm_takes_the_configuration_when_it_is_imported(tmp_path: Path) -> Non
     console, stdout, log = _run(tmp_path, verbose=False, logger="vllm")
     assert _shown(console) == ["the KV cache cannot hold one request: a real problem", "a reload failed"]
     assert stdout == "" and all(notice in log for notice in NOTICES)
+
+
+DRIVER_SCRIPT = """
+import logging, sys
+from pathlib import Path
+from staleflow.app.run_logs import DriverLogs
+logs = DriverLogs(Path(sys.argv[1]), verbose=False)
+logging.getLogger("ray._private.worker").info("Started a local Ray instance.")
+logging.getLogger("ray._private.authentication.authentication_token_setup").warning("Token authentication is enabled")
+logging.getLogger("ray._private.worker").warning("a worker died: a real problem")
+logs.close()
+logging.getLogger("ray._private.worker").info("after the run")  # Ray's console handler is as it was
+"""
+
+
+def test_the_drivers_ray_notices_go_to_the_run_folder_and_only_warnings_to_the_console(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", DRIVER_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300, check=True)
+    console = done.stderr
+    assert "a real problem" in console and "after the run" in console
+    assert "Started a local" not in console and "Token authentication" not in console
+    log = (tmp_path / "logs" / "driver.log").read_text()
+    assert all(notice in log for notice in ("Started a local", "Token authentication", "a real problem")) and "after the run" not in log
+
+
+def test_logged_builds_the_engine_after_routing_its_actors_output(tmp_path: Path) -> None:
+    from staleflow.adapters.vllm.logs import logged
+
+    assert logged(dict, None) is dict  # no logs: the factory itself, the output left as it is
+    script = (
+        "import sys; from staleflow.adapters.vllm.logs import EngineLogs, logged; "
+        "built = logged(dict, EngineLogs(sys.argv[1]))(instance='rollout-0'); print('built', built)"
+    )
+    log = tmp_path / "rollout-0.log"
+    done = subprocess.run([sys.executable, "-c", script, str(log)], capture_output=True, text=True, timeout=300, check=True)
+    assert (done.stdout, done.stderr) == ("", "")
+    assert log.read_text() == "built {'instance': 'rollout-0'}\n"

@@ -34,7 +34,6 @@ from typing import Any, Self, TypeVar
 
 from staleflow.adapters.rlkit.weight_sender import TransferWeights
 from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
-from staleflow.adapters.vllm.logs import EngineLogs, route_engine_output
 from staleflow.adapters.vllm.pause import reload_weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync, token_versions, with_weight_transfer
@@ -77,9 +76,7 @@ class VLLMEngine:
     """A rollout instance on vLLM (see the module docstring). All methods are thread-safe.
 
     ``model`` is a local model folder. ``version`` is the version of the weights in that folder.
-    ``engine_kwargs`` go to vLLM's ``EngineArgs`` (they override the defaults set here). ``logs``: in
-    an engine actor of its own, where this process's output goes (:mod:`~staleflow.adapters.vllm.logs`);
-    ``None`` leaves the process's output and vLLM's logging as they are.
+    ``engine_kwargs`` go to vLLM's ``EngineArgs`` (they override the defaults set here).
     """
 
     def __init__(
@@ -96,10 +93,7 @@ class VLLMEngine:
         weights_dir: str | os.PathLike[str] | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
         start_timeout_s: float = 900.0,
-        logs: EngineLogs | None = None,
     ) -> None:
-        if logs is not None:
-            route_engine_output(logs)  # before vLLM is imported: its import-time notices too
         model_path = Path(model)
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {model_path} has no config.json (vLLM would try the hub)")

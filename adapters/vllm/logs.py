@@ -11,7 +11,8 @@ the model config, which no checkpoint holds. vLLM's layerwise reload
 loaded, warns, and puts the original buffer back unchanged (``_place_kernel_tensors``); the
 reloaded engine's log-probs equal the trainer's on the new version (``tests/test_vllm_engine.py``).
 
-:func:`route_engine_output`, in an engine actor's own process before vLLM is imported, points the
+:func:`route_engine_output`, in an engine actor's own process before vLLM is imported (:func:`logged`
+builds an engine after it), points the
 process's stdout and stderr (file descriptors 1 and 2: Python, C++ and progress bars alike) at the
 log file, and gives vLLM a logging configuration (``VLLM_LOGGING_CONFIG_PATH``, vLLM's own setting)
 whose console handler writes to the original stderr, which Ray forwards to the driver: warnings of
@@ -21,14 +22,16 @@ vLLM and StaleFlow, errors of any logger, and errors only of the :data:`QUIET_LO
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import logging.config
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 #: vLLM loggers whose warnings are expected on every StaleFlow run (why): in the log file; on the console only their errors
 QUIET_LOGGERS = {
@@ -41,6 +44,7 @@ QUIET_LOGGERS = {
 #: where the console handler writes: the process's stderr as it was before :func:`route_engine_output`
 CONSOLE: TextIO = sys.stderr
 FORMAT = "%(levelname)s %(asctime)s %(process)d %(name)s: %(message)s"
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -92,3 +96,14 @@ def route_engine_output(logs: EngineLogs) -> Path:
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(config_file)  # read when vLLM is imported and again when an engine starts
     logging.config.dictConfig(config)
     return config_file
+
+
+def logged(factory: Callable[..., _T], logs: EngineLogs | None) -> Callable[..., _T]:
+    """``factory`` (an engine class) to build in an actor of its own after routing the actor's output
+    as ``logs`` says (``None``: ``factory`` itself, the output left as it is)."""
+    return factory if logs is None else functools.partial(_build_logged, logs, factory)
+
+
+def _build_logged(logs: EngineLogs, factory: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    route_engine_output(logs)  # before the engine imports vLLM: its import-time notices too
+    return factory(*args, **kwargs)
