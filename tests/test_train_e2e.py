@@ -226,4 +226,5 @@ def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp
     assert summary["eval_label"]["exact"] == "eval pass@1 (sampled)"
     report = (tmp_path / "run" / "report.md").read_text()
     assert "held-out arithmetic-eval.jsonl" in report and "## Evaluation" in report
+    assert "Initializing a V1 LLM engine" in (tmp_path / "run" / "logs" / "eval.log").read_text()  # the eval engine's own log
     assert not (tmp_path / "run" / "model-v0").exists() or (tmp_path / "run" / "model-v0" / "model.safetensors").is_file()
