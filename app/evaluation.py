@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from staleflow.adapters.vllm.logs import EngineLogs, logged
 from staleflow.adapters.vllm.settings import SamplingConfig
 from staleflow.app.eval_lane import RolloutEvaluation
 from staleflow.app.job_parts import TaskData, Tokens, prompt_source, start_engines
@@ -256,7 +257,8 @@ class Evaluator:
 
 
 def make_evaluator(
-    config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, weights_dir: Path, engines: Sequence[Any]
+    config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, weights_dir: Path, engines: Sequence[Any],
+    logs: EngineLogs | None = None,
 ) -> Any:
     """The trainer's greedy :class:`Evaluator` for the built-in stream, or a disabled one
     (``task.eval_prompts=0``); for prompts from files, an :class:`EngineEvaluator` on the rollout
@@ -265,7 +267,8 @@ def make_evaluator(
     (``task.eval_engine=own``: a Ray actor of ``placement``, which on GPUs is ready when this returns,
     so that the trainer does not start during its memory profiling:
     :func:`~staleflow.app.job_parts.start_engines`). ``weights_dir``: the rollout instances' scratch
-    folder for the weight files they reload."""
+    folder for the weight files they reload; ``logs``: the own engine actor's
+    :class:`~staleflow.adapters.vllm.logs.EngineLogs`."""
     if data.train is None and data.held_out is None:
         return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data, model_dir=base)
     if config.task.eval_prompts == 0:
@@ -282,7 +285,7 @@ def make_evaluator(
         start = functools.partial(
             placement.place_reserved,
             "eval",
-            VLLMEngine,
+            logged(VLLMEngine, logs),
             "eval",
             str(base),
             sampling=sampling,

@@ -10,8 +10,9 @@ whatever ``build()`` started (a context manager calls it).
 
 The run directory receives ``config.yaml``, ``model-v0/`` (the warmed-up starting model),
 ``metrics.jsonl``, ``instances.jsonl``, ``trace.jsonl`` (the protocol trace for ``staleflow verify
---trace``; a resumed run appends a segment to it), ``tensorboard/``, ``checkpoints/step-<n>/`` and, at
-the end, ``summary.json`` and ``report.md`` with its plots.
+--trace``; a resumed run appends a segment to it), ``tensorboard/``, ``logs/`` (every notice of the
+engines and of Ray: :mod:`~staleflow.app.run_logs`), ``checkpoints/step-<n>/`` and, at the end,
+``summary.json`` and ``report.md`` with its plots.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from staleflow.adapters.ray.cluster import ClusterStartError
 from staleflow.adapters.ray.parameter_server import RemoteParameterServer
 from staleflow.adapters.ray.placement import PlacementError, RayPlacement
 from staleflow.adapters.vllm.build import VLLMBuildError, check_build_fits, installed_build
+from staleflow.adapters.vllm.logs import logged
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.app.checkpoints import LOOP_STATE, restore_trainer, save_checkpoint
 from staleflow.app.eval_lane import RolloutEvaluation, SharedEngine
@@ -38,6 +40,7 @@ from staleflow.app.job_parts import TaskData, Tokens, base_model, job_cost_model
 from staleflow.app.metrics import EngineLedger, MetricsLog, TrackedEngine
 from staleflow.app.report import write_report
 from staleflow.app.rewards import ScorerCheckError, check_scorer, pooled_reward
+from staleflow.app.run_logs import DriverLogs, engine_logs
 from staleflow.app.summary import RunOutcome, step_record, summarise
 from staleflow.app.weights_scratch import DISK_SCRATCH, model_bytes, weights_scratch_dir
 from staleflow.runtime.run.assembly import assemble_run
@@ -86,6 +89,7 @@ class TrainingJob:
         self._loop_over = False  # the run loop's last state is taken: no request runs, no Pull follows
         self._deferred: DeferredEvaluation | None = None  # task.eval_timing=deferred: evaluated after the run loop
         self._placement: Any = None
+        self._driver_logs: DriverLogs | None = None
         self._weights_dir: Path | None = None  # where the engines write the weight files they reload
         self._evaluator: Any = None
         self._log: MetricsLog | None = None
@@ -119,7 +123,10 @@ class TrainingJob:
         evaluation_engines = 1 if has_eval_engine(self.config) else 0
         self._weights_dir = weights_scratch_dir(self.run_dir, model_bytes(base), self.config.rollout.instances + evaluation_engines)
         engines = self._start_engines(base, clock, self._weights_dir)
-        self._evaluator = make_evaluator(self.config, self.tokens, self.data, self._placement, base, clock, self._weights_dir, engines)
+        self._evaluator = make_evaluator(
+            self.config, self.tokens, self.data, self._placement, base, clock, self._weights_dir, engines,
+            logs=engine_logs(self.run_dir, "eval", self.config.metrics.verbose),
+        )
         self._start_model(base, engines)
         self._engine_s = time.perf_counter() - engine_start
         self._open_records()
@@ -158,14 +165,17 @@ class TrainingJob:
             self._ledger.close()
         if self._placement is not None:
             self._placement.close()
+        if self._driver_logs is not None:
+            self._driver_logs.close()
         if self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
-        self._log = self._evaluator = self._loop = self._ledger = self._placement = None
+        self._log = self._evaluator = self._loop = self._ledger = self._placement = self._driver_logs = None
 
     # ---------------------------------------------------------------------------------- building
     def _reserve(self) -> None:
         """The Ray placement, with every actor's resources reserved at once before any engine starts."""
         cluster = self.config.cluster
+        self._driver_logs = DriverLogs(self.run_dir, self.config.metrics.verbose)
         self._placement = RayPlacement(
             attributes=(), address=cluster.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
             # vLLM's and NCCL's errors in the actors reach the driver's output (``log_to_driver=False`` hid them)
@@ -186,7 +196,8 @@ class TrainingJob:
         started = start_engines(
             [
                 lambda i=i: self._placement.place_reserved(
-                    f"rollout-{i}", VLLMEngine, f"rollout-{i}", str(base),
+                    f"rollout-{i}", logged(VLLMEngine, engine_logs(self.run_dir, f"rollout-{i}", self.config.metrics.verbose)),
+                    f"rollout-{i}", str(base),
                     sampling=sampling, max_model_len=rollout.max_model_len, max_num_seqs=rollout.max_num_seqs,
                     seed=self.config.seed * 1000 + i, clock=clock, weights_dir=str(weights_dir),
                     engine_kwargs=rollout.engine_settings(), start_timeout_s=rollout.start_timeout_s,

@@ -90,6 +90,12 @@ def test_training_run_keeps_the_bound_and_learns(first_run: tuple[Path, dict]) -
     for name in ("report.md", "reward.png", "throughput.png", "staleness.png", "instances.png", "instances.jsonl", "config.yaml"):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "tensorboard").is_dir()
+    # every notice of the engine actors is in their log files: vLLM's start-up, the rotary embedding's
+    # harmless skip at each reload; no deprecated raw prompt any more
+    engine_logs = {name: (run_dir / "logs" / f"{name}.log").read_text() for name in ("rollout-0", "rollout-1")}
+    for log in engine_logs.values():
+        assert "Initializing a V1 LLM engine" in log and "RotaryEmbedding: Failed to load weights" in log
+        assert "Passing raw prompts" not in log
 
 
 def test_report_rewrites_a_runs_report_and_compares_runs(first_run: tuple[Path, dict], tmp_path: Path,
@@ -97,6 +103,7 @@ def test_report_rewrites_a_runs_report_and_compares_runs(first_run: tuple[Path, 
     import shutil
 
     from staleflow.__main__ import main
+    from staleflow.app.metrics import read_metrics
 
     runs = [tmp_path / "a", tmp_path / "b"]
     for run in runs:
@@ -109,10 +116,14 @@ def test_report_rewrites_a_runs_report_and_compares_runs(first_run: tuple[Path, 
     assert "| audit (lost, duplicated) | 0, 0: ok |" in report
     assert all((runs[0] / name).stat().st_size > 0 for name in ("reward.png", "throughput.png", "staleness.png", "instances.png"))
     capsys.readouterr()
-    assert main(["report", *map(str, runs), "--out", str(tmp_path / "compare")]) == 0
+    assert main(["report", str(runs[0]), "--compare", str(runs[1]), "--out", str(tmp_path / "compare")]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| staleflow | 2 | 4 |")]
     assert len(rows) == 2 and "| 1.00x |" in rows[0]
     assert (tmp_path / "compare" / "compare.png").stat().st_size > 0
+    records = read_metrics(runs[0])
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 4]
+    [last] = [r for r in records if r["kind"] == "step" and r["step"] == 4]
+    assert f"| 4 | {last['elapsed_s']:.0f} |" in report  # the last evaluation at the run time its step ended
     assert main(["report", str(tmp_path / "not-a-run")]) == 2
     assert "has no summary.json" in capsys.readouterr().err
 
@@ -221,4 +232,7 @@ def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp
     assert summary["eval_label"]["exact"] == "eval pass@1 (sampled)"
     report = (tmp_path / "run" / "report.md").read_text()
     assert "held-out arithmetic-eval.jsonl" in report and "## Evaluation" in report
+    # the evaluation ran on the rollout instance (task.eval_engine=rollout): its log is the only engine log
+    assert "Initializing a V1 LLM engine" in (tmp_path / "run" / "logs" / "rollout-0.log").read_text()
+    assert not (tmp_path / "run" / "logs" / "eval.log").exists()
     assert not (tmp_path / "run" / "model-v0").exists() or (tmp_path / "run" / "model-v0" / "model.safetensors").is_file()

@@ -427,7 +427,8 @@ class VLLMEngine:
                 output_kind=RequestOutputKind.DELTA,
                 detokenize=False,
             )
-            prompt = {"prompt_token_ids": request.prompt_ids + request.output_ids}
+            # rendered as vLLM asks (a raw prompt dict is deprecated in LLMEngine.add_request)
+            (prompt,) = self._llm.renderer.render_cmpl([{"prompt_token_ids": request.prompt_ids + request.output_ids}])
             internal = self._llm.add_request(request.request_id, prompt, params)
             self._internal_ids[internal] = request.request_id
             self._live[request.request_id] = request

@@ -432,4 +432,6 @@ class MetricsConfig(ConfigSection):
     tensorboard: StrictBool = True
     progress: StrictBool = True
     report: StrictBool = True
+    #: the engines' and Ray's notices live on the console too (they always go to ``<run_dir>/logs/``)
+    verbose: StrictBool = False
     wandb: WandbConfig = WandbConfig()
