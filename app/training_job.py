@@ -85,7 +85,6 @@ class TrainingJob:
         self._saved_state: dict[str, Any] | None = None
         self._first_step = 0
         self._trained_before = 0  # tokens trained before a resume, so throughput covers this run only
-        self._evaluated: set[int] = set()
         self._loop_over = False  # the run loop's last state is taken: no request runs, no Pull follows
         self._deferred: DeferredEvaluation | None = None  # task.eval_timing=deferred: evaluated after the run loop
         self._placement: Any = None
@@ -296,13 +295,13 @@ class TrainingJob:
         for step in range(self._first_step + 1, config.train.steps + 1):
             metrics = self._loop.run(1)
             log.step(step, step_record(metrics, ledger, self._reward_s[0], self._trained_before), versions=ledger.versions())
+            if deadline is not None and time.perf_counter() > deadline:  # its evaluation and checkpoint are the final ones
+                log.event("time_limit", step=step, max_time_s=config.train.max_time_s)
+                break
             if self._evaluator.enabled and config.task.eval_every and step % config.task.eval_every == 0 and step < config.train.steps:
                 self._evaluate_at(step)
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.train.steps:
                 self._checkpoint(step)
-            if deadline is not None and time.perf_counter() > deadline:
-                log.event("time_limit", step=step, max_time_s=config.train.max_time_s)
-                break
         return metrics if metrics is not None else self._loop.metrics()
 
     def _finish(self, metrics: Any) -> dict[str, Any]:
@@ -336,11 +335,7 @@ class TrainingJob:
         self._log.event("checkpoint", step=step, path=str(folder))
 
     def _evaluate_at(self, step: int) -> None:
-        """Evaluate the weights of ``step`` once (a run stopped by its time limit right after an
-        evaluation step would otherwise evaluate that step twice)."""
-        if step in self._evaluated:
-            return
-        self._evaluated.add(step)
+        """Evaluate the weights of ``step`` now, or save them for later (``task.eval_timing=deferred``)."""
         if self._deferred is not None:
             self._deferred.save(step, self.trainer.version, self.trainer.weights())
         else:

@@ -221,7 +221,8 @@ def test_the_arithmetic_job_evaluates_held_out_rows_through_a_rollout_engine(tmp
     assert summary["audit_ok"] and summary["bound_ok"] and summary["steps"] == 1
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
-    # Step 1 is an evaluation step and the last one (time limit): evaluated once, not twice.
+    # Step 1 is an evaluation step and the last one (time limit): evaluated once, after the loop, of version 1
+    # (on the rollout instance, mid-run, it would have been of the version that instance held: 0).
     assert [e["step"] for e in evals] == [0, 1] and [e["eval_version"] for e in evals] == [0, 1]
     assert [r for r in records if r["kind"] == "time_limit"] == [{"kind": "time_limit", "step": 1, "max_time_s": 0.001}]
     for record in evals:
