@@ -47,9 +47,9 @@ def load_shards(model: Any, optimizer: Any, folder: Path) -> None:
 
 def check_shards(folder: Path, shapes: Mapping[str, tuple[int, ...]], parameters: Sequence[str]) -> None:
     """Refuse shards that cannot be restored whole into a model of these weight ``shapes`` (by
-    name; AdamW holds state of the ``parameters``, the names its optimiser steps): a missing index or shard file is a FileNotFoundError; an unreadable index, a shard file
-    shorter than the index says, or weights or AdamW state of other names or shapes a ValueError,
-    each naming the file."""
+    name; AdamW holds state of the ``parameters``, the names its optimiser steps): a missing index
+    or shard file is a FileNotFoundError; an unreadable index, a shard file shorter than the index
+    says, or weights or AdamW state of other names or shapes a ValueError, each naming the file."""
     metadata = _index(folder / SHARDS)
     lengths: dict[str, int] = {}
     for info in metadata.storage_data.values():
@@ -65,9 +65,12 @@ def check_shards(folder: Path, shapes: Mapping[str, tuple[int, ...]], parameters
     expected |= {(OPTIMIZER_KEY, "state", name, moment): shapes[name] for name in parameters for moment in MOMENTS}
     missing = sorted(".".join(key) for key in set(expected) - set(found))
     extra = sorted(".".join(key) for key in set(found) - set(expected) if key[0] == MODEL_KEY or key[-1] in MOMENTS)
-    wrong = [f"{'.'.join(k)}: {found[k]} in the file, {v} in the model" for k, v in sorted(expected.items()) if k in found and found[k] != v]
+    wrong = [f"{'.'.join(k)}: {found[k]} in the file, {v} in the model" for k, v in sorted(expected.items())
+             if k in found and found[k] != v]
     if missing or extra or wrong:
-        raise ValueError(f"checkpoint {folder} holds another model's state: missing {missing[:3]}, unexpected {extra[:3]}, shapes {wrong[:3]}")
+        raise ValueError(
+            f"checkpoint {folder} holds another model's state: missing {missing[:3]}, unexpected {extra[:3]}, shapes {wrong[:3]}"
+        )
 
 
 def read_model_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -107,4 +110,5 @@ def _keys(metadata: Any) -> dict[str, tuple[str, ...]]:
 def _tensor_shapes(metadata: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
     """The shape of every tensor in the index, by its path into the saved state."""
     keys = _keys(metadata)
-    return {keys[flat]: tuple(entry.size) for flat, entry in metadata.state_dict_metadata.items() if flat in keys and hasattr(entry, "size")}
+    entries = metadata.state_dict_metadata.items()
+    return {keys[flat]: tuple(entry.size) for flat, entry in entries if flat in keys and hasattr(entry, "size")}

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from staleflow.adapters.fsdp.sharded_checkpoint import check_shards, load_shards, save_shards
 from staleflow.adapters.rlkit.bucketed_publish import gathered_buckets
 from staleflow.adapters.rlkit.causal_lm import PublishedWeightsDecoder, empty_causal_lm, load_causal_lm
-from staleflow.adapters.fsdp.sharded_checkpoint import check_shards, load_shards, save_shards
 from staleflow.adapters.rlkit.checkpoint import CHECKPOINT_STATE, check_run_state, read_checkpoint_file
 from staleflow.adapters.rlkit.hf_folder import check_model_folder
 from staleflow.adapters.rlkit.packed_step import DistributedReducer, batch_metrics, split_groups, train_minibatches

@@ -5,8 +5,8 @@ restored whole a ValueError naming the file. A refused load changes nothing.
 The torch trainer writes a folder of ``model.safetensors`` (the full weights) and
 ``trainer_state.pt`` (version, optimiser, schedule, RNG states, and the binding's format tag); the
 FSDP trainer writes its shards beside a ``trainer_state.pt`` without the optimiser
-(:mod:`~staleflow.adapters.fsdp.sharded_checkpoint`); the Megatron trainer writes its own files and reads them with :func:`read_checkpoint_file` and
-:func:`check_weights_match`.
+(:mod:`~staleflow.adapters.fsdp.sharded_checkpoint`); the Megatron trainer writes its own files and
+reads them with :func:`read_checkpoint_file` and :func:`check_weights_match`.
 """
 
 from __future__ import annotations
