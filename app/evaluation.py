@@ -38,6 +38,7 @@ from staleflow.app.job_parts import TaskData, Tokens, prompt_source, start_engin
 from staleflow.app.rewards import pooled_reward, scorer_arguments
 from staleflow.runtime.interfaces import resolve_weights
 from staleflow.runtime.run.rewarding import PooledReward, RewardRunner
+from staleflow.runtime.settings.placement_plan import engine_gpus
 from staleflow.runtime.tasks import Prompt, make_group, resolve_scorer, score_items
 from staleflow.runtime.types import TEMPERATURE_KEY, RolloutRequest, Trajectory
 
@@ -297,7 +298,7 @@ def make_evaluator(
             engine_kwargs=config.rollout.engine_settings(),
             start_timeout_s=config.rollout.start_timeout_s,
         )
-        [engine] = start_engines([start], one_at_a_time=config.rollout.gpus_per_instance > 0)
+        [engine] = start_engines([start], [engine_gpus(config, "eval")])
     evaluator = EngineEvaluator(
         engine,
         prompts,

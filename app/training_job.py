@@ -49,7 +49,7 @@ from staleflow.runtime.run.loop import RunParts
 from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 from staleflow.runtime.settings.config import dump_config
-from staleflow.runtime.settings.placement_plan import has_eval_engine, plan_placement
+from staleflow.runtime.settings.placement_plan import engine_gpus, has_eval_engine, plan_placement
 from staleflow.runtime.tasks import PromptFileError, RewardSpecError, make_group
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ class TrainingJob:
                 )
                 for i in range(rollout.instances)
             ],
-            one_at_a_time=rollout.gpus_per_instance > 0,
+            [engine_gpus(self.config, f"rollout-{i}") for i in range(rollout.instances)],
         )
         return [SharedEngine(engine, f"rollout-{i}") for i, engine in enumerate(started)]  # the evaluation may borrow them
 

@@ -219,6 +219,22 @@ def plan_placement(config: JobConfig, cluster_address: str | None = None) -> Pla
     return PlacementPlan(tuple(groups), tuple(actors), address)
 
 
+#: What engines holding a share of one GPU hold, for :func:`engine_gpus`: Ray picks which shares
+#: land on one GPU, so any two of them may.
+SHARED_GPU = "a shared GPU"
+
+
+def engine_gpus(config: JobConfig, name: str) -> frozenset[str]:
+    """What the vLLM engine ``name`` holds of the GPUs, as names equal where two engines may share a
+    GPU (for starting engines side by side: :func:`~staleflow.app.job_parts.start_engines`): its own
+    name where it holds whole GPUs (its own bundles: Ray never gives two whole-GPU bundles one GPU),
+    :data:`SHARED_GPU` where it holds a share of one (``rollout.instances_per_gpu`` > 1), nothing on CPU."""
+    rollout = config.rollout
+    if rollout.gpus_per_instance == 0:
+        return frozenset()
+    return frozenset({SHARED_GPU if rollout.gpu_share < 1 else name})
+
+
 def _engine_placement(config: JobConfig, name: str, role: str) -> tuple[GroupPlan, ActorPlan]:
     """One vLLM engine's group and actor (module docstring)."""
     rollout = config.rollout
