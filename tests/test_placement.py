@@ -441,6 +441,7 @@ def test_a_job_starts_its_rollout_instances_by_the_gpus_each_holds(overrides: li
     job.config = load_config(overrides=["rollout.instances=3", *overrides])
     job.tokens = types.SimpleNamespace(eos_id=1)
     job._placement = Placement()
+    job.run_dir = tmp_path
     engines = job._start_engines(tmp_path, clock=None, weights_dir=tmp_path)  # type: ignore[arg-type]
     assert [e.instance_id for e in engines] == ["rollout-0", "rollout-1", "rollout-2"]
     assert events == want
