@@ -1,4 +1,4 @@
-"""AReaL 1.0.4 with ``staleflow_protocol.areal``, run INSIDE AReaL's own venv (tests/test_areal_dropin.py
+"""AReaL 1.0.4 with ``staleflow_protocol.bindings.areal``, run INSIDE AReaL's own venv (tests/test_areal_dropin.py
 builds it: areal, its light dependencies, CPU torch and the light ``staleflow-protocol`` package,
 never ``staleflow``).
 
@@ -48,14 +48,14 @@ from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils.dynamic_import import import_from_string
 from areal.utils.recover import RecoverHandler, RecoverInfo
 from staleflow_protocol import LockedStalenessManager
-from staleflow_protocol.areal import (
+from staleflow_protocol.bindings.areal import (
     ProtocolBatches,
     ProtocolRolloutController,
     ProtocolStalenessManager,
     ProtocolWorkflowExecutor,
     RecoverableLoader,
 )
-from staleflow_protocol.areal_trainer import ProtocolTrainerHooks
+from staleflow_protocol.bindings.areal_trainer import ProtocolTrainerHooks
 from staleflow_protocol.trace import read_trace
 from torchdata.stateful_dataloader import StatefulDataLoader
 

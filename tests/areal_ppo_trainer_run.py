@@ -1,4 +1,4 @@
-"""AReaL 1.0.4's real ``PPOTrainer`` (SPMD mode) with :class:`~staleflow_protocol.areal_trainer.ProtocolTrainerHooks`,
+"""AReaL 1.0.4's real ``PPOTrainer`` (SPMD mode) with :class:`~staleflow_protocol.bindings.areal_trainer.ProtocolTrainerHooks`,
 on CPU, two data-parallel trainer ranks, run INSIDE AReaL's own venv (tests/test_areal_dropin.py builds
 it; ``python -I`` this file).
 
@@ -26,7 +26,7 @@ Real: ``PPOTrainer`` (its ``__init__``, ``train`` loop, saver / evaluator / stat
 handler), the ``FSDPPPOActor`` (FSDP2 on two CPU ranks over gloo: the batch redistribution, log-probs,
 advantages, PPO update, DCP checkpoints, HF export for the weight update), AReaL's ``RemotevLLMEngine``
 client (its HTTP requests, interruptible generation and per-token version stamps), ``WorkflowExecutor``
-machinery (dispatcher, async task runner) as :class:`~staleflow_protocol.areal.ProtocolWorkflowExecutor`,
+machinery (dispatcher, async task runner) as :class:`~staleflow_protocol.bindings.areal.ProtocolWorkflowExecutor`,
 AReaL's ``RLVRWorkflow`` and the protocol.
 Faked: the inference server only (:class:`FakeVLLMServer`: the HTTP endpoints AReaL's vLLM backend calls,
 sampling from the tiny model it last loaded from disk, in one thread of the parent process).
@@ -249,7 +249,7 @@ def life_main(out: Path, server: str, steps: int, life: int, rank: int, master_p
     from areal.workflow.rlvr import RLVRWorkflow
     from datasets import Dataset
     from staleflow_protocol import LockedStalenessManager
-    from staleflow_protocol.areal_trainer import ProtocolTrainerHooks
+    from staleflow_protocol.bindings.areal_trainer import ProtocolTrainerHooks
 
     prompt_of_task: dict[int, int] = {}
     log = (out / f"trained-{rank}.jsonl").open("a")

@@ -1,4 +1,4 @@
-"""``staleflow_protocol.areal`` in AReaL's own environment: a separate venv made by
+"""``staleflow_protocol.bindings.areal`` in AReaL's own environment: a separate venv made by
 ``pip install areal==1.0.4`` with every one of AReaL's own pins (on Linux x86_64 that is PyPI's torch
 2.10 CUDA build, which runs on the CPU here, and about 9 GB in all; ``pip check`` must find nothing
 broken) and only the light ``staleflow-protocol`` package from ``protocol/`` (never the ``staleflow``
@@ -42,7 +42,7 @@ def areal_python() -> tuple[Path, float]:
 
 
 PINS = """
-import importlib.metadata as md, importlib.util, json, sys, areal, torch, staleflow_protocol.areal as a
+import importlib.metadata as md, importlib.util, json, sys, areal, torch, staleflow_protocol.bindings.areal as a
 from packaging.requirements import Requirement
 torch_pin = [r for r in map(Requirement, md.requires("areal")) if r.name == "torch" and r.marker.evaluate()]
 print(json.dumps([areal.__version__, torch.__version__, [str(r.specifier) for r in torch_pin],
@@ -61,14 +61,15 @@ def test_areal_venv_keeps_areals_own_pins_and_has_only_the_light_package(areal_p
     done = subprocess.run([str(python), "-I", "-c", PINS], capture_output=True, text=True, cwd=python.parent, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     areal_version, torch_version, torch_pin, torch_in_pin, no_staleflow, module, loaded = json.loads(done.stdout.splitlines()[-1])
-    assert (areal_version, torch_pin, no_staleflow, module, loaded) == ("1.0.4", ["<2.11,>=2.9.1"], True, "staleflow_protocol.areal", [])
+    assert (areal_version, torch_pin, no_staleflow, module, loaded) == (
+        "1.0.4", ["<2.11,>=2.9.1"], True, "staleflow_protocol.bindings.areal", [])
     assert torch_in_pin is True, torch_version
 
 
 SIGNATURES = """
 import inspect, json
 from areal.infra import RolloutController, WorkflowExecutor
-from staleflow_protocol.areal import ProtocolRolloutController, ProtocolWorkflowExecutor
+from staleflow_protocol.bindings.areal import ProtocolRolloutController, ProtocolWorkflowExecutor
 params = lambda f: list(inspect.signature(f).parameters)
 print(json.dumps([params(ProtocolWorkflowExecutor.prepare_batch) == params(WorkflowExecutor.prepare_batch),
                   params(ProtocolRolloutController.prepare_batch) == params(RolloutController.prepare_batch),
@@ -92,7 +93,7 @@ from areal.api.cli_args import InferenceEngineConfig
 from areal.engine import RemoteSGLangEngine, RemotevLLMEngine
 from areal.infra.workflow_executor import WorkflowExecutor
 from staleflow_protocol import LockedStalenessManager
-from staleflow_protocol.areal import ProtocolWorkflowExecutor, use_protocol
+from staleflow_protocol.bindings.areal import ProtocolWorkflowExecutor, use_protocol
 got = []
 for cls in (RemotevLLMEngine, RemoteSGLangEngine):
     engine = cls(InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=1))

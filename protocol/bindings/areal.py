@@ -33,9 +33,9 @@ from areal.infra.workflow_context import WorkflowContext
 from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils.data import cycle_dataloader
 
-from .events import ConsumedBatch
-from .locked import LockedStalenessManager
-from .trace_file import TraceFile
+from ..events import ConsumedBatch
+from ..locked import LockedStalenessManager
+from ..trace_file import TraceFile
 
 TracePath = Union[str, Path]
 #: ``submit(data, task_id)``: hand one prompt to AReaL under the given task id.
