@@ -25,6 +25,7 @@ import pytest
 from tests.peer_venv import peer_python
 
 RUN = Path(__file__).with_name("areal_dropin_run.py")
+GUARDS_RUN = Path(__file__).with_name("areal_guards_run.py")
 PPO_RUN = Path(__file__).with_name("areal_ppo_trainer_run.py")
 #: AReaL with its own dependencies and pins, and the build requirement of the light package (which is
 #: then installed offline, without dependencies: it has none).
@@ -136,7 +137,10 @@ def test_areal_controller_path_and_recover_handler(areal_python: tuple[Path, flo
     workers where LocalScheduler would start RPC-server processes, each launching an SGLang/vLLM
     server, which need GPUs), and the workers' engine is the CPU ``FakeEngine``. The controller is
     built directly, and by AReaL's real ``PPOTrainer._init_rollout`` in single-controller mode under
-    ``ProtocolTrainerHooks`` (its ``__init__`` reduced to the attributes ``_init_rollout`` reads).
+    ``ProtocolTrainerHooks`` (its ``__init__`` reduced to the attributes ``_init_rollout`` reads), then
+    that trainer-built controller again through a recover (``RecoverInfo`` dump, a second life, the
+    single-controller ``on_version_recovered``). ``LocalScheduler`` cannot start its workers here
+    (docs/integrating.md, "What AReaL 1.0.4 cannot run here").
     Recover: AReaL's own ``RecoverHandler.dump`` / ``load`` (and ``RecoverInfo`` on disk) through
     ``ProtocolTrainerHooks``, mixed into a fast stand-in for ``PPOTrainer.__init__`` that keeps its
     order (dataloader, rollout, load, ``on_version_recovered``); the train engine is a torch tensor
@@ -154,12 +158,51 @@ def test_areal_controller_path_and_recover_handler(areal_python: tuple[Path, flo
     assert hooked["built"] == ["ProtocolRolloutController", "RemotevLLMEngine"]  # the vllm backend's engine class
     assert (hooked["steps"], hooked["workers"], hooked["version"], hooked["exact_ids"]) == (8, 2, 8, True)
     assert hooked["stale"] > 0 and "accepted" in hooked["trace"]
+    for built in (controller, hooked):
+        # a direct submit / wait / rollout_batch on the protocol's controller is refused by name
+        assert [message.split(" would ")[0] for message in built["bypasses"]] == [
+            f"RuntimeError: ProtocolRolloutController.{method}" for method in ("submit", "wait", "rollout_batch")]
+        # the protocol's task ids start at its own first id, far above AReaL's own (its TaskIdGenerator, from 0)
+        assert built["id_spaces"] == {"protocol_from": built["first_task_id"], "areal_next": 0} and built["first_task_id"] >= 2**32
+    # AReaL's default mode through a recover: the trainer-built controller dumped after step 3 with episodes in
+    # flight; the second life restores the loader (protocol at 4, untrained prompts to retry), the controller's
+    # version and on_version_recovered(4), as PPOTrainer.__init__ does in single-controller mode
+    sc_recover = result["controller_recover"]
+    assert sc_recover["steps"] == list(range(8)) and sc_recover["in_flight_at_dump"] > 0
+    assert sc_recover["resumed"]["protocol_version"] == 4 and sc_recover["resumed"]["retry"] > 0
+    assert sc_recover["unique_ids"] is True and sc_recover["unique_prompts"] is True
+    assert "accepted" in sc_recover["trace"] and "2 segment(s)" in sc_recover["trace"]
     recover = result["recover_handler"]
     assert recover["steps"] == list(range(8)) and recover["restored_at"] == 4  # dumped after step 3, resumed at 4
     # died mid-flight, no prompt lost: each saved one is trained, pending or spent by a protocol drop
     assert recover["in_flight_at_dump"] > 0 and recover["saved_prompts_kept"] is True
     assert recover["unique_ids"] is True and recover["unique_prompts"] is True
     assert "accepted" in recover["trace"] and "2 segment(s)" in recover["trace"]
+
+
+def test_areal_guards_bypasses_and_a_non_head_rank_recovers(areal_python: tuple[Path, float], tmp_path: Path) -> None:
+    """``tests/areal_guards_run.py``: eta and batch size checked against AReaL's config where the protocol's
+    rollout is built (SPMD executor, controller, the trainer hooks); direct submit / wait / rollout_batch
+    refused on the executor and on AReaL's engine wrapping it; RLTrainer's recover order on a rank that
+    is not a data-parallel head (never consumes, protocol at version 0, ``on_version_recovered(4)``)."""
+    python, _ = areal_python
+    result = _run_in_venv(python, tmp_path, str(tmp_path / "run"), timeout=600, script=GUARDS_RUN)
+    disagree = "ValueError: protocol and AReaL rollout config disagree: "
+    assert result["config"] == {
+        "executor_eta": disagree + "the protocol's eta is 2 but AReaL's max_head_offpolicyness is 1",
+        "executor_batch": disagree + "the protocol's batch_size is 4 but AReaL's consumer_batch_size is 4 // 2 data-parallel ranks = 2",
+        "controller_batch": disagree + "the protocol's batch_size is 4 but AReaL's consumer_batch_size is 2",
+        "hooks": disagree + "the protocol's eta is 2 but AReaL's max_head_offpolicyness is 1",
+        "matching_build": ["ProtocolWorkflowExecutor", "ProtocolRolloutController"]}
+    for refusals in result["bypasses"].values():
+        assert [message.split(" would ")[0] for message in refusals] == [
+            f"RuntimeError: ProtocolWorkflowExecutor.{method}" for method in ("submit", "wait", "rollout_batch")]
+        assert all("bypass the protocol's admission" in message for message in refusals)
+    non_head = result["non_head"]
+    assert (non_head["consumes"], non_head["recovered_step"], non_head["protocol_version"], non_head["rollout_version"]) == (False, 3, 0, 4)
+    assert non_head["prepare_batch"].startswith("RuntimeError: prepare_batch on a rank that never consumes")
+    # the check keeps its teeth where it matters: a head whose protocol was not restored is refused
+    assert non_head["head_unrestored"].startswith("ValueError: recovered model version 4 but the protocol is at 0")
 
 
 def test_areal_two_ranks_recover_mid_run_bound_kept_trace_accepted(areal_python: tuple[Path, float], tmp_path: Path) -> None:
@@ -169,14 +212,16 @@ def test_areal_two_ranks_recover_mid_run_bound_kept_trace_accepted(areal_python:
     print(f"AReaL venv: {built:.1f} s; two-rank run with recover: {time.perf_counter() - started:.1f} s")
     assert (result["steps"], result["recover_at"]) == (50, 25)
     # the prompt of task 1, refused at episode start, is submitted again (task 2) before a new prompt
-    assert result["refusal_submissions"]["submissions"][:3] == [[0, 10], [1, 11], [2, 11]]
+    assert result["refusal_submissions"]["submissions"][:3] == [[0, 10], [1, 11], [2, 11]]  # from the protocol's first task id
     # a checkpoint now keeps 11 (in flight again) and 12 (drawn with the loader's batch, not yet submitted)
     assert result["refusal_submissions"]["saved"] == [11, 12]
     for rank in ("0", "1"):
         got = result["ranks"][rank]
         assert got["trained"] == 100 and got["past_eta"] == 0  # 50 batches of 2 groups, none past eta
         assert got["stale"] > 0  # groups one version old were trained: the bound was exercised
-        assert got["unaccounted"] == 0 and got["pending_at_end"] > 0  # every drawn prompt accounted for
+        # every prompt the loader's own state says it handed out is accounted for (the run also checks that
+        # the newest one, were it lost, would be reported)
+        assert got["unaccounted"] == 0 and got["pending_at_end"] > 0 and got["drawn"] >= got["trained"] + got["pending_at_end"]
         assert "accepted" in got["trace"] and "2 segment(s)" in got["trace"]  # the recover is a new segment
 
 

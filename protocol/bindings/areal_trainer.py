@@ -14,7 +14,9 @@ overrides the two factory methods that run before the load, so the load already 
   classes build a :class:`~staleflow_protocol.bindings.areal.ProtocolRolloutController` instead of a
   ``RolloutController``; in SPMD mode it swaps the engine's executor for a
   :class:`~staleflow_protocol.bindings.areal.ProtocolWorkflowExecutor` (:func:`use_protocol`). Either way the
-  loader is bound to the protocol's batches.
+  loader is bound to the protocol's batches. In SPMD mode a rank that is not a data-parallel head
+  (tensor, context or pipeline parallelism) never consumes: its protocol is marked so, stays idle at
+  version 0 and accepts ``on_version_recovered(n)``; ``prepare_batch`` there is refused.
 
 ``RecoverHandler.dump`` then saves the protocol with ``train_dataloader.state_dict()``, ``load``
 restores it, and ``on_version_recovered`` checks that the restored protocol matches the checkpoint.
@@ -68,6 +70,7 @@ class ProtocolTrainerHooks:
     """Mix in before AReaL's trainer class (see the module docstring)."""
 
     config: Any
+    actor: Any
     actor_alloc: Any
     train_dataloader: Any
 
@@ -90,8 +93,11 @@ class ProtocolTrainerHooks:
         if isinstance(rollout, ProtocolRolloutController):  # single-controller mode
             self.train_dataloader.bind(rollout.batches)
         elif hasattr(rollout, "workflow_executor") and not isinstance(rollout, RolloutController):  # SPMD: an engine per rank
+            # under model parallelism only data-parallel heads consume (AReaL's DistRolloutCoordinator);
+            # the other ranks' protocol stays idle at version 0 through dump, load and on_version_recovered
             executor = use_protocol(rollout, self.staleflow_protocol, self.staleflow_trace_path,
-                                    train_data_parallel_size=self.actor_alloc.parallel.dp_size)
+                                    train_data_parallel_size=self.actor_alloc.parallel.dp_size,
+                                    consumes=bool(self.actor.is_data_parallel_head()))
             self.train_dataloader.bind(executor.batches)
         else:
             raise NotImplementedError(
