@@ -265,3 +265,29 @@ def test_areal_real_ppo_trainer_on_cpu_recovers_mid_run(areal_python: tuple[Path
     # the push of the restored actor equals the last one before the death (AReaL's DCP checkpoint of the FSDP actor)
     loads = result["weight_loads"]
     assert len(loads) == 7 and loads[3] == loads[2] and len(set(loads)) == 6 and result["initial_weights"] not in loads
+
+
+def test_areal_real_ppo_trainer_tensor_parallel_recovers_on_a_rank_that_never_consumes(
+        areal_python: tuple[Path, float], tmp_path: Path) -> None:
+    """The real ``PPOTrainer`` as above with ``actor.backend="fsdp:d1t2"``: tensor parallelism over the two
+    ranks (AReaL 1.0.4's FSDP engine builds its device mesh on CPU over gloo), one data-parallel group.
+    Rank 0 is its head: it alone draws and consumes (the whole batch of 4 groups); rank 1 trains the batch
+    AReaL broadcasts to it and never consumes, so its protocol stays at version 0. After step 1 both die
+    with episodes in flight; in the second life ``PPOTrainer.__init__`` calls ``on_version_recovered(2)``
+    on both ranks, which passes on rank 1's idle protocol (it raised there before the hooks marked it)."""
+    python, _ = areal_python
+    started = time.perf_counter()
+    result = _run_in_venv(python, tmp_path, str(tmp_path / "run"), "4", "1", "d1t2", timeout=900, script=PPO_RUN)
+    print(f"real PPOTrainer, fsdp:d1t2, 4 steps with a recover: {time.perf_counter() - started:.1f} s")
+    assert result["steps"] == 4 and result["updates"] == {"0": [2, 2], "1": [2, 2]}
+    head, member = result["head"], result["member"]
+    assert head["ids_once"] is True and head["bound_ok"] is True and head["stale"] > 0
+    assert head["dumped_protocol_version"] == 2 and head["resumed"]["protocol_version"] == 2
+    assert head["trace_rc"] == 0 and "2 segment(s)" in head["trace"] and head["trace_batches"] == [0, 1, 2, 3]
+    assert member["protocol_versions"] == [0, 0] and member["dumped_protocol_version"] == 0 and member["saved"] == [[], []]
+    resumed = member["resumed"]  # the second life of the rank that never consumes: recovered, at the checkpoint's version
+    assert (resumed["dp_rank"], resumed["recovered_step"], resumed["protocol_version"], resumed["engine_version"],
+            resumed["actor_version"], resumed["retry"]) == (0, 1, 0, 2, 2, [])
+    assert member["actor_versions"] == [0, 1, 2, 3] and member["trained_the_heads_batch"] is True and member["trace_rc"] == 0
+    loads = result["weight_loads"]  # rank 0 pushes: one per step, and after the recover the restored actor's (the last before)
+    assert len(loads) == 5 and loads[2] == loads[1] and len(set(loads)) == 4 and result["initial_weights"] not in loads
