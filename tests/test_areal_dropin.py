@@ -3,8 +3,10 @@
 2.10 CUDA build, which runs on the CPU here, and about 9 GB in all; ``pip check`` must find nothing
 broken) and only the light ``staleflow-protocol`` package from ``protocol/`` (never the ``staleflow``
 package), where ``tests/areal_dropin_run.py`` runs two data-parallel ranks for 50 steps with a
-recover from AReaL's ``RecoverInfo`` at step 25, and ``tests/areal_ppo_trainer_run.py`` AReaL's real
-``PPOTrainer`` on CPU, two data-parallel ranks, with a recover through its ``RecoverHandler``.
+recover from AReaL's ``RecoverInfo`` at step 25, ``tests/areal_ppo_trainer_run.py`` AReaL's real
+``PPOTrainer`` on CPU, two data-parallel ranks or two tensor-parallel ones, with a recover through its
+``RecoverHandler``, and ``tests/areal_guards_run.py`` the binding's guards (config, bypasses, the recover
+order on a rank that never consumes).
 
 The venv is built and cached by ``tests/peer_venv.py`` (not shared with the main venv: AReaL's
 venv has its own torch, transformers, ray and numpy): about 5 minutes cold with the package index,
