@@ -6,7 +6,7 @@ distribution ``staleflow-protocol`` (``pip install ./protocol``, Python >= 3.9),
 ``python -m staleflow_protocol.check TRACE.jsonl`` checks a trace against the spec's mirror;
 ``AsyncWaiter`` (module ``waiting``) makes readiness awaitable. Operations are atomic: an error comes
 before any state change, or the operation is applied and every hook runs (a failing hook surfaces
-as ``HookError``; see ``errors``). ``staleflow_protocol.areal`` and ``staleflow_protocol.areal_trainer``
+as ``HookError``; see ``errors``). ``staleflow_protocol.bindings.areal`` and ``staleflow_protocol.bindings.areal_trainer``
 (not imported here; they need ``areal``) are the drop-in for AReaL 1.0.4. See ``docs/integrating.md``.
 
 >>> from staleflow.protocol import StalenessManager

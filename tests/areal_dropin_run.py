@@ -1,4 +1,4 @@
-"""AReaL 1.0.4 with ``staleflow_protocol.areal``, run INSIDE AReaL's own venv (tests/test_areal_dropin.py
+"""AReaL 1.0.4 with ``staleflow_protocol.bindings.areal``, run INSIDE AReaL's own venv (tests/test_areal_dropin.py
 builds it: areal, its light dependencies, CPU torch and the light ``staleflow-protocol`` package,
 never ``staleflow``).
 
@@ -48,14 +48,15 @@ from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils.dynamic_import import import_from_string
 from areal.utils.recover import RecoverHandler, RecoverInfo
 from staleflow_protocol import LockedStalenessManager
-from staleflow_protocol.areal import (
+from staleflow_protocol.bindings.areal import (
+    FIRST_TASK_ID,
     ProtocolBatches,
     ProtocolRolloutController,
     ProtocolStalenessManager,
     ProtocolWorkflowExecutor,
     RecoverableLoader,
 )
-from staleflow_protocol.areal_trainer import ProtocolTrainerHooks
+from staleflow_protocol.bindings.areal_trainer import ProtocolTrainerHooks
 from staleflow_protocol.trace import read_trace
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -217,26 +218,38 @@ def check(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
         prompts = [p for row in trained for p in row["prompts"]]
         assert len(prompts) == len(set(prompts)), "no prompt trained twice"
         final = json.loads((out / f"final-{rank}.json").read_text())
-        # nothing lost: every prompt drawn is trained, still pending, filtered by the host, or dropped
+        # nothing lost: every prompt the loader's own state says it handed out (both lives: the second
+        # resumed the first's loader state) is trained, still pending, filtered by the host, or spent
+        drawn = set(range(rank * 100_000, rank * 100_000 + final["drawn"]["_sampler_iter_state"]["samples_yielded"]))
         filtered = {p for life in (0, 1) for p in json.loads((out / f"filtered-{rank}-{life}.json").read_text())}
         seen = set(prompts) | set(final["pending"])
-        missing = set(range(rank * 100_000, max(seen) + 1)) - seen - filtered
+        assert seen | filtered <= drawn, sorted((seen | filtered) - drawn)  # nothing trained the loader never gave
         dropped = sum(len(row["dropped"]) for row in trained)
-        # the prompt of a group the protocol dropped is spent (its deadline passed), unless a checkpoint
-        # saved it before it was collected
         spent = {p for row in trained for p in row["dropped_prompts"]}
-        assert missing <= spent, (sorted(missing - spent), dropped)
+        lost = unaccounted(drawn, seen, filtered, spent)
+        assert not lost, (sorted(lost), dropped)
+        # the check's teeth: the newest prompt the loader handed out, were it lost, is reported
+        newest = max(drawn)
+        assert unaccounted(drawn, seen - {newest}, filtered - {newest}, spent - {newest}) == {newest}
         verdict = trace_check(out / f"trace-{rank}.jsonl", steps)
         stale = sum(row["step"] - v == ETA for row in trained for v in row["reserved"])
         result["ranks"][rank] = {"trained": len(ids), "past_eta": past, "stale": stale, "pending_at_end": len(final["pending"]),
-                                 "refused": final["refused"], "filtered": len(filtered), "dropped": dropped,
-                                 "unaccounted": len(missing - spent), "trace": verdict}
+                                 "refused": final["refused"], "filtered": len(filtered), "dropped": dropped, "drawn": len(drawn),
+                                 "unaccounted": len(lost), "trace": verdict}
     return result
+
+
+def unaccounted(drawn: set[int], seen: set[int], filtered: set[int], spent: set[int]) -> set[int]:
+    """Prompts the loader handed out that are neither trained nor pending (``seen``), nor filtered by
+    the host, nor spent (the prompt of a group the protocol dropped once its deadline passed, unless a
+    checkpoint saved it before it was collected)."""
+    return drawn - seen - filtered - spent
 
 
 def refusal_check() -> dict[str, Any]:
     """A task refused at episode start keeps its prompt: AReaL's callbacks played by hand (task 1 is
-    refused because another group holds the room), then the prompt is submitted again as task 2.
+    refused because another group holds the room), then the prompt is submitted again as task 2
+    (task numbers counted from the protocol's first task id, which is returned).
     The loader's one batch has three prompts; the third, drawn but never submitted, is in the saved
     state with the retried one (the loader's own state counts it as handed out)."""
     protocol = LockedStalenessManager.create(eta=1, batch_size=1)
@@ -246,7 +259,7 @@ def refusal_check() -> dict[str, Any]:
     batches = ProtocolBatches(staleness, lambda task_id, timeout, raise_timeout=True: {"task": task_id}, lambda: None)
 
     def submit(data: dict[str, Any], task_id: int) -> None:
-        submitted.append([task_id, data["prompt"]])
+        submitted.append([task_id - FIRST_TASK_ID, data["prompt"]])
         staleness.on_rollout_enqueued()
         staleness.on_rollout_submitted()
 
@@ -255,13 +268,13 @@ def refusal_check() -> dict[str, Any]:
     trainer.start()
     while len(submitted) < 2:
         time.sleep(0.01)
-    for task_id, accepted in ((0, True), (1, False)):
+    for task_id, accepted in ((FIRST_TASK_ID, True), (FIRST_TASK_ID + 1, False)):
         workflow_context.set(WorkflowContext(task_id=task_id))
         assert staleness.admit(task_id, 0) is accepted
         (staleness.on_rollout_accepted if accepted else staleness.on_rollout_rejected)()
     trainer.join(30)
-    assert got == [{"task": 0}], got
-    return {"submissions": submitted, "saved": sorted(p["prompt"] for p in batches.state_dict()["prompts"])}
+    assert got == [{"task": FIRST_TASK_ID}], got
+    return {"first_task_id": FIRST_TASK_ID, "submissions": submitted, "saved": sorted(p["prompt"] for p in batches.state_dict()["prompts"])}
 
 
 def control(out: Path, steps: int) -> dict[str, Any]:
@@ -428,31 +441,107 @@ def controller_run(out: Path, steps: int, built_by_trainer: bool) -> dict[str, A
         controller = ProtocolRolloutController(FakeEngine, cfg, scheduler, protocol=protocol, trace_path=trace)
         controller.initialize(role="rollout", server_args={})
         data = loader(0)
-    exact, stale, workers = True, 0, len(scheduler.workers)
+    exact, stale, workers, consumed = True, 0, len(scheduler.workers), []
     try:
         for step in range(steps):
             trajectories = controller.prepare_batch(data, TargetWorkflow, group_size=1)
             got = controller.batches.last
             stale += check_row(step, got, trajectories)
+            consumed.extend(int(g) for g in got.batch.group_ids)
             exact &= all(t is scheduler.produced[int(g)] for t, g in zip(trajectories, got.batch.group_ids))
             train_step(policy, optimizer, trajectories)
             controller.pause()  # RLTrainer's weight update on this path: pause, push, set_version, resume
             engine.sync(policy, protocol.version)
             controller.set_version(protocol.version)
             controller.resume()
+        bypasses = refusals(controller)
+        # the protocol's ids and AReaL's own (its TaskIdGenerator, which a direct submit would draw from)
+        id_spaces = {"protocol_from": min(consumed), "areal_next": controller._task_id_generator.next()}
     finally:
         controller.batches.close()
         controller.destroy()
     return {"steps": steps, "workers": workers, "exact_ids": exact, "stale": stale, "refused": protocol.stats().refused,
             "callbacks": scheduler.callbacks, "version": controller.get_version(), "trace": trace_check(trace, steps),
-            "built": [type(controller).__name__, controller.inf_engine.__name__]}
+            "built": [type(controller).__name__, controller.inf_engine.__name__], "bypasses": bypasses, "id_spaces": id_spaces,
+            "first_task_id": FIRST_TASK_ID}
+
+
+def controller_recover_run(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
+    """AReaL's default mode through a recover: two lives of PPOTrainer's single-controller
+    ``_init_rollout`` under the hooks (:func:`single_controller_trainer`, over ``InProcessScheduler``).
+    Life 0 trains to ``recover_at`` and its ``RecoverInfo`` is dumped (the loader's state, the protocol
+    in it) with episodes in flight; life 1 is built again and does what ``PPOTrainer.__init__`` does
+    after its ``RecoverHandler.load`` in this mode: the loader state restored, the controller's version
+    set, ``rollout.staleness_manager.on_version_recovered``; then it trains to ``steps``."""
+    out.mkdir(parents=True, exist_ok=True)
+    trace, info_dir, rows = out / "trace.jsonl", str(out / "recover_info"), []
+    cfg = InferenceEngineConfig(backend="vllm:d2", consumer_batch_size=BATCH, max_head_offpolicyness=ETA, max_concurrent_rollouts=8)
+    saved_policy = torch.zeros(VOCAB)
+    for life in (0, 1):
+        policy = saved_policy.clone().requires_grad_(True)
+        optimizer = torch.optim.SGD([policy], lr=0.5)
+        engine = FakeEngine(policy, seed=20 + life)
+        protocol = LockedStalenessManager.create(ETA, BATCH, REDUNDANCY)
+        trainer = single_controller_trainer(InProcessScheduler(engine), cfg, protocol, trace)
+        controller, data, start = trainer.rollout, trainer.train_dataloader, 0
+        if life == 1:
+            data.load_state_dict(RecoverInfo.load(info_dir).dataloader_info)
+            start = recover_at + 1
+            engine.sync(policy, start)
+            controller.set_version(start)
+            controller.staleness_manager.on_version_recovered(start)
+            resumed = {"protocol_version": controller.batches.protocol.version, "retry": len(controller.batches.state_dict()["prompts"])}
+        try:
+            for step in range(start, steps if life else recover_at + 1):
+                trajectories = controller.prepare_batch(data, TargetWorkflow, group_size=1)
+                check_row(step, controller.batches.last, trajectories)
+                rows.append([step, [int(g) for g in controller.batches.last.batch.group_ids], [int(t["prompt"][0]) for t in trajectories]])
+                train_step(policy, optimizer, trajectories)
+                controller.pause()
+                engine.sync(policy, controller.batches.protocol.version)
+                controller.set_version(controller.batches.protocol.version)
+                controller.resume()
+            if life == 0:
+                in_flight, saved_policy = controller.batches.outstanding, policy.detach().clone()
+                RecoverInfo(last_step_info=StepInfo(epoch=0, epoch_step=recover_at, global_step=recover_at, steps_per_epoch=10**6),
+                            saver_info={}, evaluator_info={}, stats_logger_info={}, dataloader_info=data.state_dict(),
+                            checkpoint_info={}).dump(info_dir)
+        finally:
+            controller.batches.close()
+            controller.destroy()
+    ids = [i for _, group, _ in rows for i in group]
+    prompts = [p for _, _, group in rows for p in group]
+    return {"steps": [s for s, _, _ in rows], "in_flight_at_dump": in_flight, "resumed": resumed,
+            "unique_ids": len(ids) == len(set(ids)), "unique_prompts": len(prompts) == len(set(prompts)),
+            "trace": trace_check(trace, steps)}
+
+
+def refused(call: Any) -> str:
+    """The message of the RuntimeError or ValueError ``call()`` raises (it must raise one)."""
+    try:
+        call()
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    raise AssertionError(f"{call} was not refused")
+
+
+def refusals(rollout: Any) -> list[str]:
+    """What a protocol-owned training rollout says to a direct submit, wait and rollout_batch."""
+    workflow = TargetWorkflow if isinstance(rollout, ProtocolRolloutController) else TargetWorkflow()
+    return [refused(lambda: rollout.submit({"prompt": -1}, workflow)), refused(lambda: rollout.wait(1, timeout=1)),
+            refused(lambda: rollout.rollout_batch([{"prompt": -1}], workflow))]
 
 
 class TrainEngineCheckpoint:
-    """The train-engine surface RecoverHandler uses (``save`` / ``load`` of its recover checkpoint)."""
+    """The train-engine surface RecoverHandler uses (``save`` / ``load`` of its recover checkpoint),
+    and the hooks (``is_data_parallel_head``: False for a tensor-, context- or pipeline-parallel rank)."""
 
-    def __init__(self, policy: torch.Tensor) -> None:
+    def __init__(self, policy: torch.Tensor, head: bool = True) -> None:
         self.policy = policy
+        self.head = head
+
+    def is_data_parallel_head(self) -> bool:
+        return self.head
 
     def save(self, meta: Any) -> None:
         os.makedirs(meta.path, exist_ok=True)
@@ -472,11 +561,15 @@ class NoState:  # the saver, evaluator and stats logger RecoverHandler dumps and
 
 
 class ExecutorEngine(FakeEngine):
-    """A RemoteInfEngine's surface for use_protocol: ``config`` and the ``workflow_executor`` it builds."""
+    """A RemoteInfEngine's surface for use_protocol: ``config`` (the trainer's, over one data-parallel
+    rank) and the ``workflow_executor`` it builds; every one built is in ``built``."""
+
+    built: list[ExecutorEngine] = []
 
     def __init__(self, policy: torch.Tensor, seed: int) -> None:
         super().__init__(policy, seed)
-        self.config = config()
+        self.built.append(self)
+        self.config = InferenceEngineConfig(consumer_batch_size=BATCH, max_head_offpolicyness=ETA, max_concurrent_rollouts=8)
         self.workflow_executor = WorkflowExecutor(self.config, self)
         self.workflow_executor.initialize(train_data_parallel_size=1)
 
@@ -487,11 +580,11 @@ class PPOTrainerOrder:
     tokenizer, model and FSDP actor (``areal_ppo_trainer_run.py`` runs the real one). ``load`` gets
     no inference engine: its weight push needs a train engine connected to the rollout."""
 
-    def __init__(self, out: Path, policy: torch.Tensor, seed: int) -> None:
+    def __init__(self, out: Path, policy: torch.Tensor, seed: int, head: bool = True) -> None:
         recover = RecoverConfig(experiment_name="x", trial_name="t", fileroot=str(out), mode="on", freq_steps=1)
         self.config = SimpleNamespace(train_dataset=SimpleNamespace(batch_size=BATCH), rollout=None, recover=recover)
         self.actor_alloc = SimpleNamespace(parallel=SimpleNamespace(dp_size=1))
-        self.actor = TrainEngineCheckpoint(policy)
+        self.actor = TrainEngineCheckpoint(policy, head)
         self.seed = seed
         self.train_dataloader = self._create_dataloader([{"prompt": i} for i in range(100_000)], dataset_config=self.config.train_dataset,
                                                         rank=0, world_size=1)
@@ -558,6 +651,7 @@ def main(argv: list[str]) -> None:
     if argv[0] == "--trainer-paths":  # AReaL's default controller path, and RLTrainer's recover through RecoverHandler
         print(json.dumps({"controller": controller_run(Path(argv[1]) / "controller", 8, built_by_trainer=False),
                           "trainer_controller": controller_run(Path(argv[1]) / "trainer-controller", 8, built_by_trainer=True),
+                          "controller_recover": controller_recover_run(Path(argv[1]) / "controller-recover", 8, 3),
                           "recover_handler": recover_handler_run(Path(argv[1]) / "recover", 8, 3)}))
         return
     if argv[0] == "--control":

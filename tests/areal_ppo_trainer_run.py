@@ -1,8 +1,8 @@
-"""AReaL 1.0.4's real ``PPOTrainer`` (SPMD mode) with :class:`~staleflow_protocol.areal_trainer.ProtocolTrainerHooks`,
+"""AReaL 1.0.4's real ``PPOTrainer`` (SPMD mode) with :class:`~staleflow_protocol.bindings.areal_trainer.ProtocolTrainerHooks`,
 on CPU, two data-parallel trainer ranks, run INSIDE AReaL's own venv (tests/test_areal_dropin.py builds
 it; ``python -I`` this file).
 
-``python areal_ppo_trainer_run.py OUT [STEPS] [RECOVER_AT]`` makes, under OUT, a tiny Qwen2 model
+``python areal_ppo_trainer_run.py OUT [STEPS] [RECOVER_AT] [LAYOUT]`` makes, under OUT, a tiny Qwen2 model
 (2 layers, hidden 64) and a word-level tokenizer (``save_pretrained``, no model hub), a tiny prompt
 dataset and starts the fake vLLM server below; then two lives of the trainer, each ``RANKS`` processes
 with the environment AReaL's SPMD launcher (torchrun) gives its ranks (``RANK``, ``WORLD_SIZE``, one
@@ -26,7 +26,7 @@ Real: ``PPOTrainer`` (its ``__init__``, ``train`` loop, saver / evaluator / stat
 handler), the ``FSDPPPOActor`` (FSDP2 on two CPU ranks over gloo: the batch redistribution, log-probs,
 advantages, PPO update, DCP checkpoints, HF export for the weight update), AReaL's ``RemotevLLMEngine``
 client (its HTTP requests, interruptible generation and per-token version stamps), ``WorkflowExecutor``
-machinery (dispatcher, async task runner) as :class:`~staleflow_protocol.areal.ProtocolWorkflowExecutor`,
+machinery (dispatcher, async task runner) as :class:`~staleflow_protocol.bindings.areal.ProtocolWorkflowExecutor`,
 AReaL's ``RLVRWorkflow`` and the protocol.
 Faked: the inference server only (:class:`FakeVLLMServer`: the HTTP endpoints AReaL's vLLM backend calls,
 sampling from the tiny model it last loaded from disk, in one thread of the parent process).
@@ -36,6 +36,10 @@ and which prompt each task had, without changing what AReaL does.
 The parent checks, per rank, every consumed sample's bound, each consumed id once, the recover and the
 trace (``python -m staleflow_protocol.check``); over both ranks, that each step trained exactly the
 union of their consumed batches and that no prompt was trained twice; it prints one JSON line.
+
+LAYOUT ``d1t2`` (default ``d2``): ``actor.backend="fsdp:d1t2"``, tensor parallelism over the two ranks;
+rank 0, the data-parallel head, consumes the whole batch, rank 1 never consumes and recovers with its
+protocol at version 0 (:func:`check_tensor_parallel` says what is checked).
 """
 
 from __future__ import annotations
@@ -56,7 +60,15 @@ from typing import Any
 import torch
 
 ETA, BATCH, RANKS, GROUP, PROMPTS = 1, 4, 2, 2, 64  # groups per step (all ranks), data-parallel ranks, samples per group, dataset size
-RANK_BATCH = BATCH // RANKS  # each rank's protocol batch: consumer_batch_size // dp, as AReaL's own manager divides it
+#: The actor's layout over the RANKS processes (``actor.backend="fsdp:<layout>"``): two data-parallel ranks, or
+#: tensor parallelism (one data-parallel group of both ranks: rank 1 is not a data-parallel head and never consumes).
+LAYOUTS = ("d2", "d1t2")
+
+
+def rank_batch(layout: str) -> int:
+    """Each data-parallel head's protocol batch: consumer_batch_size // dp, as AReaL's own manager divides it."""
+    return BATCH // int(layout[1])
+
 VOCAB = ["<pad>", "<eos>"] + [f"w{i}" for i in range(30)]
 REWARDED = [f"w{i}" for i in range(15)]  # the reward: share of completion words among these (groups rarely tie)
 
@@ -204,7 +216,7 @@ def extract_prompt(data: dict[str, Any]) -> str:
     return str(data["question"])
 
 
-def build_config(out: Path, model: Path, steps: int) -> Any:
+def build_config(out: Path, model: Path, steps: int, layout: str) -> Any:
     from areal.api.cli_args import (
         ClusterSpecConfig,
         GenerationHyperparameters,
@@ -227,7 +239,7 @@ def build_config(out: Path, model: Path, steps: int) -> Any:
         gconfig=GenerationHyperparameters(n_samples=GROUP, max_new_tokens=6, temperature=1.0),
         rollout=InferenceEngineConfig(**names, backend="vllm:d1", consumer_batch_size=BATCH, max_head_offpolicyness=ETA,
                                       max_concurrent_rollouts=2 * BATCH, setup_timeout=60, request_timeout=60, pause_grace_period=0.0),
-        actor=PPOActorConfig(**names, backend=f"fsdp:d{RANKS}", path=str(model), dtype="float32", grad_reduce_dtype="float32",
+        actor=PPOActorConfig(**names, backend=f"fsdp:{layout}", path=str(model), dtype="float32", grad_reduce_dtype="float32",
                              attn_impl="sdpa", weight_update_mode="disk", kl_ctl=0.0, ppo_n_minibatches=1,
                              mb_spec=MicroBatchSpec(n_mbs=1), optimizer=OptimizerConfig(lr=1e-3)),
         recover=RecoverConfig(**names, fileroot=fileroot, mode="on", freq_steps=1),
@@ -237,7 +249,7 @@ def build_config(out: Path, model: Path, steps: int) -> Any:
     return config
 
 
-def life_main(out: Path, server: str, steps: int, life: int, rank: int, master_port: int) -> None:
+def life_main(out: Path, server: str, steps: int, life: int, rank: int, master_port: int, layout: str) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(RANKS), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "AREAL_LLM_SERVER_ADDRS": server,
                        "AREAL_SPMD_MODE": "1"})  # what AReaL's SPMD launcher (torchrun) sets for each rank: no single controller
@@ -249,7 +261,7 @@ def life_main(out: Path, server: str, steps: int, life: int, rank: int, master_p
     from areal.workflow.rlvr import RLVRWorkflow
     from datasets import Dataset
     from staleflow_protocol import LockedStalenessManager
-    from staleflow_protocol.areal_trainer import ProtocolTrainerHooks
+    from staleflow_protocol.bindings.areal_trainer import ProtocolTrainerHooks
 
     prompt_of_task: dict[int, int] = {}
     log = (out / f"trained-{rank}.jsonl").open("a")
@@ -274,6 +286,11 @@ def life_main(out: Path, server: str, steps: int, life: int, rank: int, master_p
         def prepare_batch(self, *args: Any, **kwargs: Any) -> Any:
             trained = super().prepare_batch(*args, **kwargs)
             last = self.rollout_engine.workflow_executor.batches.last
+            if last is None:  # not a data-parallel head: it consumed nothing and trains its head's batch
+                row = {"life": life, "rank": rank, "actor_version": self.get_version(), "trained": sequences(trained)}
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                return trained
             log.write(json.dumps({
                 "life": life, "rank": rank, "step": last.batch.version, "actor_version": self.get_version(),
                 "ids": [int(g) for g in last.batch.group_ids], "reserved": list(last.batch.group_versions),
@@ -296,12 +313,12 @@ def life_main(out: Path, server: str, steps: int, life: int, rank: int, master_p
             return engine
 
     model = out / "model"
-    config = build_config(out, model, steps)
+    config = build_config(out, model, steps, layout)
     name_resolve.reconfigure(config.cluster.name_resolve)  # what AReaL's launcher does before it starts a trial
     if rank == 0:  # once per trial, as the launcher does (the first record is added after the ranks' first barrier)
         name_resolve.clear_subtree(names.trial_root(experiment_name=config.experiment_name, trial_name=config.trial_name))
     trainer = ProtocolPPOTrainer(config, train_dataset=Dataset.from_list(dataset_rows()),
-                                 protocol=LockedStalenessManager.create(ETA, RANK_BATCH), trace_path=out / f"trace-{rank}.jsonl")
+                                 protocol=LockedStalenessManager.create(ETA, rank_batch(layout)), trace_path=out / f"trace-{rank}.jsonl")
     executor = trainer.rollout.workflow_executor
     batches = executor.batches
     started = {"protocol_version": batches.protocol.version, "engine_version": trainer.rollout.get_version(),
@@ -333,7 +350,7 @@ def life_main(out: Path, server: str, steps: int, life: int, rank: int, master_p
 
 
 # ----------------------------------------------------------------------------- the parent
-def run_life(out: Path, server: FakeVLLMServer, steps: int, life: int) -> None:
+def run_life(out: Path, server: FakeVLLMServer, steps: int, life: int, layout: str) -> None:
     """The ``RANKS`` trainer processes of one life, with the environment AReaL's SPMD launcher
     (torchrun) gives each rank, each in its own session; once they have exited (or one failed: the
     other then waits in a collective), whatever they forked (AReaL's reward process pool, orphaned by
@@ -346,7 +363,8 @@ def run_life(out: Path, server: FakeVLLMServer, steps: int, life: int) -> None:
         for rank in range(RANKS):
             with (out / f"life-{life}-{rank}.log").open("w") as sink:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-I", __file__, "--life", str(out), server.address, str(steps), str(life), str(rank), str(port)],
+                    [sys.executable, "-I", __file__, "--life", str(out), server.address, str(steps), str(life), str(rank), str(port),
+                     layout],
                     env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + 600
         while len(codes) < RANKS and not any(codes.values()) and time.monotonic() < deadline:
@@ -385,7 +403,7 @@ def check(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
             "updates": [life["updates"] for life in lives], "groups_per_step": sorted({len(r["ids"]) for r in got}),
             "trained_groups_per_step": sorted({r["trained_groups"] for r in got}),
             "trained_own_batch_steps": sum(r["trained"] == r["consumed"] for r in got),  # what the redistribution left it
-            "ids_once": len(ids) == len(set(ids)) == steps * RANK_BATCH, "prompts_once": len(prompts) == len(set(prompts)),
+            "ids_once": len(ids) == len(set(ids)) == steps * rank_batch("d2"), "prompts_once": len(prompts) == len(set(prompts)),
             "bound_ok": all(v <= head <= tail <= r["step"] <= v + ETA
                             for r in got for v, head, tail in zip(r["reserved"], r["heads"], r["tails"])),
             "actor_at_batch_version": all(r["actor_version"] == r["step"] for r in got),
@@ -410,19 +428,55 @@ def check(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
     }
 
 
+def check_tensor_parallel(out: Path, steps: int, recover_at: int) -> dict[str, Any]:
+    """``fsdp:d1t2``: rank 0, the data-parallel head, consumes the whole batch each step (bound, ids once,
+    recover, trace); rank 1 never consumes: its protocol is at version 0 in both lives, its second life
+    passed ``on_version_recovered`` with its actor and engine at the recovered version, and each step it
+    trained exactly what the head trained (the batch AReaL broadcasts within the group)."""
+    from staleflow_protocol.trace import read_trace
+
+    rows = {rank: [json.loads(line) for line in (out / f"trained-{rank}.jsonl").read_text().splitlines()] for rank in range(RANKS)}
+    lives = {rank: [json.loads((out / f"life-{life}-{rank}.json").read_text()) for life in (0, 1)] for rank in range(RANKS)}
+    head, member = rows[0], rows[1]
+    assert [r["step"] for r in head] == list(range(steps)) and len(member) == steps, ([r["step"] for r in head], len(member))
+    ids = [i for r in head for i in r["ids"]]
+    traces = {rank: subprocess.run([sys.executable, "-m", "staleflow_protocol.check", str(out / f"trace-{rank}.jsonl")],
+                                   capture_output=True, text=True, check=False) for rank in range(RANKS)}
+    return {
+        "steps": steps, "updates": {rank: [life["updates"] for life in lives[rank]] for rank in range(RANKS)},
+        "head": {"ids_once": len(ids) == len(set(ids)) == steps * rank_batch("d1t2"),
+                 "bound_ok": all(v <= h <= t <= r["step"] <= v + ETA
+                                 for r in head for v, h, t in zip(r["reserved"], r["heads"], r["tails"])),
+                 "stale": sum(r["step"] - v == ETA for r in head for v in r["reserved"]),
+                 "dumped_protocol_version": lives[0][0]["dumped"]["protocol_version"], "resumed": lives[0][1]["started"],
+                 "trace_rc": traces[0].returncode, "trace": traces[0].stdout.strip(),
+                 "trace_batches": sorted({event.batch.version for segment in read_trace(out / "trace-0.jsonl")
+                                          for event in segment.events if event.batch is not None})},
+        "member": {"protocol_versions": [life["version"] for life in lives[1]],
+                   "dumped_protocol_version": lives[1][0]["dumped"]["protocol_version"],
+                   "resumed": lives[1][1]["started"], "saved": [life["saved"] for life in lives[1]],
+                   "actor_versions": [r["actor_version"] for r in member],
+                   "trained_the_heads_batch": all(m["trained"] == h["trained"] for m, h in zip(member, head)),
+                   "trace_rc": traces[1].returncode},
+    }
+
+
 def main(argv: list[str]) -> None:
     if argv[0] == "--life":
-        life_main(Path(argv[1]), argv[2], int(argv[3]), int(argv[4]), int(argv[5]), int(argv[6]))
+        life_main(Path(argv[1]), argv[2], int(argv[3]), int(argv[4]), int(argv[5]), int(argv[6]), argv[7])
         return
     out = Path(argv[0])
     steps = int(argv[1]) if len(argv) > 1 else 6
     recover_at = int(argv[2]) if len(argv) > 2 else steps // 2 - 1
+    layout = argv[3] if len(argv) > 3 else "d2"
+    if layout not in LAYOUTS:
+        raise SystemExit(f"layout {layout!r}: expected one of {LAYOUTS}")
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     server = FakeVLLMServer(make_assets(out))
-    run_life(out, server, recover_at + 1, life=0)
-    run_life(out, server, steps, life=1)
-    result = check(out, steps, recover_at)
+    run_life(out, server, recover_at + 1, life=0, layout=layout)
+    run_life(out, server, steps, life=1, layout=layout)
+    result = check(out, steps, recover_at) if layout == "d2" else check_tensor_parallel(out, steps, recover_at)
     result.update({"initial_weights": server.initial, "weight_loads": server.loads, "server_generated": server.generated,
                    "seconds": round(time.perf_counter() - started, 1)})
     print(json.dumps(result))

@@ -35,8 +35,8 @@ SHARED_PTH = "staleflow-peer-shared.pth"
 
 def _light_sources_hash() -> str:
     digest = hashlib.sha256()
-    for path in sorted((ROOT / "protocol").glob("*.py")) + [ROOT / "protocol" / "pyproject.toml"]:
-        digest.update(path.name.encode() + path.read_bytes())
+    for path in sorted((ROOT / "protocol").rglob("*.py")) + [ROOT / "protocol" / "pyproject.toml"]:
+        digest.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
     return digest.hexdigest()
 
 

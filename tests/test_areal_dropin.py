@@ -1,10 +1,12 @@
-"""``staleflow_protocol.areal`` in AReaL's own environment: a separate venv made by
+"""``staleflow_protocol.bindings.areal`` in AReaL's own environment: a separate venv made by
 ``pip install areal==1.0.4`` with every one of AReaL's own pins (on Linux x86_64 that is PyPI's torch
 2.10 CUDA build, which runs on the CPU here, and about 9 GB in all; ``pip check`` must find nothing
 broken) and only the light ``staleflow-protocol`` package from ``protocol/`` (never the ``staleflow``
 package), where ``tests/areal_dropin_run.py`` runs two data-parallel ranks for 50 steps with a
-recover from AReaL's ``RecoverInfo`` at step 25, and ``tests/areal_ppo_trainer_run.py`` AReaL's real
-``PPOTrainer`` on CPU, two data-parallel ranks, with a recover through its ``RecoverHandler``.
+recover from AReaL's ``RecoverInfo`` at step 25, ``tests/areal_ppo_trainer_run.py`` AReaL's real
+``PPOTrainer`` on CPU, two data-parallel ranks or two tensor-parallel ones, with a recover through its
+``RecoverHandler``, and ``tests/areal_guards_run.py`` the binding's guards (config, bypasses, the recover
+order on a rank that never consumes).
 
 The venv is built and cached by ``tests/peer_venv.py`` (not shared with the main venv: AReaL's
 venv has its own torch, transformers, ray and numpy): about 5 minutes cold with the package index,
@@ -25,6 +27,7 @@ import pytest
 from tests.peer_venv import peer_python
 
 RUN = Path(__file__).with_name("areal_dropin_run.py")
+GUARDS_RUN = Path(__file__).with_name("areal_guards_run.py")
 PPO_RUN = Path(__file__).with_name("areal_ppo_trainer_run.py")
 #: AReaL with its own dependencies and pins, and the build requirement of the light package (which is
 #: then installed offline, without dependencies: it has none).
@@ -42,7 +45,7 @@ def areal_python() -> tuple[Path, float]:
 
 
 PINS = """
-import importlib.metadata as md, importlib.util, json, sys, areal, torch, staleflow_protocol.areal as a
+import importlib.metadata as md, importlib.util, json, sys, areal, torch, staleflow_protocol.bindings.areal as a
 from packaging.requirements import Requirement
 torch_pin = [r for r in map(Requirement, md.requires("areal")) if r.name == "torch" and r.marker.evaluate()]
 print(json.dumps([areal.__version__, torch.__version__, [str(r.specifier) for r in torch_pin],
@@ -61,14 +64,15 @@ def test_areal_venv_keeps_areals_own_pins_and_has_only_the_light_package(areal_p
     done = subprocess.run([str(python), "-I", "-c", PINS], capture_output=True, text=True, cwd=python.parent, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     areal_version, torch_version, torch_pin, torch_in_pin, no_staleflow, module, loaded = json.loads(done.stdout.splitlines()[-1])
-    assert (areal_version, torch_pin, no_staleflow, module, loaded) == ("1.0.4", ["<2.11,>=2.9.1"], True, "staleflow_protocol.areal", [])
+    assert (areal_version, torch_pin, no_staleflow, module, loaded) == (
+        "1.0.4", ["<2.11,>=2.9.1"], True, "staleflow_protocol.bindings.areal", [])
     assert torch_in_pin is True, torch_version
 
 
 SIGNATURES = """
 import inspect, json
 from areal.infra import RolloutController, WorkflowExecutor
-from staleflow_protocol.areal import ProtocolRolloutController, ProtocolWorkflowExecutor
+from staleflow_protocol.bindings.areal import ProtocolRolloutController, ProtocolWorkflowExecutor
 params = lambda f: list(inspect.signature(f).parameters)
 print(json.dumps([params(ProtocolWorkflowExecutor.prepare_batch) == params(WorkflowExecutor.prepare_batch),
                   params(ProtocolRolloutController.prepare_batch) == params(RolloutController.prepare_batch),
@@ -92,7 +96,7 @@ from areal.api.cli_args import InferenceEngineConfig
 from areal.engine import RemoteSGLangEngine, RemotevLLMEngine
 from areal.infra.workflow_executor import WorkflowExecutor
 from staleflow_protocol import LockedStalenessManager
-from staleflow_protocol.areal import ProtocolWorkflowExecutor, use_protocol
+from staleflow_protocol.bindings.areal import ProtocolWorkflowExecutor, use_protocol
 got = []
 for cls in (RemotevLLMEngine, RemoteSGLangEngine):
     engine = cls(InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=1))
@@ -135,7 +139,10 @@ def test_areal_controller_path_and_recover_handler(areal_python: tuple[Path, flo
     workers where LocalScheduler would start RPC-server processes, each launching an SGLang/vLLM
     server, which need GPUs), and the workers' engine is the CPU ``FakeEngine``. The controller is
     built directly, and by AReaL's real ``PPOTrainer._init_rollout`` in single-controller mode under
-    ``ProtocolTrainerHooks`` (its ``__init__`` reduced to the attributes ``_init_rollout`` reads).
+    ``ProtocolTrainerHooks`` (its ``__init__`` reduced to the attributes ``_init_rollout`` reads), then
+    that trainer-built controller again through a recover (``RecoverInfo`` dump, a second life, the
+    single-controller ``on_version_recovered``). ``LocalScheduler`` cannot start its workers here
+    (docs/integrating.md, "What AReaL 1.0.4 cannot run here").
     Recover: AReaL's own ``RecoverHandler.dump`` / ``load`` (and ``RecoverInfo`` on disk) through
     ``ProtocolTrainerHooks``, mixed into a fast stand-in for ``PPOTrainer.__init__`` that keeps its
     order (dataloader, rollout, load, ``on_version_recovered``); the train engine is a torch tensor
@@ -153,12 +160,51 @@ def test_areal_controller_path_and_recover_handler(areal_python: tuple[Path, flo
     assert hooked["built"] == ["ProtocolRolloutController", "RemotevLLMEngine"]  # the vllm backend's engine class
     assert (hooked["steps"], hooked["workers"], hooked["version"], hooked["exact_ids"]) == (8, 2, 8, True)
     assert hooked["stale"] > 0 and "accepted" in hooked["trace"]
+    for built in (controller, hooked):
+        # a direct submit / wait / rollout_batch on the protocol's controller is refused by name
+        assert [message.split(" would ")[0] for message in built["bypasses"]] == [
+            f"RuntimeError: ProtocolRolloutController.{method}" for method in ("submit", "wait", "rollout_batch")]
+        # the protocol's task ids start at its own first id, far above AReaL's own (its TaskIdGenerator, from 0)
+        assert built["id_spaces"] == {"protocol_from": built["first_task_id"], "areal_next": 0} and built["first_task_id"] >= 2**32
+    # AReaL's default mode through a recover: the trainer-built controller dumped after step 3 with episodes in
+    # flight; the second life restores the loader (protocol at 4, untrained prompts to retry), the controller's
+    # version and on_version_recovered(4), as PPOTrainer.__init__ does in single-controller mode
+    sc_recover = result["controller_recover"]
+    assert sc_recover["steps"] == list(range(8)) and sc_recover["in_flight_at_dump"] > 0
+    assert sc_recover["resumed"]["protocol_version"] == 4 and sc_recover["resumed"]["retry"] > 0
+    assert sc_recover["unique_ids"] is True and sc_recover["unique_prompts"] is True
+    assert "accepted" in sc_recover["trace"] and "2 segment(s)" in sc_recover["trace"]
     recover = result["recover_handler"]
     assert recover["steps"] == list(range(8)) and recover["restored_at"] == 4  # dumped after step 3, resumed at 4
     # died mid-flight, no prompt lost: each saved one is trained, pending or spent by a protocol drop
     assert recover["in_flight_at_dump"] > 0 and recover["saved_prompts_kept"] is True
     assert recover["unique_ids"] is True and recover["unique_prompts"] is True
     assert "accepted" in recover["trace"] and "2 segment(s)" in recover["trace"]
+
+
+def test_areal_guards_bypasses_and_a_non_head_rank_recovers(areal_python: tuple[Path, float], tmp_path: Path) -> None:
+    """``tests/areal_guards_run.py``: eta and batch size checked against AReaL's config where the protocol's
+    rollout is built (SPMD executor, controller, the trainer hooks); direct submit / wait / rollout_batch
+    refused on the executor and on AReaL's engine wrapping it; RLTrainer's recover order on a rank that
+    is not a data-parallel head (never consumes, protocol at version 0, ``on_version_recovered(4)``)."""
+    python, _ = areal_python
+    result = _run_in_venv(python, tmp_path, str(tmp_path / "run"), timeout=600, script=GUARDS_RUN)
+    disagree = "ValueError: protocol and AReaL rollout config disagree: "
+    assert result["config"] == {
+        "executor_eta": disagree + "the protocol's eta is 2 but AReaL's max_head_offpolicyness is 1",
+        "executor_batch": disagree + "the protocol's batch_size is 4 but AReaL's consumer_batch_size is 4 // 2 data-parallel ranks = 2",
+        "controller_batch": disagree + "the protocol's batch_size is 4 but AReaL's consumer_batch_size is 2",
+        "hooks": disagree + "the protocol's eta is 2 but AReaL's max_head_offpolicyness is 1",
+        "matching_build": ["ProtocolWorkflowExecutor", "ProtocolRolloutController"]}
+    for refusals in result["bypasses"].values():
+        assert [message.split(" would ")[0] for message in refusals] == [
+            f"RuntimeError: ProtocolWorkflowExecutor.{method}" for method in ("submit", "wait", "rollout_batch")]
+        assert all("bypass the protocol's admission" in message for message in refusals)
+    non_head = result["non_head"]
+    assert (non_head["consumes"], non_head["recovered_step"], non_head["protocol_version"], non_head["rollout_version"]) == (False, 3, 0, 4)
+    assert non_head["prepare_batch"].startswith("RuntimeError: prepare_batch on a rank that never consumes")
+    # the check keeps its teeth where it matters: a head whose protocol was not restored is refused
+    assert non_head["head_unrestored"].startswith("ValueError: recovered model version 4 but the protocol is at 0")
 
 
 def test_areal_two_ranks_recover_mid_run_bound_kept_trace_accepted(areal_python: tuple[Path, float], tmp_path: Path) -> None:
@@ -168,14 +214,16 @@ def test_areal_two_ranks_recover_mid_run_bound_kept_trace_accepted(areal_python:
     print(f"AReaL venv: {built:.1f} s; two-rank run with recover: {time.perf_counter() - started:.1f} s")
     assert (result["steps"], result["recover_at"]) == (50, 25)
     # the prompt of task 1, refused at episode start, is submitted again (task 2) before a new prompt
-    assert result["refusal_submissions"]["submissions"][:3] == [[0, 10], [1, 11], [2, 11]]
+    assert result["refusal_submissions"]["submissions"][:3] == [[0, 10], [1, 11], [2, 11]]  # from the protocol's first task id
     # a checkpoint now keeps 11 (in flight again) and 12 (drawn with the loader's batch, not yet submitted)
     assert result["refusal_submissions"]["saved"] == [11, 12]
     for rank in ("0", "1"):
         got = result["ranks"][rank]
         assert got["trained"] == 100 and got["past_eta"] == 0  # 50 batches of 2 groups, none past eta
         assert got["stale"] > 0  # groups one version old were trained: the bound was exercised
-        assert got["unaccounted"] == 0 and got["pending_at_end"] > 0  # every drawn prompt accounted for
+        # every prompt the loader's own state says it handed out is accounted for (the run also checks that
+        # the newest one, were it lost, would be reported)
+        assert got["unaccounted"] == 0 and got["pending_at_end"] > 0 and got["drawn"] >= got["trained"] + got["pending_at_end"]
         assert "accepted" in got["trace"] and "2 segment(s)" in got["trace"]  # the recover is a new segment
 
 
@@ -219,3 +267,29 @@ def test_areal_real_ppo_trainer_on_cpu_recovers_mid_run(areal_python: tuple[Path
     # the push of the restored actor equals the last one before the death (AReaL's DCP checkpoint of the FSDP actor)
     loads = result["weight_loads"]
     assert len(loads) == 7 and loads[3] == loads[2] and len(set(loads)) == 6 and result["initial_weights"] not in loads
+
+
+def test_areal_real_ppo_trainer_tensor_parallel_recovers_on_a_rank_that_never_consumes(
+        areal_python: tuple[Path, float], tmp_path: Path) -> None:
+    """The real ``PPOTrainer`` as above with ``actor.backend="fsdp:d1t2"``: tensor parallelism over the two
+    ranks (AReaL 1.0.4's FSDP engine builds its device mesh on CPU over gloo), one data-parallel group.
+    Rank 0 is its head: it alone draws and consumes (the whole batch of 4 groups); rank 1 trains the batch
+    AReaL broadcasts to it and never consumes, so its protocol stays at version 0. After step 1 both die
+    with episodes in flight; in the second life ``PPOTrainer.__init__`` calls ``on_version_recovered(2)``
+    on both ranks, which passes on rank 1's idle protocol (it raised there before the hooks marked it)."""
+    python, _ = areal_python
+    started = time.perf_counter()
+    result = _run_in_venv(python, tmp_path, str(tmp_path / "run"), "4", "1", "d1t2", timeout=900, script=PPO_RUN)
+    print(f"real PPOTrainer, fsdp:d1t2, 4 steps with a recover: {time.perf_counter() - started:.1f} s")
+    assert result["steps"] == 4 and result["updates"] == {"0": [2, 2], "1": [2, 2]}
+    head, member = result["head"], result["member"]
+    assert head["ids_once"] is True and head["bound_ok"] is True and head["stale"] > 0
+    assert head["dumped_protocol_version"] == 2 and head["resumed"]["protocol_version"] == 2
+    assert head["trace_rc"] == 0 and "2 segment(s)" in head["trace"] and head["trace_batches"] == [0, 1, 2, 3]
+    assert member["protocol_versions"] == [0, 0] and member["dumped_protocol_version"] == 0 and member["saved"] == [[], []]
+    resumed = member["resumed"]  # the second life of the rank that never consumes: recovered, at the checkpoint's version
+    assert (resumed["dp_rank"], resumed["recovered_step"], resumed["protocol_version"], resumed["engine_version"],
+            resumed["actor_version"], resumed["retry"]) == (0, 1, 0, 2, 2, [])
+    assert member["actor_versions"] == [0, 1, 2, 3] and member["trained_the_heads_batch"] is True and member["trace_rc"] == 0
+    loads = result["weight_loads"]  # rank 0 pushes: one per step, and after the recover the restored actor's (the last before)
+    assert len(loads) == 5 and loads[2] == loads[1] and len(set(loads)) == 4 and result["initial_weights"] not in loads

@@ -397,8 +397,11 @@ PEER_DROP_INS = {"areal.py": "areal", "areal_trainer.py": "areal"}
 
 
 def test_protocol_imports_only_the_standard_library() -> None:
+    """The core (protocol/'s top level) imports only the standard library; the drop-ins live in
+    ``bindings/`` and each may import its peer system too."""
     folder = Path(protocol.__file__).parent
-    for path in sorted(folder.glob("*.py")):
+    assert not set(PEER_DROP_INS) & {p.name for p in folder.glob("*.py")}, "a drop-in outside bindings/"
+    for path in sorted(folder.glob("*.py")) + sorted((folder / "bindings").glob("*.py")):
         stdlib = sys.stdlib_module_names | ({PEER_DROP_INS[path.name]} if path.name in PEER_DROP_INS else set())
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
@@ -412,6 +415,8 @@ def test_protocol_imports_only_the_standard_library() -> None:
                 top = name.split(".")[0]
                 ok = top in stdlib or name.startswith("staleflow.protocol") or top == "__future__"
                 assert ok, f"{path.name} imports {name}"
+            if isinstance(node, ast.ImportFrom) and node.level and path.parent == folder:
+                assert not (node.module or "").startswith("bindings"), f"the core module {path.name} imports a binding"
             if isinstance(node, ast.ImportFrom) and node.level and f"{node.module}.py" in PEER_DROP_INS:
                 assert PEER_DROP_INS.get(path.name) == PEER_DROP_INS[f"{node.module}.py"], f"{path.name} imports the drop-in {node.module}"
 

@@ -81,17 +81,18 @@ def light_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_light_wheel_holds_exactly_the_protocol_sources(light_wheel: Path) -> None:
     """The same files as staleflow.protocol, not a copy that could drift; no dependencies, Python >= 3.9."""
     assert Path(protocol.__file__).parent.resolve() == PROTOCOL
-    sources = sorted(p.name for p in PROTOCOL.glob("*.py"))
-    assert {"check.py", "locked.py", "mirror.py", "manager.py", "trace.py"} <= set(sources)
+    sources = sorted(p.relative_to(PROTOCOL).as_posix() for p in PROTOCOL.rglob("*.py") if "build" not in p.parts)
+    assert {"check.py", "locked.py", "mirror.py", "manager.py", "trace.py", "bindings/verl.py"} <= set(sources)
     with zipfile.ZipFile(light_wheel) as wheel:
-        packaged = sorted(Path(n).name for n in wheel.namelist() if n.startswith("staleflow_protocol/") and n.endswith(".py"))
+        packaged = sorted(n.removeprefix("staleflow_protocol/") for n in wheel.namelist()
+                          if n.startswith("staleflow_protocol/") and n.endswith(".py"))
         assert packaged == sources
         for name in sources:
             assert wheel.read(f"staleflow_protocol/{name}") == (PROTOCOL / name).read_bytes()
         [metadata] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
         text = wheel.read(metadata).decode()
     assert "Requires-Python: >=3.9" in text
-    # no dependency; only the `areal` extra declares one (for staleflow_protocol.areal)
+    # no dependency; only the `areal` extra declares one (for staleflow_protocol.bindings.areal)
     assert [line for line in text.splitlines() if line.startswith("Requires-Dist")] == [
         'Requires-Dist: areal<1.1,>=1.0.4; extra == "areal"']
 

@@ -1,4 +1,4 @@
-"""staleflow_protocol.verl in a loop shaped like verl 0.9's fully asynchronous trainer
+"""staleflow_protocol.bindings.verl in a loop shaped like verl 0.9's fully asynchronous trainer
 (``tests/verl_loop.py``: rollouter, message queue, parameter sync, fake engine): the bound on every
 trained sample, exactly the consumed ids trained, the trace accepted by the standard-library
 checker, a resume from verl's checkpoint folder mid-run; and verl's own count-based control on the
@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from staleflow.protocol.bindings.verl import CHECKPOINT_FILE, ProtocolMessageQueue, protocol_settings
 from staleflow.protocol.check import check_trace
 from staleflow.protocol.trace import JsonlTraceWriter, read_trace
-from staleflow.protocol.verl import CHECKPOINT_FILE, ProtocolMessageQueue, protocol_settings
 
 from tests.peer_venv import peer_python
 from tests.verl_loop import FakeEngine, RunResult, VerlCountControl, run_loop
@@ -232,13 +232,13 @@ def verl_python(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str
 def test_verl_venv_has_verl_and_the_light_package_and_not_staleflow(verl_python: tuple[str, dict[str, str]],
                                                                     tmp_path: Path) -> None:
     python, env = verl_python
-    probe = ("import importlib.util, json, sys, verl, torch, staleflow_protocol.verl as v\n"
+    probe = ("import importlib.util, json, sys, verl, torch, staleflow_protocol.bindings.verl as v\n"
              "try:\n    import staleflow\n    found = staleflow.__file__\nexcept ImportError:\n    found = None\n"
              "print(json.dumps([verl.__version__, torch.__version__, found, v.__name__, "
              "sorted(m for m in sys.modules if m.split('.')[0] == 'staleflow')]))")
     done = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False, timeout=300, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1]) == ["0.9.1", "2.13.0+cpu", None, "staleflow_protocol.verl", []]
+    assert json.loads(done.stdout.splitlines()[-1]) == ["0.9.1", "2.13.0+cpu", None, "staleflow_protocol.bindings.verl", []]
 
 
 @pytest.mark.verl

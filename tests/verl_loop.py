@@ -1,6 +1,6 @@
 """A fully asynchronous rollouter / message queue / parameter-sync loop shaped like verl 0.9's
 ``verl/experimental/fully_async_policy`` (verl-project/verl), with a fake engine, run either with
-verl's own staleness control or with ``staleflow_protocol.verl.ProtocolMessageQueue``.
+verl's own staleness control or with ``staleflow_protocol.bindings.verl.ProtocolMessageQueue``.
 
 What it copies of verl's mechanism (no code): a feed of ``sample_{epoch}_{n}`` ids
 (``FullyAsyncRollouter._feed_samples``), a processor that starts one generation task per sample with

@@ -1,6 +1,6 @@
 """verl 0.9's own rollouter and trainer code (``FullyAsyncRollouter._processor_worker`` and
 ``reset_staleness``, ``FullyAsyncTrainer._get_samples_from_queue``) with a fake engine, run in one of
-two modes: ``protocol`` (``staleflow_protocol.verl.ProtocolMessageQueue`` as the message-queue
+two modes: ``protocol`` (``staleflow_protocol.bindings.verl.ProtocolMessageQueue`` as the message-queue
 client) or ``verl`` (verl's own ``MessageQueue``, ``_process_single_sample_streaming`` and
 ``_should_pause_generation``: its count-based staleness control). Run with a Python that has verl
 0.9.1 (installed --no-deps, see docs/integrating.md) and the light package:
@@ -43,8 +43,8 @@ def plain_class(actor_class: Any) -> Any:
     return actor_class.__ray_metadata__.modified_class if hasattr(actor_class, "__ray_metadata__") else actor_class
 
 
+from staleflow_protocol.bindings.verl import ProtocolMessageQueue, protocol_settings
 from staleflow_protocol.trace import JsonlTraceWriter
-from staleflow_protocol.verl import ProtocolMessageQueue, protocol_settings
 
 ETA, REQUIRED, STEPS = 1, 4, 50
 

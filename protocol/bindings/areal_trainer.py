@@ -6,21 +6,23 @@ restored by AReaL's own ``RecoverHandler``.
 ``on_version_recovered``, all before a caller could wrap anything. :class:`ProtocolTrainerHooks`
 overrides the two factory methods that run before the load, so the load already sees the protocol:
 
-- ``_create_dataloader`` wraps the train loader in a :class:`~staleflow_protocol.areal.RecoverableLoader`
+- ``_create_dataloader`` wraps the train loader in a :class:`~staleflow_protocol.bindings.areal.RecoverableLoader`
   (no batches yet: a protocol state loaded before the rollout exists waits in it);
 - ``_init_rollout`` (the training rollout; evaluation rollouts are left alone) puts the protocol in
   the rollout AReaL builds: in single-controller mode (AReaL's default) AReaL's own ``_init_rollout``
   asks the backend's engine class for its controller (``as_controller``), and while it runs those
-  classes build a :class:`~staleflow_protocol.areal.ProtocolRolloutController` instead of a
+  classes build a :class:`~staleflow_protocol.bindings.areal.ProtocolRolloutController` instead of a
   ``RolloutController``; in SPMD mode it swaps the engine's executor for a
-  :class:`~staleflow_protocol.areal.ProtocolWorkflowExecutor` (:func:`use_protocol`). Either way the
-  loader is bound to the protocol's batches.
+  :class:`~staleflow_protocol.bindings.areal.ProtocolWorkflowExecutor` (:func:`use_protocol`). Either way the
+  loader is bound to the protocol's batches. In SPMD mode a rank that is not a data-parallel head
+  (tensor, context or pipeline parallelism) never consumes: its protocol is marked so, stays idle at
+  version 0 and accepts ``on_version_recovered(n)``; ``prepare_batch`` there is refused.
 
 ``RecoverHandler.dump`` then saves the protocol with ``train_dataloader.state_dict()``, ``load``
 restores it, and ``on_version_recovered`` checks that the restored protocol matches the checkpoint.
 Use: ``class ProtocolRLTrainer(ProtocolTrainerHooks, PPOTrainer)``, built with the extra keyword
 ``protocol=`` (and ``trace_path=``). This module does not import ``areal.trainer`` (it needs the
-``datasets`` package and more), so it imports wherever ``staleflow_protocol.areal`` does.
+``datasets`` package and more), so it imports wherever ``staleflow_protocol.bindings.areal`` does.
 
 Not covered: the experimental ``RolloutControllerV2`` (rollout config ``_version="v2"``), which AReaL
 builds directly; the hooks refuse it by name.
@@ -34,8 +36,8 @@ from typing import Any, Iterator, Optional
 from areal.engine import RemoteSGLangEngine, RemotevLLMEngine
 from areal.infra import RolloutController
 
+from ..locked import LockedStalenessManager
 from .areal import ProtocolRolloutController, RecoverableLoader, TracePath, use_protocol
-from .locked import LockedStalenessManager
 
 #: The engine classes whose ``as_controller`` AReaL's ``PPOTrainer._init_rollout`` calls in
 #: single-controller mode (its ``sglang`` and ``vllm`` backends).
@@ -68,6 +70,7 @@ class ProtocolTrainerHooks:
     """Mix in before AReaL's trainer class (see the module docstring)."""
 
     config: Any
+    actor: Any
     actor_alloc: Any
     train_dataloader: Any
 
@@ -90,8 +93,11 @@ class ProtocolTrainerHooks:
         if isinstance(rollout, ProtocolRolloutController):  # single-controller mode
             self.train_dataloader.bind(rollout.batches)
         elif hasattr(rollout, "workflow_executor") and not isinstance(rollout, RolloutController):  # SPMD: an engine per rank
+            # under model parallelism only data-parallel heads consume (AReaL's DistRolloutCoordinator);
+            # the other ranks' protocol stays idle at version 0 through dump, load and on_version_recovered
             executor = use_protocol(rollout, self.staleflow_protocol, self.staleflow_trace_path,
-                                    train_data_parallel_size=self.actor_alloc.parallel.dp_size)
+                                    train_data_parallel_size=self.actor_alloc.parallel.dp_size,
+                                    consumes=bool(self.actor.is_data_parallel_head()))
             self.train_dataloader.bind(executor.batches)
         else:
             raise NotImplementedError(

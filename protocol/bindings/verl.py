@@ -59,11 +59,11 @@ import os
 from collections import deque
 from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
-from .errors import InvalidGroupIdError, InvalidParameterError, InvalidVersionError, SnapshotError, StaleVersionError
-from .events import ConsumedBatch, GroupId
-from .manager import StalenessManager
-from .trace_file import TraceFile
-from .waiting import AsyncWaiter
+from ..errors import InvalidGroupIdError, InvalidParameterError, InvalidVersionError, SnapshotError, StaleVersionError
+from ..events import ConsumedBatch, GroupId
+from ..manager import StalenessManager
+from ..trace_file import TraceFile
+from ..waiting import AsyncWaiter
 
 __all__ = ["CHECKPOINT_FILE", "ProtocolMessageQueue", "ProtocolSettings", "TrainBatch", "protocol_settings"]
 

@@ -1,0 +1,158 @@
+"""AReaL 1.0.4's ``StalenessManager`` interface driven by the protocol (:class:`ProtocolStalenessManager`),
+the piece of ``staleflow_protocol.bindings.areal`` that AReaL's dispatcher calls."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+from areal.api import RolloutStat
+from areal.infra import workflow_context
+
+from ..locked import LockedStalenessManager
+
+
+class ProtocolStalenessManager:
+    """AReaL's ``StalenessManager`` interface driven by the protocol (thread-safe).
+
+    AReaL calls it from its producer thread (``get_capacity``, ``on_rollout_submitted``), from the
+    event loop running the episodes (``on_rollout_accepted`` / ``rejected``) and from the trainer's
+    thread. ``version_provider`` is the inference engine or controller (``get_version()``).
+    ``consumes=False`` marks a rank that never consumes (SPMD mode under model parallelism: only
+    data-parallel heads draw prompts, the other ranks of a head's group receive its batch).
+    """
+
+    def __init__(self, protocol: LockedStalenessManager, version_provider: Any, max_concurrent_rollouts: Optional[int] = None,
+                 consumes: bool = True) -> None:
+        self.protocol = protocol
+        self.version_provider = version_provider
+        self.max_concurrent_rollouts = max_concurrent_rollouts
+        self.consumes = consumes
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._stat = RolloutStat()
+        self._unreserved = 0  # submitted to the runner, episode not started: capacity they will take
+        self._started: set[int] = set()  # tasks whose episode asked for a reservation
+        self._reserved: set[int] = set()  # tasks the protocol admitted
+        self._finished: set[int] = set()  # tasks whose result AReaL has (accepted or rejected)
+        self._rejected: list[tuple[int, bool]] = []  # (task, refused at start) to collect
+        self._errors: list[BaseException] = []
+
+    # ------------------------------------------------------------- AReaL's StalenessManager API
+    def get_pending_limit(self) -> int:
+        """At most this many tasks wait for admission: all the protocol can ever hold."""
+        return self.protocol.capacity(self.protocol.eta)
+
+    def get_capacity(self) -> int:
+        """New episodes the protocol would admit now at the engine's version (minus those starting)."""
+        version = min(int(self.version_provider.get_version()), self.protocol.version)
+        slack = self.protocol.reserve_slack(version)
+        with self._lock:
+            capacity = slack - self._unreserved
+            if self.max_concurrent_rollouts:
+                capacity = min(capacity, self.max_concurrent_rollouts - self._stat.running)
+            return capacity
+
+    def on_rollout_enqueued(self) -> None:
+        with self._lock:
+            self._stat.enqueued += 1
+
+    def on_rollout_submitted(self) -> None:
+        with self._lock:
+            self._stat.enqueued -= 1
+            self._stat.running += 1
+            self._unreserved += 1
+
+    def on_rollout_accepted(self) -> None:
+        """The episode returned a trajectory that ``should_accept_fn`` kept: the group is done."""
+        self._finish(workflow_context.get().task_id, accepted=True)
+
+    def on_rollout_rejected(self) -> None:
+        """The episode returned None, was filtered, failed, or was refused admission."""
+        self._finish(workflow_context.get().task_id, accepted=False)
+
+    def on_version_recovered(self, version: int) -> None:
+        """AReaL's resume hook (RLTrainer calls it after recover, on every rank): the protocol must match.
+        A rank that never consumes has an idle protocol at version 0 whatever the step: it must hold
+        nothing, and there is nothing to match."""
+        if not self.consumes:
+            if self.protocol.version != 0 or len(self.protocol):
+                raise ValueError(f"a rank that never consumes has a protocol at version {self.protocol.version} "
+                                 f"holding {len(self.protocol)} group(s): it was used for training")
+            return
+        if version != self.protocol.version:
+            raise ValueError(
+                f"recovered model version {version} but the protocol is at {self.protocol.version}: "
+                "restore the protocol snapshot saved with the checkpoint (RecoverableLoader)"
+            )
+
+    def get_stats(self) -> RolloutStat:
+        with self._lock:
+            s = self._stat
+            return RolloutStat(accepted=s.accepted, enqueued=s.enqueued, rejected=s.rejected, running=s.running)
+
+    # ------------------------------------------------------------- protocol side
+    def admit(self, task_id: int, version: int) -> bool:
+        """Reserve the group of ``task_id`` at ``version`` (when its episode starts)."""
+        with self._lock:
+            if task_id not in self._started:
+                self._started.add(task_id)
+                self._unreserved -= 1
+        try:
+            admitted = self.protocol.reserve(task_id, version)
+        except Exception as error:  # e.g. an engine ahead of the trainer: surface it to the trainer
+            with self._changed:
+                self._errors.append(error)
+                self._changed.notify_all()
+            raise
+        if admitted:
+            with self._lock:
+                self._reserved.add(task_id)
+        return admitted
+
+    def _finish(self, task_id: Optional[int], accepted: bool) -> None:
+        with self._lock:
+            self._stat.running -= 1
+            self._stat.accepted += accepted
+            self._stat.rejected += not accepted
+            # an episode that never asked for admission (evaluation) is not the protocol's
+            wrapped = task_id in self._started
+            if task_id is not None and not wrapped:
+                self._unreserved -= 1
+            reserved = task_id in self._reserved
+        if task_id is None or not wrapped:
+            return
+        if reserved:
+            with self.protocol.locked() as manager:  # consume may have dropped it meanwhile
+                if task_id in manager:
+                    (manager.occupy if accepted else manager.abort)(task_id)
+        with self._changed:
+            self._finished.add(task_id)
+            if not accepted:
+                self._rejected.append((task_id, not reserved))
+            self._changed.notify_all()
+
+    def wait_for_change(self, timeout: float) -> None:
+        with self._changed:
+            self._changed.wait(timeout)
+
+    def raise_errors(self) -> None:
+        with self._lock:
+            if self._errors:
+                raise RuntimeError(f"protocol error in a rollout: {self._errors[0]}") from self._errors[0]
+
+    def take_rejected(self) -> list[tuple[int, bool]]:
+        """Finished tasks without a trajectory to train: ``(task id, refused at episode start)``."""
+        with self._lock:
+            rejected, self._rejected = self._rejected, []
+            return rejected
+
+    def is_finished(self, task_id: int) -> bool:
+        with self._lock:
+            return task_id in self._finished
+
+    def forget(self, task_id: int) -> None:
+        """Drop the bookkeeping of a task whose result has been collected."""
+        with self._lock:
+            for tasks in (self._started, self._reserved, self._finished):
+                tasks.discard(task_id)
