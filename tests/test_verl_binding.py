@@ -388,3 +388,44 @@ def test_a_hundred_rollouter_callers_never_stall_the_queue_hosted_as_verl_hosts_
     assert [step for step, _ in trained] == [step for step in range(steps) for _ in range(4)]
     assert all(s["version"] <= step <= s["version"] + 1 for step, s in trained)
     assert len({s["id"] for _, s in trained}) == steps * 4
+
+
+def _dropin_run(python: str, env: dict[str, str], mode: str, out: Path, total: int) -> list[dict[str, Any]]:
+    """tests/verl_dropin_run.py in verl's venv; the local steps it trained (all runs into ``out`` so far)."""
+    script = Path(__file__).resolve().parent / "verl_dropin_run.py"
+    done = subprocess.run([python, str(script), mode, str(out), str(total)], capture_output=True, text=True, check=False,
+                          timeout=1200, cwd=out.parent, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return [json.loads(line) for line in (out / "trained.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.verl
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # three runs of verl's task runner, each starting four Ray processes that import verl
+def test_verls_own_fully_async_main_with_the_drop_in_keeps_the_bound_on_the_loaded_weights(
+        verl_python: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+    """verl's ``fully_async_main`` path (its task runner, Ray actors, weight-push order, checkpoints)
+    with ``use_protocol`` and verl's default concurrency (16 samples per replica), GPU parts stood
+    in (tests/verl_dropin_run.py): 100 prompts (6 versions of 16), then a resume from verl's
+    ``global_step_6`` folder to 200. Every sample is trained within eta of the version it reserved
+    under, and that version is never newer than the weights it was generated on; the trace of both
+    runs is accepted. Reserving under the protocol's version instead (raised before the push) puts
+    samples of old weights under newer versions, and the same check catches it."""
+    python, env = verl_python
+    out = tmp_path / "dropin"
+    first = _dropin_run(python, env, "dropin", out, 100)
+    assert [step["version"] for step in first] == [v for v in range(6) for _ in range(4)]
+    assert (out / "ckpt" / "global_step_6" / CHECKPOINT_FILE).exists() and (out / "ckpt" / "global_step_6" / "data.pt").exists()
+    both = _dropin_run(python, env, "dropin", out, 200)
+    resumed = both[len(first):]
+    assert [step["version"] for step in resumed] == [v for v in range(6, 12) for _ in range(4)]
+    for run in (first, resumed):
+        samples = [(step["version"], *sample) for step in run for sample in step["samples"]]
+        assert len({sample_id for _, sample_id, _, _ in samples}) == len(samples) == len(run) * 4
+        assert all(reserved <= version <= reserved + 1 for version, _, reserved, _ in samples), samples
+        assert all(reserved <= weights for _, _, reserved, weights in samples), "reserved under a newer version than its weights"
+    checked = subprocess.run([python, "-m", "staleflow_protocol.check", str(out / "trace.jsonl")], capture_output=True, text=True,
+                             check=False, timeout=120, cwd=tmp_path, env=env)
+    assert checked.returncode == 0 and "2 segment" in checked.stdout, checked.stdout + checked.stderr
+    label = _dropin_run(python, env, "label", tmp_path / "label", 100)
+    assert any(reserved > weights for step in label for _, reserved, weights in step["samples"])
