@@ -23,9 +23,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from staleflow.protocol.bindings.verl import CHECKPOINT_FILE, ProtocolMessageQueue, protocol_settings
+from staleflow.protocol.bindings.verl import CHECKPOINT_FILE, Admission, ProtocolMessageQueue, protocol_settings, wait_admitted
 from staleflow.protocol.check import check_trace
 from staleflow.protocol.trace import JsonlTraceWriter, read_trace
 
@@ -105,7 +106,7 @@ def test_a_checkpoint_of_another_parameter_version_is_refused(tmp_path: Path) ->
             await queue.load_checkpoint(str(tmp_path), param_version=3)
         with pytest.raises(InvalidVersionError, match="one protocol batch must be one parameter version"):
             await queue.param_synced(1)
-        assert await queue.reserve("s0", 0)
+        assert await queue.try_reserve("s0", 0) is Admission.ADMITTED
         with pytest.raises(InvalidGroupIdError, match="put_sample needs the sample_id"):
             await queue.put_sample({"id": "s0"})
         assert (await queue.get_statistics())["active"] == 1 and await queue.get_queue_size() == 0
@@ -123,14 +124,16 @@ def test_get_sample_hands_out_exactly_the_consumed_ids_and_late_samples_are_refu
     queue = ProtocolMessageQueue(eta=0, batch_size=2, redundancy=1)
 
     async def go() -> None:
-        assert [await queue.reserve(g, 0) for g in "abc"] == [True, True, True]
-        assert not await queue.reserve("d", 0, timeout=0.01)  # buffer 0 is full: waits, times out
+        assert [await queue.try_reserve(g, 0) for g in "abc"] == [Admission.ADMITTED] * 3
+        assert await queue.try_reserve("d", 0) is Admission.WAIT  # buffer 0 is full: no room now
+        assert not await wait_admitted(queue.try_reserve, "d", 0, timeout=0.01)  # the caller waits, times out
         for g in "ba":
             assert await queue.put_sample({"id": g}, sample_id=g)
         assert [(await queue.get_sample())[0]["id"] for _ in range(2)] == ["b", "a"]  # type: ignore[index]
         assert await queue.param_synced(1) == ["c"]  # c was due in batch 0: dropped
         assert not await queue.put_sample({"id": "c"}, sample_id="c") and queue.refused_late == 1
-        assert not await queue.reserve("e", 0)  # version 0 is past every deadline: sync first
+        assert await queue.try_reserve("e", 0) is Admission.STALE  # version 0 is past every deadline: sync first
+        assert not await wait_admitted(queue.try_reserve, "e", 0)
         waiting = asyncio.ensure_future(queue.get_sample())  # the trainer waits for batch 1 ...
         await asyncio.sleep(0.01)
         assert not waiting.done()
@@ -181,16 +184,16 @@ def test_get_batch_waits_on_when_a_stale_reserve_disables_consume_after_the_wake
 
     async def go(turns: int) -> None:
         queue = ProtocolMessageQueue(eta=1, batch_size=1)
-        assert await queue.reserve("x", 0) and await queue.put_sample("x", sample_id="x")
+        assert await queue.try_reserve("x", 0) is Admission.ADMITTED and await queue.put_sample("x", sample_id="x")
         assert (await queue.get_batch()).batch.group_ids == ("x",)  # type: ignore[union-attr]
         waiting = asyncio.ensure_future(queue.get_batch())
         await asyncio.sleep(0.01)
-        assert await queue.reserve("a", 1) and await queue.put_sample("a", sample_id="a")  # wakes get_batch
+        assert await queue.try_reserve("a", 1) is Admission.ADMITTED and await queue.put_sample("a", sample_id="a")  # wakes get_batch
         for _ in range(turns):  # the waiter sees consume enabled; get_batch has not run yet
             await asyncio.sleep(0)
         if waiting.done():
             return  # get_batch ran first: nothing to race with
-        assert await queue.reserve("b", 0)  # b is due in batch 1 and still running
+        assert await queue.try_reserve("b", 0) is Admission.ADMITTED  # b is due in batch 1 and still running
         assert not queue.manager.can_consume()
         await asyncio.sleep(0.01)
         assert not waiting.done()
@@ -269,7 +272,7 @@ def test_verls_own_rollouter_and_trainer_code_with_the_protocol_queue(verl_pytho
 @pytest.mark.ray
 def test_the_queue_as_verl_hosts_its_own_an_async_ray_actor_killed_and_resumed(ray_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """``ray.remote(num_cpus=1, max_concurrency=20)(ProtocolMessageQueue)``, as verl hosts its
-    ``MessageQueue``: four rollouter workers reserve (waiting inside the actor until admitted) at the
+    ``MessageQueue``: four rollouter workers reserve (waiting on their side until admitted) at the
     current parameter version, generate for a random, long-tailed time across syncs and put their
     samples; the trainer takes its batches with ``get_sample`` and calls ``param_synced``. After step
     9 the trainer saves verl's ``global_step_10`` folder, the actor is killed with generations in
@@ -294,7 +297,7 @@ def test_the_queue_as_verl_hosts_its_own_an_async_ray_actor_killed_and_resumed(r
             rng = random.Random(worker + first_step)
             while True:
                 sample_id, started = f"sample_{next(counter)}", param_version
-                if not await queue.reserve.remote(sample_id, started):
+                if not await wait_admitted(queue.try_reserve.remote, sample_id, started):
                     await asyncio.sleep(0.001)  # too old: wait for the parameter sync
                     continue
                 await asyncio.sleep(rng.choice([0.001, 0.002, 0.004, 0.03]))  # generate; some outlast a sync
@@ -333,3 +336,96 @@ def test_the_queue_as_verl_hosts_its_own_an_async_ray_actor_killed_and_resumed(r
     segments = read_trace(trace)
     assert len(segments) == 2
     assert sorted(e.batch.version for seg in segments for e in seg.events if e.batch is not None) == list(range(20))
+
+
+@pytest.mark.ray
+def test_a_hundred_rollouter_callers_never_stall_the_queue_hosted_as_verl_hosts_its_own(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """verl hosts its ``MessageQueue`` with ``max_concurrency=20``. A ``reserve`` that waited inside the
+    actor held one of those 20 slots: with 24 callers or more every slot was a waiting reserve,
+    ``put_sample`` and ``get_sample`` never ran, and the run stalled at step 0 (100 callers: no batch in
+    30 s). ``try_reserve`` answers at once and the callers wait on their side (``wait_admitted``),
+    reading the version their weights are on at every ask; 100 of them run 10 steps of 4 samples
+    within the bound, each id trained once."""
+    ray = ray_cluster
+    queue = ray.remote(num_cpus=1, max_concurrency=20)(ProtocolMessageQueue).remote(eta=1, batch_size=4)
+    callers, steps, state = 100, 10, {"version": 0, "step": 0}
+    trained: list[tuple[int, dict[str, Any]]] = []
+
+    async def rollouter(worker: int) -> None:
+        for n in range(10**6):
+            sample_id, asked = f"sample_{worker}_{n}", []
+
+            def loaded_version(asked: list[int] = asked) -> int:  # the rollouter's weights, read at every ask
+                asked.append(state["version"])
+                return asked[-1]
+
+            await wait_admitted(queue.try_reserve.remote, sample_id, loaded_version)
+            started = asked[-1]  # the version of the ask that admitted it
+            await asyncio.sleep(0.001 * (worker % 5))  # generate
+            await queue.put_sample.remote({"id": sample_id, "version": started}, sample_id=sample_id)
+
+    async def trainer() -> None:
+        for step in range(steps):
+            for _ in range(4):
+                sample, _queued = await queue.get_sample.remote()
+                trained.append((step, sample))
+            state["version"] = state["step"] = step + 1  # the replicas get the new weights
+            await queue.param_synced.remote(step + 1)
+
+    async def run() -> None:
+        workers = [asyncio.ensure_future(rollouter(k)) for k in range(callers)]
+        try:
+            await asyncio.wait_for(trainer(), 60)
+        except TimeoutError:
+            pytest.fail(f"{callers} reserve callers stalled the queue at step {state['step']} (no batch in 60 s)")
+        finally:
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+
+    asyncio.run(run())
+    ray.kill(queue)
+    assert [step for step, _ in trained] == [step for step in range(steps) for _ in range(4)]
+    assert all(s["version"] <= step <= s["version"] + 1 for step, s in trained)
+    assert len({s["id"] for _, s in trained}) == steps * 4
+
+
+def _dropin_run(python: str, env: dict[str, str], mode: str, out: Path, total: int) -> list[dict[str, Any]]:
+    """tests/verl_dropin_run.py in verl's venv; the local steps it trained (all runs into ``out`` so far)."""
+    script = Path(__file__).resolve().parent / "verl_dropin_run.py"
+    done = subprocess.run([python, str(script), mode, str(out), str(total)], capture_output=True, text=True, check=False,
+                          timeout=1200, cwd=out.parent, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return [json.loads(line) for line in (out / "trained.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.verl
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # three runs of verl's task runner, each starting four Ray processes that import verl
+def test_verls_own_fully_async_main_with_the_drop_in_keeps_the_bound_on_the_loaded_weights(
+        verl_python: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+    """verl's ``fully_async_main`` path (its task runner, Ray actors, weight-push order, checkpoints)
+    with ``use_protocol`` and verl's default concurrency (16 samples per replica), GPU parts stood
+    in (tests/verl_dropin_run.py): 100 prompts (6 versions of 16), then a resume from verl's
+    ``global_step_6`` folder to 200. Every sample is trained within eta of the version it reserved
+    under, and that version is never newer than the weights it was generated on; the trace of both
+    runs is accepted. Reserving under the protocol's version instead (raised before the push) puts
+    samples of old weights under newer versions, and the same check catches it."""
+    python, env = verl_python
+    out = tmp_path / "dropin"
+    first = _dropin_run(python, env, "dropin", out, 100)
+    assert [step["version"] for step in first] == [v for v in range(6) for _ in range(4)]
+    assert (out / "ckpt" / "global_step_6" / CHECKPOINT_FILE).exists() and (out / "ckpt" / "global_step_6" / "data.pt").exists()
+    both = _dropin_run(python, env, "dropin", out, 200)
+    resumed = both[len(first):]
+    assert [step["version"] for step in resumed] == [v for v in range(6, 12) for _ in range(4)]
+    for run in (first, resumed):
+        samples = [(step["version"], *sample) for step in run for sample in step["samples"]]
+        assert len({sample_id for _, sample_id, _, _ in samples}) == len(samples) == len(run) * 4
+        assert all(reserved <= version <= reserved + 1 for version, _, reserved, _ in samples), samples
+        assert all(reserved <= weights for _, _, reserved, weights in samples), "reserved under a newer version than its weights"
+    checked = subprocess.run([python, "-m", "staleflow_protocol.check", str(out / "trace.jsonl")], capture_output=True, text=True,
+                             check=False, timeout=120, cwd=tmp_path, env=env)
+    assert checked.returncode == 0 and "2 segment" in checked.stdout, checked.stdout + checked.stderr
+    label = _dropin_run(python, env, "label", tmp_path / "label", 100)
+    assert any(reserved > weights for step in label for _, reserved, weights in step["samples"])

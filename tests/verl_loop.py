@@ -22,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from staleflow.protocol.bindings.verl import Admission
+
 
 @dataclass
 class Sample:
@@ -114,6 +116,13 @@ class FakeEngine:
         return None if filtered else Sample(sample_id, started)
 
 
+async def admitted(queue: Any, sample_id: str, version: int) -> bool:
+    """One ask: the protocol queue's non-blocking ``try_reserve``, or verl's count (it waits)."""
+    if isinstance(queue, VerlCountControl):
+        return await queue.reserve(sample_id, version)
+    return await queue.try_reserve(sample_id, version) is Admission.ADMITTED
+
+
 async def run_loop(queue: Any, engine: FakeEngine, steps: int, *, max_concurrent: int, start_step: int = 0,
                    epoch: int = 0, train_turns: int = 8, on_step: Any = None) -> RunResult:
     """Run ``steps`` trainer steps; ``queue`` is a ProtocolMessageQueue (its get_batch gives a
@@ -139,8 +148,8 @@ async def run_loop(queue: Any, engine: FakeEngine, steps: int, *, max_concurrent
             sample_id = f"sample_{epoch}_{n}"
             n += 1
             await slots.acquire()
-            while not await queue.reserve(sample_id, engine.version):
-                await asyncio.sleep(0)  # refused: the replicas are too old; wait for the sync
+            while not await admitted(queue, sample_id, engine.version):
+                await asyncio.sleep(0)  # no room, or the replicas are too old: ask again next turn
             tasks[sample_id] = asyncio.ensure_future(generate(sample_id))
 
     feeder = asyncio.ensure_future(processor())

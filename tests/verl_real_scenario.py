@@ -43,7 +43,7 @@ def plain_class(actor_class: Any) -> Any:
     return actor_class.__ray_metadata__.modified_class if hasattr(actor_class, "__ray_metadata__") else actor_class
 
 
-from staleflow_protocol.bindings.verl import ProtocolMessageQueue, protocol_settings
+from staleflow_protocol.bindings.verl import Admission, ProtocolMessageQueue, protocol_settings
 from staleflow_protocol.trace import JsonlTraceWriter
 
 ETA, REQUIRED, STEPS = 1, 4, 50
@@ -66,8 +66,8 @@ class ProtocolRollouter(plain_class(FullyAsyncRollouter)):  # type: ignore[misc]
 
     async def _process_single_sample_streaming(self, rollout_sample: RolloutSample) -> None:
         sample_id = rollout_sample.sample_id
-        while not await self.message_queue_client.reserve(sample_id, self.engine.version):
-            await asyncio.sleep(0)  # too old for the protocol: wait for the parameter sync
+        while await self.message_queue_client.try_reserve(sample_id, self.engine.version) is not Admission.ADMITTED:
+            await asyncio.sleep(0)  # no room, or too old for the protocol: ask again next turn
         generated = await self.async_rollout_manager.generate_sequences_single(rollout_sample.full_batch)
         if generated.filtered:
             await self.message_queue_client.abort(sample_id)

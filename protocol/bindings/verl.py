@@ -27,9 +27,10 @@ a sample started on parameter version ``v`` is trained in the batch of version `
 ``get_queue_size``, ``get_statistics``, ``clear_queue``, ``shutdown``, ``put_validate``,
 ``get_validate``) and three more for the rollouter and the trainer:
 
-- ``reserve(sample_id, version)`` before the rollouter starts a generation (it waits, without
-  polling, until the protocol admits the sample; False when the version is too old or the timeout
-  passed: sync first);
+- ``try_reserve(sample_id, version)`` before the rollouter starts a generation: it never waits
+  (``Admission.ADMITTED``, ``WAIT`` or ``STALE``: the version is too old, sync first); the caller
+  waits with :func:`wait_admitted` (the drop-in's client does), so a waiting rollouter holds none of
+  the actor's ``max_concurrency`` slots and ``put_sample`` / ``get_sample`` always get one;
 - ``put_sample(sample, sample_id=...)`` stores the finished sample under its id (False, like
   verl's "dropped", when the protocol had dropped it: its deadline passed), ``abort(sample_id)``
   for a failed or filtered generation;
@@ -45,8 +46,10 @@ a sample started on parameter version ``v`` is trained in the batch of version `
 
 Host it as verl hosts its queue: ``ray.remote(num_cpus=1, max_concurrency=20)(ProtocolMessageQueue)``
 (all its methods are ``async``, so Ray runs them on one event loop and the plain, single-threaded
-:class:`~.manager.StalenessManager` is safe), or call it directly from one asyncio loop.
-:func:`protocol_settings` turns verl's ``async_training`` numbers into ``eta`` and ``batch_size``.
+:class:`~..manager.StalenessManager` is safe; only the trainer's ``get_sample`` waits inside the
+actor), or call it directly from one asyncio loop. :func:`protocol_settings` turns verl's
+``async_training`` numbers into ``eta`` and ``batch_size``; ``.verl_dropin`` (it imports verl) plugs
+all of this into verl's own ``fully_async_main``.
 This module needs nothing but the standard library; it imports nothing from verl.
 """
 
@@ -56,16 +59,18 @@ import asyncio
 import json
 import math
 import os
+import random
 from collections import deque
-from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
+from enum import Enum
+from typing import Any, Awaitable, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple, Union
 
-from ..errors import InvalidGroupIdError, InvalidParameterError, InvalidVersionError, SnapshotError, StaleVersionError
+from ..errors import InvalidGroupIdError, InvalidParameterError, InvalidVersionError, SnapshotError
 from ..events import ConsumedBatch, GroupId
 from ..manager import StalenessManager
 from ..trace_file import TraceFile
 from ..waiting import AsyncWaiter
 
-__all__ = ["CHECKPOINT_FILE", "ProtocolMessageQueue", "ProtocolSettings", "TrainBatch", "protocol_settings"]
+__all__ = ["CHECKPOINT_FILE", "Admission", "ProtocolMessageQueue", "ProtocolSettings", "TrainBatch", "protocol_settings", "wait_admitted"]
 
 #: The protocol snapshot's file name in verl's ``global_step_N`` checkpoint folder.
 CHECKPOINT_FILE = "staleflow_protocol.json"
@@ -88,6 +93,41 @@ def protocol_settings(ppo_mini_batch_size: int, require_batches: int, trigger_pa
     if staleness_threshold < 0:
         raise InvalidParameterError(f"staleness_threshold must be >= 0, got {staleness_threshold}")
     return ProtocolSettings(math.ceil(staleness_threshold), ppo_mini_batch_size * require_batches * trigger_parameter_sync_step)
+
+
+class Admission(str, Enum):
+    """The answer of :meth:`ProtocolMessageQueue.try_reserve`."""
+
+    ADMITTED = "admitted"
+    WAIT = "wait"
+    STALE = "stale"
+
+
+#: ``try_reserve(sample_id, version)``: the queue's method, a Ray actor's ``try_reserve.remote`` or a client's.
+TryReserve = Callable[[GroupId, int], Awaitable[Admission]]
+
+
+async def wait_admitted(try_reserve: TryReserve, sample_id: GroupId, version: Union[int, Callable[[], int]],
+                        timeout: Optional[float] = None, max_backoff: float = 0.05) -> bool:
+    """Reserve on the caller's side: ask ``try_reserve`` until the sample is admitted (True) or
+    ``timeout`` seconds passed (False), sleeping between asks from 1 ms, doubling up to
+    ``max_backoff`` seconds, with jitter (callers refused together do not ask again together).
+
+    ``version``: the parameter version the sample's generation will start on; a fixed number (False
+    once it is stale: sync first) or a function read at every ask, such as the version of the
+    weights the rollouter has loaded (a stale answer then waits for the sync that raises it)."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    delay = 0.001
+    while True:
+        answer = await try_reserve(sample_id, version() if callable(version) else version)
+        if answer is Admission.ADMITTED:
+            return True
+        if (answer is Admission.STALE and not callable(version)) or (deadline is not None and loop.time() >= deadline):
+            return False
+        pause = delay * random.uniform(0.5, 1.0)
+        await asyncio.sleep(pause if deadline is None else max(0.0, min(pause, deadline - loop.time())))
+        delay = min(2 * delay, max_backoff)
 
 
 class TrainBatch(NamedTuple):
@@ -145,18 +185,17 @@ class ProtocolMessageQueue:
         return self._stopped_or_none
 
     # ----------------------------------------------------------------- rollouter side
-    async def reserve(self, sample_id: GroupId, version: int, timeout: Optional[float] = None) -> bool:
-        """Admit ``sample_id`` before its generation starts on parameter ``version``: waits until the
-        protocol has room; False if ``version`` can never be admitted again (sync the replicas
-        first) or ``timeout`` seconds passed."""
+    async def try_reserve(self, sample_id: GroupId, version: int) -> Admission:
+        """Admit ``sample_id`` before its generation starts on parameter ``version``, without waiting:
+        ``ADMITTED``, ``WAIT`` (no room now: ask again later) or ``STALE`` (``version`` can never be
+        admitted again: sync the replicas first). The waiting is the caller's (:func:`wait_admitted`),
+        so no number of rollouter callers can fill the actor's ``max_concurrency`` slots."""
         self.trace.start(self.manager)
-        while not self.manager.reserve(sample_id, version):
-            try:
-                if not await self._waiter.wait_admissible(version, timeout):
-                    return False
-            except StaleVersionError:
-                return False
-        return True
+        if version + self.manager.eta < self.manager.version:
+            return Admission.STALE
+        if self.manager.reserve_slack(version) > 0 and self.manager.reserve(sample_id, version):
+            return Admission.ADMITTED
+        return Admission.WAIT
 
     async def put_sample(self, sample: Any, sample_id: Optional[GroupId] = None) -> bool:
         """Store a finished sample under its id; False if the protocol dropped it meanwhile (throw it
