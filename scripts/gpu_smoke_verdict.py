@@ -69,7 +69,7 @@ def judge(outcome: Outcome, steps: int) -> Judgement:
         return Judgement(outcome.backend, "fail", [killed], None)
     reasons = [] if outcome.returncode == 0 else [f"exited with status {outcome.returncode}"]
     if any(line.startswith(SKIPPED + outcome.backend) for line in mine) and not reasons:
-        return Judgement(outcome.backend, "skipped", [mine[-1][len(SKIPPED):]], None)
+        return Judgement(outcome.backend, "skipped", [mine[-1][len(SKIPPED + outcome.backend + ": "):]], None)
     if any(line.startswith(DRY_RUN + outcome.backend + ":") for line in mine):
         return Judgement(outcome.backend, "fail" if reasons else "pass", reasons, None)
     figures = [json.loads(line[len(FIGURES):]) for line in mine if line.startswith(FIGURES)]
