@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true")
     args, rest = parser.parse_known_args(argv)
     backends = [args.backend] if args.backend else list(BACKENDS)
-    refused = gpu_smoke_preflight.main(["--backends", ",".join(backends), "--device", args.device,
-                                        "--wheels", str(args.wheels)])
+    needs = "cpu" if args.dry_run else args.device  # a dry run imports only: no GPU needed
+    refused = gpu_smoke_preflight.main(["--backends", ",".join(backends), "--device", needs, "--wheels", str(args.wheels)])
     if refused:
         return refused
     trainer = str(Path(__file__).with_name("gpu_smoke_trainer.py"))
