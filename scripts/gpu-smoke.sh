@@ -10,10 +10,16 @@
 #                                    prints GPU-SMOKE-RUN {json} (tokens/s, seconds per weight sync)
 #   scripts/gpu-smoke.sh --plan   on any machine: the whole run's resolved config and placement plan
 #   scripts/gpu-smoke.sh --trainer-only   the trainer check for one GPU without vLLM or Ray (under 6 minutes):
-#                                 bf16 FSDP world size 1, the plain torch backend, Megatron world size 1,
-#                                 SMOKE_STEPS (12) steps each; one GPU-SMOKE-TRAINER {json} line per backend
-#                                 (tokens/s, MFU, peak GPU memory, checkpoint -> bf16 export -> transformers;
-#                                 Megatron: the weights its ranks published = the checkpoint's, converted)
+#                                 a preflight (Python >= 3.11, torch and CUDA, transformers >= 5, setuptools,
+#                                 megatron-core for this Python) that stops in seconds naming what is missing;
+#                                 then bf16 FSDP world size 1, the plain torch backend, Megatron world size 1,
+#                                 SMOKE_STEPS (12) steps each, each backend and its ranks ended at its time
+#                                 limit (SMOKE_BACKEND_LIMIT_S 110, all SMOKE_TOTAL_S 330); one GPU-SMOKE-TRAINER
+#                                 {json} line per backend (tokens/s, MFU on this GPU's peak, peak GPU memory,
+#                                 checkpoint -> bf16 export -> transformers; Megatron: the weights its ranks
+#                                 published = the checkpoint's, converted); the verdict read from those lines:
+#                                 a `gpu-smoke verdict:` line per backend, GPU-SMOKE-VERDICT {json}; exit 0 ok,
+#                                 1 a backend failed, 2 the preflight refused
 #   scripts/gpu-smoke.sh --trainer-only --dry-run   the same three import paths only (any machine)
 #   scripts/gpu-smoke.sh --trainer-only --device cpu --size tiny --steps 2   the three on a CPU (Megatron: imports)
 #   scripts/gpu-smoke.sh --trainer-only --backend megatron [--world-size 2 --tensor-parallel 2]   one backend only
@@ -22,10 +28,11 @@
 # (it is the package), and the small packages the trainer path needs that the machine lacks are
 # installed from a local wheel folder, WHEELS (default ./wheels; no network needed), into the
 # smoke folder. Bring them with, on a machine with the registry:
-#   pip download --no-deps -d wheels megatron-core==0.16.1    # 2.6 MB; needs numpy and packaging only
-# The rest of the path needs torch, transformers (with its tokenizers, numpy, pyyaml) and
-# safetensors: the check machine's, used as they are. Without the wheel, Megatron is skipped and
-# the check ends non-zero, saying so.
+#   pip download --no-deps -d wheels megatron-core==0.16.1    # 2.6 MB; needs numpy, packaging, setuptools
+# (add --only-binary=:all: --python-version 3.12 for a Python other than the downloading one's).
+# The rest of the path needs torch, transformers >= 5 (with its tokenizers, numpy, pyyaml) and
+# safetensors: the check machine's, used as they are. Without the wheel the preflight stops, naming
+# it (exit 2); `--backend fsdp` (or torch) checks one backend without Megatron.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
@@ -43,7 +50,8 @@ bring_trainer_path() {
   fi
   local wheels="${WHEELS:-$repo/wheels}" missing=() entry
   for entry in "${SMALL_WHEELS[@]}"; do
-    "$PYTHON" -c "import ${entry%%:*}" 2>/dev/null || missing+=("${entry#*:}")
+    # find_spec: installed or not, without importing it (the preflight imports it and names any error)
+    "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec(sys.argv[1]) is None)" "${entry%%:*}" 2>/dev/null || missing+=("${entry#*:}")
   done
   ((${#missing[@]})) || return 0
   if ! compgen -G "$wheels/*.whl" >/dev/null; then
@@ -59,22 +67,10 @@ bring_trainer_path() {
   fi
 }
 
-# The three trainer backends one after the other, or one backend when --backend is given.
+# The trainer backends, each under a time limit with its ranks, after a preflight; the verdict from their lines.
 trainer_only() {
   bring_trainer_path
-  if [[ " $* " == *" --backend "* ]]; then exec "$PYTHON" scripts/gpu_smoke_trainer.py --out "$out/trainer" "$@"; fi
-  local started=$SECONDS backend failed=()
-  for backend in fsdp torch megatron; do
-    echo "== gpu-smoke trainer: $backend (world size 1) =="
-    if [[ $backend == megatron ]] && ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
-      echo "gpu-smoke: megatron SKIPPED: megatron-core is not importable (bring its wheel: see the top of this script)" >&2
-      failed+=("megatron (no megatron-core)"); continue
-    fi
-    "$PYTHON" scripts/gpu_smoke_trainer.py --out "$out/trainer" --backend "$backend" --world-size 1 \
-      --steps "${SMOKE_STEPS:-12}" "$@" || failed+=("$backend")
-  done
-  echo "gpu-smoke trainer-only: $((SECONDS - started)) s${failed:+, FAILED: ${failed[*]}}"
-  ((${#failed[@]} == 0))
+  exec "$PYTHON" scripts/gpu_smoke_run.py --out "$out/trainer" --wheels "${WHEELS:-$repo/wheels}" "$@"
 }
 model="$out/model-100m"
 run=(

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpu_smoke_verdict import FIGURES, figure_problems
+
 
 def build_model(folder: Path, size: str) -> Path:
     import torch
@@ -48,22 +50,23 @@ def build_model(folder: Path, size: str) -> Path:
     return folder
 
 
-#: dense bf16 peak FLOP/s by GPU name (NVIDIA data sheets, SXM parts, without sparsity)
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
 #: what the trainer-only path must not need: the GPU check machine has neither
 ROLLOUT_PACKAGES = ("ray", "vllm")
 
 
-def peak_flops(device: str, override_tflops: float | None) -> float | None:
-    """The device's dense bf16 peak in FLOP/s (``--peak-tflops``, else by GPU name; None: unknown)."""
-    if override_tflops is not None:
-        return override_tflops * 1e12
-    if device != "cuda":
-        return None
-    import torch
+def peak_flops(gpu_name: str | None, override_tflops: float | None) -> tuple[float | None, str]:
+    """The dense bf16 peak FLOP/s for MFU (``--peak-tflops``, else by the GPU's exact name; None: not
+    known) and what it was taken from, or why there is none."""
+    from staleflow.runtime.settings.cost_prior import DEVICES, device_for_gpu_name
 
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+    if override_tflops is not None:
+        return override_tflops * 1e12, "--peak-tflops"
+    if gpu_name is None:
+        return None, "no GPU: MFU is for GPUs"
+    device = device_for_gpu_name(gpu_name)
+    if device is None:
+        return None, f"no peak FLOP/s known for {gpu_name!r}: give --peak-tflops"
+    return DEVICES[device].flops, device
 
 
 def import_backend(backend: str) -> None:
@@ -137,7 +140,7 @@ def main() -> int:
         print("gpu-smoke: no CUDA device (use --device cpu --size tiny for the CPU self-check)", file=sys.stderr)
         return 2
     if args.backend == "megatron" and args.device != "cuda":
-        print("gpu-smoke: megatron trains on CUDA only; its imports are checked (--dry-run), its run needs a GPU", file=sys.stderr)
+        print("GPU-SMOKE-SKIPPED megatron: trains on CUDA only; its imports are checked, its run needs a GPU")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     run = args.out / "run"
@@ -185,7 +188,10 @@ def main() -> int:
     (mb,) = micro_batches([seq], 10**6)
     reference = load_causal_lm(run / "model-v0")
     tied = {"lm_head.weight"} if reference.config.tie_word_embeddings else set()
-    missing, unexpected = reference.load_state_dict(trained, strict=False)  # a tied lm_head is the embedding, published or not
+    # the export's values: each weight rounded to bf16 once (FSDP and Megatron publish bf16 on a GPU
+    # already, the torch backend fp32), so both sides of the log-prob comparison hold the same weights
+    exported_values = {name: tensor.to(torch.bfloat16) for name, tensor in trained.items()}
+    missing, unexpected = reference.load_state_dict(exported_values, strict=False)  # a tied lm_head is the embedding, published or not
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"the published weights do not fit the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
     matches = published_matches_checkpoint(trained, folder / "trainer", reference.config) if args.backend == "megatron" else None
@@ -198,24 +204,25 @@ def main() -> int:
     timed = steps[1:] or steps  # the first step includes warm-up (kernels, allocator)
     parameters = sum(p.numel() for p in reference.parameters())
     tokens_per_s = sum(m["packed_tokens"] for m in timed) / sum(m["train_s"] for m in timed)
-    peak = peak_flops(args.device, args.peak_tflops)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
+    peak, peak_from = peak_flops(gpu, args.peak_tflops)
     in_process_peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0  # the torch backend's
     figures = {
         "size": args.size, "backend": args.backend, "world_size": args.world_size, "device": args.device,
         "parameters": parameters, "startup_s": round(startup, 1),
         "steps": len(steps), "train_tokens_per_s": round(tokens_per_s),
+        "gpu": gpu, "peak_tflops": round(peak / 1e12) if peak else None, "peak_from": peak_from,
         "mfu": round(6 * parameters * tokens_per_s / peak, 4) if peak else None,
         "step_s_mean": round(sum(m["train_s"] for m in timed) / len(timed), 3),
         "gather_s_mean": round(sum(m.get("gather_s", 0.0) for m in timed) / len(timed), 3),
         "gpu_peak_gib_max": round(max(in_process_peak, *(m.get("gpu_peak_gib", 0.0) for m in steps)), 2),
         "export_s": round(export_s, 1), "export_logprob_gap_bf16": float((got - want).abs().max()),
-        "loss_first_last": [round(steps[0]["loss"], 4), round(steps[-1]["loss"], 4)],
+        "losses": [round(m["loss"], 4) for m in steps],
         "published_dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in trained.values()}),
         "published_matches_checkpoint": matches,
     }
-    print("GPU-SMOKE-TRAINER " + json.dumps(figures))
-    ok = figures["export_logprob_gap_bf16"] < 0.5 and all(math.isfinite(m["loss"]) for m in steps) and matches is not False
-    return 0 if ok else 1
+    print(FIGURES + json.dumps(figures))
+    return 1 if figure_problems(figures, args.steps) else 0
 
 
 def published_matches_checkpoint(published: Any, checkpoint: Path, hf_config: Any) -> bool:

@@ -24,3 +24,85 @@ def test_the_trainer_only_check_imports_its_three_backends_without_vllm_or_ray(t
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("GPU-SMOKE-DRY-RUN")]
     assert lines == [f"GPU-SMOKE-DRY-RUN {b}: imports ok without ray or vllm" for b in ("fsdp", "torch", "megatron")]
+
+
+SITECUSTOMIZE_PYTHON_3_10 = "import sys\nsys.version_info = (3, 10, 14, 'final', 0)\n"
+TORCH_WITHOUT_CUDA_LIBS = "raise ImportError('libcudart.so.13: cannot open shared object file: No such file or directory')\n"
+TRANSFORMERS_4 = "__version__ = '4.57.1'\n"
+#: setuptools and what it installs beside it (the distutils shim and its .pth)
+SETUPTOOLS = ("setuptools", "pkg_resources", "_distutils_hack", "distutils-precedence.pth")
+
+
+def python_on(site: Path, tmp_path: Path) -> Path:
+    """A shim interpreter: this Python with ``site`` first on its path."""
+    shim = tmp_path / "python"
+    shim.write_text(f'#!/bin/sh\nPYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
+    shim.chmod(0o755)
+    return shim
+
+
+def package(site: Path, name: str, init: str) -> Path:
+    (site / name).mkdir(parents=True, exist_ok=True)
+    (site / name / "__init__.py").write_text(init)
+    return site
+
+
+def venv_without(tmp_path: Path, *prefixes: str) -> Path:
+    """A virtual environment holding this one's packages except those whose names start with ``prefixes``
+    (each installed entry linked, so .pth files still run): a Python that lacks exactly those."""
+    import site
+    import venv
+
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(tmp_path / "venv")
+    (target,) = (tmp_path / "venv" / "lib").glob("python3.*/site-packages")
+    (source,) = [Path(p) for p in site.getsitepackages() if Path(p).name == "site-packages" and Path(p).is_relative_to(sys.prefix)]
+    for entry in source.iterdir():
+        if not entry.name.lower().startswith(prefixes):
+            (target / entry.name).symlink_to(entry)
+    return tmp_path / "venv" / "bin" / "python"
+
+
+def smoke(python: Path, tmp_path: Path, wheels: Path | None = None) -> subprocess.CompletedProcess[str]:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHON": str(python), "STALEFLOW_SMOKE_DIR": str(tmp_path / "smoke"),
+           "WHEELS": str(wheels or tmp_path / "no-wheels")}
+    return subprocess.run(["bash", "scripts/gpu-smoke.sh", "--trainer-only", "--device", "cpu", "--dry-run"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("missing", "named"), [
+    ("python-3.10", ["Python 3.10 at ", "is too old: StaleFlow needs Python >= 3.11"]),
+    ("torch", ["torch cannot be imported (ImportError: libcudart.so.13: cannot open shared object file"]),
+    ("transformers-4", ["transformers 4.57.1 is too old: the loader and the bf16 export need transformers >= 5"]),
+    ("setuptools", ["setuptools is missing: megatron.core imports it",
+                    "megatron-core is installed but `import megatron.core` fails: ModuleNotFoundError: No module named 'setuptools'"]),
+    ("megatron", ["megatron-core is not installed for Python 3.11 and the wheel folder", "holds none: bring it"]),
+    ("megatron-cp312-wheel-only", ["holds megatron_core-0.16.1-cp312-cp312-manylinux_2_17_x86_64.whl: none of them is "
+                                   "for this Python (cp311): bring the cp311 wheel"]),
+])
+def test_the_preflight_stops_before_any_backend_naming_what_is_missing(tmp_path: Path, missing: str, named: list[str]) -> None:
+    wheels = None
+    if missing == "python-3.10":
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE_PYTHON_3_10)
+        python = python_on(tmp_path / "site", tmp_path)
+    elif missing == "torch":
+        python = python_on(package(tmp_path / "site", "torch", TORCH_WITHOUT_CUDA_LIBS), tmp_path)
+    elif missing == "transformers-4":
+        python = python_on(package(tmp_path / "site", "transformers", TRANSFORMERS_4), tmp_path)
+    elif missing == "setuptools":
+        python = venv_without(tmp_path, *SETUPTOOLS)
+    else:
+        python = venv_without(tmp_path, "megatron")
+        wheels = tmp_path / "wheels"
+        wheels.mkdir()
+        if missing == "megatron-cp312-wheel-only":
+            (wheels / "megatron_core-0.16.1-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    done = smoke(python, tmp_path, wheels)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said[-3000:]
+    assert "gpu-smoke preflight FAILED" in done.stderr
+    for text in named:
+        assert text in done.stderr, said[-3000:]
+    assert "== gpu-smoke trainer" not in done.stdout  # stopped before any backend
+    assert "bring its wheel" not in said
