@@ -393,7 +393,10 @@ def test_restore_rejects_a_non_mapping() -> None:
 #: The peer drop-ins in the light package: each may import its peer system too (only it), and no
 #: other module imports them (``import staleflow_protocol`` needs nothing but the standard library);
 #: a drop-in may import another drop-in for the same peer.
-PEER_DROP_INS = {"areal.py": {"areal"}, "areal_trainer.py": {"areal"}, "verl_dropin.py": {"verl", "ray"}}
+PEER_DROP_INS = {
+    "areal.py": {"areal"}, "areal_batches.py": {"areal"}, "areal_staleness.py": {"areal"}, "areal_trainer.py": {"areal"},
+    "verl_dropin.py": {"verl", "ray"},
+}
 
 
 def test_protocol_imports_only_the_standard_library() -> None:
