@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from skips import require
 
-pytest.importorskip("cosmic_ray")
+require("cosmic_ray", "dev")
 
 from staleflow.bench import mutation
 from staleflow.bench import protocol as protocol_bench

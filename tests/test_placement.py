@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from skips import require
 from staleflow.runtime.settings.config import load_config
 from staleflow.runtime.settings.placement_plan import BundlePlan, GroupPlan, PlacementPlan, missing_resources, plan_placement
 
@@ -166,10 +167,7 @@ def test_tensor_parallel_engines_capture_their_group_and_their_workers_get_one_g
 
 @pytest.mark.ray
 def test_train_exits_2_naming_the_missing_gpus_before_any_engine_starts(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm (cpu-infer extra) is not installed: train refuses earlier")
+    require("vllm", "cpu-infer")  # without it, train refuses earlier
     import ray
     from staleflow.__main__ import main
 
