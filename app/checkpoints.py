@@ -27,13 +27,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 # ------------------------------------------------------------------------------------ checkpoints
 def save_checkpoint(loop: Any, trainer: Any, run_dir: Path, step: int, keep: int) -> Path:
-    """Trainer (model, optimiser), then the loop (protocol, servers, partials); loop state last."""
+    """Trainer (model, optimiser), then the loop (protocol, servers, partials); loop state last. Then
+    the ``keep`` newest complete checkpoints stay and every other folder goes (an incomplete one,
+    left by a run that stopped while writing it, counts for nothing)."""
     folder = run_dir / CHECKPOINTS / f"step-{step:06d}"
     state = loop.state_dict()  # interrupts running requests: their partials go to the TS
+    (folder / LOOP_STATE).unlink(missing_ok=True)  # a folder being rewritten is incomplete until its end
     trainer.save_checkpoint(folder / TRAINER_DIR)
     (folder / LOOP_STATE).write_text(json.dumps(state), encoding="utf-8")
-    for old in sorted((run_dir / CHECKPOINTS).glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    folders = sorted((run_dir / CHECKPOINTS).glob("step-*"))
+    kept = [f for f in folders if (f / LOOP_STATE).is_file()][-keep:]
+    for old in folders:
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
     return folder
 
 

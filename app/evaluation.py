@@ -31,13 +31,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from staleflow.adapters.vllm.logs import EngineLogs, logged
 from staleflow.adapters.vllm.settings import SamplingConfig
+from staleflow.app.eval_lane import RolloutEvaluation
 from staleflow.app.job_parts import TaskData, Tokens, prompt_source, start_engines
 from staleflow.app.rewards import pooled_reward, scorer_arguments
 from staleflow.runtime.interfaces import resolve_weights
 from staleflow.runtime.run.rewarding import PooledReward, RewardRunner
+from staleflow.runtime.settings.placement_plan import engine_gpus
 from staleflow.runtime.tasks import Prompt, make_group, resolve_scorer, score_items
-from staleflow.runtime.types import RolloutRequest, Trajectory
+from staleflow.runtime.types import TEMPERATURE_KEY, RolloutRequest, Trajectory
 
 if TYPE_CHECKING:
     from staleflow.runtime.settings.config import JobConfig
@@ -62,6 +65,7 @@ class EngineEvaluator:
         mode: str = "greedy",
         held_out: bool = True,
         timeout_s: float = 1800.0,
+        temperature: float | None = None,
     ) -> None:
         if not prompts:
             raise ValueError("no evaluation prompts")
@@ -77,6 +81,8 @@ class EngineEvaluator:
         self._rewards = RewardRunner(reward, reward_timeout_s)
         self._rounds = itertools.count()
         self._loaded = -1
+        # on a rollout instance the requests carry their own temperature (the engine samples at rollout.temperature)
+        self._metadata = {} if temperature is None else {TEMPERATURE_KEY: temperature}
 
     def starts_at(self, version: int) -> None:
         """The engine already holds ``version`` (it was built on those weights): no load until a newer one."""
@@ -87,12 +93,21 @@ class EngineEvaluator:
         return len(self._groups)
 
     def run(self, version: int, weights: Any) -> dict[str, Any]:
-        """Evaluate model ``version`` (``weights``: what a Pull of it hands out, a state dict or a safetensors path)."""
+        """Evaluate model ``version`` on the evaluator's own engine (``weights``: what a Pull of it
+        hands out, a state dict or a safetensors path), loaded there first unless it holds it already."""
         begin = time.perf_counter()
         if version > self._loaded:
             self._engine.load_weights(version, weights)
             self._loaded = version
-        trajectories = self._generate(next(self._rounds), max(version, 0))
+        figures = self.run_loaded(self._engine, version)
+        figures["eval_s"] = time.perf_counter() - begin
+        return figures
+
+    def run_loaded(self, engine: Any, version: int) -> dict[str, Any]:
+        """Evaluate on ``engine`` as it is, holding model ``version`` (its own engine, or a rollout
+        instance's :class:`~staleflow.app.eval_lane.EvaluationLane`)."""
+        begin = time.perf_counter()
+        trajectories = self._generate(engine, next(self._rounds), max(version, 0))
         by_group: dict[str, list[Trajectory]] = {g.group_id: [] for g in self._groups}
         for trajectory in trajectories:
             by_group[trajectory.group_id].append(trajectory)
@@ -123,7 +138,7 @@ class EngineEvaluator:
             "eval_s": time.perf_counter() - begin,
         }
 
-    def _generate(self, round_no: int, version: int) -> list[Trajectory]:
+    def _generate(self, engine: Any, round_no: int, version: int) -> list[Trajectory]:
         requests = [
             RolloutRequest(
                 request_id=f"eval{round_no}-{group.group_id}-{k}",
@@ -131,19 +146,20 @@ class EngineEvaluator:
                 prompt_ids=list(group.prompt_ids),
                 max_new_tokens=int(group.metadata["max_new_tokens"]),
                 group_version=version,
+                metadata=dict(self._metadata),
             )
             for group in self._groups
             for k in range(self._samples)
         ]
-        self._engine.submit(requests)
+        engine.submit(requests)
         done: dict[str, Trajectory] = {}
         deadline = time.monotonic() + self._timeout
         while len(done) < len(requests):
-            for trajectory in self._engine.collect():
+            for trajectory in engine.collect():
                 done[trajectory.request_id] = trajectory
             if len(done) < len(requests):
                 if time.monotonic() > deadline:
-                    self._engine.abort([r.request_id for r in requests if r.request_id not in done])
+                    engine.abort([r.request_id for r in requests if r.request_id not in done])
                     missing = len(requests) - len(done)
                     raise TimeoutError(f"evaluation: {missing} of {len(requests)} responses not back after {self._timeout} s")
                 time.sleep(0.01)
@@ -241,39 +257,49 @@ class Evaluator:
         }
 
 
-def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, weights_dir: Path) -> Any:
+def make_evaluator(
+    config: JobConfig, tokens: Tokens, data: TaskData, placement: Any, base: Path, clock: Any, weights_dir: Path, engines: Sequence[Any],
+    logs: EngineLogs | None = None,
+) -> Any:
     """The trainer's greedy :class:`Evaluator` for the built-in stream, or a disabled one
-    (``task.eval_prompts=0``); for prompts from files, an :class:`EngineEvaluator` on its own rollout
-    engine (a Ray actor of ``placement``), which on GPUs is ready when this returns, so that the
-    trainer does not start during its memory profiling (:func:`~staleflow.app.job_parts.start_engines`).
-    ``weights_dir``: the rollout instances' scratch folder for the weight files they reload."""
+    (``task.eval_prompts=0``); for prompts from files, an :class:`EngineEvaluator` on the rollout
+    instances (``engines``, each a :class:`~staleflow.app.eval_lane.SharedEngine`; ``task.eval_engine=rollout``,
+    :class:`~staleflow.app.eval_lane.RolloutEvaluation`) or on its own rollout engine
+    (``task.eval_engine=own``: a Ray actor of ``placement``, which on GPUs is ready when this returns,
+    so that the trainer does not start during its memory profiling:
+    :func:`~staleflow.app.job_parts.start_engines`). ``weights_dir``: the rollout instances' scratch
+    folder for the weight files they reload; ``logs``: the own engine actor's
+    :class:`~staleflow.adapters.vllm.logs.EngineLogs`."""
     if data.train is None and data.held_out is None:
         return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data, model_dir=base)
     if config.task.eval_prompts == 0:
         return Evaluator(config, tokens, prompt_seed=config.seed + 2, data=data)  # disabled
-    from staleflow.adapters.vllm.engine import VLLMEngine  # torch and vLLM: imported once the job has set vLLM's environment
-
     held_out = data.held_out is not None
     prompts = data.held_out if data.held_out is not None else list(itertools.islice(data.stream(config.seed + 2), config.task.eval_prompts))
     greedy = config.task.eval_sampling == "greedy"
-    # its own group, planned like a rollout instance (placement_plan.has_eval_engine); on GPUs ready before the trainer starts
-    start = functools.partial(
-        placement.place_reserved,
-        "eval",
-        VLLMEngine,
-        "eval",
-        str(base),
-        sampling=SamplingConfig(temperature=0.0 if greedy else config.rollout.temperature, stop_token_ids=(tokens.eos_id,)),
-        max_model_len=config.rollout.max_model_len,
-        max_num_seqs=config.rollout.max_num_seqs,
-        seed=config.seed * 1000 + 999,
-        clock=clock,
-        weights_dir=str(weights_dir),
-        engine_kwargs=config.rollout.engine_settings(),
-        start_timeout_s=config.rollout.start_timeout_s,
-    )
-    [engine] = start_engines([start], one_at_a_time=config.rollout.gpus_per_instance > 0)
-    return EngineEvaluator(
+    sampling = SamplingConfig(temperature=0.0 if greedy else config.rollout.temperature, stop_token_ids=(tokens.eos_id,))
+    engine = None
+    if config.task.eval_engine == "own":
+        from staleflow.adapters.vllm.engine import VLLMEngine  # torch and vLLM: imported once the job has set vLLM's environment
+
+        # its own group, planned like a rollout instance (placement_plan.has_eval_engine); on GPUs ready before the trainer starts
+        start = functools.partial(
+            placement.place_reserved,
+            "eval",
+            logged(VLLMEngine, logs),
+            "eval",
+            str(base),
+            sampling=sampling,
+            max_model_len=config.rollout.max_model_len,
+            max_num_seqs=config.rollout.max_num_seqs,
+            seed=config.seed * 1000 + 999,
+            clock=clock,
+            weights_dir=str(weights_dir),
+            engine_kwargs=config.rollout.engine_settings(),
+            start_timeout_s=config.rollout.start_timeout_s,
+        )
+        [engine] = start_engines([start], [engine_gpus(config, "eval")])
+    evaluator = EngineEvaluator(
         engine,
         prompts,
         encode=tokens.encode,
@@ -283,4 +309,6 @@ def make_evaluator(config: JobConfig, tokens: Tokens, data: TaskData, placement:
         samples=config.task.eval_samples,
         mode=config.task.eval_sampling,
         held_out=held_out,
+        temperature=None if engine is not None else sampling.temperature,
     )
+    return evaluator if engine is not None else RolloutEvaluation(evaluator, engines)

@@ -1,8 +1,9 @@
 """A trained model as a Hugging Face folder (``staleflow export``, ``cli/export.py``).
 
-:func:`export` reads the trainer's weights from a run's checkpoint (``checkpoints/step-N/trainer/``: the torch or
-FSDP trainer's ``model.safetensors``, or the Megatron trainer's ``megatron_trainer.pt``, converted
-back to Hugging Face names), checks them against the run's starting model (``model-v0/``: every
+:func:`export` reads the trainer's weights from a run's checkpoint (``checkpoints/step-N/trainer/``: the torch
+trainer's ``model.safetensors`` (or an FSDP one of the full format that came before), the FSDP
+trainer's shards (``shards/``, gathered in this process), or the Megatron trainer's
+``megatron_trainer.pt``, converted back to Hugging Face names), checks them against the run's starting model (``model-v0/``: every
 tensor name and shape, after turning transformers' in-memory names into its checkpoint layout: a
 Qwen3-MoE's fused experts are written one tensor per expert), and writes ``config.json``, the tokenizer files and sharded safetensors
 (``model.safetensors.index.json`` above ``--max-shard-size``) to ``--out``, loadable by
@@ -16,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from staleflow.adapters.fsdp.sharded_checkpoint import SHARDS, read_model_weights
+from staleflow.adapters.fsdp.trainer import FSDP_PREFIX
 from staleflow.adapters.rlkit.causal_lm import checkpoint_layout
 from staleflow.adapters.rlkit.hf_folder import INDEX, check_model_folder, read_weights, weight_shapes, write_hf_folder
 from staleflow.app.checkpoints import CHECKPOINTS, TRAINER_DIR, latest_checkpoint
@@ -62,6 +65,8 @@ def trainer_weights(folder: Path, base: Path) -> dict[str, Any]:
     """Hugging Face-named weights of a trainer checkpoint folder (torch, FSDP or Megatron)."""
     if (folder / "model.safetensors").is_file():
         return read_weights(folder / "model.safetensors")
+    if (folder / SHARDS).is_dir():
+        return {k.removeprefix(FSDP_PREFIX): v for k, v in read_model_weights(folder).items()}
     if (folder / "megatron_trainer.pt").is_file():
         import torch
         from staleflow.adapters.megatron.trainer import megatron_to_hf
@@ -76,7 +81,7 @@ def trainer_weights(folder: Path, base: Path) -> dict[str, Any]:
             return megatron_to_hf(state, AutoConfig.from_pretrained(str(base)))
         except KeyError as error:
             raise ValueError(f"{folder / 'megatron_trainer.pt'} lacks the tensor {error} of the run's model") from error
-    raise FileNotFoundError(f"checkpoint folder {folder} has neither model.safetensors nor megatron_trainer.pt")
+    raise FileNotFoundError(f"checkpoint folder {folder} has neither model.safetensors, {SHARDS}/ nor megatron_trainer.pt")
 
 
 def _check_against(weights: dict[str, Any], expected: dict[str, tuple[int, ...]], folder: Path) -> None:

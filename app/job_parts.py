@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,19 +140,29 @@ def warm_start(config: JobConfig, base: Path, target: Path, tokens: Tokens, data
     return result.path, result.seconds
 
 
-def start_engines(starts: list[Callable[[], Any]], one_at_a_time: bool) -> list[Any]:
-    """Start the engines; with ``one_at_a_time`` (GPU instances) each is ready before the next
-    starts. vLLM charges every change of free GPU memory during its start-up profiling to itself
-    (vllm/utils/mem_utils.py), so an engine starting beside another one on a shared GPU sizes its KV
-    cache wrongly or fails; the evaluation engine starts after the rollout instances the same way
-    (:func:`~staleflow.app.evaluation.make_evaluator`), and the trainer after all of them
-    (:meth:`~staleflow.app.training_job.TrainingJob.build`)."""
-    engines = []
-    for start in starts:
-        engine = start()
-        if one_at_a_time:
-            engine.idle()  # returns once the engine's actor has built the engine
-        engines.append(engine)
+def start_engines(starts: list[Callable[[], Any]], gpus: Sequence[frozenset[str]]) -> list[Any]:
+    """Start the engines: those on disjoint GPUs together, those that may share a GPU one at a time,
+    each ready before the next starts there. ``gpus[i]``: what engine ``i`` holds of the GPUs
+    (:func:`~staleflow.runtime.settings.placement_plan.engine_gpus`: names, equal where two engines
+    may share a GPU; empty on CPU, where nothing is waited for). vLLM charges every change of free GPU
+    memory during its start-up profiling to itself (vllm/utils/mem_utils.py), so an engine starting
+    beside another one on a shared GPU sizes its KV cache wrongly or fails; on GPUs of its own it
+    measures only its own. Engines are waited for in the order they started, and an engine never
+    starts before an earlier one that holds any of its GPUs. The evaluation engine starts after the
+    rollout instances are ready (:func:`~staleflow.app.evaluation.make_evaluator`), and the trainer
+    after all of them (:meth:`~staleflow.app.training_job.TrainingJob.build`)."""
+    engines: list[Any] = [None] * len(starts)
+    pending, starting = list(range(len(starts))), []  # starting: started, not known ready, in start order
+    while pending or starting:
+        held = set().union(*(gpus[i] for i in starting))
+        for i in list(pending):
+            if not gpus[i] & held:
+                engines[i] = starts[i]()
+                pending.remove(i)
+                starting += [i] if gpus[i] else []
+            held |= gpus[i]  # an engine waiting for these GPUs keeps later ones behind it
+        if starting:
+            engines[starting.pop(0)].idle()  # returns once the engine's actor has built the engine
     return engines
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.app.checkpoints import CHECKPOINTS, latest_checkpoint
+from staleflow.app.dry_run import check_plan
 from staleflow.runtime.settings.config import ConfigError, JobConfig, dump_config, load_config
 from staleflow.runtime.settings.placement_plan import plan_placement
 
@@ -63,11 +64,7 @@ def data_paths_near(config: JobConfig, folder: Path) -> JobConfig:
 
 
 def run_decisions(config: JobConfig) -> dict[str, Any]:
-    """What the run will use beyond placement: how weights travel, the dtypes, the vLLM executor and
-    the training attention kernel (decided where it runs: each trainer rank checks for flash-attention
-    and CUDA itself; this is what the driver's environment would pick)."""
-    from staleflow.adapters.rlkit.causal_lm import attention_kernel
-
+    """What the run will use beyond placement: how weights travel, the dtypes and the vLLM executor."""
     servers, rollout, train = config.servers, config.rollout, config.train
     engine = rollout.engine_settings()
     broadcast = servers.broadcast_settings()
@@ -81,8 +78,18 @@ def run_decisions(config: JobConfig) -> dict[str, Any]:
         "tensor_parallel_size": rollout.tensor_parallel_size,
         "train_dtype": train.dtype if train.dtype != "auto" else ("bf16" if train.gpus > 0 else "fp32"),
         "train_device": "cuda" if train.gpus > 0 else "cpu",
-        "attention_kernel": attention_kernel() if train.gpus == 0 else "flash_attention_2 where flash-attn is installed, else sdpa",
+        "evaluation": evaluation_place(config),
     }
+
+
+def evaluation_place(config: JobConfig) -> str:
+    """Where the job evaluates (``task.eval_engine``; the built-in task: the trainer)."""
+    task = config.task
+    if task.eval_prompts == 0:
+        return "off"
+    if task.prompt_file is None:
+        return "the trainer's greedy decoding"
+    return "an engine of its own" if task.eval_engine == "own" else "the rollout instance holding the newest version, between steps"
 
 
 def transfer_backend(config: JobConfig) -> str:
@@ -92,14 +99,21 @@ def transfer_backend(config: JobConfig) -> str:
     return "nccl" if config.parameter_server_needs_gpu else "gloo"
 
 
-def dry_run_text(config: JobConfig, as_json: bool) -> str:
-    """The resolved config, the placement plan and the run's decisions (:func:`run_decisions`), as text or JSON."""
+def dry_run(config: JobConfig, as_json: bool) -> tuple[str, list[str]]:
+    """The resolved config, the placement plan, the run's decisions (:func:`run_decisions`) and the
+    dry run's checks (:mod:`~staleflow.app.dry_run`), as text or JSON; and the problems that refuse it."""
     plan = plan_placement(config, os.environ.get("RAY_ADDRESS") if config.cluster.address is None else None)
     decisions = run_decisions(config)
+    checks = check_plan(config, plan)
     if as_json:
-        return json.dumps({"config": config.model_dump(mode="json"), "placement": plan.to_dict(), "run": decisions}, indent=1)
-    lines = "\n".join(f"  {key}: {value}" for key, value in decisions.items())
-    return f"{dump_config(config)}\n# placement plan\n{plan.describe()}\n# run\n{lines}"
+        out = {"config": config.model_dump(mode="json"), "placement": plan.to_dict(), "run": decisions,
+               "checks": checks.report, "problems": checks.problems}
+        return json.dumps(out, indent=1), checks.problems
+    report = dict(checks.report)
+    memory = report.pop("trainer_memory")
+    report["trainer_memory"] = memory["text"] if isinstance(memory, dict) else memory
+    lines = "\n".join(f"  {key}: {value}" for key, value in {**decisions, **report}.items())
+    return f"{dump_config(config)}\n# placement plan\n{plan.describe()}\n# run\n{lines}", checks.problems
 
 
 def check_installed(config: JobConfig) -> None:

@@ -1,13 +1,14 @@
 """The final report of a training run: ``report.md`` with PNG plots, from the run directory's files.
 
-Plots: ``reward.png`` (train reward per step with a moving mean, greedy eval points),
-``throughput.png`` (trained tokens/s, cumulative and per step), ``staleness.png`` (per buffer, how
-many groups were 0, 1, ... versions stale: stacked bars), ``instances.png`` (how many versions each rollout
-instance is behind the newest, and its requests, over time).
+Plots: ``reward.png`` (train reward per step with a moving mean and the evaluations, against training
+steps and against run time), ``throughput.png`` (trained tokens/s, cumulative and per step),
+``staleness.png`` (per buffer, how many groups were 0, 1, ... versions stale: stacked bars),
+``instances.png`` (how many versions each rollout instance is behind the newest, and its requests,
+over time).
 
 ``write_report(run_dir)`` reads ``summary.json``, ``metrics.jsonl`` and ``instances.jsonl``.
-``compare_runs`` writes one Markdown table and reward/throughput plots for several runs (e.g.
-``staleflow`` against ``sync``); ``staleflow report`` (``cli/report.py``) calls one or the other.
+Several runs on the same axes: :mod:`staleflow.app.report_compare`; ``staleflow report``
+(``cli/report.py``) calls one or the other.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Path) -> None:
+def save_figure(fig: Any, path: Path) -> None:
     """Write a report figure as a PNG and free it."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -48,33 +49,50 @@ def moving_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def _steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("kind") == "step"]
 
 
-def plot_reward(records: list[dict[str, Any]], path: Path, label: str = "") -> None:
-    plt = pyplot()
-    steps = _steps(records)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    x = [r["step"] for r in steps]
-    y = [r.get("reward_mean") or 0.0 for r in steps]
-    ax.plot(x, y, alpha=0.3, color="C0", label=f"{label} batch reward".strip())
-    ax.plot(x, moving_mean(y, 20), color="C0", label=f"{label} mean of 20 steps".strip())
+def eval_points(records: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """``(step, run seconds, eval reward)`` of each evaluation: the seconds are the run time at which
+    the step that made the evaluated weights ended (0 before the first step); an evaluation of a step
+    with no step record (a resumed run's first) is left out."""
+    seconds = {0: 0.0, **{r["step"]: r["elapsed_s"] for r in step_records(records)}}
+    return [(r["step"], seconds[r["step"]], r["eval_reward"]) for r in records if r.get("kind") == "eval" and r["step"] in seconds]
+
+
+def eval_label(records: list[dict[str, Any]]) -> str:
     evals = [r for r in records if r.get("kind") == "eval"]
-    if evals:
-        name = "eval (pass@1 / mean reward)" if "eval_pass@1" in evals[0] else "greedy eval (fixed set)"
-        ax.plot([r["step"] for r in evals], [r["eval_reward"] for r in evals], "o--", color="C3", label=name)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("reward")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    _save(fig, path)
+    return "eval (pass@1 / mean reward)" if evals and "eval_pass@1" in evals[0] else "greedy eval (fixed set)"
+
+
+def plot_reward(records: list[dict[str, Any]], path: Path) -> None:
+    """Train reward (each batch and the mean of 20 steps) and the evaluations, against training steps
+    (left) and against run time (right)."""
+    plt = pyplot()
+    steps = step_records(records)
+    evals = eval_points(records)
+    y = [r.get("reward_mean") or 0.0 for r in steps]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, x, eval_x, xlabel in (
+        (axes[0], [r["step"] for r in steps], [e[0] for e in evals], "training step"),
+        (axes[1], [r["elapsed_s"] for r in steps], [e[1] for e in evals], "run time (s)"),
+    ):
+        ax.plot(x, y, alpha=0.3, color="C0", label="batch reward")
+        ax.plot(x, moving_mean(y, 20), color="C0", label="mean of 20 steps")
+        if evals:
+            ax.plot(eval_x, [e[2] for e in evals], "o--", color="C3", label=eval_label(records))
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("reward")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend()
+    save_figure(fig, path)
 
 
 def plot_throughput(records: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
-    steps = _steps(records)
+    steps = step_records(records)
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [r["elapsed_s"] for r in steps]
     ax.plot(x, [r["tokens_per_s"] for r in steps], label="trained tokens/s (cumulative)")
@@ -84,12 +102,12 @@ def plot_throughput(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("tokens/s")
     ax.grid(alpha=0.3)
     ax.legend()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_staleness(records: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
-    steps = [r for r in _steps(records) if r.get("group_staleness")]
+    steps = [r for r in step_records(records) if r.get("group_staleness")]
     fig, ax = plt.subplots(figsize=(7, 4))
     levels = sorted({int(s) for r in steps for s in r["group_staleness"]})
     bottom = [0] * len(steps)
@@ -103,7 +121,7 @@ def plot_staleness(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_title("staleness of the groups in each buffer")
     if levels:
         ax.legend()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def read_timeline(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
@@ -117,28 +135,39 @@ def read_timeline(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     return dict(timeline)
 
 
-def plot_instances(timeline: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    """Top: how many versions each instance is behind the newest instance version seen so far
-    (0 = newest; several instances at different versions show as different lines). Bottom: the
-    requests on each instance."""
-    plt = pyplot()
+def version_lags(timeline: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[list[float], list[int]]]:
+    """Per instance, ``(times, lags)`` at every sample of every instance: how many versions it is behind
+    the newest instance then, its own version carried forward from its last sample (an instance that
+    has no sample yet is not drawn). An instance still on the old version while another has synced
+    shows its lag even though its own samples are taken only around its own syncs."""
     rows = sorted((r for rs in timeline.values() for r in rs), key=lambda r: r["t"])
-    newest, lag = 0, {}
-    for r in rows:
-        newest = max(newest, r["version"])
-        lag[id(r)] = newest - r["version"]
+    current: dict[str, int] = {}
+    lags: dict[str, tuple[list[float], list[int]]] = {iid: ([], []) for iid in timeline}
+    for row in rows:
+        current[row["instance"]] = row["version"]
+        newest = max(current.values())
+        for iid, version in current.items():
+            lags[iid][0].append(row["t"])
+            lags[iid][1].append(newest - version)
+    return lags
+
+
+def plot_instances(timeline: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Top: how many versions each instance is behind the newest instance (0 = newest; see
+    :func:`version_lags`). Bottom: the requests on each instance."""
+    plt = pyplot()
+    lags = version_lags(timeline)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
     for i, (iid, rs) in enumerate(sorted(timeline.items())):
-        t = [r["t"] for r in rs]
-        top.step(t, [lag[id(r)] for r in rs], where="post", label=iid, color=f"C{i}", alpha=0.8)
-        bottom.plot(t, [r["running"] + r["waiting"] for r in rs], color=f"C{i}", alpha=0.8, label=iid)
+        top.step(*lags[iid], where="post", label=iid, color=f"C{i}", alpha=0.8)
+        bottom.plot([r["t"] for r in rs], [r["running"] + r["waiting"] for r in rs], color=f"C{i}", alpha=0.8, label=iid)
     top.set_ylabel("versions behind newest")
     top.grid(alpha=0.3)
     top.legend(loc="upper left")
     bottom.set_ylabel("requests on instance")
     bottom.set_xlabel("time since the command started (s)")
     bottom.grid(alpha=0.3)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def write_report(run_dir: Path) -> Path:
@@ -190,7 +219,7 @@ def write_report(run_dir: Path) -> Path:
         "",
         "![reward](reward.png)",
         "",
-        *_eval_table(summary, label),
+        *_eval_table(summary, label, {e[0]: e[1] for e in eval_points(records)}),
         "## Throughput",
         "",
         "![throughput](throughput.png)",
@@ -209,47 +238,14 @@ def write_report(run_dir: Path) -> Path:
     return path
 
 
-def _eval_table(summary: dict[str, Any], label: dict[str, str]) -> list[str]:
+def _eval_table(summary: dict[str, Any], label: dict[str, str], seconds: dict[int, float]) -> list[str]:
+    """The evaluations, each at its training step and run time (``seconds``: step -> run seconds)."""
     evals = summary.get("evals") or []
     if not evals:
         return []
-    rows = [f"| {e['step']} | {e['reward']:.3f} | {e['exact']:.3f} |" for e in evals]
-    return ["## Evaluation", "", f"| step | {label['reward']} | {label['exact']} |", "|---|---|---|", *rows, ""]
 
+    def at(step: int) -> str:
+        return f"{seconds[step]:.0f}" if step in seconds else "-"
 
-def compare_runs(run_dirs: Sequence[Path], out_dir: Path) -> Path:
-    """A side-by-side Markdown table and reward/throughput plots of several runs."""
-    plt = pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    summaries = [json.loads((Path(d) / "summary.json").read_text(encoding="utf-8")) for d in run_dirs]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, (run_dir, summary) in enumerate(zip(run_dirs, summaries)):
-        steps = _steps(read_metrics(Path(run_dir)))
-        label = f"{summary['system']} (eta {summary['eta']})"
-        left.plot(
-            [r["elapsed_s"] for r in steps], moving_mean([r.get("reward_mean") or 0.0 for r in steps], 20), color=f"C{i}", label=label
-        )
-        right.plot([r["elapsed_s"] for r in steps], [r["tokens_per_s"] for r in steps], color=f"C{i}", label=label)
-    left.set_xlabel("run time (s)")
-    left.set_ylabel("train reward (mean of 20 steps)")
-    right.set_xlabel("run time (s)")
-    right.set_ylabel("trained tokens/s (cumulative)")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    _save(fig, out_dir / "compare.png")
-    base = summaries[0]["tokens_per_s"]
-    lines = [
-        "| system | eta | steps | run s | tokens/s | vs first | reward first -> last | eval first -> last | max staleness |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in summaries:
-        lines.append(
-            f"| {s['system']} | {s['eta']} | {s['steps']} | {s['elapsed_s']:.0f} | {s['tokens_per_s']:.0f} | "
-            f"{s['tokens_per_s'] / base:.2f}x | {s['reward_first']:.3f} -> {s['reward_last']:.3f} | "
-            f"{(s['eval_first'] or 0):.3f} -> {(s['eval_last'] or 0):.3f} | {s['max_staleness']} |"
-        )
-    lines += ["", "![compare](compare.png)", ""]
-    path = out_dir / "compare.md"
-    path.write_text("\n".join(lines), encoding="utf-8")
-    return path
+    rows = [f"| {e['step']} | {at(e['step'])} | {e['reward']:.3f} | {e['exact']:.3f} |" for e in evals]
+    return ["## Evaluation", "", f"| step | run s | {label['reward']} | {label['exact']} |", "|---|---|---|---|", *rows, ""]

@@ -34,7 +34,7 @@ PAPER_SYSTEMS = ("verl-sync", "one-step-off", "verl-async", "areal", "roll-flash
 BASELINES = (*PAPER_SYSTEMS, "areal-filter", "areal-tight", "roll-flash-2026")
 ABLATIONS = (
     "staleflow-no-routing", "staleflow-no-sync", "staleflow-no-migration", "staleflow-no-proactive-abort", "staleflow-fresh",
-    "staleflow-no-growth", "staleflow-tail",
+    "staleflow-no-growth", "staleflow-tail", "staleflow-spec",
 )
 #: Baselines run with one of their mechanisms idealised: what that mechanism alone is worth (never the best bound-keeping one).
 BASELINE_ABLATIONS = ("roll-flash-ideal-routing",)
@@ -126,8 +126,10 @@ def simulate_system(
     if policy.offloads_trainer:
         after_step += trainer_offload_seconds(workload.network, cluster.trainer_gpus)
     estimate = workload.build_cost_model().with_error(estimation_error, seed)
+    speculation = (policy.speculative_speedup, policy.speculative_max_batch) if policy.speculative_speedup > 1 else None
     engines = [
-        SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link) for i in range(instances)
+        SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link, speculation=speculation)
+        for i in range(instances)
     ]
     parts = RunParts(
         engines=list(engines),

@@ -157,6 +157,6 @@ def summary_text(summary: dict[str, Any], run_dir: Path) -> str:
         ),
         f"  cost model: {cost_fit_line(summary.get('cost_fit') or {})}",
         f"  audit: lost {summary['lost']}, duplicated {summary['duplicated']}, orphaned {summary['orphaned']}, ok {summary['audit_ok']}",
-        f"  files: {run_dir}/ (report.md, metrics.jsonl, {Path(summary['trace']).name}, checkpoints/)",
+        f"  files: {run_dir}/ (report.md, metrics.jsonl, {Path(summary['trace']).name}, checkpoints/, logs/)",
     ]
     return "\n".join(lines)

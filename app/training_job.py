@@ -10,8 +10,9 @@ whatever ``build()`` started (a context manager calls it).
 
 The run directory receives ``config.yaml``, ``model-v0/`` (the warmed-up starting model),
 ``metrics.jsonl``, ``instances.jsonl``, ``trace.jsonl`` (the protocol trace for ``staleflow verify
---trace``; a resumed run appends a segment to it), ``tensorboard/``, ``checkpoints/step-<n>/`` and, at
-the end, ``summary.json`` and ``report.md`` with its plots.
+--trace``; a resumed run appends a segment to it), ``tensorboard/``, ``logs/`` (every notice of the
+engines and of Ray: :mod:`~staleflow.app.run_logs`), ``checkpoints/step-<n>/`` and, at the end,
+``summary.json`` and ``report.md`` with its plots.
 """
 
 from __future__ import annotations
@@ -26,16 +27,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from staleflow.adapters.ray.cluster import ClusterStartError
 from staleflow.adapters.ray.parameter_server import RemoteParameterServer
 from staleflow.adapters.ray.placement import PlacementError, RayPlacement
 from staleflow.adapters.vllm.build import VLLMBuildError, check_build_fits, installed_build
+from staleflow.adapters.vllm.logs import logged
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.app.checkpoints import LOOP_STATE, restore_trainer, save_checkpoint
-from staleflow.app.evaluation import DeferredEvaluation, Evaluator, make_evaluator
+from staleflow.app.eval_lane import RolloutEvaluation, SharedEngine
+from staleflow.app.evaluation import DeferredEvaluation, EngineEvaluator, Evaluator, make_evaluator
 from staleflow.app.job_parts import TaskData, Tokens, base_model, job_cost_model, make_trainer, start_engines, warm_start
 from staleflow.app.metrics import EngineLedger, MetricsLog, TrackedEngine
 from staleflow.app.report import write_report
 from staleflow.app.rewards import ScorerCheckError, check_scorer, pooled_reward
+from staleflow.app.run_logs import DriverLogs, engine_logs
 from staleflow.app.summary import RunOutcome, step_record, summarise
 from staleflow.app.weights_scratch import DISK_SCRATCH, model_bytes, weights_scratch_dir
 from staleflow.runtime.run.assembly import assemble_run
@@ -44,7 +49,7 @@ from staleflow.runtime.run.loop import RunParts
 from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 from staleflow.runtime.settings.config import dump_config
-from staleflow.runtime.settings.placement_plan import plan_placement
+from staleflow.runtime.settings.placement_plan import engine_gpus, has_eval_engine, plan_placement
 from staleflow.runtime.tasks import PromptFileError, RewardSpecError, make_group
 
 if TYPE_CHECKING:
@@ -53,7 +58,7 @@ if TYPE_CHECKING:
 SUMMARY_FILE = "summary.json"
 TRACE_FILE = "trace.jsonl"
 #: what a job raises before anything starts for a config it cannot run (the command's exit 2)
-START_ERRORS = (PlacementError, VLLMBuildError, PromptFileError, RewardSpecError, ScorerCheckError)
+START_ERRORS = (PlacementError, ClusterStartError, VLLMBuildError, PromptFileError, RewardSpecError, ScorerCheckError)
 #: scratch folders of a run, removed when it ends
 SCRATCH = (DISK_SCRATCH, ".eval-snapshots")
 
@@ -80,9 +85,10 @@ class TrainingJob:
         self._saved_state: dict[str, Any] | None = None
         self._first_step = 0
         self._trained_before = 0  # tokens trained before a resume, so throughput covers this run only
-        self._evaluated: set[int] = set()
+        self._loop_over = False  # the run loop's last state is taken: no request runs, no Pull follows
         self._deferred: DeferredEvaluation | None = None  # task.eval_timing=deferred: evaluated after the run loop
         self._placement: Any = None
+        self._driver_logs: DriverLogs | None = None
         self._weights_dir: Path | None = None  # where the engines write the weight files they reload
         self._evaluator: Any = None
         self._log: MetricsLog | None = None
@@ -113,9 +119,13 @@ class TrainingJob:
         clock = RealClock()
         self._reserve()
         engine_start = time.perf_counter()
-        self._weights_dir = weights_scratch_dir(self.run_dir, model_bytes(base), self.config.rollout.instances + 1)  # + the eval engine
+        evaluation_engines = 1 if has_eval_engine(self.config) else 0
+        self._weights_dir = weights_scratch_dir(self.run_dir, model_bytes(base), self.config.rollout.instances + evaluation_engines)
         engines = self._start_engines(base, clock, self._weights_dir)
-        self._evaluator = make_evaluator(self.config, self.tokens, self.data, self._placement, base, clock, self._weights_dir)
+        self._evaluator = make_evaluator(
+            self.config, self.tokens, self.data, self._placement, base, clock, self._weights_dir, engines,
+            logs=engine_logs(self.run_dir, "eval", self.config.metrics.verbose),
+        )
         self._start_model(base, engines)
         self._engine_s = time.perf_counter() - engine_start
         self._open_records()
@@ -154,14 +164,17 @@ class TrainingJob:
             self._ledger.close()
         if self._placement is not None:
             self._placement.close()
+        if self._driver_logs is not None:
+            self._driver_logs.close()
         if self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
-        self._log = self._evaluator = self._loop = self._ledger = self._placement = None
+        self._log = self._evaluator = self._loop = self._ledger = self._placement = self._driver_logs = None
 
     # ---------------------------------------------------------------------------------- building
     def _reserve(self) -> None:
         """The Ray placement, with every actor's resources reserved at once before any engine starts."""
         cluster = self.config.cluster
+        self._driver_logs = DriverLogs(self.run_dir, self.config.metrics.verbose)
         self._placement = RayPlacement(
             attributes=(), address=cluster.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
             # vLLM's and NCCL's errors in the actors reach the driver's output (``log_to_driver=False`` hid them)
@@ -170,26 +183,29 @@ class TrainingJob:
         self._placement.reserve(plan_placement(self.config))
         check_build_fits(self.config.rollout.gpus_per_instance, installed_build())  # before any engine starts
 
-    def _start_engines(self, base: Path, clock: RealClock, weights_dir: Path) -> list[Any]:
+    def _start_engines(self, base: Path, clock: RealClock, weights_dir: Path) -> list[SharedEngine]:
         """The vLLM rollout instances as Ray actors (vLLM keeps per-process global state), on the base
         model: they start while the warm-up runs here, then load the warmed weights as version 0.
+        Each is wrapped for the evaluation to share (:class:`~staleflow.app.eval_lane.SharedEngine`).
         ``weights_dir``: where they write the weight files they reload (:mod:`~staleflow.app.weights_scratch`)."""
         from staleflow.adapters.vllm.engine import VLLMEngine  # torch and vLLM: after the job set vLLM's environment
 
         rollout = self.config.rollout
         sampling = SamplingConfig(temperature=rollout.temperature, stop_token_ids=(self.tokens.eos_id,))
-        return start_engines(
+        started = start_engines(
             [
                 lambda i=i: self._placement.place_reserved(
-                    f"rollout-{i}", VLLMEngine, f"rollout-{i}", str(base),
+                    f"rollout-{i}", logged(VLLMEngine, engine_logs(self.run_dir, f"rollout-{i}", self.config.metrics.verbose)),
+                    f"rollout-{i}", str(base),
                     sampling=sampling, max_model_len=rollout.max_model_len, max_num_seqs=rollout.max_num_seqs,
                     seed=self.config.seed * 1000 + i, clock=clock, weights_dir=str(weights_dir),
                     engine_kwargs=rollout.engine_settings(), start_timeout_s=rollout.start_timeout_s,
                 )
                 for i in range(rollout.instances)
             ],
-            one_at_a_time=rollout.gpus_per_instance > 0,
+            [engine_gpus(self.config, f"rollout-{i}") for i in range(rollout.instances)],
         )
+        return [SharedEngine(engine, f"rollout-{i}") for i, engine in enumerate(started)]  # the evaluation may borrow them
 
     def _start_model(self, base: Path, engines: list[Any]) -> None:
         """Version 0 (after the warm-up, for a new run), the trainer on it, and the engines at the trainer's version."""
@@ -198,7 +214,7 @@ class TrainingJob:
             self.model_v0, self._warmup_s = warm_start(self.config, base, self.model_v0, self.tokens, self.data)
         elif not self.model_v0.is_dir():  # a run of a user's model without warm-up starts from the model itself
             self.model_v0 = base
-        if self.model_v0 == base and not isinstance(self._evaluator, Evaluator):
+        if self.model_v0 == base and isinstance(self._evaluator, EngineEvaluator):
             self._evaluator.starts_at(0)
         self.trainer = make_trainer(self.config, self.model_v0, self.tokens, self._placement.group_handle("trainer"))
         if self.checkpoint is not None:  # the trainer first, so the instances start at its version
@@ -279,18 +295,21 @@ class TrainingJob:
         for step in range(self._first_step + 1, config.train.steps + 1):
             metrics = self._loop.run(1)
             log.step(step, step_record(metrics, ledger, self._reward_s[0], self._trained_before), versions=ledger.versions())
+            if deadline is not None and time.perf_counter() > deadline:  # its evaluation and checkpoint are the final ones
+                log.event("time_limit", step=step, max_time_s=config.train.max_time_s)
+                break
             if self._evaluator.enabled and config.task.eval_every and step % config.task.eval_every == 0 and step < config.train.steps:
                 self._evaluate_at(step)
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.train.steps:
                 self._checkpoint(step)
-            if deadline is not None and time.perf_counter() > deadline:
-                log.event("time_limit", step=step, max_time_s=config.train.max_time_s)
-                break
         return metrics if metrics is not None else self._loop.metrics()
 
     def _finish(self, metrics: Any) -> dict[str, Any]:
-        """The last evaluation and checkpoint, the final audit and the summary."""
-        if self._evaluator.enabled:
+        """The last evaluation and checkpoint, the final audit and the summary. On the rollout
+        instances the last evaluation comes after the loop's last state (no request runs, no Pull
+        follows), so that the final version may be loaded into one of them."""
+        on_rollout = isinstance(self._evaluator, RolloutEvaluation)
+        if self._evaluator.enabled and not on_rollout:
             self._evaluate_at(metrics.steps)
         if self._deferred is not None:
             self._deferred.run(self._log)
@@ -300,6 +319,9 @@ class TrainingJob:
             self._checkpoint(metrics.steps)
         else:
             self._loop.state_dict()
+        self._loop_over = True
+        if self._evaluator.enabled and on_rollout:
+            self._evaluate_at(metrics.steps)
         outcome = RunOutcome(
             eta=self._loop.manager.eta, metrics=metrics, audit=self._loop.audit(), ledger=self._ledger, run_dir=self.run_dir,
             trace_path=self.trace_path, wall_s=time.perf_counter() - self._started, warmup_s=self._warmup_s,
@@ -313,11 +335,7 @@ class TrainingJob:
         self._log.event("checkpoint", step=step, path=str(folder))
 
     def _evaluate_at(self, step: int) -> None:
-        """Evaluate the weights of ``step`` once (a run stopped by its time limit right after an
-        evaluation step would otherwise evaluate that step twice)."""
-        if step in self._evaluated:
-            return
-        self._evaluated.add(step)
+        """Evaluate the weights of ``step`` now, or save them for later (``task.eval_timing=deferred``)."""
         if self._deferred is not None:
             self._deferred.save(step, self.trainer.version, self.trainer.weights())
         else:
@@ -327,6 +345,11 @@ class TrainingJob:
         assert self._log is not None
         if isinstance(self._evaluator, Evaluator):
             figures = self._evaluator.run(self.trainer)
+        elif isinstance(self._evaluator, RolloutEvaluation) and not self._loop_over:
+            figures = self._evaluator.run_between_steps()
+        elif isinstance(self._evaluator, RolloutEvaluation):
+            version = self.trainer.version
+            figures = self._evaluator.run_after_loop(version, lambda: self._loop.weights.pull(version)[1])
         elif self.trainer.version > 0:  # the version as the rollout instances pull it, through the same transfer
             figures = self._evaluator.run(*self._loop.weights.pull(self.trainer.version))
         else:  # version 0: the files the rollout instances start from

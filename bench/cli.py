@@ -5,11 +5,22 @@ from __future__ import annotations
 import argparse
 from types import ModuleType
 
-from staleflow.bench import chaos, convergence, coordinator, load, mutation, protocol, time_to_quality, weight_sync
+from staleflow.bench import (
+    chaos,
+    convergence,
+    coordinator,
+    load,
+    mutation,
+    protocol,
+    time_to_quality,
+    trace_cost,
+    weight_sync,
+)
 
 #: benchmark -> module implementing it
 BENCHMARKS: dict[str, ModuleType] = {
     "protocol": protocol,
+    "trace-cost": trace_cost,
     "coordinator": coordinator,
     "chaos": chaos,
     "load": load,

@@ -12,10 +12,10 @@ Two measurements:
   re-entrant lock per call), next to the plain manager: the per-operation price of thread safety.
 * trace cost: the same recorded calls untraced, traced to a JSONL file (refused reserves counted,
   the default) and traced with every refusal; the cost per admitted group and the traced/untraced
-  ratio (goal: a traced group costs at most 3x an untraced one).
+  ratio (goal: a traced group costs at most 3x an untraced one; :mod:`staleflow.bench.trace_cost`).
 
-Reproduce: ``staleflow bench protocol [--json]``; the trace table alone:
-``python -m staleflow.bench.protocol --trace-cost``.
+Reproduce: ``staleflow bench protocol [--json]``; the trace cost alone, over several runs:
+``staleflow bench trace-cost --runs 7``.
 """
 
 from __future__ import annotations
@@ -23,15 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 
-from staleflow.protocol import LockedStalenessManager, ProtocolEvent, StalenessManager
-from staleflow.protocol.trace import JsonlTraceWriter
+from staleflow.bench.trace_cost import GOAL_TRACE_RATIO, recorded_ops, trace_cost
+from staleflow.protocol import LockedStalenessManager, StalenessManager
 
 OPS = ("reserve", "occupy", "abort", "consume")
 GOAL_OPS_PER_S = 200_000
@@ -39,8 +36,6 @@ GOAL_SCALING_RATIO = 1.5
 CONSUME_SIZES = (500, 2_000, 8_000, 32_000)
 #: consume must stay linear in B: ns per group taken at the largest B over the smallest.
 GOAL_CONSUME_RATIO = 2.0
-#: a traced group (refused reserves counted, not traced) costs at most this many untraced ones
-GOAL_TRACE_RATIO = 3.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,49 +151,13 @@ def scaling(active: int, eta: int, rounds: int, seed: int, overhead_ns: float) -
     return {op: timings.total_ns[op] / timings.count[op] for op in ("reserve", "occupy", "abort")}
 
 
-def _recorded_ops(eta: int, batch_size: int, batches: int, seed: int) -> list[tuple[str, tuple[object, ...]]]:
-    """The calls of one steady-state run (reserve, occupy, abort, consume), recorded for replay."""
-    ops: list[tuple[str, tuple[object, ...]]] = []
-    manager = StalenessManager(eta=eta, batch_size=batch_size)
-
-    def record(e: ProtocolEvent) -> None:
-        if e.op == "reserve":
-            ops.append(("reserve", (e.group_id, e.version)))
-        elif e.op in ("occupy", "abort"):
-            ops.append((e.op, (e.group_id,)))
-        else:
-            ops.append(("consume", ()))
-
-    manager.add_event_hook(record)
-    rng = random.Random(seed)
-    running: list[int] = []
-    next_id = 0
-    while manager.version < batches:
-        while True:
-            version = rng.randint(max(0, manager.version - eta), manager.version)
-            if not manager.reserve(next_id, version):
-                break
-            running.append(next_id)
-            next_id += 1
-        rng.shuffle(running)
-        finishing, running = running[:batch_size], running[batch_size:]
-        for group_id in finishing:
-            (manager.abort if rng.random() < 0.02 else manager.occupy)(group_id)
-        while manager.can_consume():
-            manager.consume()
-        if not finishing and not manager.can_consume():
-            break
-        running = [g for g in running if g in manager]
-    return ops
-
-
 def lock_cost(batches: int, seed: int, overhead_ns: float, repeats: int = 5) -> dict[str, dict[str, float]]:
     """ns per operation of one recorded steady-state call sequence replayed on the plain manager and
     on :class:`LockedStalenessManager`, alternately ``repeats`` times each; the fastest run of each
     counts (the least disturbed by other processes). ``overhead_ns`` is unused: whole loops are timed."""
     rows = {}
     for eta, batch_size in ((1, 64), (3, 512)):
-        ops = _recorded_ops(eta, batch_size, batches, seed)
+        ops = recorded_ops(eta, batch_size, batches, seed)
         best = {False: float("inf"), True: float("inf")}
         for _ in range(repeats):
             for locked in (False, True):
@@ -216,41 +175,6 @@ def lock_cost(batches: int, seed: int, overhead_ns: float, repeats: int = 5) -> 
             "locked_ns_per_op": best[True],
             "lock_ns_per_op": best[True] - best[False],
             "lock_overhead_pct": 100.0 * (best[True] - best[False]) / best[False],
-        }
-    return rows
-
-
-def trace_cost(batches: int, seed: int, repeats: int = 5) -> dict[str, dict[str, float]]:
-    """ns per admitted group of one recorded steady-state call sequence replayed untraced, traced
-    (``JsonlTraceWriter`` to a file, refused reserves counted) and traced with every refusal,
-    alternately ``repeats`` times each; the fastest run of each counts, timed in this process's CPU
-    time (user + system: what tracing costs, without the time other processes take the core away on a
-    shared machine). Writing the file is included
-    (the writer is closed inside the timed loop)."""
-    rows = {}
-    for eta, batch_size in ((1, 64), (3, 512)):
-        ops = _recorded_ops(eta, batch_size, batches, seed)
-        groups = sum(1 for op, _ in ops if op in ("occupy", "abort"))  # every admitted group ends so
-        best = {"untraced": float("inf"), "traced": float("inf"), "traced_refusals": float("inf")}
-        with tempfile.TemporaryDirectory() as folder:
-            for _ in range(repeats):
-                for mode in best:
-                    manager = StalenessManager(eta, batch_size)
-                    calls = [(getattr(manager, op), args) for op, args in ops]
-                    start = time.process_time_ns()
-                    writer = None if mode == "untraced" else JsonlTraceWriter.attach(
-                        manager, Path(folder) / "trace.jsonl", refusals=mode == "traced_refusals")
-                    for fn, args in calls:
-                        fn(*args)
-                    if writer is not None:
-                        writer.close()
-                    best[mode] = min(best[mode], (time.process_time_ns() - start) / groups)
-        rows[f"eta={eta},B={batch_size}"] = {
-            "groups": float(groups),
-            "refused_reserves": float(sum(1 for op, _ in ops if op == "reserve") - groups),
-            **{f"{mode}_ns_per_group": ns for mode, ns in best.items()},
-            "traced_ratio": best["traced"] / best["untraced"],
-            "traced_refusals_ratio": best["traced_refusals"] / best["untraced"],
         }
     return rows
 
@@ -388,7 +312,3 @@ def _print_tables(result: dict) -> None:
         f"(goal <= {GOAL_CONSUME_RATIO}x: {'met' if goals['consume_linear']['met'] else 'NOT met'})"
     )
     console.print(f"reproduce: {result['command']}")
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--trace-cost"]:
-    _print_trace_table(trace_cost(batches=200, seed=0))

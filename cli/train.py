@@ -9,7 +9,8 @@ arguments override the config (``staleflow train protocol.eta=4 train.steps=300`
 A run directory (default ``runs/<UTC timestamp>``) receives ``config.yaml``, ``model-v0/`` (the
 warmed-up starting model), ``metrics.jsonl``, ``instances.jsonl``, ``trace.jsonl`` (the protocol
 trace for ``staleflow verify --trace``; a resumed run appends a segment to it),
-``tensorboard/``, ``checkpoints/step-<n>/`` and, at the end, ``summary.json`` and ``report.md``
+``tensorboard/``, ``logs/`` (every notice of the engines and of Ray; the console shows only what may
+signal a problem unless ``--verbose``), ``checkpoints/step-<n>/`` and, at the end, ``summary.json`` and ``report.md``
 with its plots. ``--resume DIR`` continues a run from its newest checkpoint: trainer weights and
 optimiser, the protocol state (every active group keeps its version, so the bound holds across the
 resume), the trajectory server with its partial rollouts, and the prompt stream position.
@@ -31,9 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", metavar="DIR", help="where the run's files go (default runs/<UTC timestamp>)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
     parser.add_argument(
-        "--dry-run", action="store_true", help="print the resolved config and the placement plan (actors, CPUs, GPUs); start nothing"
+        "--dry-run", action="store_true",
+        help="print the resolved config, the placement plan (actors, CPUs, GPUs), the engine settings, the cost model, the "
+        "attention kernel and a memory estimate per trainer GPU; start nothing; exit 2 if the plan exceeds the cluster or a GPU",
     )
     parser.add_argument("--json", action="store_true", help="with --dry-run: print them as JSON")
+    parser.add_argument(
+        "--verbose", action="store_true",
+        help="show the engines' and Ray's notices live (same as metrics.verbose=true; they always go to RUN_DIR/logs/)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,11 +51,16 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"system={args.system}")
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    if args.verbose:
+        overrides.append("metrics.verbose=true")
     try:
         job = job_preparation.prepare_job(args.config, overrides, run_dir=args.run_dir, resume=args.resume)
         if args.dry_run:
-            print(job_preparation.dry_run_text(job.config, as_json=args.json))
-            return 0
+            text, problems = job_preparation.dry_run(job.config, as_json=args.json)
+            print(text)
+            for problem in problems:
+                print(f"staleflow train --dry-run: {problem}", file=sys.stderr)
+            return 2 if problems else 0
         job_preparation.check_installed(job.config)
     except job_preparation.PREPARATION_ERRORS as err:
         print(f"staleflow train: {err}", file=sys.stderr)

@@ -35,6 +35,11 @@ class PromptGroup:
     resamples: list[list[dict[str, Any]]] = field(default_factory=list)
 
 
+#: a :class:`RolloutRequest`'s ``metadata`` key whose value overrides the engine's sampling temperature
+#: (0: greedy; the evaluation's requests on a rollout instance)
+TEMPERATURE_KEY = "temperature"
+
+
 @dataclass
 class RolloutRequest:
     """One response being generated; resumable: ``output_ids`` may already hold a partial response.

@@ -51,7 +51,8 @@ bring_trainer_path() {
     return 0
   fi
   echo "gpu-smoke: installing ${missing[*]} from $wheels into $out/site" >&2
-  if "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$out/site" "$wheels"/*.whl; then
+  # --find-links: pip picks, among the wheels there, the one built for this Python (cp311, cp312...)
+  if "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --find-links "$wheels" --target "$out/site" "${missing[@]}"; then
     export PYTHONPATH="$out/site${PYTHONPATH:+:$PYTHONPATH}"
   else
     echo "gpu-smoke: could not install the wheels in $wheels (needed: ${missing[*]})" >&2

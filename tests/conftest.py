@@ -68,6 +68,7 @@ TIERS = {
     "test_conftest_tiers.py": UNIT,
     "test_locked_manager.py": UNIT,
     "test_trace_format.py": UNIT,
+    "test_trace_cost.py": UNIT,
     "test_architecture.py": INTEGRATION,
     "test_bad_input.py": INTEGRATION,
     "test_bench_commands.py": INTEGRATION,

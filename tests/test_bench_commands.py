@@ -1,6 +1,7 @@
 """`staleflow bench` subcommands end to end at small arguments: exit code, the JSON figures each
 promises (with their goals), and the exit code 2 of a bad argument. (``bench weight-sync``:
-tests/test_bench_weight_sync.py; ``bench convergence`` aggregating finished runs:
+tests/test_bench_weight_sync.py; the trace cost counted, not timed: tests/test_trace_cost.py;
+``bench convergence`` aggregating finished runs:
 tests/test_convergence_bench.py; ``bench mutation``'s judging: tests/test_bench_mutation.py.)
 """
 
@@ -63,6 +64,28 @@ def test_bench_protocol_tables_show_the_figures_and_verdicts(capsys: pytest.Capt
     assert f"slowest steady state: 12,345 ops/s (goal >= {protocol.GOAL_OPS_PER_S:,}: NOT met)" in out
     assert "worst cost ratio 1k -> 100k groups: 1.50x" in out and "largest B over smallest: 3.25x" in out
     assert "reproduce: staleflow bench protocol --batches 5" in out and "│ 100 │ 150 │ 50 │ 50% │" in out
+
+
+def test_bench_trace_cost_prints_the_timed_ratio_the_footprint_and_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from staleflow.bench.trace_cost import recorded_ops, trace_footprint
+    from staleflow.protocol import StalenessManager
+
+    code, doc = _bench(capsys, "trace-cost", "--runs", "2", "--batches", "3")
+    assert code == 0 and doc["runs"] == 2 and doc["command"] == "staleflow bench trace-cost --runs 2 --batches 3 --seed 0"
+    assert sorted(doc["settings"]) == ["eta=1,B=64", "eta=3,B=512"]
+    for key, row in doc["settings"].items():
+        eta, batch_size = (int(part.split("=")[1]) for part in key.split(","))
+        for figure in ("untraced_ns_per_group", "traced_ns_per_group", "traced_ratio", "traced_refusals_ratio"):
+            assert 0 < row[figure]["min"] <= row[figure]["median"] <= row[figure]["max"], (key, figure)
+        # the counted figures are the same on every machine: those of the suite's budget (tests/test_trace_cost.py)
+        assert row["footprint"] == trace_footprint(StalenessManager(eta, batch_size), recorded_ops(eta, batch_size, 3, 0))
+    worst = max(row["traced_ratio"]["median"] for row in doc["settings"].values())
+    assert doc["goal"] == {"traced_ratio": 3.0, "worst_median": worst, "met": worst <= 3.0}
+    assert main(["bench", "trace-cost", "--batches", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "Reproduce: staleflow bench trace-cost --runs 1 --batches 3 --seed 0"
+    assert lines[-2].startswith("worst median traced/untraced ratio ") and "(goal <= 3.0x: " in lines[-2]
+    assert sum("writes and" in line and "bytes per group" in line for line in lines) == 2
 
 
 def test_bench_coordinator(capsys: pytest.CaptureFixture[str]) -> None:
@@ -140,9 +163,10 @@ def test_bench_chaos_prints_a_replayed_seeds_scenario_and_faults_and_how_to_repr
 @pytest.mark.parametrize(
     "argv",
     [["coordinator", "--scales", "2x8"], ["load", "--scales", "0x16"], ["load", "--ticks", "0"], ["chaos", "--seeds", "0"],
-     ["chaos", "--faults", "no_such_fault"], ["chaos", "--steps", "0"], ["chaos", "--system", "verl-async"]],
+     ["chaos", "--faults", "no_such_fault"], ["chaos", "--steps", "0"], ["chaos", "--system", "verl-async"],
+     ["trace-cost", "--runs", "0"]],
     ids=["coordinator too few requests", "load no instances", "load no ticks", "chaos no seeds", "chaos unknown fault",
-         "chaos no steps", "chaos system without a bound"],
+         "chaos no steps", "chaos system without a bound", "trace-cost no runs"],
 )
 def test_bench_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     try:

@@ -134,13 +134,38 @@ def test_regression_seed(seed: int, kinds: list[str] | None, injected: list[str]
     _assert_injected(result, injected)
 
 
-def test_regression_seed_200027_results_left_on_a_failed_instance_are_dropped_at_a_restart() -> None:
-    """Found by ``staleflow bench chaos --seeds 30 --first 200000 --system staleflow-fresh``: an
-    instance whose Pull failed was down (its requests re-queued and routed elsewhere) when the
-    coordinator restarted; it finished one of them meanwhile, so the new loop found it empty, took
+def test_regression_results_left_on_a_failed_instance_are_dropped_at_a_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by ``staleflow bench chaos --seeds 30 --first 200000 --system staleflow-fresh`` (seed
+    200027): an instance whose Pull failed was down (its requests re-queued and routed elsewhere) when
+    the coordinator restarted; it finished one of them meanwhile, so the new loop found it empty, took
     it as up, and collected that result: the request finished twice. The new loop now drops results
-    an instance holds from before it started."""
-    _assert_ok(run_seed(200027, system="staleflow-fresh"))
+    an instance holds from before it started. (Seed 200027 until its draws moved: it still fails
+    pulls and restarts, but no instance holds a result when a loop starts; seed 200003 with these
+    fault kinds does, twice.) The run records the results each new loop found and dropped."""
+    from staleflow.runtime.run import instance_driver
+
+    dropped: list[str] = []
+    first_snapshot = instance_driver.first_snapshot
+
+    def recording(engine, now):  # type: ignore[no-untyped-def]
+        collect = engine.collect
+
+        def collected():  # type: ignore[no-untyped-def]
+            results = collect()
+            dropped.extend(t.request_id for t in results)
+            return results
+
+        engine.collect = collected
+        try:
+            return first_snapshot(engine, now)
+        finally:
+            del engine.collect
+
+    monkeypatch.setattr(instance_driver, "first_snapshot", recording)
+    result = run_seed(200003, kinds=["pull_fail", "coordinator_restart", "finish_delay"], system="staleflow-fresh")
+    _assert_ok(result)
+    _assert_injected(result, ["pull_fail", "coordinator_restart"])
+    assert dropped, f"{result.command}: no new loop found a result left on an instance (the scenario did not happen)"
 
 
 @pytest.mark.parametrize(

@@ -156,10 +156,14 @@ def test_the_online_fit_on_a_vllm_cpu_engine_matches_an_offline_profile(tmp_path
                 pending -= {t.request_id for t in engine.collect()}
                 time.sleep(0.002)  # as the run loop polls: a busy loop would take the GIL from the engine thread
             online.refit(float(batch), engine.decode_steps())
-    assert online.figures(0.0)["cost_fit_refits"] >= 1
+    figures = online.figures(0.0)
+    assert figures["cost_fit_refits"] >= 1 and online.model != online.prior
+    # a fit left at (or near) the prior would be as far from the engine's own steps as the prior is:
+    # measured 8.0% against 18.2% (and 22.6% against 36.6% from the offline fit, below)
+    assert figures["cost_fit_error"] < 0.8 * figures["cost_prior_error"]
     reference = [ProfileRecord(p.n, p.kv_tokens, offline.model.step_latency(p.n, p.kv_tokens)) for p in offline.points]
     difference, prior_difference = relative_error(online.model, reference), relative_error(online.prior, reference)
     print(f"online {online.model}, offline {offline.model}")
     print(f"online vs offline fit: {difference:.1%} (the prior: {prior_difference:.1%}); online fit error "
-          f"{online.figures(0.0)['cost_fit_error']:.1%}; prior error {online.figures(0.0)['cost_prior_error']:.1%}")
+          f"{figures['cost_fit_error']:.1%}; prior error {figures['cost_prior_error']:.1%}")
     assert difference < 0.35

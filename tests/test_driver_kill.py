@@ -33,8 +33,8 @@ pytestmark = [
 
 STEPS = 5  # killed after step 3 (a checkpoint at step 2), then at least one step resumed
 #: The job runs as on a cluster: FSDP ranks and both servers as Ray actors, so the weights go from
-#: rank 0 through Ray's object store to the instances, rank 0 writes the checkpoints and reads the one
-#: the resume starts from.
+#: rank 0 through Ray's object store to the instances, each rank writes its shards of the checkpoints
+#: and reads them back for the resume.
 GPU_PATH = ["train.backend=fsdp", "train.world_size=2", "servers.placement=ray"]
 
 
@@ -91,7 +91,9 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(tmp_path: Path
     import torch
 
     trainer_state = torch.load(run_dir / "checkpoints" / checkpoints[-1] / "trainer" / "trainer_state.pt", weights_only=False)
-    assert (trainer_state["format"], trainer_state["version"]) == ("staleflow-fsdp/1", resumed_from)  # written by rank 0
+    assert (trainer_state["format"], trainer_state["version"]) == ("staleflow-fsdp/2", resumed_from)
+    shards = run_dir / "checkpoints" / checkpoints[-1] / "trainer" / "shards"
+    assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # each rank its own
     assert state["parameter_server"]["latest_version"] == state["steps_done"] == resumed_from
 
     resumed = subprocess.run([sys.executable, "-m", "staleflow", "train", "--resume", str(run_dir)],

@@ -153,3 +153,25 @@ def test_vllm_cpu_serves_the_export_with_the_trainers_logprobs(trained_run, tmp_
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     got = torch.tensor(json.loads(lines[0].removeprefix("LOGPROBS ")))
     assert got.shape == want.shape and float((got - want).abs().max()) < 1e-4  # measured 4.8e-7
+
+
+def test_export_of_an_fsdp_sharded_checkpoint_writes_the_trained_weights(tiny: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Two gloo ranks each write their shards; the export gathers them into the trained weights, exactly."""
+    from staleflow.adapters.fsdp.trainer import FSDPTrainer
+
+    run = _run_dir(tmp_path, tiny)
+    trainer = FSDPTrainer(run / "model-v0", settings=TrainerSettings(lr=1e-2, lr_warmup_steps=0), world_size=2)
+    try:
+        trainer.start_step(make_batch(version=0, groups=2, size=4))
+        trainer.wait(timeout=300)
+        trainer.save_checkpoint(_checkpoint(run, 1))
+        trained = trainer.weights()
+    finally:
+        trainer.close()
+    assert not (run / "checkpoints" / "step-000001" / "trainer" / "model.safetensors").exists()
+    assert main(["export", str(run), "--out", str(tmp_path / "out"), "--dtype", "fp32"]) == 0
+    assert "exported run/step-000001" in capsys.readouterr().out
+    written = read_weights(tmp_path / "out")
+    assert set(written) == set(read_weights(tiny))
+    assert all(torch.equal(v, trained[k]) for k, v in written.items())
+    assert not torch.equal(written["model.embed_tokens.weight"], read_weights(tiny)["model.embed_tokens.weight"])

@@ -1,5 +1,5 @@
 """The FSDP2 trainer on CPU: 2 ranks over gloo train like the one-process trainer, gather full weights,
-and checkpoint/restore (at any world size) with every file and key checked first."""
+and checkpoint/restore sharded (each rank its own shards, at any world size) with every file and key checked first."""
 
 from __future__ import annotations
 
@@ -21,12 +21,22 @@ def model_dir(tiny_model: Path) -> Path:
     return tiny_model  # the session's (tests/conftest.py)
 
 
-def _damaged_copy(checkpoint: Path, target: Path) -> Path:
-    """``checkpoint``'s trainer state beside a model file that is not safetensors."""
-    target.mkdir()
-    (target / "model.safetensors").write_bytes(b"\0" * 10)
-    (target / "trainer_state.pt").write_bytes((checkpoint / "trainer_state.pt").read_bytes())
+def _damaged_copy(checkpoint: Path, target: Path, shard: str = "__1_0.distcp", keep_bytes: int | None = 10) -> Path:
+    """A copy of ``checkpoint`` whose ``shard`` file is cut to ``keep_bytes`` (None: removed)."""
+    import shutil
+
+    shutil.copytree(checkpoint, target)
+    path = target / "shards" / shard
+    if keep_bytes is None:
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[:keep_bytes])
     return target
+
+
+def _shard_files(checkpoint: Path) -> dict[str, int]:
+    """The shard files of a sharded checkpoint and their sizes."""
+    return {p.name: p.stat().st_size for p in sorted((checkpoint / "shards").glob("*.distcp"))}
 
 
 def test_two_gloo_ranks_match_one_process_and_checkpoint(model_dir: Path, tmp_path: Path) -> None:
@@ -50,44 +60,67 @@ def test_two_gloo_ranks_match_one_process_and_checkpoint(model_dir: Path, tmp_pa
         worst = max(float((fsdp.weights()[k] - v).abs().max()) for k, v in single.weights().items())
         assert worst < 5e-5, worst  # fp32, different reduction order: agreement far below the update (lr 1e-3)
         assert all(not torch.equal(fsdp.weights()[k], v) for k, v in initial.items())
+        saved_before_refusals = {k: v.clone() for k, v in fsdp.weights().items()}
 
-        # A checkpoint restores into a fresh trainer and the next step lands where the original's does.
+        # Each rank writes its own shards of the weights and the AdamW state: two files of about half
+        # the state each, and no file of the full weights or optimiser state.
         fsdp.save_checkpoint(tmp_path / "ckpt")
+        shards = _shard_files(tmp_path / "ckpt")
+        assert list(shards) == ["__0_0.distcp", "__1_0.distcp"], shards
+        assert all(0.35 < size / sum(shards.values()) < 0.65 for size in shards.values()), shards
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["shards", "trainer_state.pt"]
+        state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)
+        assert state["format"] == "staleflow-fsdp/2" and "optimizer" not in state and state["version"] == 2
+
+        # Refused before any rank is touched: another trainer's state, the full format that came
+        # before (by name), a missing or cut shard file; the trainer keeps its weights.
         single.save_checkpoint(tmp_path / "torch-ckpt")
         with pytest.raises(ValueError, match="is not an FSDP trainer state"):
-            fsdp.load_checkpoint(tmp_path / "torch-ckpt")  # refused before any rank is touched
-        with pytest.raises(ValueError, match="is not a torch trainer state"):
-            single.load_checkpoint(tmp_path / "ckpt")
-        with pytest.raises(ValueError, match="cannot be read"):
-            fsdp.load_checkpoint(_damaged_copy(tmp_path / "ckpt", tmp_path / "bad"))
-        # A readable state without the optimiser's parameter groups (and shifted weights): refused before any rank loads.
+            fsdp.load_checkpoint(tmp_path / "torch-ckpt")
+        with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
+            single.load_checkpoint(tmp_path / "ckpt")  # the torch trainer's checkpoints are whole
         import shutil
 
-        from safetensors.torch import load_file, save_file
-        shutil.copytree(tmp_path / "ckpt", tmp_path / "no-groups")
-        state = torch.load(tmp_path / "no-groups" / "trainer_state.pt", weights_only=False)
-        del state["optimizer"]["param_groups"]
-        torch.save(state, tmp_path / "no-groups" / "trainer_state.pt")
-        shifted = {k: v + 1.0 for k, v in load_file(str(tmp_path / "no-groups" / "model.safetensors")).items()}
-        save_file(shifted, str(tmp_path / "no-groups" / "model.safetensors"))
-        kept = {k: v.clone() for k, v in fsdp.weights().items()}
-        with pytest.raises(ValueError, match="holds no optimiser state"):
-            fsdp.load_checkpoint(tmp_path / "no-groups")
-        assert all(torch.equal(v, fsdp.weights()[k]) for k, v in kept.items())
+        shutil.copytree(tmp_path / "torch-ckpt", tmp_path / "full")
+        full = torch.load(tmp_path / "full" / "trainer_state.pt", weights_only=False)
+        torch.save({**full, "format": "staleflow-fsdp/1"}, tmp_path / "full" / "trainer_state.pt")
+        with pytest.raises(ValueError, match="is of the full format staleflow-fsdp/1 .* restores sharded checkpoints"):
+            fsdp.load_checkpoint(tmp_path / "full")
+        with pytest.raises(FileNotFoundError, match="lacks the shard file __1_0.distcp"):
+            fsdp.load_checkpoint(_damaged_copy(tmp_path / "ckpt", tmp_path / "no-shard", keep_bytes=None))
+        with pytest.raises(ValueError, match="__0_0.distcp holds 10 bytes; its index needs"):
+            fsdp.load_checkpoint(_damaged_copy(tmp_path / "ckpt", tmp_path / "cut", shard="__0_0.distcp"))
+        assert all(torch.equal(v, fsdp.weights()[k]) for k, v in saved_before_refusals.items())
+
+        # Restored, the next step lands exactly where the original's did (weights, AdamW moments and
+        # schedule restored: the update, not only the loss, is the same).
         assert fsdp.version == 2
         saved = {k: v.clone() for k, v in fsdp.weights().items()}
         batch = make_batch(version=2, groups=4, size=4, seed=7)
         fsdp.start_step(batch)
         after = fsdp.wait(timeout=300)
+        stepped = {k: v.clone() for k, v in fsdp.weights().items()}
         assert fsdp.load_checkpoint(tmp_path / "ckpt") == 2
         assert all(torch.equal(v, fsdp.weights()[k]) for k, v in saved.items())
         fsdp.start_step(batch)
         again = fsdp.wait(timeout=300)
         assert again.metrics["loss"] == pytest.approx(after.metrics["loss"], rel=1e-5)
         assert again.metrics["lr"] == after.metrics["lr"]
+        assert all(torch.equal(v, fsdp.weights()[k]) for k, v in stepped.items())
     finally:
         fsdp.close()
         single.close()
+
+    # At another world size (torch.distributed.checkpoint reshards): one rank restores the two ranks' shards.
+    alone = FSDPTrainer(model_dir, settings=settings, world_size=1, seed=1)
+    try:
+        assert alone.load_checkpoint(tmp_path / "ckpt") == 2
+        assert all(torch.equal(v, alone.weights()[k]) for k, v in saved.items())
+        alone.start_step(batch)
+        assert alone.wait(timeout=300).metrics["loss"] == pytest.approx(after.metrics["loss"], rel=1e-4)
+        assert max(float((alone.weights()[k] - v).abs().max()) for k, v in stepped.items()) < 1e-6
+    finally:
+        alone.close()
 
 
 def test_a_failed_or_dead_rank_stops_the_group_instead_of_hanging() -> None:
@@ -202,10 +235,11 @@ def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_deco
 
             prompts = [[5, 9, 11], [7, 3]]
             decoded = fsdp.generate_greedy(prompts, 6, eos_id=1)  # by rank 0
-            fsdp.save_checkpoint(tmp_path / "ckpt")  # written by rank 0
-            with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
+            fsdp.save_checkpoint(tmp_path / "ckpt")  # each rank its own shards
+            assert list(_shard_files(tmp_path / "ckpt")) == ["__0_0.distcp", "__1_0.distcp"]
+            with pytest.raises(FileNotFoundError, match="has no trainer_state.pt"):
                 fsdp.load_checkpoint(tmp_path / "missing")
-            with pytest.raises(ValueError, match="cannot be read"):
+            with pytest.raises(ValueError, match="holds 10 bytes; its index needs"):
                 fsdp.load_checkpoint(_damaged_copy(tmp_path / "ckpt", tmp_path / "bad"))  # refused by rank 0; the group goes on
             assert fsdp.load_checkpoint(tmp_path / "ckpt") == 1
             fsdp.start_step(make_batch(version=1, groups=4, size=4, seed=4))
@@ -229,3 +263,23 @@ def test_ray_ranks_publish_into_the_object_store_and_rank_0_checkpoints_and_deco
         while time.monotonic() < deadline:  # its owner, rank 0, was killed (Ray notices within seconds)
             fsdp.weights().fetch()
             time.sleep(0.5)
+
+
+def test_the_model_state_estimate_and_the_offload_it_chooses() -> None:
+    """Finding 5 (issue 35): nothing estimated an FSDP rank's model state or moved it off the GPU (7B
+    on 2 ranks: about 57 GiB of fp32 weights, gradients and AdamW state per GPU). The estimate is 16
+    bytes per parameter per rank share; ``auto`` offloads where it takes more than half the GPU."""
+    from staleflow.runtime.settings.memory_estimate import choose_offload, rank_state_bytes
+
+    qwen7b, qwen1_5b, gib = 7_615_616_512, 1_543_714_304, 1 << 30
+    state = rank_state_bytes(qwen7b, 2)
+    assert (state.weights, state.gradients, state.optimizer) == (qwen7b // 2 * 4, qwen7b // 2 * 4, qwen7b // 2 * 8)
+    assert round(state.total / gib, 1) == 56.7
+    h100 = 80 * 10**9
+    assert choose_offload("auto", qwen7b, 2, h100) and not choose_offload("auto", qwen7b, 8, h100)
+    assert not choose_offload("auto", qwen1_5b, 2, h100) and not choose_offload("auto", qwen7b, 2, None)  # CPU: nothing to offload
+    assert choose_offload("on", 1, 1, h100) and not choose_offload("off", qwen7b, 1, h100)
+    assert not choose_offload("on", 1, 1, None)  # a CPU rank's state is in CPU memory (and the policy needs a GPU)
+    with pytest.raises(ValueError, match="train.cpu_offload must be one of auto, on, off, got 'yes'"):
+        choose_offload("yes", 1, 1, None)
+

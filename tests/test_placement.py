@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -263,7 +264,7 @@ def test_one_node_of_eight_gpus_is_planned_bundle_by_bundle(overrides: list[str]
     assert sum(a.gpus for a in plan.actors) == 8  # every GPU has exactly one user
 
 
-def test_the_qwen3_moe_example_plans_tensor_parallel_instances_an_eval_engine_and_sixteen_ranks() -> None:
+def test_the_qwen3_moe_example_plans_twelve_tensor_parallel_instances_and_sixteen_ranks() -> None:
     examples = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "examples"
     config = load_config(examples / "qwen3-30b-a3b-multinode.yaml")
     plan = plan_placement(config)
@@ -271,21 +272,25 @@ def test_the_qwen3_moe_example_plans_tensor_parallel_instances_an_eval_engine_an
     assert len(engines) == 12 and all(len(g.bundles) == 4 and g.strategy == "STRICT_PACK" for g in engines)
     first, rest = {"CPU": 8.0, "GPU": 1.0}, {"GPU": 1.0}
     assert all(b.resources() == (first if i == 0 else rest) for g in engines for i, b in enumerate(g.bundles))
-    assert plan.actor("eval").role == "evaluation engine" and plan.actor("eval").num_gpus == 0
+    assert "eval" not in [g.name for g in engines]  # the rollout instances evaluate (task.eval_engine=rollout)
+    own = plan_placement(load_config(examples / "qwen3-30b-a3b-multinode.yaml", ["task.eval_engine=own"]))
+    assert own.actor("eval").role == "evaluation engine" and own.actor("eval").num_gpus == 0
     assert len(plan.group("trainer").bundles) == 16 and plan.total_gpus == 64
 
 
 def test_the_evaluation_engine_reserves_its_own_bundle_shaped_like_a_rollout_instance() -> None:
     """Finding 2 (issue 24): the evaluation engine ran on a GPU it never reserved. Now a job that
     evaluates on an engine (prompts from files) plans it like a rollout instance; the built-in task
-    (evaluated by the trainer) and a job with evaluation off plan none."""
+    (evaluated by the trainer), a job with evaluation off and one evaluating on its rollout
+    instances (task.eval_engine=rollout, the default since issue 35) plan none."""
     data = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "data"
-    files = [f"task.prompt_file={data / 'arithmetic-train.jsonl'}", "rollout.gpus_per_instance=1"]
+    files = [f"task.prompt_file={data / 'arithmetic-train.jsonl'}", "rollout.gpus_per_instance=1", "task.eval_engine=own"]
     plan = plan_placement(load_config(overrides=files))
     assert _bundles(plan)["eval"] == _bundles(plan)["rollout-0"] == [{"GPU": 1.0}]
     assert plan.actor("eval").num_gpus == 1.0
     assert "eval" not in _bundles(plan_placement(load_config(overrides=[*files, "task.eval_prompts=0", "task.eval_every=0"])))
     assert "eval" not in _bundles(plan_placement(load_config(overrides=["rollout.gpus_per_instance=1"])))
+    assert "eval" not in _bundles(plan_placement(load_config(overrides=[*files[:2]])))
 
 
 def test_collective_trainer_ranks_may_not_share_a_gpu() -> None:
@@ -380,29 +385,63 @@ def test_a_ray_worker_group_call_that_gets_no_answer_fails_naming_the_ranks(ray_
         workers.close()
 
 
-def test_gpu_engines_start_one_at_a_time_and_cpu_engines_together() -> None:
-    """Finding 4 (issue 24): vLLM attributes every change of free GPU memory during its start-up
-    profiling to itself, so engines started side by side on shared GPUs break each other. GPU
-    engines start one at a time, each ready before the next."""
-    from staleflow.app.training_job import start_engines
+class _RecordedEngine:
+    """A fake engine whose start and readiness are recorded in ``events``."""
+
+    def __init__(self, name: str, events: list[str]) -> None:
+        self.name, self.events = name, events
+        events.append(f"start {name}")
+
+    def idle(self) -> bool:
+        self.events.append(f"ready {self.name}")
+        return True
+
+
+def test_engines_on_disjoint_gpus_start_together_and_those_sharing_a_gpu_one_at_a_time() -> None:
+    """Issue 35 (finding 7), issue 24 (finding 4): vLLM attributes every change of free GPU memory
+    during its start-up profiling to itself, so engines that may share a GPU start one at a time,
+    each ready before the next; engines on GPUs of their own (whole-GPU bundles) start together."""
+    from staleflow.app.job_parts import start_engines
+
+    events: list[str] = []
+    starts = [lambda n=n: _RecordedEngine(n, events) for n in ("e0", "e1", "e2")]
+    started = start_engines(starts, [frozenset({"a"}), frozenset({"a"}), frozenset({"b"})])
+    assert [e.name for e in started] == ["e0", "e1", "e2"]
+    # e1 shares e0's GPU: it starts once e0 is ready; e2 has its own and starts beside e0.
+    assert events == ["start e0", "start e2", "ready e0", "start e1", "ready e2", "ready e1"]
+    events.clear()
+    start_engines(starts[:2], [frozenset(), frozenset()])  # CPU engines: together, nothing waited for
+    assert events == ["start e0", "start e1"]
+
+
+@pytest.mark.parametrize(("overrides", "want"), [
+    (["rollout.gpus_per_instance=1"], ["start rollout-0", "start rollout-1", "start rollout-2", "ready rollout-0", "ready rollout-1",
+                                       "ready rollout-2"]),
+    (["rollout.gpus_per_instance=2", "cluster.gpus_per_node=8"], ["start rollout-0", "start rollout-1", "start rollout-2",
+                                                                  "ready rollout-0", "ready rollout-1", "ready rollout-2"]),
+    (["rollout.gpus_per_instance=1", "rollout.instances_per_gpu=3"], ["start rollout-0", "ready rollout-0", "start rollout-1",
+                                                                      "ready rollout-1", "start rollout-2", "ready rollout-2"]),
+    (["rollout.gpus_per_instance=0"], ["start rollout-0", "start rollout-1", "start rollout-2"]),
+])
+def test_a_job_starts_its_rollout_instances_by_the_gpus_each_holds(overrides: list[str], want: list[str], tmp_path: Path) -> None:
+    """The job's own start (:meth:`TrainingJob._start_engines`) with a fake placement: whole-GPU
+    instances (one GPU, or a tensor-parallel group of bundles) start together; instances sharing
+    GPUs (``rollout.instances_per_gpu``) one at a time; CPU instances together."""
+    from staleflow.app.training_job import TrainingJob
 
     events: list[str] = []
 
-    class Engine:
-        def __init__(self, name: str) -> None:
-            self.name = name
-            events.append(f"start {name}")
+    class Placement:
+        def place_reserved(self, name: str, factory: object, *args: object, **kwargs: object) -> _RecordedEngine:
+            return _RecordedEngine(name, events)
 
-        def idle(self) -> bool:
-            events.append(f"ready {self.name}")
-            return True
-
-    starts = [lambda n=n: Engine(n) for n in ("rollout-0", "rollout-1")]
-    assert [e.name for e in start_engines(starts, one_at_a_time=True)] == ["rollout-0", "rollout-1"]
-    assert events == ["start rollout-0", "ready rollout-0", "start rollout-1", "ready rollout-1"]
-    events.clear()
-    start_engines(starts, one_at_a_time=False)
-    assert events == ["start rollout-0", "start rollout-1"]
+    job = object.__new__(TrainingJob)
+    job.config = load_config(overrides=["rollout.instances=3", *overrides])
+    job.tokens = types.SimpleNamespace(eos_id=1)
+    job._placement = Placement()
+    engines = job._start_engines(tmp_path, clock=None, weights_dir=tmp_path)  # type: ignore[arg-type]
+    assert [e.instance_id for e in engines] == ["rollout-0", "rollout-1", "rollout-2"]
+    assert events == want
 
 
 _EXAMPLES = Path(__file__).resolve().parents[1] / "runtime" / "settings" / "configs" / "examples"
@@ -552,8 +591,8 @@ def test_the_evaluation_engine_is_ready_before_make_evaluator_returns_on_gpus(
     monkeypatch.setitem(sys.modules, "staleflow.adapters.vllm.engine", types.SimpleNamespace(VLLMEngine=object))
     data = types.SimpleNamespace(train=[Prompt("1+1=", "2")], held_out=[Prompt("2+2=", "4")])
     tokens = types.SimpleNamespace(eos_id=0, encode=lambda text: [1, 2], decode=lambda ids: "")
-    config = load_config(overrides=[f"rollout.gpus_per_instance={gpus_per_instance}"])
-    evaluator = evaluation.make_evaluator(config, tokens, data, Placement(), tmp_path, None, tmp_path)  # type: ignore[arg-type]
+    config = load_config(overrides=[f"rollout.gpus_per_instance={gpus_per_instance}", "task.eval_engine=own"])
+    evaluator = evaluation.make_evaluator(config, tokens, data, Placement(), tmp_path, None, tmp_path, [])  # type: ignore[arg-type]
     try:
         assert seen == events
     finally:

@@ -149,6 +149,34 @@ def test_async_waiter_is_woken_by_a_locked_manager_driven_from_a_thread() -> Non
 # ----------------------------------------------------------------------------- threads
 
 
+class _CountingCondition(threading.Condition):
+    """The locked wrapper's condition, instrumented: the timeout of every ``wait`` (a thread going to
+    sleep: once when it blocks, again after each wake-up that found its wait not over), every
+    ``notify_all``, and ``sleeping``, set when a thread goes to sleep."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        super().__init__(lock)
+        self.waits: list[float | None] = []
+        self.notifies = 0
+        self.sleeping = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        self.sleeping.set()
+        return super().wait(timeout)
+
+    def notify_all(self) -> None:
+        self.notifies += 1
+        super().notify_all()
+
+
+def _instrumented(locked: LockedStalenessManager) -> _CountingCondition:
+    """Put a counting condition (over the wrapper's own lock) in place of the wrapper's condition."""
+    condition = _CountingCondition(locked._lock)
+    locked._changed = condition
+    return condition
+
+
 def test_blocking_waits_with_real_threads() -> None:
     """Producer threads block in wait_admissible when refused, the trainer thread in
     consume_when_ready; no thread polls, and every group trained is within its bound."""
@@ -181,14 +209,21 @@ def test_blocking_waits_with_real_threads() -> None:
             batches.append(batch)
             time.sleep(0.005)  # train: the producers fill the buffers meanwhile and must wait
 
-    threads = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
-    consumer = threading.Thread(target=trainer)
+    condition = _instrumented(locked)
+    # daemon: a failed assertion must not leave the run waiting for them
+    threads = [threading.Thread(target=producer, args=(k,), daemon=True) for k in range(4)]
+    consumer = threading.Thread(target=trainer, daemon=True)
     for t in (consumer, *threads):
         t.start()
     for t in (consumer, *threads):
-        t.join(timeout=60)
+        t.join(timeout=300)
     assert not errors and not consumer.is_alive() and len(batches) == 40 and blocked[0] > 0
     assert all(v <= b.version <= v + 1 for b in batches for v in b.group_versions)
+    # Nobody polls: a thread sleeps until notified, for what is left of its own 10 s (no short
+    # re-check interval), and wakes only on a notify: at most one sleep per blocked call (the producers'
+    # blocked[0], the trainer's 40) plus one per waiting thread (5) and notify.
+    assert condition.waits and all(timeout is not None and timeout > 1.0 for timeout in condition.waits)
+    assert len(condition.waits) <= blocked[0] + 40 + 5 * condition.notifies
 
 
 def test_blocking_waits_time_out_and_wake_on_a_stale_version() -> None:
@@ -205,13 +240,16 @@ def test_blocking_waits_time_out_and_wake_on_a_stale_version() -> None:
         except StaleVersionError as error:
             outcome.append(error)
 
-    waiting = threading.Thread(target=wait_for_room)
+    condition = _instrumented(locked)
+    waiting = threading.Thread(target=wait_for_room, daemon=True)  # a failed assertion must not leave it blocked
     waiting.start()
-    time.sleep(0.02)
-    assert outcome == []  # blocked: buffer 0 is full
-    locked.occupy("a")
+    assert condition.sleeping.wait(timeout=300), "the thread never went to sleep in wait_admissible"
+    assert outcome == [] and condition.waits == [None]  # blocked (buffer 0 is full), with no timeout: no polling
+    locked.occupy("a")  # wakes it (occupy may enable a consume), but admission is no wider: it sleeps again
     assert locked.wait_consumable(timeout=1) is True
     with locked.locked() as manager:  # a compound step wakes waiters when the block ends
         manager.consume()
-    waiting.join(timeout=5)
+    waiting.join(timeout=300)
     assert len(outcome) == 1 and isinstance(outcome[0], StaleVersionError)
+    # one sleep, then at most one more per notify (occupy's, the block's): woken only by them
+    assert condition.notifies == 2 and condition.waits in ([None], [None, None])

@@ -344,3 +344,67 @@ def test_a_bad_line_that_is_not_the_last_is_still_an_error(tmp_path: Path) -> No
     path.write_text("".join(lines))
     with pytest.raises(TraceFormatError, match=":2: not JSON"):
         read_trace(path)
+
+
+class TransferringEngine(FakeEngine):
+    """A fake engine whose pulls go over a real gloo group from a
+    :class:`~staleflow.adapters.rlkit.weight_sender.TransferParameterServer`, the first pull made
+    while it holds requests to a receiver that hangs mid-transfer where ``stall``."""
+
+    def __init__(self, *args: Any, server: Any, stall: bool, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.server, self.receiver, self.stalled, self.stall = server, None, None, stall
+
+    def load_weights(self, version: int, weights: Any) -> None:
+        from staleflow.adapters.rlkit.weight_sender import TransferWeights
+        from weight_receiver import GlooReceiver, StalledReceiver
+
+        reference = TransferWeights(self.server, version)
+        if self.stall and self.stalled is None and self.held():  # a worker restarted (a new group) that will hang
+            self.receiver = self.stalled = StalledReceiver("hangs")
+            reference.connect(self.instance_id, 1, self.receiver, backend="gloo")
+        elif self.receiver is None:
+            self.receiver = GlooReceiver()
+            reference.connect(self.instance_id, 1, self.receiver, backend="gloo")
+        try:
+            reference.deliver(self.instance_id, self.receiver)
+        except ConnectionError:
+            self.receiver = None  # the group is gone: the next pull makes a new one
+            raise
+        super().load_weights(version, {k: v.clone() for k, v in self.receiver.received.items()})
+
+
+class TensorTrainer(FakeTrainer):
+    def weights(self) -> Any:
+        import torch
+
+        return {"w": torch.full((700,), float(self.version)), "b": torch.full((3,), float(self.version))}
+
+
+def test_a_pull_whose_receiver_hangs_mid_transfer_marks_the_instance_failed_and_loses_nothing(clock: VirtualClock) -> None:
+    """Finding 6 (issue 35): a receiver hung mid-transfer held the pull (and the run) forever. Now the
+    transfer gives up by its deadline, the instance is marked failed, its requests are re-queued, the
+    parameter server goes on serving, and the instance comes back through a new group: the run ends
+    with nothing lost or duplicated and the instances holding the last version exactly."""
+    import threading
+
+    import torch
+    from staleflow.adapters.rlkit.weight_sender import TransferParameterServer
+
+    server = TransferParameterServer(transfer={"backend": "gloo", "bucket_bytes": 1 << 10, "timeout_s": 1.0})
+    engines = [TransferringEngine(f"i{n}", clock, server=server, stall=n == 1) for n in range(2)]
+    loop, trainer = _loop(engines, clock, trainer=TensorTrainer(clock, 1.0), parameter_server=server)
+    outcome: list[Any] = []
+    runner = threading.Thread(target=lambda: outcome.append(loop.run(6)), daemon=True)
+    runner.start()
+    runner.join(300)
+    assert not runner.is_alive(), "the run hangs"
+    stalled = [e.stalled for e in engines if e.stalled is not None]
+    assert len(stalled) == 1 and 0 < stalled[0].chunks_received < 3  # hung after its first chunk of 3
+    assert loop.stats.counters["instance_failures"] == 1 and loop.stats.counters["requests_recovered"] > 0
+    assert server.channels_opened == 4 and loop.instances.down == set()  # 2, the hanging one's, its next
+    for engine in engines:
+        assert torch.equal(engine.weights["w"], torch.full((700,), float(engine.version)).to(torch.bfloat16))
+    _assert_clean(loop, outcome[0], trainer, 6)
+    stalled[0].release.set()
+    loop.close()

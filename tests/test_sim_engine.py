@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from staleflow.adapters.sim.engine import FAKE_LOGPROB, SimEngine
+from staleflow.adapters.sim.speculation import SpeculativeDecoding
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.interfaces import RolloutEngine
 from staleflow.runtime.run.clock import VirtualClock
@@ -262,3 +263,25 @@ def test_parameter_server_pulls_share_its_bandwidth_and_a_broadcast_does_not() -
     engine = SimEngine("i0", clock, COST, 100_000, weight_load_s=1.0, weight_link=Broadcast(net))
     engine.load_weights(1)
     assert engine.snapshot().loading and engine.next_event_time() == pytest.approx(4.0)
+
+
+def test_speculation_speeds_up_only_a_small_batch() -> None:
+    """With speculation (1.5x at 2 running requests or fewer), three requests decode at the plain
+    rate while three run, and 1.5x faster once one has finished; progress mid-segment counts the
+    faster steps too."""
+    clock = VirtualClock()
+    engine = SimEngine("i0", clock, SpeculativeDecoding(COST, 1.5, 2), 100_000)
+    engine.submit([request("a", 50), request("b", 120), request("c", 120)])
+    t_a = expected_time(50, 3, 30)
+    t_half = t_a + expected_time(35, 2, 2 * 60) / 1.5
+    clock.sleep_until(t_half)
+    assert engine.progress()[0] == 3 * 50 + 2 * 35
+    done = run_to_idle(engine, clock)
+    assert done["a"][1].metadata["finish_time"] == pytest.approx(t_a, rel=1e-12)
+    assert done["b"][0] == pytest.approx(t_a + expected_time(70, 2, 2 * 60) / 1.5, rel=1e-12)
+
+
+@pytest.mark.parametrize("speculation", [(1.0, 8), (0.5, 8), (1.5, 0)])
+def test_speculation_refuses_a_speedup_at_or_below_one_or_no_batch(speculation: tuple[float, int]) -> None:
+    with pytest.raises(ValueError, match="speculative decoding's"):
+        SpeculativeDecoding(COST, *speculation)

@@ -276,7 +276,7 @@ def test_a_users_scorer_with_evaluation_off_sets_the_job_up(tmp_path: Path, tiny
                                     "task.eval_prompts=0", "task.eval_every=0"])
     tokens = Tokens(tiny_model)
     data = TaskData(config, tokens)
-    evaluator = make_evaluator(config, tokens, data, placement=None, base=tiny_model, clock=None, weights_dir=tmp_path)
+    evaluator = make_evaluator(config, tokens, data, placement=None, base=tiny_model, clock=None, weights_dir=tmp_path, engines=[])
     assert isinstance(evaluator, Evaluator) and not evaluator.enabled
     assert [p.answer for p in data.train] == ["ok"] * 3
 

@@ -7,9 +7,8 @@ uninterrupted one token for token.
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from engine_waits import wait_finished, wait_generating
 from skips import needs
 
 pytestmark = [
@@ -26,27 +25,6 @@ def _request(request_id, max_new_tokens=24, group_version=0, prompt=PROMPT):
     from staleflow.runtime.types import RolloutRequest
 
     return RolloutRequest(request_id, "g0", list(prompt), max_new_tokens, group_version)
-
-
-def _wait_finished(engine, request_ids, timeout=60.0):
-    wanted, got = set(request_ids), {}
-    deadline = time.monotonic() + timeout
-    while wanted - got.keys():
-        assert time.monotonic() < deadline, f"requests {sorted(wanted - got.keys())} did not finish"
-        got.update((t.request_id, t) for t in engine.collect())
-        time.sleep(0.005)
-    return got
-
-
-def _wait_generating(engine, request_id, min_kv_tokens, timeout=60.0):
-    """Until ``request_id`` runs and the engine holds at least ``min_kv_tokens`` KV-cache tokens."""
-    deadline = time.monotonic() + timeout
-    while True:
-        snap = engine.snapshot()
-        if request_id in snap.running and snap.kv_tokens >= min_kv_tokens:
-            return snap
-        assert time.monotonic() < deadline, f"{request_id} never reached {min_kv_tokens} KV tokens"
-        time.sleep(0.002)
 
 
 def _torch_logprobs(model_dir, state_dict, prompt, output):
@@ -106,7 +84,7 @@ def ray_engine(model_dir):
 def reference_output(engine):
     """The uninterrupted greedy response of version 0 (taken before any weight reload)."""
     engine.submit([_request("reference", LONG)])
-    result = _wait_finished(engine, ["reference"])["reference"]
+    result = wait_finished(engine, ["reference"])["reference"]
     assert result.finish_reason == "length" and len(result.output_ids) == LONG
     return result
 
@@ -124,12 +102,12 @@ def test_generation_returns_logprobs_matching_torch_and_version_tags(engine, mod
 def test_snapshot_reports_running_requests_kv_and_throughput(engine):
     engine.snapshot()  # start a fresh throughput interval
     engine.submit([_request("snap-a", LONG), _request("snap-b", LONG)])
-    snap = _wait_generating(engine, "snap-b", 2 * len(PROMPT) + 10)
+    snap = wait_generating(engine, "snap-b", 2 * len(PROMPT) + 10)
     assert {"snap-a", "snap-b"} <= set(snap.running) and snap.waiting == ()
     assert snap.instance_id == "local" and snap.version == engine.version and snap.loading is False
     assert 2 * len(PROMPT) + 10 <= snap.kv_tokens <= 2 * (len(PROMPT) + LONG)
     assert snap.kv_capacity >= 2 * (len(PROMPT) + LONG)
-    _wait_finished(engine, ["snap-a", "snap-b"])
+    wait_finished(engine, ["snap-a", "snap-b"])
     after = engine.snapshot()
     assert after.running == () and after.kv_tokens == 0
     assert after.tokens_per_s > 0
@@ -137,7 +115,7 @@ def test_snapshot_reports_running_requests_kv_and_throughput(engine):
 
 def test_interrupt_returns_partial_that_resumes_on_another_engine(engine, ray_engine, reference_output):
     engine.submit([_request("moving", LONG)])
-    _wait_generating(engine, "moving", len(PROMPT) + 5)
+    wait_generating(engine, "moving", len(PROMPT) + 5)
     (partial,) = engine.interrupt(["moving", "never-submitted"])
     assert 0 < len(partial.output_ids) < LONG
     assert partial.output_ids == reference_output.output_ids[: len(partial.output_ids)]
@@ -147,7 +125,7 @@ def test_interrupt_returns_partial_that_resumes_on_another_engine(engine, ray_en
 
     assert ray_engine.instance_id == "ray"
     ray_engine.submit([partial])
-    resumed = _wait_finished(ray_engine, ["moving"], timeout=180.0)["moving"]  # a Ray actor on a loaded 2-core CI machine
+    resumed = wait_finished(ray_engine, ["moving"])["moving"]
     assert resumed.versions == [0] * LONG
     assert resumed.output_ids == reference_output.output_ids
     assert resumed.logprobs[: len(partial.logprobs)] == partial.logprobs
@@ -157,10 +135,10 @@ def test_interrupt_returns_partial_that_resumes_on_another_engine(engine, ray_en
 
 def test_abort_discards_the_request(engine):
     engine.submit([_request("doomed", LONG), _request("kept", 16)])
-    _wait_generating(engine, "doomed", 2 * len(PROMPT) + 4)
+    wait_generating(engine, "doomed", 2 * len(PROMPT) + 4)
     engine.abort(["doomed"])
-    finished = _wait_finished(engine, ["kept"])
-    time.sleep(0.05)
+    finished = wait_finished(engine, ["kept"])
+    assert engine.idle()  # on the engine's thread, between steps: every result it will have is collected next
     finished.update((t.request_id, t) for t in engine.collect())
     assert set(finished) == {"kept"}
     assert "doomed" not in engine.snapshot().running
@@ -185,15 +163,15 @@ def test_reload_mid_generation_changes_output_and_logprobs_match_torch(engine, m
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in base.items()}
 
     engine.submit([_request("spans", LONG)])
-    _wait_generating(engine, "spans", len(PROMPT) + 5)
+    wait_generating(engine, "spans", len(PROMPT) + 5)
     engine.load_weights(1, perturbed)
-    spans = _wait_finished(engine, ["spans"])["spans"]
+    spans = wait_finished(engine, ["spans"])["spans"]
     switch = spans.versions.index(1)
     assert 5 <= switch < LONG and set(spans.versions[:switch]) == {0} and set(spans.versions[switch:]) == {1}
     assert spans.output_ids[:switch] == reference_output.output_ids[:switch]
 
     engine.submit([_request("after", 48, group_version=1)])
-    after = _wait_finished(engine, ["after"])["after"]
+    after = wait_finished(engine, ["after"])["after"]
     assert set(after.versions) == {1} and engine.snapshot().version == 1
     assert after.output_ids != reference_output.output_ids[:48]
     ref = _torch_logprobs(model_dir, perturbed, PROMPT, after.output_ids)
@@ -219,7 +197,7 @@ def test_weights_arrive_through_vllms_weight_transfer_api_over_one_long_lived_gr
     assert server.backend == engine.weight_sync.backend == "gloo"
     calls_before = len(engine.weight_sync.client.calls)
     engine.submit([_request("before-transfer", 32, group_version=engine.version)])
-    previous = _wait_finished(engine, ["before-transfer"])["before-transfer"].output_ids
+    previous = wait_finished(engine, ["before-transfer"])["before-transfer"].output_ids
     for seed in (2, 3, 4):
         generator = torch.Generator().manual_seed(seed)
         perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in files.items()}
@@ -229,7 +207,7 @@ def test_weights_arrive_through_vllms_weight_transfer_api_over_one_long_lived_gr
         engine.load_weights(version, TransferWeights(server, version))
         assert engine.bytes_received - before == sum(t.numel() * 2 for t in perturbed.values())
         engine.submit([_request(f"transfer-{seed}", 32, group_version=version)])
-        out = _wait_finished(engine, [f"transfer-{seed}"])[f"transfer-{seed}"]
+        out = wait_finished(engine, [f"transfer-{seed}"])[f"transfer-{seed}"]
         assert set(out.versions) == {version} and out.output_ids != previous
         sent = {k: v.to(torch.bfloat16).float() for k, v in perturbed.items()}
         ref = _torch_logprobs(model_dir, sent, PROMPT, out.output_ids)
@@ -248,7 +226,7 @@ def test_tokens_sampled_before_a_reload_keep_their_version_when_absorbed_after_i
     absorption marked them with the new one)."""
     old = engine.version
     engine.submit([_request("straddle", 64, group_version=old)])
-    _wait_generating(engine, "straddle", min_kv_tokens=len(PROMPT) + 3)
+    wait_generating(engine, "straddle", min_kv_tokens=len(PROMPT) + 3)
 
     def step_reload_absorb():
         before = len(engine._live["straddle"].output_ids)
@@ -257,7 +235,7 @@ def test_tokens_sampled_before_a_reload_keep_their_version_when_absorbed_after_i
         return before + sum(engine._absorb(output) for output in outputs)  # ... before they are absorbed
 
     sampled_before = engine._call(step_reload_absorb)
-    out = _wait_finished(engine, ["straddle"])["straddle"]
+    out = wait_finished(engine, ["straddle"])["straddle"]
     assert 0 < sampled_before < 64
     assert out.versions[:sampled_before] == [old] * sampled_before
     assert set(out.versions[sampled_before:]) == {old + 1}

@@ -7,9 +7,8 @@ Its own module: one in-process vLLM engine at a time.
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from engine_waits import wait_finished
 from skips import needs
 
 pytestmark = [
@@ -25,11 +24,7 @@ def _generate(engine, request_id, version):
     from staleflow.runtime.types import RolloutRequest
 
     engine.submit([RolloutRequest(request_id, "g0", PROMPT, 24, version)])
-    deadline = time.monotonic() + 60
-    while not (done := engine.collect()):
-        assert time.monotonic() < deadline, "no output"
-        time.sleep(0.01)
-    return done[0]
+    return wait_finished(engine, [request_id])[request_id]
 
 
 def _torch_logprobs(model_dir, state_dict, output):

@@ -11,15 +11,14 @@ from staleflow.adapters.rlkit.weight_sender import (
     TransferParameterServer,
     TransferSettings,
     TransferWeights,
-    bucket_sizes,
+    WeightChannel,
     node_ip_address,
-    pack_bucket,
     transfer_host,
-    unpack_bucket,
 )
+from staleflow.adapters.rlkit.wire_chunks import receive_chunks, send_chunks
 from staleflow.runtime.interfaces import TransferFailedError
 from staleflow.runtime.settings.config_sections import ServersConfig
-from weight_receiver import GlooReceiver
+from weight_receiver import GlooReceiver, StalledReceiver, delivered_or_raised
 
 
 def test_the_host_of_the_group_is_the_senders_node_ip_unless_configured():
@@ -70,12 +69,81 @@ def test_the_config_passes_backend_and_host_to_the_parameter_server():
     assert TransferSettings(**servers.broadcast_settings()).host == "10.0.0.9"
 
 
-def test_buckets_carry_mixed_dtypes_byte_for_byte():
-    tensors = [("a", torch.randn(3, 4)), ("b", torch.arange(5)), ("c", torch.randn(7).to(torch.bfloat16))]
-    flat = pack_bucket([t for _, t in tensors])
-    back = dict(unpack_bucket(flat, [(n, t.dtype, tuple(t.shape)) for n, t in tensors]))
-    assert all(torch.equal(back[n], t) for n, t in tensors)
-    assert bucket_sizes(tensors, bucket_bytes=56) == [1, 2]  # 48 bytes, then 40 + 14
+def test_chunks_carry_mixed_dtypes_byte_for_byte_split_anywhere():
+    tensors = [("a", torch.randn(3, 4)), ("b", torch.arange(5)), ("c", torch.randn(7).to(torch.bfloat16)), ("d", torch.ones(()))]
+    total = sum(t.numel() * t.element_size() for _, t in tensors)  # 48 + 40 + 14 + 4
+    wire: list[torch.Tensor] = []
+    sent = send_chunks(iter(tensors), total, 7, lambda n: torch.empty(n, dtype=torch.uint8), lambda c: wire.append(c.clone()))
+    assert sent == total and [c.numel() for c in wire] == [7] * 15 + [1]
+    chunks = iter(wire)
+    back = dict(receive_chunks([(n, t.dtype, tuple(t.shape)) for n, t in tensors], 7, lambda buffer: buffer.copy_(next(chunks))))
+    assert all(torch.equal(back[n], t) and back[n].dtype == t.dtype for n, t in tensors)
+
+
+def test_the_parameter_servers_staging_memory_is_bounded_by_the_bucket_not_the_largest_tensor():
+    """Finding 5 (issue 35): a version went out in buckets of whole tensors, so a tensor larger than
+    the bucket was staged whole (vLLM's packed producer: at least twice the largest tensor on the
+    parameter server's GPU, about 2.2 GB for Qwen2.5-7B's embedding). Now tensors are split across
+    chunks: every staging buffer the server allocates and every broadcast is within the bucket, and
+    the weights arrive exact."""
+    bucket = 1 << 10
+    weights = {"embed.weight": torch.randn(64, 48), "norm.weight": torch.ones(48), "layer.weight": torch.randn(16, 16)}
+    largest = max(t.numel() * 2 for t in weights.values())  # bf16 on the wire
+    staged: list[int] = []
+
+    def counted(size: int) -> torch.Tensor:
+        staged.append(size)
+        return torch.empty(size, dtype=torch.uint8)
+
+    server = TransferParameterServer(transfer={"backend": "gloo", "bucket_bytes": bucket}, stage=counted)
+    receiver = GlooReceiver()
+    for version in (1, 2):
+        server.push(version, {k: v * version for k, v in weights.items()})
+        reference = TransferWeights(server, version)
+        if version == 1:
+            reference.connect("i0", 1, receiver, backend="gloo")
+        reference.deliver("i0", receiver)
+        assert all(torch.equal(receiver.received[k], (v * version).to(torch.bfloat16)) for k, v in weights.items())
+    assert largest > bucket and staged == [bucket, bucket]  # one buffer per transfer, of the bucket's size
+    assert max(receiver.broadcast_bytes) == bucket and sum(receiver.broadcast_bytes) == 2 * sum(t.numel() * 2 for t in weights.values())
+
+
+def test_an_nccl_channel_holds_its_rendezvous_port_from_the_moment_it_is_opened():
+    """Finding 6 (issue 35): the NCCL rendezvous port was chosen by binding a probe and releasing it,
+    so another process could take it before vLLM's group store bound it. Now the channel listens on
+    it from the start (the store takes the socket over) and releases it when closed."""
+    import socket
+
+    channel = WeightChannel(TransferSettings(backend="nccl"), receivers=1, backend="nccl", host="127.0.0.1")
+    assert channel.init_info()["master_port"] == channel.port
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", channel.port))
+    channel.close()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", channel.port))
+
+
+@pytest.mark.parametrize("failure", ["dies", "hangs"])
+def test_a_receiver_failing_mid_transfer_cannot_hold_the_sender_or_the_server(failure):
+    """Finding 6 (issue 35): a failed transfer left the sender in its broadcast with no deadline (and
+    a hung receiver held the pull forever), the parameter server's single thread behind it. Now both
+    sides give up by the deadline, the instance's group is torn down, the server answers its next
+    calls, and the next pull makes a new group that carries the next version exactly."""
+    weights = {f"layer{i}.weight": torch.randn(32, 32) for i in range(4)}
+    server = TransferParameterServer(transfer={"backend": "gloo", "bucket_bytes": 1 << 10, "timeout_s": 2.0})
+    server.push(1, weights)
+    stalled = StalledReceiver(failure)
+    TransferWeights(server, 1).connect("i0", 1, stalled, backend="gloo")
+    outcome = delivered_or_raised(TransferWeights(server, 1), "i0", stalled, wait_s=60)
+    assert isinstance(outcome, TransferFailedError) and "sending version 1 to i0" in str(outcome)
+    assert 0 < stalled.chunks_received < 8 and not server.channel_open("i0")  # it stopped mid-transfer (8 chunks)
+    server.push(2, {k: v * 2 for k, v in weights.items()})
+    assert server.pull(2)[0] == 2
+    fresh = GlooReceiver()
+    TransferWeights(server, 2).connect("i0", 1, fresh, backend="gloo")
+    assert TransferWeights(server, 2).deliver("i0", fresh) == sum(t.numel() * 2 for t in weights.values())
+    assert all(torch.equal(fresh.received[k], (v * 2).to(torch.bfloat16)) for k, v in weights.items())
+    stalled.release.set()
 
 
 def test_every_version_goes_over_one_long_lived_group_with_vllms_calls():

@@ -7,7 +7,11 @@ shards from rank 0 (the only rank that reads the checkpoint, on CPU), and runs t
 the one-process torch trainer (:func:`~staleflow.adapters.rlkit.packed_step.train_minibatches`):
 packed token-budget micro-batches, chunked log-probs, gradient accumulation, the per-token average
 taken over the whole minibatch on all ranks. Mixed precision on GPU: parameters computed in bf16
-(``MixedPrecisionPolicy``), gradients reduced and weights kept in fp32; fp32 on CPU (gloo).
+(``MixedPrecisionPolicy``), gradients reduced and weights kept in fp32; fp32 on CPU (gloo). With
+``settings.cpu_offload`` on (or ``auto`` where :func:`~staleflow.runtime.settings.memory_estimate.choose_offload`
+finds the state too large for the GPU) each rank keeps its shards of the weights, gradients and AdamW
+state in CPU memory (FSDP2's ``CPUOffloadPolicy``: a layer is copied to the GPU for its compute and
+the optimiser steps on CPU), as verl's 2-GPU 7B recipe does.
 
 The driver side (:class:`FSDPTrainer`) checks and lays out each batch, spreads every minibatch's
 sequences over the ranks with balanced token counts and runs the step on all ranks; after each step
@@ -17,11 +21,13 @@ rank 0 never holds a full fp32 copy of a version. With Ray actors as ranks it pu
 Ray's object store as it is gathered and the driver gets an
 :class:`~staleflow.adapters.ray.object_weights.ObjectStoreWeights` reference, which the parameter
 server keeps and the instances fetch: weights never travel through the driver (with spawned
-processes they come to the driver, where the parameter server then is). Checkpoints and the greedy
-evaluation gather the fp32 weights when they run (rank 0 writes and decodes). Checkpoints hold the full
-weights (``model.safetensors``) and the full optimiser state keyed by parameter name, so a
-checkpoint does not depend on the world size; rank 0 reads and checks every file and key of a
-checkpoint before any rank is touched, and a refused one raises in the driver, the group intact.
+processes they come to the driver, where the parameter server then is). The greedy evaluation
+gathers the fp32 weights when it runs (rank 0 decodes). Checkpoints are sharded
+(:mod:`~staleflow.adapters.fsdp.sharded_checkpoint`): each rank writes and reads its own shards of
+the weights and the AdamW state, keyed by parameter name, so no rank holds the whole state and a
+checkpoint restores at any world size; rank 0 checks the checkpoint's index, every shard file and
+its small state before any rank is touched, and a refused one raises in the driver, the group
+intact. A checkpoint of the full format that came before (``staleflow-fsdp/1``) is refused by name.
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from staleflow.adapters.fsdp.sharded_checkpoint import check_shards, load_shards, save_shards
 from staleflow.adapters.rlkit.bucketed_publish import gathered_buckets
 from staleflow.adapters.rlkit.causal_lm import PublishedWeightsDecoder, empty_causal_lm, load_causal_lm
-from staleflow.adapters.rlkit.checkpoint import CHECKPOINT_MODEL, CHECKPOINT_STATE, check_trainer_state, read_trainer_checkpoint
+from staleflow.adapters.rlkit.checkpoint import CHECKPOINT_STATE, check_run_state, read_checkpoint_file
 from staleflow.adapters.rlkit.hf_folder import check_model_folder
 from staleflow.adapters.rlkit.packed_step import DistributedReducer, batch_metrics, split_groups, train_minibatches
 from staleflow.adapters.rlkit.packing import (
@@ -49,10 +56,12 @@ from staleflow.adapters.rlkit.packing import (
 )
 from staleflow.adapters.rlkit.settings import TrainerSettings
 from staleflow.adapters.rlkit.worker_group import ProcessWorkers, RayWorkers, WorkerGroupTrainer, rank_address, rank_device
+from staleflow.runtime.settings.memory_estimate import choose_offload
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
-CHECKPOINT_FORMAT = "staleflow-fsdp/1"
-_PREFIX = "causal_lm."  # the LogProbModel's name for the Hugging Face model
+CHECKPOINT_FORMAT = "staleflow-fsdp/2"
+FULL_FORMAT = "staleflow-fsdp/1"  # full weights and optimiser state in rank 0's files (no longer read)
+FSDP_PREFIX = "causal_lm."  # the LogProbModel's name for the Hugging Face model (before each weight's name)
 
 
 class FSDPRank:
@@ -63,11 +72,12 @@ class FSDPRank:
         return rank_address()
 
     def setup(self, rank: int, world_size: int, address: str, model_path: str, settings: TrainerSettings,
-              seed: int, device: str, threads: int, pad_id: int, by_reference: bool) -> None:
+              seed: int, device: str, threads: int, pad_id: int, by_reference: bool) -> bool:
         """Join the process group and shard the model; ``by_reference``: :meth:`publish` puts rank
-        0's copy into Ray's object store and returns a reference (the ranks are Ray actors)."""
+        0's copy into Ray's object store and returns a reference (the ranks are Ray actors). Whether
+        the model state is offloaded to CPU memory."""
         import torch.distributed as dist
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         torch.set_num_threads(threads)
         self.device = rank_device(device, rank)
@@ -75,9 +85,8 @@ class FSDPRank:
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
-        self.rank, self.settings, self.by_reference = rank, settings, by_reference
+        self.rank, self.world_size, self.settings, self.by_reference = rank, world_size, settings, by_reference
         self.decoder = PublishedWeightsDecoder(model_path, pad_id)
-        self.restoring: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # rank 0: a checked checkpoint
         torch.manual_seed(seed)
         # Only rank 0 reads the checkpoint (on CPU); every rank builds the model on the meta device,
         # shards it, and then receives its shards from rank 0.
@@ -91,9 +100,12 @@ class FSDPRank:
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else MixedPrecisionPolicy()
         self.model = LogProbModel(model, chunk=settings.logprob_chunk, temperature=settings.temperature)
         self.micro_batch_tokens = resolve_micro_batch_tokens(model, settings.micro_batch_tokens)
+        device_bytes = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        self.offloaded = choose_offload(settings.cpu_offload, sum(p.numel() for p in model.parameters()), world_size, device_bytes)
+        offload = CPUOffloadPolicy() if self.offloaded else OffloadPolicy()
         for layer in model.get_decoder().layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(self.model, mp_policy=policy)
+            fully_shard(layer, mp_policy=policy, offload_policy=offload)
+        fully_shard(self.model, mp_policy=policy, offload_policy=offload)
         self._receive_weights(model, loaded)
         del loaded
         self.optimizer = torch.optim.AdamW(
@@ -105,6 +117,7 @@ class FSDPRank:
         )
         self.reducer = DistributedReducer(self.device)
         self.shapes, self.params = shapes, [name for name, _ in self.model.named_parameters()]
+        return self.offloaded
 
     def _receive_weights(self, model: Any, loaded: Any) -> None:
         """Materialise the sharded meta-device ``model`` and fill it from rank 0's ``loaded`` copy:
@@ -113,8 +126,8 @@ class FSDPRank:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        self.model.to_empty(device=self.device)
-        full = {_PREFIX + k: v for k, v in loaded.state_dict().items()} if loaded is not None else {}
+        self.model.to_empty(device="cpu" if self.offloaded else self.device)  # offloaded shards live in CPU memory
+        full = {FSDP_PREFIX + k: v for k, v in loaded.state_dict().items()} if loaded is not None else {}
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         source = dict(loaded.named_buffers()) if loaded is not None else {}
         for name, buffer in model.named_buffers():
@@ -139,7 +152,7 @@ class FSDPRank:
         from staleflow.adapters.ray.object_weights import hand_on_buckets
 
         buckets = gathered_buckets(self.model.state_dict(), self.settings.compute_dtype(self.device),
-                                   self.settings.publish_bucket_bytes, keep=self.rank == 0, prefix=_PREFIX)
+                                   self.settings.publish_bucket_bytes, keep=self.rank == 0, prefix=FSDP_PREFIX)
         return hand_on_buckets(buckets, version, keep=self.rank == 0, by_reference=self.by_reference)
 
     def _full_weights(self) -> dict[str, torch.Tensor] | None:
@@ -147,50 +160,38 @@ class FSDPRank:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k.removeprefix(_PREFIX): v for k, v in state.items()} if self.rank == 0 else None
+        return {k.removeprefix(FSDP_PREFIX): v for k, v in state.items()} if self.rank == 0 else None
 
     def save(self, folder: str, version: int, python_rng: Any) -> None:
-        """Write a checkpoint to ``folder`` from rank 0 (a collective: the optimiser state is gathered)."""
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        weights = self._full_weights()
-        state = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if weights is None:
-            return
+        """Write a checkpoint to ``folder`` (a collective: each rank writes its own shards, then rank 0
+        the small state, last)."""
         target = Path(folder)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(target / CHECKPOINT_MODEL))
-        torch.save({"format": CHECKPOINT_FORMAT, "version": version, "torch_rng": torch.get_rng_state(), "python_rng": python_rng,
-                    "optimizer": state, "scheduler": self.scheduler.state_dict()}, target / CHECKPOINT_STATE)
+        save_shards(self.model, self.optimizer, target)
+        if self.rank == 0:
+            torch.save({"format": CHECKPOINT_FORMAT, "version": version, "world_size": self.world_size, "torch_rng": torch.get_rng_state(),
+                        "python_rng": python_rng, "scheduler": self.scheduler.state_dict()}, target / CHECKPOINT_STATE)
 
     def read_checkpoint(self, folder: str) -> dict[str, Any] | None:
-        """Rank 0: read and check the checkpoint in ``folder`` (kept for :meth:`load`); the small part
-        of its state every rank and the driver need, or ``{"refused": (kind, message)}``."""
+        """Rank 0: check the checkpoint in ``folder`` (its small state, the shards' index and files);
+        the small state every rank and the driver need, or ``{"refused": (kind, message)}``."""
         if self.rank != 0:
             return None
         source = Path(folder)
-        expected = {name: torch.empty(shape, device="meta") for name, shape in self.shapes.items()}
         try:
-            weights, state = read_trainer_checkpoint(source, expected)
-            _check_state(state, self.params, self.shapes, source / CHECKPOINT_STATE)
+            if not (source / CHECKPOINT_STATE).is_file():
+                raise FileNotFoundError(f"checkpoint {source} has no {CHECKPOINT_STATE}")
+            state = read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
+            _check_format(state, source / CHECKPOINT_STATE)
+            check_run_state(state, source / CHECKPOINT_STATE)
+            check_shards(source, {FSDP_PREFIX + name: shape for name, shape in self.shapes.items()}, self.params)
         except (ValueError, FileNotFoundError) as error:
             return {"refused": (type(error).__name__, str(error))}
-        self.restoring = (weights, state)
         return {key: state[key] for key in ("version", "python_rng", "scheduler", "torch_rng")}
 
-    def load(self, small: dict[str, Any]) -> None:
-        """Restore the checkpoint rank 0 read (a collective: rank 0's weights and optimiser state are
-        broadcast to the others); ``small``: what :meth:`read_checkpoint` returned."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        full, optimizer = {}, {}
-        if self.rank == 0:
-            assert self.restoring is not None, "read_checkpoint() first"
-            weights, state = self.restoring
-            full, optimizer, self.restoring = {_PREFIX + k: v for k, v in weights.items()}, state["optimizer"], None
-        set_model_state_dict(self.model, full, options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
+    def load(self, small: dict[str, Any], folder: str) -> None:
+        """Restore the checkpoint in ``folder`` that :meth:`read_checkpoint` checked (a collective:
+        each rank reads its own shards); ``small``: what that returned."""
+        load_shards(self.model, self.optimizer, Path(folder))
         self.scheduler.load_state_dict(small["scheduler"])
         torch.set_rng_state(small["torch_rng"])
 
@@ -217,7 +218,8 @@ class FSDPTrainer(WorkerGroupTrainer):
     ``world_size``, ``device`` (``cpu``: gloo; ``cuda``: NCCL, one GPU per rank) and ``launcher``
     (``process``: spawned processes; ``ray``: Ray actors, ``gpus_per_rank`` GPUs each on CUDA, or
     ``gpus_per_rank[r]`` for rank ``r``, in bundles ``0 .. world_size - 1`` of ``placement_group``
-    when one is given). With ``ray``,
+    when one is given). ``cpu_offload``: whether the ranks keep their model state in CPU memory
+    (``settings.cpu_offload``, decided in each rank by the device it has). With ``ray``,
     :meth:`weights` is an :class:`~staleflow.adapters.ray.object_weights.ObjectStoreWeights`
     reference to rank 0's copy, not the weights.
     """
@@ -238,7 +240,7 @@ class FSDPTrainer(WorkerGroupTrainer):
         try:
             address = self._workers.call_all("address")[0]
             args = (world_size, address, str(self._model_path), settings, seed, device, threads, pad_id, launcher == "ray")
-            self._workers.call_all("setup", [(rank, *args) for rank in range(world_size)])
+            self.cpu_offload = bool(self._workers.call_all("setup", [(rank, *args) for rank in range(world_size)])[0])
             published = self._publish(version)
         except BaseException:
             self._workers.close()
@@ -270,8 +272,8 @@ class FSDPTrainer(WorkerGroupTrainer):
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, folder: str | os.PathLike[str]) -> Path:
-        """Full weights, full optimiser state (by parameter name), schedule, version, RNG; written by
-        rank 0 (``folder`` must be on a filesystem it shares with this process)."""
+        """Every rank's shards of the weights and the optimiser state (by parameter name), and the
+        schedule, version and RNG states (``folder`` must be on a filesystem every rank shares)."""
         target = self._checkpoint_folder(folder)
         with self._lock:
             self._workers.call_all("save", [(str(target.resolve()), self._version, random.getstate())] * self._world)
@@ -287,7 +289,7 @@ class FSDPTrainer(WorkerGroupTrainer):
             if "refused" in small:
                 kind, message = small["refused"]
                 raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
-            self._workers.call_all("load", [(small,)] * self._world)
+            self._workers.call_all("load", [(small, str(source.resolve()))] * self._world)
             random.setstate(small["python_rng"])
             self._version = int(small["version"])
             self._published = self._publish(self._version)
@@ -300,10 +302,14 @@ class FSDPTrainer(WorkerGroupTrainer):
             return self._workers.call_all("generate_greedy", [(prompts, max_new_tokens, eos_id, batch_size)] * self._world)[0]  # type: ignore[no-any-return]
 
 
-def _check_state(state: Any, params: list[str], shapes: dict[str, tuple[int, ...]], path: Path) -> None:
-    """Refuse a trainer state that is not this trainer's (format, then every part: :func:`check_trainer_state`)."""
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        found = state.get("format", "a torch-trainer state") if isinstance(state, dict) else type(state).__name__
+def _check_format(state: Any, path: Path) -> None:
+    """Refuse a trainer state that is not this trainer's sharded format, naming the format found."""
+    found = state.get("format", "a torch-trainer state") if isinstance(state, dict) else type(state).__name__
+    if found == FULL_FORMAT:
+        raise ValueError(
+            f"checkpoint file {path} is of the full format {FULL_FORMAT} (model.safetensors and the whole optimiser state "
+            f"on rank 0), which this trainer no longer restores; it restores sharded checkpoints ({CHECKPOINT_FORMAT}). "
+            "`staleflow export` still turns its weights into a Hugging Face folder to start a new run from"
+        )
+    if found != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint file {path} is not an FSDP trainer state ({CHECKPOINT_FORMAT}); found {found}")
-    known = {name: shapes[name.removeprefix(_PREFIX)] for name in params if name.removeprefix(_PREFIX) in shapes}
-    check_trainer_state(state, path, [params], known)

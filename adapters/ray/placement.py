@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from staleflow.adapters.ray.cluster import join_or_start
 from staleflow.runtime.settings.placement_plan import PlacementPlan, missing_resources
 
 
@@ -72,26 +73,20 @@ class RayPlacement:
     Args:
         attributes: attribute names to copy from each part to its proxy (an engine's
             ``instance_id``); those a part does not have are skipped.
-        address: an existing Ray cluster to connect to (``ray_init``'s resource arguments are then
-            dropped: Ray refuses them for an existing cluster); None: ``RAY_ADDRESS`` if set, else
-            a local cluster.
-        ray_init: keyword arguments for ``ray.init`` if Ray is not running yet (then :meth:`close`
-            shuts it down); e.g. ``{"num_cpus": 2, "include_dashboard": False}``.
+        address: an existing Ray cluster to connect to; None: the running one (``RAY_ADDRESS``, or
+            the one ``ray start`` recorded), else a local cluster started for the job
+            (:func:`~staleflow.adapters.ray.cluster.join_or_start`: a running cluster gets no
+            resource arguments, which Ray refuses for it; a refusal raises ``ClusterStartError``).
+        ray_init: keyword arguments for ``ray.init`` if Ray is not initialised in this process yet (then
+            :meth:`close` disconnects); e.g. ``{"num_cpus": 2, "include_dashboard": False}``.
     """
 
     def __init__(self, attributes: Sequence[str] = ("instance_id",), address: str | None = None, **ray_init: Any) -> None:
-        import os
-
         import ray
 
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            address = address or os.environ.get("RAY_ADDRESS") or None
-            if address is not None:
-                ray_init = {k: v for k, v in ray_init.items() if k not in ("num_cpus", "num_gpus", "resources")}
-                ray.init(address=address, **ray_init)
-            else:
-                ray.init(**{k: v for k, v in ray_init.items() if v is not None})
+            join_or_start(address, **ray_init)
         self._host = ray.remote(num_cpus=0)(_Host)
         self._attributes = tuple(attributes)
         self._actors: list[Any] = []

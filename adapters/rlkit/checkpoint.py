@@ -2,10 +2,11 @@
 FileNotFoundError, a damaged file, weights of another model or a training state that cannot be
 restored whole a ValueError naming the file. A refused load changes nothing.
 
-The torch and FSDP trainers write a folder of ``model.safetensors`` (the full weights) and
+The torch trainer writes a folder of ``model.safetensors`` (the full weights) and
 ``trainer_state.pt`` (version, optimiser, schedule, RNG states, and the binding's format tag); the
-Megatron trainer writes its own files and reads them with :func:`read_checkpoint_file` and
-:func:`check_weights_match`.
+FSDP trainer writes its shards beside a ``trainer_state.pt`` without the optimiser
+(:mod:`~staleflow.adapters.fsdp.sharded_checkpoint`); the Megatron trainer writes its own files and
+reads them with :func:`read_checkpoint_file` and :func:`check_weights_match`.
 """
 
 from __future__ import annotations
@@ -43,12 +44,9 @@ def check_trainer_state(state: dict[str, Any], path: Path, groups: Sequence[Sequ
     groups (``groups``: the parameter keys of each group) or of other shapes (``shapes``: by key, where known), a
     scheduler or RNG state that does not load. Checked before anything is loaded: a refused load
     changes nothing."""
-    missing = [k for k in ("version", "optimizer", "scheduler", "torch_rng", "python_rng") if k not in state]
-    if missing:
-        raise ValueError(f"checkpoint file {path} lacks {missing}")
-    version = state["version"]
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"checkpoint file {path} holds version {version!r}, not a count >= 0")
+    if "optimizer" not in state:
+        raise ValueError(f"checkpoint file {path} lacks ['optimizer']")
+    check_run_state(state, path)
     optimizer = state["optimizer"]
     found = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not isinstance(found, list) or not isinstance(optimizer.get("state"), dict) or not all(
@@ -69,6 +67,17 @@ def check_trainer_state(state: dict[str, Any], path: Path, groups: Sequence[Sequ
     unknown = sorted(set(map(str, optimizer["state"])) - {str(key) for group in groups for key in group})
     if wrong or unknown:
         raise ValueError(f"checkpoint file {path} holds optimiser state of another model: {(wrong + unknown)[:3]}")
+
+
+def check_run_state(state: dict[str, Any], path: Path) -> None:
+    """Refuse a trainer state whose version, learning-rate schedule or RNG states cannot be
+    restored, naming the file and the part (the optimiser state is the trainer's own)."""
+    missing = [k for k in ("version", "scheduler", "torch_rng", "python_rng") if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint file {path} lacks {missing}")
+    version = state["version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"checkpoint file {path} holds version {version!r}, not a count >= 0")
     scheduler = state["scheduler"]
     if not isinstance(scheduler, dict) or not {"last_epoch", "base_lrs", "lr_lambdas"} <= set(scheduler):
         raise ValueError(f"checkpoint file {path} holds no learning-rate schedule state (last_epoch, base_lrs, lr_lambdas)")

@@ -29,6 +29,7 @@ class TrainerSettings:
     activation_checkpointing: bool = False
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: the compute dtype
     publish_bucket_bytes: int = DEFAULT_PUBLISH_BUCKET_BYTES  # rank 0 gathers a version this much at a time
+    cpu_offload: str = "auto"  # fsdp: on | off | auto (runtime/settings/memory_estimate.py decides)
 
     @classmethod
     def from_config(cls, job: Any) -> TrainerSettings:
@@ -49,6 +50,7 @@ class TrainerSettings:
             activation_checkpointing=t.activation_checkpointing,
             dtype=t.dtype,
             publish_bucket_bytes=t.publish_bucket_mb << 20,
+            cpu_offload=t.cpu_offload,
         )
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:

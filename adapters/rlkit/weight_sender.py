@@ -11,9 +11,16 @@ instance's ``VLLMWeightSyncClient``: ``init_weight_transfer_engine`` (first pull
 ``finish_weight_update(weight_version=str(v))``. The receiving half is vLLM's (see
 :mod:`staleflow.adapters.vllm.weight_transfer`).
 
-Transports: ``nccl`` sends with vLLM's packed producer (``vllm.distributed.weight_transfer.packed_tensor``)
-over vLLM's stateless NCCL group, which vLLM's ``nccl`` worker engine receives; ``gloo`` sends buckets
-of raw bytes (:func:`pack_bucket`) that the ``gloo`` worker engine receives.
+Transports: both send the same chunks (:mod:`~staleflow.adapters.rlkit.wire_chunks`: the tensors'
+bytes cut into chunks of at most the bucket size, a larger tensor split across chunks, staged in one
+buffer), ``nccl`` over vLLM's stateless NCCL group from a GPU buffer, ``gloo`` over a gloo group from
+a CPU one; the worker engines of :mod:`staleflow.adapters.vllm.weight_transfer` receive them.
+
+A failed or stuck transfer: the sender gives up by ``timeout_s`` after it began (NCCL: its
+broadcasts waited for until then), the server tears the instance's group down (an NCCL group is
+unusable after a failed broadcast) and answers its next call; the instance side waits for both
+halves no longer than that (and a little grace) and raises :class:`TransferFailedError`, which the
+run loop handles as a lost instance (its requests re-queued); its next pull makes a new group.
 """
 
 from __future__ import annotations
@@ -21,18 +28,18 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from staleflow.adapters.rlkit.bucketed_publish import fill_buckets
+from staleflow.adapters.rlkit.wire_chunks import Spec, nbytes, receive_chunks, send_chunks
 from staleflow.runtime.interfaces import TransferFailedError, WeightsReference, resolve_weights
 from staleflow.runtime.servers.parameter_server import ParameterServer
 
 BACKENDS = ("gloo", "nccl")
 WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-PACKED_NUM_BUFFERS = 2  # vLLM's packed NCCL transfer: buffers in flight
 
 
 class TransferBackendError(ValueError):
@@ -90,43 +97,7 @@ def transfer_host(configured: str | None, node_ip: str | None = None) -> str:
     return node_ip if node_ip is not None else node_ip_address()
 
 
-# ------------------------------------------------------------------------------------ buckets
-def bucket_bytes_of(specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
-    return sum(torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size() for _, dtype, shape in specs)
-
-
-def pack_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The tensors' bytes, one after another, as one uint8 tensor (what a gloo bucket carries)."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
-
-
-def unpack_bucket(flat: torch.Tensor, specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of each spec ``(name, dtype, shape)``, read in order from ``flat``'s bytes."""
-    offset = 0
-    for name, dtype, shape in specs:
-        size = bucket_bytes_of([(name, dtype, shape)])
-        yield name, flat[offset : offset + size].view(dtype).view(shape)
-        offset += size
-
-
-def receive_buckets(group: Any, names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]],
-                    bucket_sizes: Sequence[int]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The receiving side of a gloo bucketed broadcast from rank 0 of ``group``: ``(name, tensor)``
-    of each announced tensor, bucket by bucket (a tensor is a view of its bucket's buffer)."""
-    import torch.distributed as dist
-
-    specs = [(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtype_names, shapes)]
-    start = 0
-    for count in bucket_sizes:
-        bucket = specs[start : start + count]
-        start += count
-        flat = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8)
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        group.broadcast([flat], options).wait()
-        yield from unpack_bucket(flat, bucket)
-
-
+# ------------------------------------------------------------------------------------ the wire
 def wire_tensors(tensors: Iterable[tuple[str, torch.Tensor]], wire_dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The floating-point tensors in ``wire_dtype`` (others as they are), in order, one at a time."""
     if wire_dtype not in WIRE_DTYPES:
@@ -135,9 +106,37 @@ def wire_tensors(tensors: Iterable[tuple[str, torch.Tensor]], wire_dtype: str) -
     return ((name, t.to(wire) if t.is_floating_point() else t) for name, t in tensors)
 
 
-def bucket_sizes(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[int]:
-    """How many tensors each bucket of at most ``bucket_bytes`` holds (a larger tensor: its own)."""
-    return [len(bucket) for bucket in fill_buckets(tensors, bucket_bytes)]
+def wire_specs(weights: Mapping[str, torch.Tensor], wire_dtype: str) -> list[Spec]:
+    """``(name, dtype, shape)`` of each tensor as it travels (``wire_dtype`` for floating point);
+    the values may be meta tensors."""
+    meta = ((n, torch.empty(t.shape, dtype=t.dtype, device="meta")) for n, t in weights.items())
+    return [(n, t.dtype, tuple(t.shape)) for n, t in wire_tensors(meta, wire_dtype)]
+
+
+def wait_until(ready: Callable[[], bool], deadline: float, what: str) -> None:
+    """Return once ``ready()``; TimeoutError naming ``what`` if ``time.monotonic()`` passes ``deadline`` first."""
+    while not ready():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not complete before its deadline")
+        time.sleep(0.001)
+
+
+def received_specs(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[Spec]:
+    """The specs of an update as announced (:meth:`WeightChannel.update_info`'s three lists)."""
+    return [(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtype_names, shapes, strict=True)]
+
+
+def receive_gloo(group: Any, specs: Sequence[Spec], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The receiving side of a gloo transfer from rank 0 of ``group``: ``(name, tensor)`` of each
+    announced tensor, chunk by chunk (:func:`~staleflow.adapters.rlkit.wire_chunks.receive_chunks`)."""
+    import torch.distributed as dist
+
+    def receive(buffer: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        group.broadcast([buffer], options).wait()
+
+    return receive_chunks(specs, bucket_bytes, receive)
 
 
 @runtime_checkable
@@ -152,40 +151,56 @@ class BucketedWeights(Protocol):
 
 # ------------------------------------------------------------------------------------ the channel
 class WeightChannel:
-    """The sender's end of one instance's long-lived group (rank 0 of ``1 + receivers``)."""
+    """The sender's end of one instance's long-lived group (rank 0 of ``1 + receivers``). Its
+    rendezvous port is bound from the moment the channel is made (a port probed and released could
+    be taken by another process before the group bound it; the workers then time out). A transfer
+    stages its chunks (:mod:`~staleflow.adapters.rlkit.wire_chunks`) in one buffer from ``stage``
+    (default: on the sending device) and ends by ``settings.timeout_s`` after it began, done or not:
+    a receiver that died or hangs cannot hold the sender (and so the parameter server) in a
+    broadcast. After a failed transfer the group is unusable: :meth:`close` it."""
 
-    def __init__(self, settings: TransferSettings, receivers: int, backend: str, host: str) -> None:
+    def __init__(self, settings: TransferSettings, receivers: int, backend: str, host: str,
+                 stage: Callable[[int], torch.Tensor] | None = None) -> None:
         self.settings = settings
         self.backend = backend
         self.host = host
         self.world_size = 1 + receivers
+        self._stage = stage or self._device_buffer
         self._group: Any = None
         self._store: Any = None
+        self._listen: socket.socket | None = None
         if backend == "gloo":
             import torch.distributed as dist
 
-            # The group's store listens from now on, on a port the OS chose: a port probed and released
-            # could be taken by another process before the store bound it (the workers then time out).
+            # The group's store listens from now on, on a port the OS chose.
             self._store = dist.TCPStore(host, 0, self.world_size, True, timeout=datetime.timedelta(seconds=settings.timeout_s),
                                         wait_for_workers=False)
             self.port = int(self._store.port)
-        else:  # vLLM's trainer_init makes the store itself, on the port it is given
-            self.port = _free_port(host)
+        else:  # vLLM's group store takes this listening socket over when the group is made
+            self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._listen.bind((host, 0))
+            self._listen.listen()
+            self.port = int(self._listen.getsockname()[1])
 
     def init_info(self) -> dict[str, Any]:
         """What every worker's ``init_weight_transfer_engine`` takes (plain data), and ``backend``."""
         common = {"master_address": self.host, "master_port": self.port, "world_size": self.world_size, "rank_offset": 1}
         if self.backend == "nccl":
-            return {"backend": "nccl", **common, "packed": True, "packed_buffer_size_bytes": self.settings.bucket_bytes,
-                    "packed_num_buffers": PACKED_NUM_BUFFERS}
-        return {"backend": "gloo", **common, "timeout_s": self.settings.timeout_s}
+            return {"backend": "nccl", **common, "packed": True, "packed_buffer_size_bytes": self.settings.bucket_bytes}
+        return {"backend": "gloo", **common, "timeout_s": self.settings.timeout_s, "bucket_bytes": self.settings.bucket_bytes}
 
     def join(self) -> None:
         """Make the group (blocks until every worker has joined)."""
         if self.backend == "nccl":
-            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+            from vllm.utils.nccl import unpinned_nccl_env
 
-            self._group = trainer_init({"master_address": self.host, "master_port": self.port, "world_size": self.world_size})
+            listen, self._listen = self._listen, None
+            rendezvous = StatelessProcessGroup.create(self.host, self.port, 0, self.world_size,
+                                                      store_timeout=int(self.settings.timeout_s), listen_socket=listen)
+            with unpinned_nccl_env():
+                self._group = PyNcclCommunicator(rendezvous, device=torch.cuda.current_device())
             return
         import torch.distributed as dist
 
@@ -194,63 +209,49 @@ class WeightChannel:
     def update_info(self, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """What every worker's ``update_weights`` takes for ``weights`` (names, dtypes, shapes; the
         values may be meta tensors)."""
-        tensors = list(wire_tensors(_shapes_only(weights).items(), self.settings.wire_dtype))
-        info: dict[str, Any] = {
-            "names": [n for n, _ in tensors],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-            "shapes": [list(t.shape) for _, t in tensors],
-        }
-        if self.backend == "gloo":
-            info["bucket_sizes"] = bucket_sizes(tensors, self.settings.bucket_bytes)
-        return info
+        specs = wire_specs(weights, self.settings.wire_dtype)
+        return {"names": [n for n, _, _ in specs], "dtype_names": [str(d).removeprefix("torch.") for _, d, _ in specs],
+                "shapes": [list(s) for _, _, s in specs]}
 
-    def send(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Broadcast the ``(name, tensor)`` pairs (rank 0), consumed one at a time in the order
-        :meth:`update_info` announced; returns the bytes sent."""
+    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], specs: Sequence[Spec]) -> int:
+        """Broadcast the ``(name, tensor)`` pairs (rank 0), consumed one at a time in the order of
+        ``specs`` (:meth:`update_info`'s), by ``settings.timeout_s`` from now (TimeoutError, or the
+        transport's error, after it); returns the bytes sent."""
         if self._group is None:
             raise RuntimeError("join() the channel first")
-        sent = 0
+        deadline = time.monotonic() + self.settings.timeout_s
+        total = sum(nbytes(dtype, shape) for _, dtype, shape in specs)
+        return send_chunks(wire_tensors(tensors, self.settings.wire_dtype), total, self.settings.bucket_bytes,
+                           self._stage, lambda chunk: self._broadcast(chunk, deadline))
 
-        def counted(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal sent
-            for name, tensor in stream:
-                sent += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        stream = counted(wire_tensors(tensors, self.settings.wire_dtype))
-        if self.backend == "nccl":
-            from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
-
-            packed_nccl_broadcast_producer(
-                iterator=((n, t.cuda()) for n, t in stream), group=self._group, src=0, post_iter_func=lambda item: item[1],
-                buffer_size_bytes=self.settings.bucket_bytes, num_buffers=PACKED_NUM_BUFFERS,
-            )
-            torch.cuda.current_stream().synchronize()
-            return sent
+    def _broadcast(self, chunk: torch.Tensor, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the transfer did not complete within {self.settings.timeout_s} s")
+        if self.backend == "nccl":  # enqueued on the stream; its completion waited for until the deadline
+            self._group.broadcast(chunk, src=0, stream=torch.cuda.current_stream())
+            done = torch.cuda.Event()
+            done.record()
+            wait_until(done.query, deadline, "an NCCL broadcast")
+            return
         import torch.distributed as dist
 
-        for bucket in fill_buckets(stream, self.settings.bucket_bytes):
-            flat = pack_bucket(list(bucket.values()))
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            self._group.broadcast([flat], options).wait()
-        return sent
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.timeout = datetime.timedelta(seconds=remaining)
+        self._group.broadcast([chunk], options).wait()
+
+    def _device_buffer(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, device="cuda" if self.backend == "nccl" else "cpu")
 
     def close(self) -> None:
+        """Tear the group down (NCCL: the communicator aborted, which ends a broadcast still in
+        flight) and release the port."""
         if self.backend == "nccl" and self._group is not None:
             self._group.destroy()
-        self._group = self._store = None
-
-
-def _shapes_only(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Empty tensors of the weights' shapes and dtypes (metadata without copying the values)."""
-    return {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in weights.items()}
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+        if self._listen is not None:
+            self._listen.close()
+        self._group = self._store = self._listen = None
 
 
 # ------------------------------------------------------------------------------------ the server
@@ -262,8 +263,10 @@ class TransferParameterServer(ParameterServer):
     its first send and the newest one fetched is kept for the next ones. ``channels_opened`` counts
     the groups made."""
 
-    def __init__(self, *args: Any, transfer: TransferSettings | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, transfer: TransferSettings | Mapping[str, Any] | None = None,
+                 stage: Callable[[int], torch.Tensor] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._stage = stage  # the staging buffers' allocator (None: on the sending device)
         self.transfer = transfer if isinstance(transfer, TransferSettings) else TransferSettings(**(transfer or {}))
         self.backend = self.transfer.resolved_backend()  # a bad combination fails when the server starts
         self.channels_opened = 0
@@ -284,27 +287,50 @@ class TransferParameterServer(ParameterServer):
         """A new group for ``instance_id`` (replacing its old one: a restarted instance); its init info."""
         if (old := self._channels.pop(instance_id, None)) is not None:
             old.close()
-        channel = WeightChannel(self.transfer, receivers, self.backend, transfer_host(self.transfer.host))
+        channel = WeightChannel(self.transfer, receivers, self.backend, transfer_host(self.transfer.host), stage=self._stage)
         self._channels[instance_id] = channel
         self.channels_opened += 1
-        return channel.init_info()
+        return {**channel.init_info(), "deadline_s": self.transfer.timeout_s}
 
     def join_channel(self, instance_id: str) -> None:
-        self._channel(instance_id).join()
+        self._guarded(instance_id, "joining the group", lambda channel: channel.join())
 
     def update_info(self, instance_id: str, version: int) -> dict[str, Any]:
-        stored = self.pull(version)[1]
-        if isinstance(stored, BucketedWeights):
-            specs = stored.tensor_specs()
-            return self._channel(instance_id).update_info({n: torch.empty(s, dtype=getattr(torch, d), device="meta") for n, d, s in specs})
-        return self._channel(instance_id).update_info(self._weights(version))
+        """What ``instance_id``'s workers' ``update_weights`` takes for ``version``, and
+        ``deadline_s``: how long the instance waits for the transfer."""
+        info = self._channel(instance_id).update_info(self._meta(version))
+        return {**info, "deadline_s": self.transfer.timeout_s}
 
     def send(self, instance_id: str, version: int) -> int:
-        """Broadcast ``version`` to ``instance_id``'s workers; the bytes sent once they have it."""
+        """Broadcast ``version`` to ``instance_id``'s workers; the bytes sent once they have it. A
+        transfer that fails or passes its deadline tears the group down and raises
+        :class:`TransferFailedError`."""
+        stored = self.pull(version)[1]
+        tensors = (item for bucket in stored.buckets() for item in bucket.items()) if isinstance(stored, BucketedWeights) \
+            else self._weights(version).items()
+        specs = wire_specs(self._meta(version), self.transfer.wire_dtype)
+        return int(self._guarded(instance_id, f"sending version {version}", lambda channel: channel.send(tensors, specs)))
+
+    def channel_open(self, instance_id: str) -> bool:
+        """Whether ``instance_id`` has a group (none after a failed transfer tore it down)."""
+        return instance_id in self._channels
+
+    def _meta(self, version: int) -> Mapping[str, torch.Tensor]:
         stored = self.pull(version)[1]
         if isinstance(stored, BucketedWeights):
-            return self._channel(instance_id).send(item for bucket in stored.buckets() for item in bucket.items())
-        return self._channel(instance_id).send(self._weights(version).items())
+            return {n: torch.empty(s, dtype=getattr(torch, d), device="meta") for n, d, s in stored.tensor_specs()}
+        return self._weights(version)
+
+    def _guarded(self, instance_id: str, what: str, action: Callable[[WeightChannel], Any]) -> Any:
+        """``action`` on ``instance_id``'s channel; on any failure the channel is closed and dropped
+        (the group is unusable) and :class:`TransferFailedError` raised."""
+        channel = self._channel(instance_id)
+        try:
+            return action(channel)
+        except Exception as error:  # noqa: BLE001 - every transport failure ends the group
+            del self._channels[instance_id]
+            channel.close()
+            raise TransferFailedError(f"{what} of instance {instance_id!r} failed; its group was torn down: {error}") from error
 
     def _channel(self, instance_id: str) -> WeightChannel:
         if instance_id not in self._channels:
@@ -350,16 +376,18 @@ class TransferWeights:
                 f"the parameter server sends by {sending} but instance {instance_id}'s vLLM workers receive by {backend} "
                 "(servers.transfer_backend must match the instances' devices: nccl for GPU instances, gloo for CPU ones)"
             )
+        deadline = info.pop("deadline_s")
         _together(lambda: self._server.join_channel(instance_id), lambda: client.init_weight_transfer_engine(info),
-                  f"joining the weight channel of {instance_id}")
+                  f"joining the weight channel of {instance_id}", deadline)
 
     def deliver(self, instance_id: str, client: WeightSyncClient) -> int:
         """Send this version over ``instance_id``'s group (made by :meth:`connect`) and finish the
         update with it as the weight version; returns the bytes sent."""
         update = self._server.update_info(instance_id, self.version)
+        deadline = update.pop("deadline_s")
         client.start_weight_update()
         sent = _together(lambda: self._server.send(instance_id, self.version), lambda: client.update_weights(update),
-                         f"sending version {self.version} to {instance_id}")
+                         f"sending version {self.version} to {instance_id}", deadline)
         client.finish_weight_update(weight_version=str(self.version))
         return int(sent)
 
@@ -367,27 +395,36 @@ class TransferWeights:
         return f"TransferWeights(version={self.version})"
 
 
-def _together(sender: Any, receiver: Any, what: str) -> Any:
-    """Run ``sender`` in a thread while ``receiver`` runs here (both meet in one collective); the
-    sender's result, or :class:`TransferFailedError` with the first error."""
-    outcome: list[Any] = []
+#: How much longer than the sender's deadline the instance side waits for it (a remote call's latency).
+SENDER_GRACE_S = 5.0
 
-    def run() -> None:
+
+def _together(sender: Callable[[], Any], receiver: Callable[[], Any], what: str, deadline_s: float) -> Any:
+    """Run ``sender`` and ``receiver`` in threads of their own (both meet in one collective) and wait
+    for both, no longer than ``deadline_s`` (the sender's own deadline) plus :data:`SENDER_GRACE_S`;
+    the sender's result, or :class:`TransferFailedError` naming the side that failed or did not
+    finish. A side still running then is left behind (a daemon thread); the sender ends by its own
+    deadline."""
+    outcome: dict[str, Any] = {}
+
+    def run(side: str, call: Callable[[], Any]) -> None:
         try:
-            outcome.append(sender())
+            outcome[side] = call()
         except Exception as error:  # noqa: BLE001 - reported below
-            outcome.append(error)
+            outcome[side] = error
 
-    thread = threading.Thread(target=run, name=what, daemon=True)
-    thread.start()
-    try:
-        receiver()
-    except Exception as error:  # the sender may wait in the collective until its timeout: not joined
-        raise TransferFailedError(f"{what} failed on the receiving side: {error}") from error
-    thread.join()
-    result = outcome[0] if outcome else TransferFailedError("the sender ended without a result")
-    if isinstance(result, BaseException):
-        raise TransferFailedError(f"{what} failed on the sending side: {result}") from result
-    return result
-
-
+    threads = {side: threading.Thread(target=run, args=(side, call), name=f"{what} ({side})", daemon=True)
+               for side, call in (("receiving", receiver), ("sending", sender))}
+    for thread in threads.values():
+        thread.start()
+    end = time.monotonic() + deadline_s + SENDER_GRACE_S
+    for thread in threads.values():
+        thread.join(max(0.0, end - time.monotonic()))
+    for side in threads:
+        result = outcome.get(side)
+        if isinstance(result, BaseException):
+            raise TransferFailedError(f"{what} failed on the {side} side: {result}") from result
+    late = [side for side, thread in threads.items() if thread.is_alive()]
+    if late:
+        raise TransferFailedError(f"{what}: the {' and the '.join(late)} side did not finish within {deadline_s} s")
+    return outcome["sending"]

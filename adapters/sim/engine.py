@@ -17,8 +17,8 @@ Model of execution:
   term (:func:`~staleflow.adapters.sim.network.prefill_seconds`). When the next step would
   overflow the KV cache, the most recently admitted request is preempted back to the head of the
   queue (it keeps its tokens), as vLLM does.
-* A request finishes after generating ``metadata[REQUEST_LENGTH_KEY]`` tokens, capped by
-  ``max_new_tokens`` (finish reason ``"length"`` then; without the key it runs to the cap).
+* A request finishes after ``metadata[REQUEST_LENGTH_KEY]`` tokens, capped by ``max_new_tokens``
+  (finish reason ``"length"``); without the key it runs to the cap.
 * ``load_weights`` switches the version at once and blocks this instance for ``weight_load_s`` plus
   the transfer (``weight_link``: a parameter-server pull sharing its bandwidth, or a broadcast: ``broadcast=True``);
   running requests keep their tokens and go on with the new weights. With ``reload_recomputes_kv``
@@ -26,10 +26,9 @@ Model of execution:
   and resumes them (the reference) or an engine discards stale KV (AReaL); without it the stale KV
   is kept (vLLM's in-place reload).
 
-Between two events (a finish, a KV overflow, a command) the running set is fixed, so ``s`` steps
-take ``s*(a_b + a_k*K + M(n)) + a_k*n*s*(s-1)/2`` seconds: the engine jumps over them in closed
-form, O(events * log n) (token lists are :class:`~staleflow.adapters.sim.tokens.RunLengthList`
-runs; token ids are ``0``, log-probs ``FAKE_LOGPROB``: the simulator models time, not text).
+Between two events (a finish, a KV overflow, a command) the running set is fixed, so ``s`` steps take
+``s*(a_b + a_k*K + M(n)) + a_k*n*s*(s-1)/2`` seconds: the engine jumps over them in closed form, O(events * log n)
+(token lists are :class:`~staleflow.adapters.sim.tokens.RunLengthList` runs; token ids ``0``, log-probs ``FAKE_LOGPROB``).
 ``event_quantum_s`` > 0 rounds the announced event times up to its multiples, so that events of
 many instances share one loop iteration; the state and each ``metadata["finish_time"]`` stay exact.
 """
@@ -45,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from staleflow.adapters.sim.network import WeightTransfer, prefill_seconds
+from staleflow.adapters.sim.speculation import SpeculativeDecoding
 from staleflow.adapters.sim.tokens import RunLengthList
 from staleflow.runtime.coordination.cost_fit import DecodeStepLog
 from staleflow.runtime.coordination.cost_model import CostModel, ProfileRecord
@@ -74,7 +74,7 @@ class SimEngine:
     Args:
         instance_id: the instance's name.
         clock: the run's clock (a :class:`~staleflow.runtime.run.clock.VirtualClock`).
-        cost_model: decode latency of this instance.
+        cost_model: decode latency of this instance (a :class:`SpeculativeDecoding` if it speculates).
         kv_capacity: KV-cache capacity in tokens.
         max_running: most requests decoding at once.
         prefill_s_per_token: stall per context token when a request is admitted.
@@ -90,7 +90,7 @@ class SimEngine:
         self,
         instance_id: str,
         clock: Clock,
-        cost_model: CostModel,
+        cost_model: CostModel | SpeculativeDecoding,
         kv_capacity: int,
         *,
         max_running: int = 256,
@@ -142,14 +142,15 @@ class SimEngine:
     @classmethod
     def from_workload(
         cls, workload: Workload, instance_id: str, clock: Clock, version: int = 0, event_quantum_s: float = 0.0,
-        weight_link: WeightTransfer | None = None,
+        weight_link: WeightTransfer | None = None, speculation: tuple[float, int] | None = None,  # (speedup, max_batch)
     ) -> SimEngine:
-        spec = workload.instance
+        spec, cost = workload.instance, workload.build_cost_model()
         return cls(
-            instance_id, clock, workload.build_cost_model(), spec.kv_capacity_tokens, max_running=spec.max_running,
-            prefill_s_per_token=spec.prefill_s_per_token, weight_load_s=spec.weight_load_s, version=version,
-            event_quantum_s=event_quantum_s, reload_recomputes_kv=spec.reload_recomputes_kv,
-            prefill_attn_s_per_token2=spec.prefill_attn_s_per_token2, weight_link=weight_link,
+            instance_id, clock, cost if speculation is None else SpeculativeDecoding(cost, *speculation),
+            spec.kv_capacity_tokens, max_running=spec.max_running, prefill_s_per_token=spec.prefill_s_per_token,
+            weight_load_s=spec.weight_load_s, version=version, event_quantum_s=event_quantum_s,
+            reload_recomputes_kv=spec.reload_recomputes_kv, prefill_attn_s_per_token2=spec.prefill_attn_s_per_token2,
+            weight_link=weight_link,
         )
 
     # ------------------------------------------------------------------ the RolloutEngine seam

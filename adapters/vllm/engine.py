@@ -41,7 +41,7 @@ from staleflow.runtime.coordination.cost_fit import DecodeStepLog
 from staleflow.runtime.coordination.cost_model import ProfileRecord
 from staleflow.runtime.interfaces import Clock, InstanceLostError, resolve_weights
 from staleflow.runtime.run.clock import RealClock
-from staleflow.runtime.types import InstanceSnapshot, RolloutRequest, Trajectory
+from staleflow.runtime.types import TEMPERATURE_KEY, InstanceSnapshot, RolloutRequest, Trajectory
 
 __all__ = ["EngineFailed", "SamplingConfig", "VLLMEngine", "set_vllm_env_defaults"]
 
@@ -353,8 +353,8 @@ class VLLMEngine:
             generated += self._absorb(output)
         with self._lock:
             self._published.generated_tokens += generated
-        if decode and n:
-            self._decode_steps.record(n, kv, seconds)
+        if decode and n:  # seconds per token of each request: a speculative step makes more than one
+            self._decode_steps.record(n, kv, seconds * n / max(generated, n))
         self._publish()
 
     def _absorb(self, output: Any) -> int:
@@ -417,7 +417,7 @@ class VLLMEngine:
                 continue
             params = SamplingParams(
                 n=1,
-                temperature=self._sampling.temperature,
+                temperature=request.metadata.get(TEMPERATURE_KEY, self._sampling.temperature),
                 top_p=self._sampling.top_p,
                 top_k=self._sampling.top_k,
                 stop_token_ids=list(self._sampling.stop_token_ids),
@@ -427,7 +427,8 @@ class VLLMEngine:
                 output_kind=RequestOutputKind.DELTA,
                 detokenize=False,
             )
-            prompt = {"prompt_token_ids": request.prompt_ids + request.output_ids}
+            # rendered as vLLM asks (a raw prompt dict is deprecated in LLMEngine.add_request)
+            (prompt,) = self._llm.renderer.render_cmpl([{"prompt_token_ids": request.prompt_ids + request.output_ids}])
             internal = self._llm.add_request(request.request_id, prompt, params)
             self._internal_ids[internal] = request.request_id
             self._live[request.request_id] = request

@@ -1,24 +1,24 @@
 """vLLM's weight-transfer engine over gloo, for CPU workers (registered as backend ``gloo`` by
-:func:`staleflow.adapters.vllm.weight_transfer.register_gloo_engine`; imported by vLLM's factory in
+:func:`staleflow.adapters.vllm.weight_transfer.register_engines`; imported by vLLM's factory in
 the worker process only).
 
 The lifecycle is that of vLLM's ``nccl`` engine: ``init_transfer_engine`` joins the sender's
 long-lived group once; ``start_weight_update`` / ``finish_weight_update`` run vLLM's layerwise reload
 around the model's ``load_weights`` (checkpoint names fused into vLLM's parameters, the CPU backend's
-repacked weights prepared again); ``receive_weights`` takes the buckets the sender broadcasts
-(:func:`staleflow.adapters.rlkit.weight_sender.pack_bucket`).
+repacked weights prepared again); ``receive_weights`` takes the chunks the sender broadcasts
+(:mod:`staleflow.adapters.rlkit.wire_chunks`).
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from staleflow.adapters.rlkit.weight_sender import receive_buckets
+from staleflow.adapters.rlkit.weight_sender import receive_gloo, received_specs
 from staleflow.adapters.vllm.weight_transfer import refresh_cpu_output_layer
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
@@ -33,20 +33,20 @@ class GlooInitInfo(WeightTransferInitInfo):
     world_size: int
     rank_offset: int = 1
     timeout_s: float = 120.0
+    bucket_bytes: int = 64 << 20
 
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One version: every tensor's name, dtype and shape, and how many tensors each bucket holds."""
+    """One version: every tensor's name, dtype and shape, in the order they travel."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    bucket_sizes: list[int] = field(default_factory=list)
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """vLLM's weight-transfer lifecycle over gloo (CPU): buckets of raw bytes broadcast from rank 0."""
+    """vLLM's weight-transfer lifecycle over gloo (CPU): chunks of raw bytes broadcast from rank 0."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -54,6 +54,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group: Any = None
+        self.bucket_bytes = 0
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
@@ -61,6 +62,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, False, timeout=timeout)
         self.group = dist.ProcessGroupGloo(store, rank, init_info.world_size, timeout)
+        self.bucket_bytes = init_info.bucket_bytes
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -82,7 +84,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             pass
 
     def _received(self, info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
-        return receive_buckets(self.group, info.names, info.dtype_names, info.shapes, info.bucket_sizes)
+        return receive_gloo(self.group, received_specs(info.names, info.dtype_names, info.shapes), self.bucket_bytes)
 
     def shutdown(self) -> None:
         self.group = None

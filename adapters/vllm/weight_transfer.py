@@ -6,12 +6,13 @@ driven by the four control-plane calls ``init_weight_transfer_engine`` (once: th
 long-lived group with the sender), ``start_weight_update``, ``update_weights`` and
 ``finish_weight_update`` with the version, which vLLM stamps on every token sampled afterwards.
 
-``nccl`` is vLLM's engine as shipped. ``gloo`` is registered here through
-``WeightTransferEngineFactory.register_engine``: the same lifecycle (layerwise reload around the
-model's ``load_weights``, so checkpoint names are fused into vLLM's parameters and a tied output
-layer is skipped), over a gloo group in CPU memory. CI therefore runs the GPU code path; only the
-transport differs. The ``gloo`` worker engine is :mod:`staleflow.adapters.vllm.gloo_transfer`; the sender's
-half is :mod:`staleflow.adapters.rlkit.weight_sender`.
+Both transports receive the sender's chunks (:mod:`staleflow.adapters.rlkit.wire_chunks`) through an
+engine registered here with ``WeightTransferEngineFactory.register_engine``: ``nccl`` is vLLM's NCCL
+engine (its group and lifecycle) receiving chunks (:mod:`staleflow.adapters.vllm.nccl_chunks`,
+registered as ``staleflow_nccl``); ``gloo`` the same lifecycle (layerwise reload around the model's
+``load_weights``, so checkpoint names are fused into vLLM's parameters and a tied output layer is
+skipped) over a gloo group in CPU memory (:mod:`staleflow.adapters.vllm.gloo_transfer`). CI therefore
+runs the GPU code path but for the group; the sender's half is :mod:`staleflow.adapters.rlkit.weight_sender`.
 """
 
 from __future__ import annotations
@@ -34,37 +35,46 @@ def default_backend() -> str:
     return "nccl" if current_platform.is_cuda_alike() else GLOO
 
 
-def register_gloo_engine() -> None:
-    """Register :class:`GlooWeightTransferEngine` as vLLM's ``gloo`` backend (once per process)."""
+#: The worker engine vLLM builds for each transport: registered name, module, class.
+ENGINES = {
+    GLOO: (GLOO, "staleflow.adapters.vllm.gloo_transfer", "GlooWeightTransferEngine"),
+    "nccl": ("staleflow_nccl", "staleflow.adapters.vllm.nccl_chunks", "ChunkedNCCLWeightTransferEngine"),
+}
+
+
+def register_engines() -> None:
+    """Register the worker engine of each transport with vLLM's factory (once per process)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine(GLOO, "staleflow.adapters.vllm.gloo_transfer", "GlooWeightTransferEngine")
-    except ValueError:  # already registered in this process
-        pass
+    for name, module, cls in ENGINES.values():
+        try:
+            WeightTransferEngineFactory.register_engine(name, module, cls)
+        except ValueError:  # already registered in this process
+            pass
 
 
 def with_weight_transfer(engine_args: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    """``engine_args`` with a weight-transfer engine for every worker (this build's default backend
-    unless ``weight_transfer_config`` is given), and that backend."""
+    """``engine_args`` with a weight-transfer engine for every worker (this build's default
+    transport unless ``weight_transfer_config`` names one: ``gloo``, or ``nccl`` / ``staleflow_nccl``,
+    both the chunked NCCL engine), and that transport."""
     args = dict(engine_args)
     if "weight_transfer_config" not in args:
         set_vllm_env_defaults()  # before vLLM is imported
-        args.update(weight_transfer_args(default_backend()))
-    config = args["weight_transfer_config"]
-    backend = config["backend"] if isinstance(config, Mapping) else config.backend
-    if backend == GLOO:
-        register_gloo_engine()
-    return args, str(backend)
+        transport = default_backend()
+    else:
+        config = args["weight_transfer_config"]
+        named = str(config["backend"] if isinstance(config, Mapping) else config.backend)
+        transport = next((t for t, (name, _, _) in ENGINES.items() if named in (t, name)), named)
+    args.update(weight_transfer_args(transport))
+    return args, transport
 
 
 def weight_transfer_args(backend: str) -> dict[str, Any]:
-    """The ``EngineArgs`` that give every worker a weight-transfer engine of ``backend``."""
+    """The ``EngineArgs`` that give every worker the weight-transfer engine of transport ``backend``."""
     if backend not in BACKENDS:
         raise ValueError(f"weight-transfer backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == GLOO:
-        register_gloo_engine()
-    return {"weight_transfer_config": {"backend": backend}}
+    register_engines()
+    return {"weight_transfer_config": {"backend": ENGINES[backend][0]}}
 
 
 class EngineWeightSyncClient:

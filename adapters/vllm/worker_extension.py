@@ -5,17 +5,17 @@ vLLM mixes this class into its worker (``worker_extension_cls``); the engine cal
 so the weights travel as a file path (on tmpfs where there is one). Loading goes through the worker's
 ``reload_weights``, because the CPU backend repacks linear weights after start-up and the model's own
 ``load_weights`` then fails on the repacked parameters. (Transfers go through vLLM's weight-transfer
-API instead, :mod:`staleflow.adapters.vllm.weight_transfer`; importing this module registers the
-``gloo`` backend in the worker's process, before the worker builds its transfer engine.)
+API instead, :mod:`staleflow.adapters.vllm.weight_transfer`; importing this module registers
+StaleFlow's ``gloo`` and ``staleflow_nccl`` engines in the worker's process, before the worker builds its transfer engine.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from staleflow.adapters.vllm.weight_transfer import refresh_cpu_output_layer, register_gloo_engine
+from staleflow.adapters.vllm.weight_transfer import refresh_cpu_output_layer, register_engines
 
-register_gloo_engine()
+register_engines()
 
 
 class WeightReloadExtension:

@@ -59,7 +59,6 @@ from staleflow.runtime.coordination.observations import (
     Tick,
 )
 from staleflow.runtime.coordination.routing import (
-    LeastLoadedRouter,
     PromptAffinityRouter,
     RoundRobinRouter,
     ThroughputRouter,
@@ -395,11 +394,8 @@ class Coordinator:
                 return None
             tokens, growth, fleet = len(group.prompt_ids), self.fleet.planned_growth([0]), self.fleet.arrays
             eligible = self._off_hosts(np.isin(fleet.version, admissible))
-            if isinstance(self.router, LeastLoadedRouter):  # no piling onto the few instances at the version
-                balanced = self.router.admissible(fleet, eligible)
-                if not self.router.has_room(fleet, tokens, balanced) and self.router.has_room(fleet, tokens, eligible):
-                    self.stats["admission_held_for_balance"] += 1
-                eligible = balanced
+            eligible, held = self.router.for_new_group(fleet, tokens, eligible)
+            self.stats["admission_held_for_balance"] += int(held)
             place = partial(self.router.choose, fleet, tokens, group=group.group_id, growth=growth)
             # with freshness, the newest version first: its groups start freshest
             chosen = place(eligible & (fleet.version == max(admissible))) if self.policy.freshness else []

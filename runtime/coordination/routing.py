@@ -56,6 +56,12 @@ class Router(Protocol):
         group: Hashable | None = None, growth: float = 0.0,
     ) -> list[int]: ...
 
+    def for_new_group(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> tuple[np.ndarray, bool]:
+        """The ``eligible`` instances a *new* group may be admitted on, and whether narrowing them held
+        back an instance that had room (the coordinator counts it). All of them, unless a router says
+        otherwise."""
+        return eligible, False
+
 
 def make_router(routing: str, cost_model: CostModel, mu: float, max_running: int) -> Router:
     """The router of a policy's ``routing`` rule (:class:`~staleflow.runtime.settings.policies.SystemPolicy`)."""
@@ -121,7 +127,7 @@ def fleet_throughput(model: CostModel, n: np.ndarray, kv: np.ndarray) -> np.ndar
     return throughput
 
 
-class ThroughputRouter:
+class ThroughputRouter(Router):
     """Cost-model routing with the waterfall over version tiers and the threshold ``mu``; an
     instance holding ``max_running`` requests takes no more (the reference's
     ``max_concurrent_seqs_per_instance``)."""
@@ -194,7 +200,7 @@ class ThroughputRouter:
         return None
 
 
-class LeastLoadedRouter:
+class LeastLoadedRouter(Router):
     """The eligible instance with the fewest requests (below ``max_running``), instances without a
     waiting queue first (a waiting queue means the engine is already full)."""
 
@@ -223,6 +229,11 @@ class LeastLoadedRouter:
         if not up.any():
             return eligible
         return eligible & (fleet.n <= fleet.n[up].min())
+
+    def for_new_group(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> tuple[np.ndarray, bool]:
+        """:meth:`admissible`, and whether it held back an instance with room."""
+        balanced = self.admissible(fleet, eligible)
+        return balanced, not self.has_room(fleet, tokens, balanced) and self.has_room(fleet, tokens, eligible)
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
@@ -256,7 +267,7 @@ def below_cap(fleet: FleetArrays, eligible: np.ndarray, max_running: int) -> np.
     return eligible & ~fleet.loading & (fleet.n < max_running)
 
 
-class RoundRobinRouter:
+class RoundRobinRouter(Router):
     """The next eligible instance in turn, up to ``max_running`` requests each (AReaL's
     ``round_robin``, ``areal/core/remote_inf_engine.py``)."""
 
@@ -297,7 +308,7 @@ class RoundRobinRouter:
         return index
 
 
-class PromptAffinityRouter:
+class PromptAffinityRouter(Router):
     """ROLL Flash's placement of a prompt's requests on one instance: the group of a request is its prompt.
 
     ``pick="fewest"``: ROLL's ``PromptAffinityRouter`` (alibaba/ROLL

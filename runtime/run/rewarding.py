@@ -111,13 +111,15 @@ class _Job:
 
 class ScorerPool:
     """``workers`` scorer processes for ``spec``; jobs are groups, queued until a process is free, each
-    under ``timeout_s`` from when a (started) process takes it."""
+    under ``timeout_s`` from when a (started) process takes it, measured on ``clock`` (wall time; a
+    test injects its own)."""
 
-    def __init__(self, spec: str, workers: int, timeout_s: float) -> None:
+    def __init__(self, spec: str, workers: int, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if workers < 1:
             raise ValueError(f"reward workers must be >= 1, got {workers}")
         self._spec = spec
         self._timeout = timeout_s
+        self._now = clock
         self._context = multiprocessing.get_context("spawn")
         self._workers = [self._start() for _ in range(workers)]
         self._queue: deque[_Job] = deque()
@@ -165,7 +167,7 @@ class ScorerPool:
                     del self._jobs[job.group_id]
                     self._failed.append(RewardOutcome(job.group_id, None, f"cannot send the group to a scorer: {err}"))
                     continue
-                worker.job, worker.started = job.group_id, time.monotonic()
+                worker.job, worker.started = job.group_id, self._now()
 
     def poll(self, block: bool = False) -> list[RewardOutcome]:
         """Outcomes ready now; ``block``: wait until every job has an outcome."""
@@ -173,7 +175,7 @@ class ScorerPool:
         while block and self._jobs:  # outcomes of failed sends are already in ``outcomes``
             busy = [w for w in self._workers if w.job is not None]
             waiting = [w.conn for w in self._workers if w.job is not None or not w.ready]
-            remaining = min((w.started + self._timeout - time.monotonic() for w in busy), default=0.1)
+            remaining = min((w.started + self._timeout - self._now() for w in busy), default=0.1)
             wait_connections(waiting, timeout=min(max(0.01, remaining), 0.5))
             outcomes += self._collect()
         return outcomes
@@ -210,7 +212,7 @@ class ScorerPool:
                 self._replace(worker)
                 self._jobs.pop(job_id, None)
                 outcomes.append(RewardOutcome(job_id, None, f"scorer process died (exit code {code})"))
-        now = time.monotonic()
+        now = self._now()
         for worker in self._workers:  # a job past its timeout: kill its worker, start another
             if worker.job is not None and now - worker.started >= self._timeout:
                 job_id = worker.job
@@ -274,7 +276,7 @@ class RewardRunner:
         self._prepare: Callable[[Trajectory, dict[str, Any]], ScoreInput] | None = None
         self._fn: RewardFn | None = None
         if isinstance(reward_fn, PooledReward):
-            self._scorers = ScorerPool(reward_fn.spec, reward_fn.workers, timeout_s)
+            self._scorers = ScorerPool(reward_fn.spec, reward_fn.workers, timeout_s, clock)
             self._prepare = reward_fn.prepare
         else:
             self._fn = reward_fn

@@ -48,6 +48,9 @@ class TaskConfig(ConfigSection):
     (``chat_template: auto``) or as their contents one per line (``none``). ``reward``: a built-in
     scorer (``repeat_letter``, ``exact_match``, ``gsm8k``, ``math``) or ``module:function``.
     ``eval_file``: a held-out set evaluated through a rollout engine (greedy or sampled).
+    ``eval_engine``: ``rollout`` evaluates on the rollout instances between two steps (the instance
+    holding the newest version; as verl and OpenRLHF do), ``own`` on an engine of its own, planned
+    like one more rollout instance (its GPUs are idle between evaluations).
     ``eval_timing``: ``inline`` evaluates between steps (the run loop waits, rollout instances go
     on generating); ``deferred`` only saves the weights at each evaluation step and evaluates them
     after the run loop, so evaluation takes no time from it (time-to-quality benchmarks).
@@ -71,6 +74,16 @@ class TaskConfig(ConfigSection):
     eval_sampling: Literal["greedy", "sampled"] = "greedy"
     eval_samples: StrictInt = Field(1, ge=1, le=1024)
     eval_timing: Literal["inline", "deferred"] = "inline"
+    eval_engine: Literal["rollout", "own"] = "rollout"
+
+    @model_validator(mode="after")
+    def _deferred_needs_own_engine(self) -> TaskConfig:
+        if self.prompt_file is not None and self.eval_timing == "deferred" and self.eval_engine == "rollout" and self.eval_prompts > 0:
+            raise ValueError(
+                "task.eval_timing=deferred evaluates older versions after the run loop, which a rollout instance "
+                "cannot load over its newer one: set task.eval_engine=own"
+            )
+        return self
 
     @field_validator("reward")
     @classmethod
@@ -92,6 +105,25 @@ class WarmupConfig(ConfigSection):
     lr: StrictFloat = Field(3e-3, gt=0, le=1)
     #: auto: only for the built-in tiny model (model.path null); always / never: as asked
     when: Literal["auto", "always", "never"] = "auto"
+
+
+class SpeculationConfig(ConfigSection):
+    """Speculative decoding of the tail: vLLM drafts ``tokens`` tokens per request with a proposer that
+    needs no draft model (``ngram``: the request's own context; ``suffix``: also earlier responses),
+    only while an instance runs at most ``max_batch`` requests (vLLM's dynamic speculative decoding,
+    ``num_speculative_tokens_per_batch_size``): the long tail of a rollout, where a step is
+    memory-bound and verifying drafts costs little. Sampling stays exact (rejection sampling)."""
+
+    method: Literal["ngram", "suffix"] = "ngram"
+    tokens: StrictInt = Field(4, ge=1, le=32)
+    max_batch: StrictInt = Field(8, ge=1, le=65536)
+
+    def engine_config(self, max_num_seqs: int) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` for engines running up to ``max_num_seqs`` requests."""
+        schedule = [[1, min(self.max_batch, max_num_seqs), self.tokens]]
+        if self.max_batch < max_num_seqs:
+            schedule.append([self.max_batch + 1, max_num_seqs, 0])
+        return {"method": self.method, "num_speculative_tokens": self.tokens, "num_speculative_tokens_per_batch_size": schedule}
 
 
 class RolloutConfig(ConfigSection):
@@ -120,6 +152,8 @@ class RolloutConfig(ConfigSection):
     """Share of each GPU vLLM may take (weights, activations, KV cache); GPU instances only."""
     enforce_eager: StrictBool | None = None
     """Disable CUDA graphs; null: eager on CPU, graphs on GPU."""
+    speculation: SpeculationConfig | None = None
+    """Speculative decoding while an instance runs few requests (null: off)."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed to vLLM's ``EngineArgs`` as they are (they override StaleFlow's settings)."""
     start_timeout_s: StrictFloat = Field(900.0, gt=0, le=86400)
@@ -167,6 +201,8 @@ class RolloutConfig(ConfigSection):
             settings["tensor_parallel_size"] = self.tensor_parallel_size
         if self.tensor_parallel_size > 1:  # GPU: workers as Ray actors in the instance's group (placement_plan); CPU: processes
             settings["distributed_executor_backend"] = "ray" if gpu else "mp"
+        if self.speculation is not None:
+            settings["speculative_config"] = self.speculation.engine_config(self.max_num_seqs)
         return {**settings, **self.engine_kwargs}
 
 
@@ -216,13 +252,17 @@ class ClusterConfig(ConfigSection):
     address: str | None = None
     """An existing Ray cluster (``auto``, ``ray://host:10001``); null: ``RAY_ADDRESS`` if set, else a
     local cluster started for the job."""
-    num_cpus: StrictInt | None = Field(2, ge=1, le=1_000_000)
-    """CPUs of a local cluster (null: all of this machine's); ignored for an existing cluster."""
+    num_cpus: StrictInt | None = Field(None, ge=1, le=1_000_000)
+    """CPUs of a local cluster started for the job (null: all of this machine's, as verl's
+    ``ray_init.num_cpus``); never passed to a running cluster, which is joined as it is."""
     num_gpus: StrictInt | None = Field(None, ge=0, le=1_000_000)
-    """GPUs of a local cluster (null: those Ray detects); ignored for an existing cluster."""
+    """GPUs of a local cluster started for the job (null: those Ray detects); never passed to a running cluster."""
     gpus_per_node: StrictInt | None = Field(None, ge=1, le=1024)
     """GPUs of one node; a rollout instance wider than that spreads its workers over nodes (null:
     every instance on one node)."""
+    nodes: StrictInt | None = Field(None, ge=1, le=100_000)
+    """Nodes of the cluster: with ``gpus_per_node``, the dry run refuses a plan of more GPUs than
+    ``gpus_per_node x nodes`` (null: checked only against a running cluster)."""
 
 
 class ProtocolConfig(ConfigSection):
@@ -315,6 +355,16 @@ class TrainConfig(ConfigSection):
     logprob_chunk: StrictInt = Field(1024, ge=1, le=1_000_000)  # positions per [chunk, vocab] log-softmax
     activation_checkpointing: StrictBool = False
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    cpu_offload: Literal["auto", "on", "off"] = "auto"
+    """``fsdp``: keep each rank's parameters, gradients and optimiser state in CPU memory (FSDP2's
+    ``CPUOffloadPolicy``; the optimiser steps on CPU); ``auto``: where the estimate of
+    :mod:`~staleflow.runtime.settings.memory_estimate` says the state does not fit the rank's GPU."""
+
+    @field_validator("cpu_offload", mode="before")
+    @classmethod
+    def _offload_words(cls, value: Any) -> Any:
+        """YAML reads ``on`` / ``off`` (a config file's or ``train.cpu_offload=off``) as booleans."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
     publish_bucket_mb: StrictInt = Field(512, ge=1, le=65536)
     """Each version is published in the training dtype, gathered on rank 0 one bucket of this many
     MiB at a time (fsdp; the torch trainer copies whole): never a full fp32 copy of the weights."""
@@ -382,4 +432,6 @@ class MetricsConfig(ConfigSection):
     tensorboard: StrictBool = True
     progress: StrictBool = True
     report: StrictBool = True
+    #: the engines' and Ray's notices live on the console too (they always go to ``<run_dir>/logs/``)
+    verbose: StrictBool = False
     wandb: WandbConfig = WandbConfig()

@@ -15,7 +15,8 @@ The layout follows what vLLM's Ray executor accepts and what OpenRLHF and verl d
   take one GPU per bundle and no CPU (``VLLM_RAY_BUNDLE_INDICES`` names the bundles; the actor
   captures its group for its child tasks). With
   ``tp == 1`` (or a share of one GPU) the actor holds the GPU and vLLM runs in its process;
-- the evaluation engine, when the job has one, is planned like a rollout instance (its own group);
+- the evaluation engine, when the job asks for one (``task.eval_engine=own``), is planned like a
+  rollout instance (its own group); by default the rollout instances evaluate and nothing is added;
 - trainer ranks with GPUs share one group, rank ``r`` in bundle ``r``, one GPU (or a share) each;
 - Ray-placed servers share a CPU-only group, except a parameter server that broadcasts over NCCL
   (``JobConfig.parameter_server_needs_gpu``): it sends from a GPU, as OpenRLHF sends from trainer
@@ -42,8 +43,8 @@ ANY_NODES = "PACK"
 _NODE_WORDS = {ONE_NODE: "one node", ANY_NODES: "any nodes (packed)"}
 
 #: The fraction of trainer rank 0's GPU share that a parameter server sending over NCCL takes (Ray's
-#: bookkeeping only: both processes use the one device; the server holds vLLM's packed buffers and
-#: NCCL's own, a few hundred MiB, beside rank 0's model).
+#: bookkeeping only: both processes use the one device; the server holds one staging buffer of
+#: ``servers.bucket_mb`` and NCCL's own buffers beside rank 0's model).
 PARAMETER_SERVER_GPU_SHARE = 0.1
 
 
@@ -156,9 +157,10 @@ class PlacementPlan:
 
 
 def has_eval_engine(config: JobConfig) -> bool:
-    """Whether the job evaluates on an engine of its own: prompts from files and a held-out set
-    (the built-in task is evaluated by the trainer's greedy decoder)."""
-    return config.task.prompt_file is not None and config.task.eval_prompts > 0
+    """Whether the job evaluates on an engine of its own: prompts from files, evaluation on, and
+    ``task.eval_engine=own`` (by default the rollout instances evaluate between steps; the built-in
+    task is evaluated by the trainer's greedy decoder)."""
+    return config.task.prompt_file is not None and config.task.eval_prompts > 0 and config.task.eval_engine == "own"
 
 
 def trainer_rank_gpus(config: JobConfig) -> tuple[float, ...]:
@@ -205,6 +207,22 @@ def plan_placement(config: JobConfig, cluster_address: str | None = None) -> Pla
         actors += server_actors
     address = cluster_address if cluster_address is not None else config.cluster.address
     return PlacementPlan(tuple(groups), tuple(actors), address)
+
+
+#: What engines holding a share of one GPU hold, for :func:`engine_gpus`: Ray picks which shares
+#: land on one GPU, so any two of them may.
+SHARED_GPU = "a shared GPU"
+
+
+def engine_gpus(config: JobConfig, name: str) -> frozenset[str]:
+    """What the vLLM engine ``name`` holds of the GPUs, as names equal where two engines may share a
+    GPU (for starting engines side by side: :func:`~staleflow.app.job_parts.start_engines`): its own
+    name where it holds whole GPUs (its own bundles: Ray never gives two whole-GPU bundles one GPU),
+    :data:`SHARED_GPU` where it holds a share of one (``rollout.instances_per_gpu`` > 1), nothing on CPU."""
+    rollout = config.rollout
+    if rollout.gpus_per_instance == 0:
+        return frozenset()
+    return frozenset({SHARED_GPU if rollout.gpu_share < 1 else name})
 
 
 def _engine_placement(config: JobConfig, name: str, role: str) -> tuple[GroupPlan, ActorPlan]:

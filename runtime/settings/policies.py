@@ -91,6 +91,9 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     ``-no-proactive-abort`` / ``-no-growth`` switch one strategy to its vanilla counterpart (or off)
     for the ablation. ``staleflow-tail`` adds the head buffer's tail moved to lightly loaded hosts
     (``tail_hosted`` 8): off by default, as it cost throughput in our measurements (docs/simulation.md).
+    ``staleflow-spec`` models speculative decoding on instances running 8 requests or fewer
+    (``speculative_speedup`` 1.5, an assumed speed-up: ``adapters/sim/speculation.py``), reported
+    apart from the headline until a GPU has measured it.
 ``staleflow-authors`` (psrl ``examples/paper_exp/e2e/moe_ours.sh``, ``14b_ours.sh``; the coordinator's
 ``sync_and_migrate/status_based.py`` and ``sync_and_migrate_mixin.py``)
     StaleFlow as the authors' code runs it: ``mu`` 0.3, sync when the KV cache is at most half full
@@ -237,6 +240,11 @@ class SystemPolicy:
             host memory and come back before the next (ROLL's ``offload_states`` / ``load_states`` of
             the actor around every step, ``rlvr_pipeline.py``); the trainer is busy meanwhile. A
             simulated cost (``adapters/sim/network.py``, ``trainer_offload_seconds``).
+        speculative_speedup: simulated engines decode ``speculative_speedup`` times faster while they
+            run at most ``speculative_max_batch`` requests, as vLLM's dynamic speculative decoding
+            does (:mod:`~staleflow.adapters.sim.speculation`); 1.0: off. A training job sets its
+            engines' speculation in ``rollout.speculation`` and gets what they measure.
+        speculative_max_batch: see ``speculative_speedup``.
     """
 
     name: str
@@ -276,6 +284,8 @@ class SystemPolicy:
     plan_growth: bool = False
     tail_hosted: int = 0
     tail_share: float = 0.25
+    speculative_speedup: float = 1.0
+    speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:
         _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin", "prompt_affinity", "prompt_round_robin"))
@@ -286,11 +296,13 @@ class SystemPolicy:
         _choice("outstanding", self.outstanding, ("protocol", "ratio"))
         _choice("migration_rule", self.migration_rule, ("split", "evacuate"))
         counts = ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort",
-                  "request_budget", "evacuate_min_requests", "tail_hosted")
+                  "request_budget", "evacuate_min_requests", "tail_hosted", "speculative_max_batch")
         for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"policy {self.name!r}: {name} must be an int >= 0, got {value!r}")
+        if not self.speculative_speedup >= 1.0:
+            raise ValueError(f"policy {self.name!r}: speculative_speedup must be >= 1 (1: off), got {self.speculative_speedup!r}")
         if self.fixed_eta is not None and (not isinstance(self.fixed_eta, int) or self.fixed_eta < 0):
             raise ValueError(f"policy {self.name!r}: fixed_eta must be None or an int >= 0")
         if self.batch_redundancy and not self.takes_redundancy:
@@ -381,6 +393,7 @@ POLICIES: dict[str, SystemPolicy] = {
     "staleflow-no-proactive-abort": _staleflow("staleflow-no-proactive-abort", proactive_abort=0),
     "staleflow-no-growth": _staleflow("staleflow-no-growth", plan_growth=False),
     "staleflow-tail": _staleflow("staleflow-tail", tail_hosted=8),
+    "staleflow-spec": _staleflow("staleflow-spec", speculative_speedup=1.5),
     "staleflow-fresh": _staleflow("staleflow-fresh", freshness=True),
     "staleflow-authors": SystemPolicy("staleflow-authors", **_STALEFLOW_AUTHORS),
     "staleflow-no-recompute": _staleflow("staleflow-no-recompute", recomputes_logprobs=False),
