@@ -29,7 +29,7 @@ from typing import Any
 from staleflow.runtime.settings.config import JobConfig
 from staleflow.runtime.settings.cost_prior import DEVICES, ModelShape
 from staleflow.runtime.settings.memory_estimate import GIB, Offload, TrainerShape, choose_offload, estimate_trainer_memory
-from staleflow.runtime.settings.placement_plan import PlacementPlan, parameter_server_needs_gpu
+from staleflow.runtime.settings.placement_plan import PlacementPlan
 
 
 @dataclass
@@ -113,7 +113,7 @@ def _trainer_memory(config: JobConfig, kernel: str, problems: list[str]) -> dict
     shards = train.world_size if train.backend == "fsdp" else train.tensor_parallel * train.pipeline_parallel
     micro = train.micro_batch_tokens if train.micro_batch_tokens != "auto" else _auto_micro_batch(kernel)
     device = config.coordinator.cost_model.device_name(1)
-    beside_rank_0 = parameter_server_needs_gpu(config) and config.servers.weight_transfer == "broadcast"
+    beside_rank_0 = config.parameter_server_needs_gpu and config.servers.weight_transfer == "broadcast"
     server = config.servers.bucket_mb << 20 if beside_rank_0 else None
     device_bytes = int(DEVICES[device].memory_gb * 1e9 * train.gpus)
     offloaded = train.backend == "fsdp" and choose_offload(train.cpu_offload, shape.params, shards, device_bytes)

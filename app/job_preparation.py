@@ -14,7 +14,7 @@ from typing import Any
 from staleflow.app.checkpoints import CHECKPOINTS, latest_checkpoint
 from staleflow.app.dry_run import check_plan
 from staleflow.runtime.settings.config import ConfigError, JobConfig, dump_config, load_config
-from staleflow.runtime.settings.placement_plan import parameter_server_needs_gpu, plan_placement
+from staleflow.runtime.settings.placement_plan import plan_placement
 
 #: what :func:`prepare_job` and :func:`check_installed` raise for a job that cannot start (the command's exit 2)
 PREPARATION_ERRORS = (ConfigError, FileNotFoundError, ValueError, ImportError)
@@ -94,9 +94,9 @@ def evaluation_place(config: JobConfig) -> str:
 
 def transfer_backend(config: JobConfig) -> str:
     """The backend a broadcasting parameter server will send with: ``nccl`` where it is planned a GPU
-    (:func:`~staleflow.runtime.settings.placement_plan.parameter_server_needs_gpu`: ``nccl``, or
+    (:attr:`~staleflow.runtime.settings.config.JobConfig.parameter_server_needs_gpu`: ``nccl``, or
     ``auto`` with GPU instances), else ``gloo``."""
-    return "nccl" if parameter_server_needs_gpu(config) else "gloo"
+    return "nccl" if config.parameter_server_needs_gpu else "gloo"
 
 
 def dry_run(config: JobConfig, as_json: bool) -> tuple[str, list[str]]:

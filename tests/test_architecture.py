@@ -30,18 +30,19 @@ def _run(*command: str) -> subprocess.CompletedProcess[str]:
 def test_import_contracts_are_kept() -> None:
     result = _run(str(BIN / "lint-imports"), "--no-cache")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "7 kept, 0 broken" in result.stdout
+    assert "8 kept, 0 broken" in result.stdout
 
 
-def _lint_copy_with(tmp_path: Path, module: str, source: str) -> subprocess.CompletedProcess[str]:
-    """import-linter on a copy of the package with one more module (``module``: its path in the package)."""
+def _lint_copy_with(tmp_path: Path, modules: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """import-linter on a copy of the package with more modules (``modules``: path in the package -> source)."""
     copy = tmp_path / "staleflow"
     # what git ignores is left out: the venv, and the files that tests running beside this one (another
     # pytest worker) create and delete in the root while the copy is made (.coverage.*, TLC's states/)
     lines = (ROOT / ".gitignore").read_text().splitlines()
     ignored = [line.strip().strip("/") for line in lines if line.strip() and not line.startswith("#")]
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".typecheck", *ignored))
-    (copy / module).write_text(source, encoding="utf-8")
+    for module, source in modules.items():
+        (copy / module).write_text(source, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "NO_COLOR": "1"}
     return subprocess.run(
         [str(BIN / "lint-imports"), "--no-cache", "--config", str(copy / "pyproject.toml")],
@@ -51,7 +52,7 @@ def _lint_copy_with(tmp_path: Path, module: str, source: str) -> subprocess.Comp
 
 def test_import_linter_reports_a_layer_violation(tmp_path: Path) -> None:
     """The contracts bind: a runtime module importing an adapter is reported (checked on a copy)."""
-    result = _lint_copy_with(tmp_path, "runtime/bad_import.py", "from staleflow.adapters.sim import engine\n")
+    result = _lint_copy_with(tmp_path, {"runtime/bad_import.py": "from staleflow.adapters.sim import engine\n"})
     assert result.returncode == 1, result.stdout + result.stderr
     assert "staleflow.runtime.bad_import -> staleflow.adapters.sim.engine" in result.stdout
 
@@ -60,9 +61,19 @@ def test_import_linter_keeps_the_command_line_and_the_benchmarks_apart(tmp_path:
     """``cli`` and ``bench`` are independent siblings: a command-line module importing a benchmark is
     reported (checked on a copy), even from inside a function."""
     source = "def run() -> None:\n    from staleflow.bench import coordinator  # noqa: F401\n"
-    result = _lint_copy_with(tmp_path, "cli/bad_import.py", source)
+    result = _lint_copy_with(tmp_path, {"cli/bad_import.py": source})
     assert result.returncode == 1, result.stdout + result.stderr
     assert "staleflow.cli.bad_import -> staleflow.bench.coordinator" in result.stdout
+
+
+def test_import_linter_reports_a_cycle_between_two_modules_of_a_package(tmp_path: Path) -> None:
+    """Two modules of one package that import each other (as ``runtime/settings/config.py`` and
+    ``placement_plan.py`` did, one of the imports only for type checking) break the acyclic contract."""
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from staleflow.runtime.settings import cycle_b  # noqa: F401\n"
+    result = _lint_copy_with(tmp_path, {"runtime/settings/cycle_a.py": typed,
+                                        "runtime/settings/cycle_b.py": "from staleflow.runtime.settings import cycle_a  # noqa: F401\n"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "No cycles are allowed in staleflow.runtime.settings." in result.stdout
 
 
 def test_ruff_rules_pass() -> None:

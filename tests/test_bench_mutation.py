@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from skips import require
 
-pytest.importorskip("cosmic_ray")
+require("cosmic_ray", "dev")
 
 from staleflow.bench import mutation
 from staleflow.bench import protocol as protocol_bench
@@ -124,3 +125,37 @@ def test_an_unmutated_file_that_fails_a_layer_is_refused(monkeypatch: pytest.Mon
     monkeypatch.setattr(mutation, "judge_layers", lambda: {"restore": lambda cls: "lost a group"})
     with pytest.raises(RuntimeError, match="the unmutated manager.py fails the restore layer: lost a group"):
         mutation.calibrate(SOURCE, 4.0, 2.0)
+
+
+def test_the_results_file_records_repository_paths_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 37: a results file named the mutated module (and ``--out``) by absolute paths of the
+    machine that ran it. It now records the module relative to the repository and any other
+    absolute path of the command by its bare name."""
+    import json
+    import sys
+
+    import staleflow
+    from staleflow.__main__ import main
+
+    monkeypatch.setattr(mutation, "judge_layers", lambda: {"restore": lambda cls: None})
+    out = tmp_path / "results" / "run.json"
+    out.parent.mkdir()
+    argv = ["bench", "mutation", "--file", str(Path(manager_module.__file__).resolve()), "--operators", "core/ReplaceUnaryOperator",
+            "--limit", "1", "--jobs", "1", f"--out={out}"]
+    monkeypatch.setattr(sys, "argv", ["staleflow", *argv])
+    assert main(argv) == 1  # the one mutant survives the judge that catches nothing
+    text = out.read_text()
+    report = json.loads(text)
+    assert report["file"] == "protocol/manager.py"
+    assert report["command"] == ("staleflow bench mutation --file protocol/manager.py --operators core/ReplaceUnaryOperator "
+                                 "--limit 1 --jobs 1 --out=run.json")
+    assert str(tmp_path) not in text and str(Path(staleflow.__file__).resolve().parent) not in text
+
+
+def test_a_module_outside_the_repository_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from staleflow.__main__ import main
+
+    outside = tmp_path / "manager.py"
+    outside.write_text(SOURCE, encoding="utf-8")
+    assert main(["bench", "mutation", "--file", str(outside), "--limit", "1"]) == 2
+    assert f"--file {outside}: not a module of this repository" in capsys.readouterr().err

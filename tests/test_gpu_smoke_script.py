@@ -4,16 +4,16 @@ machine lacks (each backend's dry run fails if ``ray`` or ``vllm`` is in ``sys.m
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from skips import needs
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core (megatron extra) is not installed")]
+              needs("megatron.core", "megatron")]
 
 
 def test_the_trainer_only_check_imports_its_three_backends_without_vllm_or_ray(tmp_path: Path) -> None:

@@ -16,8 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from skips import require
 
-pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+require("megatron.core", "megatron")
 
 from megatron_models import spawn_ranks, tiny_qwen
 from staleflow.adapters.megatron.convert import hf_to_megatron

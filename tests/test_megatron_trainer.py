@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from skips import require
 
-megatron = pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra) is not installed")
+megatron = require("megatron.core", "megatron")
 
 from staleflow.adapters.megatron.trainer import (
     CHECKPOINT_FORMAT,

@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+from skips import require
 from staleflow.runtime.settings.config import load_config
 from staleflow.runtime.settings.placement_plan import BundlePlan, GroupPlan, PlacementPlan, missing_resources, plan_placement
 
@@ -167,10 +168,7 @@ def test_tensor_parallel_engines_capture_their_group_and_their_workers_get_one_g
 
 @pytest.mark.ray
 def test_train_exits_2_naming_the_missing_gpus_before_any_engine_starts(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm (cpu-infer extra) is not installed: train refuses earlier")
+    require("vllm", "cpu-infer")  # without it, train refuses earlier
     import ray
     from staleflow.__main__ import main
 
@@ -467,11 +465,11 @@ def test_a_parameter_server_sending_over_nccl_shares_trainer_rank_0s_bundle_and_
     and the plan gave it none (it refused to start). It now shares trainer rank 0's bundle and GPU,
     a tenth of it; the example jobs still fit their GPUs (8; 64)."""
     from staleflow.app.job_preparation import transfer_backend
-    from staleflow.runtime.settings.placement_plan import parameter_server_needs_gpu, trainer_rank_gpus
+    from staleflow.runtime.settings.placement_plan import trainer_rank_gpus
 
     config = load_config(_EXAMPLES / f"{example}.yaml", overrides)
     plan = plan_placement(config)
-    assert parameter_server_needs_gpu(config) and transfer_backend(config) == "nccl"
+    assert config.parameter_server_needs_gpu and transfer_backend(config) == "nccl"
     rank_0 = plan.group("trainer").bundles[0]
     assert (rank_0.resources(), rank_0.used_by) == ({"CPU": bundle_0_cpus, "GPU": 1.0}, "trainer-0 and parameter-server")
     server, trainer_0 = plan.actor("parameter-server"), plan.actor("trainer-0")

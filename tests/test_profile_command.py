@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 
 import pytest
+from skips import needs
 from staleflow.app.profile import pool_steps
 from staleflow.cli.profile import add_arguments, run
 from staleflow.runtime.coordination.cost_model import CostModel, ProfileRecord
@@ -37,7 +37,7 @@ def test_bad_grid_arguments_are_named(capsys):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed")
+@needs("vllm", "cpu-infer")
 def test_profile_measures_a_real_engine_and_writes_loadable_coefficients(tmp_path, capsys):
     from staleflow.app.tiny_model import ensure_tiny_model
 

@@ -5,7 +5,6 @@ run as a module, and the thread-safe wrapper under concurrent use."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import random
@@ -19,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from skips import require
 from staleflow import protocol
 from staleflow.protocol import (
     LockedStalenessManager,
@@ -239,10 +239,7 @@ def test_integration_guide_ray_actor_loop_runs_as_written(tmp_path: Path) -> Non
 
 def test_protocol_sources_need_only_python_3_9() -> None:
     """vermin (a pinned dev tool) finds every construct's minimum version; it must be <= 3.9."""
-    if importlib.util.find_spec("vermin") is None:
-        if os.environ.get("CI"):
-            pytest.fail("vermin is missing: scripts/setup.sh installs it with the dev extra")
-        pytest.skip("vermin not installed in this venv (it is in the dev extra: pip install -e '.[dev]')")
+    require("vermin", "dev")
     ok = _run(sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", "--no-tips", "--violations", "-t=3.9-", PROTOCOL)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     # the check can fail: the two 3.10+/3.11+ constructs the package used before issue 12

@@ -65,3 +65,32 @@ def test_a_run_gives_the_same_figures_with_quiet_ticks_as_with_every_snapshot_ta
         figures.pop("wall_s")
         figures.pop("coordinator_decision_s")
     assert quiet == every
+
+
+@pytest.mark.parametrize("system", ["sync", "staleflow", "staleflow-authors"])
+def test_an_instance_behind_and_loading_in_its_last_snapshot_makes_the_tick_read_the_load(system):
+    """Chaos seed 770077 (``sync``): both instances were stalled (``loading``) in their last snapshots
+    when version 1 was pushed. The quiet-tick test left out loading instances, so the snapshots that
+    would show them done were skipped, no Pull was decided, nothing was in flight, and the run
+    stopped (RunStalledError). Whether an instance is done loading is a snapshot field too."""
+    c, _ = _coordinator(groups=0, policy=system)
+    for view in c.views:
+        c.step(InstanceSnapshot(view.instance_id, 0, (), (), 0, 100_000, 0.0, 1.0, loading=True))
+    assert all(v.loading and v.version == 0 for v in c.views)
+    assert decision_reads_load(c, 1, False)  # version 1 pushed: a fresh snapshot may let them pull
+    c.step(InstanceSnapshot("i0", 0, (), (), 0, 100_000, 0.0, 2.0))
+    c.step(InstanceSnapshot("i1", 0, (), (), 0, 100_000, 0.0, 2.0))
+    assert [type(cmd).__name__ for cmd in decide(c, c.groups, Tick(1, True, True))] == ["Pull", "Pull"]
+
+
+def test_requests_routed_since_the_last_snapshot_may_be_waiting_in_the_next():
+    """The bounce (``waiting_bounce``) reads the snapshot's waiting queue; the requests routed after
+    the last snapshot are not in it, and the next one may show them waiting past ``phi_wait``."""
+    c, ts = _coordinator(groups=4)
+    for cmd in decide(c, c.groups, Tick(0, True, False)):
+        ts.mark_routed(cmd.request_ids, cmd.instance_id)
+    busiest = max(c.views, key=lambda v: len(v.requests))
+    assert len(busiest.requests) > c.policy.phi_wait and not busiest.waiting and ts.pending_count() == 0
+    assert decision_reads_load(c, 0, False)
+    c.step(InstanceSnapshot(busiest.instance_id, 0, (), tuple(busiest.requests), 0, 100_000, 0.0, 1.0))
+    assert any(type(cmd).__name__ == "Interrupt" for cmd in decide(c, c.groups, Tick(0, True, False)))

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from skips import require
 from staleflow.runtime.run.rewarding import PooledReward, RewardRunner, ScorerPool
 from staleflow.runtime.tasks import (
     RewardSpecError,
@@ -51,7 +52,7 @@ def test_gsm8k_reward_refuses_a_non_numeric_answer() -> None:
 
 
 def test_math_reward_uses_math_verify() -> None:
-    pytest.importorskip("math_verify")
+    require("math_verify", "rewards")
     assert math_reward("so the answer is $\\boxed{\\frac{1}{2}}$", "0.5") == 1.0
     assert math_reward("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}") == 1.0
     assert math_reward("\\boxed{3}", "\\frac{1}{2}") == 0.0

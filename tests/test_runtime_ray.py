@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-ray = pytest.importorskip("ray")
-
+import ray
 import runtime_fakes
 from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
 from staleflow.adapters.ray.parameter_server import RemoteParameterServer, RemoteWeights

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from skips import require
 from staleflow.runtime.tasks import (
     PromptFileError,
     arithmetic_rows,
@@ -130,7 +131,7 @@ def test_malformed_rows_name_file_line_and_key(tmp_path: Path, row: object, mess
 
 
 def test_verl_rows_from_parquet(tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
+    pa = require("pyarrow", "data")
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist([GSM8K_ROW, MATH_ROW]), tmp_path / "train.parquet")

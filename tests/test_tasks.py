@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from skips import require
 from staleflow.runtime.tasks import (
     PromptFileError,
     cycle_prompts,
@@ -109,13 +110,13 @@ def test_load_prompts_file_level_errors(tmp_path: Path) -> None:
     with pytest.raises(PromptFileError, match="has no prompts"):
         load_prompts(tmp_path / "empty.jsonl", encode=encode, max_prompt_tokens=16)
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
-    pytest.importorskip("pyarrow")
+    require("pyarrow", "data")
     with pytest.raises(PromptFileError, match="not a readable Parquet file"):
         load_prompts(tmp_path / "bad.parquet", encode=encode, max_prompt_tokens=16)
 
 
 def test_load_prompts_from_parquet(tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
+    pa = require("pyarrow", "data")
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"question": ["b*2=", "c*1="], "target": ["bb", "c"]}), tmp_path / "p.parquet")

@@ -156,7 +156,6 @@ def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_deferred_evaluation_evaluates_the_weights_saved_at_each_step(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
     import torch
     from staleflow.adapters.torch.trainer import TorchTrainer
     from staleflow.app.evaluation import DeferredEvaluation, Evaluator

@@ -9,17 +9,17 @@ report), and that the newest complete checkpoint is found.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from skips import needs
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.ray,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed"),
+    needs("vllm", "cpu-infer"),
 ]
 
 SMALL_JOB = [

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from skips import require
 from staleflow.app.evaluation import EngineEvaluator
 from staleflow.app.job_parts import wants_warmup
 from staleflow.app.rewards import ScorerCheckError, check_scorer, scorer_arguments
@@ -216,7 +217,6 @@ def test_scorer_arguments_carry_the_row_not_the_run_keys() -> None:
 
 
 def test_chat_rendering_with_the_tiny_models_template(tmp_path: Path, tiny_model: Path) -> None:
-    pytest.importorskip("transformers")
     from staleflow.app.job_parts import TaskData, Tokens
 
     model = tiny_model
@@ -239,7 +239,7 @@ def test_chat_rendering_with_the_tiny_models_template(tmp_path: Path, tiny_model
 
 @pytest.mark.slow
 def test_wandb_offline_logs_train_and_eval_scalars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("wandb")
+    require("wandb", "tracking")
     from staleflow.app.metrics import MetricsLog
 
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -266,7 +266,6 @@ def test_a_users_scorer_with_evaluation_off_sets_the_job_up(tmp_path: Path, tiny
     """Prompts from a file, ``task.reward=module:function``, ``task.eval_prompts=0 task.eval_every=0``: the
     disabled evaluator no longer looks the reward up in the built-in table (it stopped the job at
     start-up with ``unknown reward 'my_scorer_a:score'``)."""
-    pytest.importorskip("transformers")
     from staleflow.app.evaluation import Evaluator, make_evaluator
     from staleflow.app.job_parts import TaskData, Tokens
 
@@ -285,7 +284,6 @@ def test_a_users_scorer_with_evaluation_off_sets_the_job_up(tmp_path: Path, tiny
 def test_the_trainers_greedy_evaluation_scores_through_the_resolved_scorer(tiny_model: Path) -> None:
     """The built-in job's greedy evaluation scores with the scorer ``task.reward`` resolves to (the same
     figures as the built-in two-argument reward gives)."""
-    pytest.importorskip("transformers")
     from staleflow.app.evaluation import Evaluator
     from staleflow.app.job_parts import TaskData, Tokens
     from staleflow.runtime.tasks import repeat_letter_reward

@@ -15,18 +15,18 @@ logit. The versions in the trace are vLLM's own per-token versions (``Completion
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
 
 import pytest
+from skips import needs
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.ray,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed"),
+    needs("vllm", "cpu-infer"),
 ]
 
 STEPS = 3

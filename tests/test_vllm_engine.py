@@ -7,15 +7,14 @@ uninterrupted one token for token.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from engine_waits import wait_finished, wait_generating
+from skips import needs
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed"),
+    needs("vllm", "cpu-infer"),
 ]
 
 PROMPT = [4 + b for b in b"a*13="]

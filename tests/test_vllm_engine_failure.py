@@ -5,14 +5,13 @@ Its own module: the engine it kills is its own (one in-process vLLM engine at a 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
+from skips import needs
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed"),
+    needs("vllm", "cpu-infer"),
 ]
 
 

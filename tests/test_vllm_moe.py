@@ -17,17 +17,17 @@ Its own module: one in-process vLLM engine at a time.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
 import pytest
 from moe_model import build_tiny_qwen3_moe
+from skips import needs
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed"),
+    needs("vllm", "cpu-infer"),
 ]
 
 PROMPT = [4 + b for b in b"moe: 7*6="]

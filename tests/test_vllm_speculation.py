@@ -5,15 +5,15 @@ response must equal torch's argmax token for token)."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import pytest
+from skips import needs
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (cpu-infer extra) is not installed"),
+    needs("vllm", "cpu-infer"),
 ]
 
 PROMPT = [4 + b for b in b"a*13=a*13=a*13="]

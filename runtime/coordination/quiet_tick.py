@@ -8,6 +8,12 @@ route, no tail of the head buffer to move. :func:`decision_reads_load` says, wit
 happen now; when none can, the decision reads no KV use and gives no command, whatever the
 snapshots would say. The run loop may then leave the snapshots out, as long as the next decision
 comes at the next tick, whose snapshots replace them (see :meth:`RunLoop.run`).
+
+"Whatever the snapshots would say" covers every field a snapshot sets, ``loading`` included: an
+instance still loading (or stalled) in its last snapshot may be done in the fresh one, and then it
+can pull, bounce or take part in a migration. So no test below leaves out a loading instance. (It
+did, and a run stalled: chaos seed 770077, both instances behind and loading in their last
+snapshots, the fresh ones left out, and nothing left to wake the loop but the next tick.)
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ def decision_reads_load(coordinator: Coordinator, ps_version: int | None, traine
     views = coordinator.views
     if coordinator.has_commands() or (trainer_waits and policy.proactive_abort):
         return True
-    if ps_version is not None and any(v.version < ps_version and not v.loading for v in views):
-        return True  # a pull decision reads KV use
-    if policy.waiting_bounce and any(len(v.waiting) > policy.phi_wait and not v.loading for v in views):
-        return True
+    if ps_version is not None and any(v.version < ps_version for v in views):
+        return True  # a pull decision reads KV use and whether the instance is done loading
+    if policy.waiting_bounce and any(len(v.requests) > policy.phi_wait for v in views):
+        return True  # a fresh snapshot may show more of them waiting (those routed since the last one)
     ts, manager = coordinator.ts, coordinator.manager
     if ts.queued_count():
         return True  # routing
@@ -41,11 +47,11 @@ def decision_reads_load(coordinator: Coordinator, ps_version: int | None, traine
         return True  # the tail may move
     if not policy.migration:
         return False
-    targets = ~fleet.loading & coordinator.starved_instances(fleet) & (fleet.waiting == 0)
+    targets = coordinator.starved_instances(fleet)  # any of them, waiting or not: both are snapshot fields
     if policy.migration_rule != "evacuate":
         return bool(targets.any())
     # the evacuation empties an instance holding at least evacuate_min_requests with a starved peer
     # at its version or newer: with none, it moves nothing whatever the load
-    sources = np.flatnonzero(~fleet.loading & (fleet.n >= policy.evacuate_min_requests))
+    sources = np.flatnonzero(fleet.n >= policy.evacuate_min_requests)
     versions = fleet.version[targets]
     return any(bool((versions >= fleet.version[i]).sum() - targets[i]) for i in sources.tolist())

@@ -47,7 +47,6 @@ from staleflow.runtime.settings.config_sections import (
     TrainConfig,
     WarmupConfig,
 )
-from staleflow.runtime.settings.placement_plan import parameter_server_needs_gpu
 from staleflow.runtime.settings.policies import DEFAULT_ETA, find_policy, make_policy, training_systems
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
@@ -151,7 +150,7 @@ class JobConfig(ConfigSection):
             problems.append(f"train.world_size={self.train.world_size} needs train.backend=fsdp (torch is one process)")
         if self.task.eval_every > 0 and self.task.eval_prompts == 0:
             problems.append("task.eval_every > 0 needs task.eval_prompts > 0 (or set task.eval_every=0)")
-        if parameter_server_needs_gpu(self) and 0 < self.train.gpus < 1 and 0 < self.rollout.gpu_share < 1:
+        if self.parameter_server_needs_gpu and 0 < self.train.gpus < 1 and 0 < self.rollout.gpu_share < 1:
             problems.append(
                 f"servers.weight_transfer=broadcast over NCCL with train.gpus={self.train.gpus:g} and instances sharing GPUs: the "
                 "parameter server sends from trainer rank 0's GPU, which a rollout instance's receiving worker may share, and NCCL "
@@ -165,6 +164,16 @@ class JobConfig(ConfigSection):
     def batch_trajectories(self) -> int:
         """Trajectories trained per step: ``batch_groups * group_size``."""
         return self.protocol.batch_groups * self.rollout.group_size
+
+    @property
+    def parameter_server_needs_gpu(self) -> bool:
+        """Whether the job's parameter server broadcasts over NCCL, and so must hold a GPU:
+        ``servers.transfer_backend=nccl``, or ``auto`` with GPU rollout instances (vLLM's CUDA build
+        receives over NCCL; a server without a GPU would pick gloo and be refused at the first pull)."""
+        servers = self.servers
+        if servers.placement != "ray" or servers.weight_transfer != "broadcast":
+            return False
+        return servers.transfer_backend == "nccl" or (servers.transfer_backend == "auto" and self.rollout.gpus_per_instance > 0)
 
 
 # ---------------------------------------------------------------------------------------- loading

@@ -19,7 +19,7 @@ The layout follows what vLLM's Ray executor accepts and what OpenRLHF and verl d
   rollout instance (its own group); by default the rollout instances evaluate and nothing is added;
 - trainer ranks with GPUs share one group, rank ``r`` in bundle ``r``, one GPU (or a share) each;
 - Ray-placed servers share a CPU-only group, except a parameter server that broadcasts over NCCL
-  (:func:`parameter_server_needs_gpu`): it sends from a GPU, as OpenRLHF sends from trainer
+  (``JobConfig.parameter_server_needs_gpu``): it sends from a GPU, as OpenRLHF sends from trainer
   rank 0's. It shares trainer rank 0's bundle and GPU (:data:`PARAMETER_SERVER_GPU_SHARE` of it;
   rank 0 keeps the rest), on the node where rank 0 puts each version's buckets into Ray's object
   store. Both processes then see the same device, which NCCL allows: it refuses two ranks of *one*
@@ -163,24 +163,14 @@ def has_eval_engine(config: JobConfig) -> bool:
     return config.task.prompt_file is not None and config.task.eval_prompts > 0 and config.task.eval_engine == "own"
 
 
-def parameter_server_needs_gpu(config: JobConfig) -> bool:
-    """Whether the job's parameter server broadcasts over NCCL, and so must hold a GPU:
-    ``servers.transfer_backend=nccl``, or ``auto`` with GPU rollout instances (vLLM's CUDA build
-    receives over NCCL; a server without a GPU would pick gloo and be refused at the first pull)."""
-    servers = config.servers
-    if servers.placement != "ray" or servers.weight_transfer != "broadcast":
-        return False
-    return servers.transfer_backend == "nccl" or (servers.transfer_backend == "auto" and config.rollout.gpus_per_instance > 0)
-
-
 def trainer_rank_gpus(config: JobConfig) -> tuple[float, ...]:
     """The GPUs each trainer rank's actor takes (``train.gpus``; rank 0 less the parameter server's
-    share when the server shares its GPU, :func:`parameter_server_needs_gpu`); empty on CPU."""
+    share when the server shares its GPU, ``JobConfig.parameter_server_needs_gpu``); empty on CPU."""
     train = config.train
     if train.gpus <= 0:
         return ()
     gpus = [float(train.gpus)] * train.world_size
-    if parameter_server_needs_gpu(config):
+    if config.parameter_server_needs_gpu:
         gpus[0] = train.gpus - _server_share(config)
     return tuple(gpus)
 
@@ -200,7 +190,7 @@ def plan_placement(config: JobConfig, cluster_address: str | None = None) -> Pla
     if rank_gpus:
         ranks = [f"trainer-{rank}" for rank in range(train.world_size)]
         bundles = [BundlePlan(1.0, train.gpus, name) for name in ranks]
-        if parameter_server_needs_gpu(config):  # the parameter server shares rank 0's bundle and GPU (module docstring)
+        if config.parameter_server_needs_gpu:  # the parameter server shares rank 0's bundle and GPU (module docstring)
             bundles[0] = BundlePlan(1.0 + config.servers.cpus, train.gpus, "trainer-0 and parameter-server")
         groups.append(GroupPlan("trainer", ANY_NODES, tuple(bundles)))
         actors += [ActorPlan(name, "trainer rank", "trainer", r, 1.0, gpus, gpus) for r, (name, gpus) in enumerate(zip(ranks, rank_gpus))]
@@ -263,10 +253,10 @@ def _server_cpus(config: JobConfig) -> float:
 
 def _server_placement(config: JobConfig, beside_rank_0: bool) -> tuple[GroupPlan, list[ActorPlan]]:
     """The Ray-placed servers' CPU-only group and their actors. A parameter server that needs a GPU
-    (:func:`parameter_server_needs_gpu`) runs in trainer rank 0's bundle with a share of its GPU when
+    (``JobConfig.parameter_server_needs_gpu``) runs in trainer rank 0's bundle with a share of its GPU when
     ``beside_rank_0`` (the trainer has GPUs), else in a one-GPU bundle of this group."""
     cpus = _server_cpus(config)
-    needs_gpu = parameter_server_needs_gpu(config)
+    needs_gpu = config.parameter_server_needs_gpu
     bundles = [BundlePlan(config.servers.cpus, 0, "trajectory-server")]
     actors = [ActorPlan("trajectory-server", "trajectory server", "servers", 0, cpus, 0, 0)]
     if needs_gpu and beside_rank_0:  # servers.cpus, no token share: Ray truncates a bundle of 1 + 0.001 CPU to 1.0009
