@@ -106,3 +106,36 @@ def test_the_preflight_stops_before_any_backend_naming_what_is_missing(tmp_path:
         assert text in done.stderr, said[-3000:]
     assert "== gpu-smoke trainer" not in done.stdout  # stopped before any backend
     assert "bring its wheel" not in said
+
+
+def _fake_megatron_wheel(folder: Path, tag: str) -> None:
+    """A megatron-core 0.16.1 wheel built for ``tag`` (cp311, cp312) whose module says which it is."""
+    import zipfile
+
+    info = "megatron_core-0.16.1.dist-info"
+    files = {
+        "megatron/__init__.py": "",
+        "megatron/core/__init__.py": f"BUILT_FOR = {tag!r}\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.16.1\n",
+        f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: {tag}-{tag}-manylinux_2_17_x86_64\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"megatron_core-0.16.1-{tag}-{tag}-manylinux_2_17_x86_64.whl", "w") as wheel:
+        for name, text in files.items():
+            wheel.writestr(name, text)
+
+
+def test_a_wheel_folder_for_several_pythons_installs_the_one_for_this_python(tmp_path: Path) -> None:
+    """Finding 3 (issue 35): the smoke installed ``wheels/*.whl``, so a folder holding the cp311 and the
+    cp312 wheel of megatron-core failed on either Python (pip refuses the other one); it now lets pip
+    choose the wheel for the running Python from the folder."""
+    python = venv_without(tmp_path, "megatron")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for tag in ("cp311", "cp312"):
+        _fake_megatron_wheel(wheels, tag)
+    done = smoke(python, tmp_path, wheels)
+    installed = tmp_path / "smoke" / "site" / "megatron" / "core" / "__init__.py"
+    this_python = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    assert installed.is_file(), (done.stdout + done.stderr)[-3000:]
+    assert installed.read_text() == f"BUILT_FOR = {this_python!r}\n"
