@@ -45,10 +45,19 @@ def prepare_job(config_file: str | None, overrides: list[str], run_dir: str | No
     if config_file:
         config = data_paths_near(config, Path(config_file).parent)
     chosen = run_dir or config.run_dir
-    folder = Path(chosen) if chosen else Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    folder = Path(chosen) if chosen else _new_run_folder(Path("runs"), datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
     if folder.exists() and any(folder.iterdir()):
         raise ValueError(f"run directory {folder} is not empty; choose another or --resume it")
     return PreparedJob(config, folder)
+
+
+def _new_run_folder(parent: Path, stamp: str) -> Path:
+    """``parent/stamp``, or ``parent/stamp-2``, ``-3``... where a run started in the same second has it."""
+    folder, n = parent / stamp, 1
+    while folder.exists() and any(folder.iterdir()):
+        n += 1
+        folder = parent / f"{stamp}-{n}"
+    return folder
 
 
 def data_paths_near(config: JobConfig, folder: Path) -> JobConfig:

@@ -37,6 +37,7 @@ def _dry_run(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, 
 
     code = main(["train", "--config", str(EXAMPLE), "--dry-run", "--json", *overrides])
     out = capsys.readouterr()
+    assert out.out.strip(), f"the dry run printed nothing (exit {code}): {out.err}"
     return code, json.loads(out.out), out.err
 
 
@@ -179,7 +180,8 @@ def test_a_running_cluster_is_joined_without_resource_arguments(monkeypatch: pyt
         head.wait(timeout=60)
 
 
-def test_a_cluster_ray_refuses_is_a_message_and_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_cluster_ray_refuses_is_a_message_and_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                                       tmp_path: Path) -> None:
     """Ray's ValueError (and any other refusal of ray.init) was not among the start errors: a traceback."""
     import ray
     from staleflow.__main__ import main
@@ -190,7 +192,7 @@ def test_a_cluster_ray_refuses_is_a_message_and_exit_2(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(ray, "init", refuse)
     monkeypatch.setattr(cluster, "running_cluster_address", lambda temp_dir=None: None)
-    assert main(["train", "--steps", "1", "metrics.progress=false"]) == 2
+    assert main(["train", "--steps", "1", "--run-dir", str(tmp_path / "run"), "metrics.progress=false"]) == 2
     err = capsys.readouterr().err
     assert "staleflow train: could not join or start a local Ray cluster: When connecting to an existing cluster" in err
     assert "check cluster.num_cpus / cluster.num_gpus" in err

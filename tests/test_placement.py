@@ -598,3 +598,24 @@ def test_the_evaluation_engine_is_ready_before_make_evaluator_returns_on_gpus(
         assert seen == events
     finally:
         evaluator.close()
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default run folder is ``runs/<UTC second>``: a second command in the same second (a dry run
+    after a refused start, two jobs launched together) was refused as "not empty"."""
+    import datetime as dt
+
+    from staleflow.app import job_preparation
+
+    class SameSecond(dt.datetime):
+        @classmethod
+        def now(cls, tz: dt.tzinfo | None = None) -> dt.datetime:
+            return dt.datetime(2026, 12, 6, 5, 0, 0, tzinfo=tz)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(job_preparation, "datetime", SameSecond)
+    first = job_preparation.prepare_job(None, []).run_dir
+    assert first == Path("runs") / "20261206-050000"
+    first.mkdir(parents=True)
+    (first / "metrics.jsonl").write_text("{}\n", encoding="utf-8")
+    assert job_preparation.prepare_job(None, []).run_dir == Path("runs") / "20261206-050000-2"

@@ -576,9 +576,10 @@ def test_locked_manager_keeps_invariant_and_accounting_under_threads(tmp_path: P
 
 
 def test_bench_lock_cost_replays_the_same_calls_on_both_managers() -> None:
-    from staleflow.bench.protocol import _recorded_ops, lock_cost
+    from staleflow.bench.protocol import lock_cost
+    from staleflow.bench.trace_cost import recorded_ops
 
-    ops = _recorded_ops(eta=1, batch_size=8, batches=10, seed=0)
+    ops = recorded_ops(eta=1, batch_size=8, batches=10, seed=0)
     plain, locked = StalenessManager(1, 8), LockedStalenessManager.create(1, 8)
     results = [[getattr(m, op)(*args) for op, args in ops] for m in (plain, locked)]
     assert results[0] == results[1] and plain.snapshot() == locked.snapshot()

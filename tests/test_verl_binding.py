@@ -401,6 +401,7 @@ def _dropin_run(python: str, env: dict[str, str], mode: str, out: Path, total: i
 
 @pytest.mark.verl
 @pytest.mark.slow
+@pytest.mark.nightly  # 210 s of CI's 15 minutes on 2 cores: pytest -m nightly
 @pytest.mark.timeout(3600)  # three runs of verl's task runner, each starting four Ray processes that import verl
 def test_verls_own_fully_async_main_with_the_drop_in_keeps_the_bound_on_the_loaded_weights(
         verl_python: tuple[str, dict[str, str]], tmp_path: Path) -> None:
