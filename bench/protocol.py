@@ -27,7 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from staleflow.bench.trace_cost import GOAL_TRACE_RATIO, recorded_ops, trace_cost
+from staleflow.bench.trace_cost import GOAL_TRACE_RATIO, drive_steady_state, recorded_ops, trace_cost
 from staleflow.protocol import LockedStalenessManager, StalenessManager
 
 OPS = ("reserve", "occupy", "abort", "consume")
@@ -85,33 +85,11 @@ def steady_state(
 ) -> dict[str, float]:
     """Run ``batches`` consumes of a refill/finish/consume cycle and time every protocol call
     (through :class:`LockedStalenessManager` when ``locked``)."""
-    rng = random.Random(seed)
     manager: StalenessManager | LockedStalenessManager = (
         LockedStalenessManager.create(eta, batch_size) if locked else StalenessManager(eta=eta, batch_size=batch_size)
     )
     timings = _Timings(overhead_ns)
-    running: list[int] = []
-    next_id = 0
-    while manager.version < batches:
-        # instances at versions version-eta .. version keep asking until refused at their version
-        while True:
-            version = rng.randint(max(0, manager.version - eta), manager.version)
-            if not timings.call("reserve", lambda: manager.reserve(next_id, version)):
-                break
-            running.append(next_id)
-            next_id += 1
-        rng.shuffle(running)
-        finishing, running = running[: batch_size], running[batch_size:]
-        for group_id in finishing:
-            if rng.random() < 0.02:
-                timings.call("abort", lambda: manager.abort(group_id))
-            else:
-                timings.call("occupy", lambda: manager.occupy(group_id))
-        while manager.can_consume():
-            timings.call("consume", manager.consume)
-        if not finishing and not manager.can_consume():
-            break
-        running = [g for g in running if g in manager]
+    drive_steady_state(manager, eta, batch_size, batches, seed, call=timings.call)
     total_ns = sum(timings.total_ns.values())
     row = {f"{op}_ops_per_s": timings.ops_per_s(op) for op in OPS}
     row["all_ops_per_s"] = sum(timings.count.values()) / (total_ns / 1e9)

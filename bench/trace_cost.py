@@ -25,9 +25,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from staleflow.protocol import ProtocolEvent, StalenessManager
+from staleflow.protocol import LockedStalenessManager, ProtocolEvent, StalenessManager
 from staleflow.protocol.trace import JsonlTraceWriter
 
 #: a traced group (refused reserves counted, not traced) costs at most this many untraced ones
@@ -46,6 +47,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
 
 
+def _direct(op: str, fn: Callable[[], object]) -> object:
+    return fn()
+
+
+def drive_steady_state(
+    manager: StalenessManager | LockedStalenessManager, eta: int, batch_size: int, batches: int, seed: int,
+    call: Callable[[str, Callable[[], object]], object] = _direct,
+) -> None:
+    """A steady state like a real run, until ``batches`` consumes: instances at versions
+    ``version - eta .. version`` keep reserving until refused at their version, a batch of the running
+    groups finishes (2% aborted) and every full batch is consumed. Each protocol call is made through
+    ``call(op, fn)`` (the timed bench times it there)."""
+    rng = random.Random(seed)
+    running: list[int] = []
+    next_id = 0
+    while manager.version < batches:
+        while True:
+            version = rng.randint(max(0, manager.version - eta), manager.version)
+            if not call("reserve", lambda: manager.reserve(next_id, version)):
+                break
+            running.append(next_id)
+            next_id += 1
+        rng.shuffle(running)
+        finishing, running = running[:batch_size], running[batch_size:]
+        for group_id in finishing:
+            if rng.random() < 0.02:
+                call("abort", lambda: manager.abort(group_id))
+            else:
+                call("occupy", lambda: manager.occupy(group_id))
+        while manager.can_consume():
+            call("consume", manager.consume)
+        if not finishing and not manager.can_consume():
+            break
+        running = [g for g in running if g in manager]
+
+
 def recorded_ops(eta: int, batch_size: int, batches: int, seed: int) -> list[Call]:
     """The calls of one steady-state run (reserve, occupy, abort, consume), recorded for replay."""
     ops: list[Call] = []
@@ -60,25 +97,7 @@ def recorded_ops(eta: int, batch_size: int, batches: int, seed: int) -> list[Cal
             ops.append(("consume", ()))
 
     manager.add_event_hook(record)
-    rng = random.Random(seed)
-    running: list[int] = []
-    next_id = 0
-    while manager.version < batches:
-        while True:
-            version = rng.randint(max(0, manager.version - eta), manager.version)
-            if not manager.reserve(next_id, version):
-                break
-            running.append(next_id)
-            next_id += 1
-        rng.shuffle(running)
-        finishing, running = running[:batch_size], running[batch_size:]
-        for group_id in finishing:
-            (manager.abort if rng.random() < 0.02 else manager.occupy)(group_id)
-        while manager.can_consume():
-            manager.consume()
-        if not finishing and not manager.can_consume():
-            break
-        running = [g for g in running if g in manager]
+    drive_steady_state(manager, eta, batch_size, batches, seed)
     return ops
 
 
