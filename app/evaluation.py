@@ -297,6 +297,7 @@ def make_evaluator(
             weights_dir=str(weights_dir),
             engine_kwargs=config.rollout.engine_settings(),
             start_timeout_s=config.rollout.start_timeout_s,
+            verify_weights=config.rollout.verify_weights,
         )
         [engine] = start_engines([start], [engine_gpus(config, "eval")])
     evaluator = EngineEvaluator(

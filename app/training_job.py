@@ -200,6 +200,7 @@ class TrainingJob:
                     sampling=sampling, max_model_len=rollout.max_model_len, max_num_seqs=rollout.max_num_seqs,
                     seed=self.config.seed * 1000 + i, clock=clock, weights_dir=str(weights_dir),
                     engine_kwargs=rollout.engine_settings(), start_timeout_s=rollout.start_timeout_s,
+                    verify_weights=rollout.verify_weights,
                 )
                 for i in range(rollout.instances)
             ],

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from staleflow.adapters.rlkit.weight_checksum import mismatches
 from staleflow.adapters.rlkit.wire_chunks import Spec, nbytes, receive_chunks, send_chunks
 from staleflow.runtime.interfaces import TransferFailedError, WeightsReference, resolve_weights
-from staleflow.runtime.servers.parameter_server import ParameterServer
+from staleflow.runtime.servers.parameter_server import ParameterServer, VersionNotAvailableError
 
 BACKENDS = ("gloo", "nccl")
 WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -305,11 +306,27 @@ class TransferParameterServer(ParameterServer):
         """Broadcast ``version`` to ``instance_id``'s workers; the bytes sent once they have it. A
         transfer that fails or passes its deadline tears the group down and raises
         :class:`TransferFailedError`."""
-        stored = self.pull(version)[1]
-        tensors = (item for bucket in stored.buckets() for item in bucket.items()) if isinstance(stored, BucketedWeights) \
-            else self._weights(version).items()
+        tensors = self._tensor_items(version)
         specs = wire_specs(self._meta(version), self.transfer.wire_dtype)
         return int(self._guarded(instance_id, f"sending version {version}", lambda channel: channel.send(tensors, specs)))
+
+    def weight_mismatches(self, version: int, ranks: Sequence[Mapping[str, Any]], seed: int) -> list[str] | None:
+        """:func:`~staleflow.adapters.rlkit.weight_checksum.mismatches` of an instance's ranks (their
+        checksums after loading ``version``) against ``version`` as it was sent (in the wire dtype);
+        None when the server no longer holds that version. A bucketed version is gathered whole here."""
+        try:
+            tensors = dict(self._tensor_items(version))
+        except VersionNotAvailableError:
+            return None
+        wire = getattr(torch, self.transfer.wire_dtype)
+        return mismatches({name: tensor.to(wire) for name, tensor in tensors.items()}, ranks, seed)
+
+    def _tensor_items(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """``version``'s ``(name, tensor)`` pairs: bucket by bucket as each is fetched for a bucketed one."""
+        stored = self.pull(version)[1]
+        if isinstance(stored, BucketedWeights):
+            return (item for bucket in stored.buckets() for item in bucket.items())
+        return iter(self._weights(version).items())
 
     def channel_open(self, instance_id: str) -> bool:
         """Whether ``instance_id`` has a group (none after a failed transfer tore it down)."""
@@ -390,6 +407,11 @@ class TransferWeights:
                          f"sending version {self.version} to {instance_id}", deadline)
         client.finish_weight_update(weight_version=str(self.version))
         return int(sent)
+
+    def mismatches(self, ranks: Sequence[Mapping[str, Any]], seed: int) -> list[str] | None:
+        """The server's verdict on an instance's ranks after loading this version
+        (:meth:`TransferParameterServer.weight_mismatches`)."""
+        return self._server.weight_mismatches(self.version, ranks, seed)  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         return f"TransferWeights(version={self.version})"

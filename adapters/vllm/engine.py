@@ -32,10 +32,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+from staleflow.adapters.rlkit.weight_checksum import WeightChecksumMismatch
 from staleflow.adapters.rlkit.weight_sender import TransferWeights
-from staleflow.adapters.vllm.llm import default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
+from staleflow.adapters.vllm.llm import check_request, default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
 from staleflow.adapters.vllm.pause import reload_weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
+from staleflow.adapters.vllm.weight_checksum import engine_checksums, verify_loaded
 from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync, token_versions, with_weight_transfer
 from staleflow.runtime.coordination.cost_fit import DecodeStepLog
 from staleflow.runtime.coordination.cost_model import ProfileRecord
@@ -93,6 +95,7 @@ class VLLMEngine:
         weights_dir: str | os.PathLike[str] | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
         start_timeout_s: float = 900.0,
+        verify_weights: bool = False,
     ) -> None:
         model_path = Path(model)
         if not (model_path / "config.json").is_file():
@@ -100,6 +103,7 @@ class VLLMEngine:
         self.instance_id = instance_id
         self.bytes_received = 0  # weight bytes received through the weight-transfer API
         self.weight_sync: InstanceWeightSync | None = None  # vLLM's weight-sync calls (engine thread), from start-up
+        self._verify_weights = verify_weights
         self._version = version
         self._sampling = sampling
         self._max_model_len = max_model_len
@@ -152,7 +156,7 @@ class VLLMEngine:
 
     def submit(self, requests: Sequence[RolloutRequest]) -> None:
         for request in requests:
-            self._check_request(request)
+            check_request(request, self.instance_id, self._max_model_len)
         self._call(lambda: self._do_submit(list(requests)))
 
     def interrupt(self, request_ids: Sequence[str]) -> list[RolloutRequest]:
@@ -253,24 +257,6 @@ class VLLMEngine:
         self.close()
 
     # ---------------------------------------------------------------- caller side
-
-    def _check_request(self, request: RolloutRequest) -> None:
-        name = f"{self.instance_id}: request {request.request_id!r}"
-        if not request.prompt_ids:
-            raise ValueError(f"{name} has an empty prompt")
-        if not len(request.output_ids) == len(request.logprobs) == len(request.versions):
-            raise ValueError(
-                f"{name}: output_ids, logprobs and versions differ in length "
-                f"({len(request.output_ids)}, {len(request.logprobs)}, {len(request.versions)})"
-            )
-        if request.remaining_tokens < 0:
-            raise ValueError(f"{name} has more output tokens than max_new_tokens ({request.max_new_tokens})")
-        total = len(request.prompt_ids) + request.max_new_tokens
-        if total > self._max_model_len:
-            raise ValueError(
-                f"{name}: prompt ({len(request.prompt_ids)}) + max_new_tokens ({request.max_new_tokens}) "
-                f"= {total} exceeds max_model_len {self._max_model_len}"
-            )
 
     def _call(self, command: Callable[[], _T], timeout: float | None = 600.0) -> _T:
         self._raise_if_failed()
@@ -449,6 +435,17 @@ class VLLMEngine:
         else:
             reload_weights_file(self._llm, source, version)
         self._version = version
+        if self._verify_weights:
+            try:
+                verify_loaded(self._llm, self.instance_id, version, source)
+            except WeightChecksumMismatch as error:  # the instance cannot serve this version: lost
+                self._failure = error
+                raise
+
+    def weight_checksums(self, seed: int = 0) -> list[dict[str, Any]]:
+        """Each tensor-parallel rank's weight layouts and checksums (:mod:`~staleflow.adapters.vllm.weight_checksum`),
+        to compare with a version's weights by :func:`~staleflow.adapters.rlkit.weight_checksum.mismatches`."""
+        return self._call(lambda: engine_checksums(self._llm, seed))
 
     def _forget_internal(self, request_id: str) -> None:
         for internal in [i for i, rid in self._internal_ids.items() if rid == request_id]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.adapters.vllm.settings import set_vllm_env_defaults
+from staleflow.runtime.types import RolloutRequest
 
 
 def make_llm_engine(engine_args: dict[str, Any]) -> Any:
@@ -66,3 +67,23 @@ def weights_file(weights: Any, weights_dir: Path, instance_id: str) -> tuple[Pat
     raise TypeError(
         f"{instance_id}: weights must be a safetensors path or a state dict, not {type(weights).__name__}"
     )
+
+
+def check_request(request: RolloutRequest, instance_id: str, max_model_len: int) -> None:
+    """Refuse (``ValueError``, naming the instance and request) a request an engine cannot serve as given."""
+    name = f"{instance_id}: request {request.request_id!r}"
+    if not request.prompt_ids:
+        raise ValueError(f"{name} has an empty prompt")
+    if not len(request.output_ids) == len(request.logprobs) == len(request.versions):
+        raise ValueError(
+            f"{name}: output_ids, logprobs and versions differ in length "
+            f"({len(request.output_ids)}, {len(request.logprobs)}, {len(request.versions)})"
+        )
+    if request.remaining_tokens < 0:
+        raise ValueError(f"{name} has more output tokens than max_new_tokens ({request.max_new_tokens})")
+    total = len(request.prompt_ids) + request.max_new_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"{name}: prompt ({len(request.prompt_ids)}) + max_new_tokens ({request.max_new_tokens}) "
+            f"= {total} exceeds max_model_len {max_model_len}"
+        )

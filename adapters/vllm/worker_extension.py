@@ -31,3 +31,10 @@ class WeightReloadExtension:
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         refresh_cpu_output_layer(self.model_runner.model)  # type: ignore[attr-defined]
         return len(tensors)
+
+    def staleflow_weight_checksums(self, seed: int) -> dict[str, Any]:
+        """This rank's weight layouts and checksums (:mod:`staleflow.adapters.vllm.weight_checksum`)."""
+        from staleflow.adapters.vllm.weight_checksum import rank_checksums
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return rank_checksums(self.model_runner.model, seed, get_tensor_model_parallel_rank())  # type: ignore[attr-defined]

@@ -30,7 +30,9 @@ class RunMetrics:
     not keep the bound have any). ``dropped``: groups dropped at consume (redundancy waste, or a
     peer system's staleness filter); ``proactive_aborted``: groups proactive abort re-queued;
     ``wasted_tokens``: response tokens of finished trajectories of groups dropped or aborted;
-    ``reward_failures``: groups whose reward raised or timed out;
+    ``reward_failures``: groups whose reward raised or timed out; ``mixed_version_trajectories``:
+    trained trajectories whose tokens more than one version sampled (a weight update reached them in
+    flight and they went on in place);
     ``cancelled_requests``: group-level redundancy siblings cancelled. ``lost`` and ``duplicated``
     come from the trajectory-server audit at the end of the run and must be zero. ``cost_fit``: the
     cost model the coordinator planned with at the end, its error and age
@@ -63,6 +65,7 @@ class RunMetrics:
     duplicated: int
     audit_ok: bool
     coordinator: dict[str, float]
+    mixed_version_trajectories: int = 0
     train_metrics: list[dict[str, float]] = field(default_factory=list)
     cost_fit: dict[str, Any] = field(default_factory=dict)
 
@@ -121,6 +124,7 @@ class RunStats:
         self.counters["cancelled_requests"] += cancelled
         self.staleness[consumed.version] = Counter(consumed.version - v for v in consumed.group_versions)
         self.tokens_trained += sum(len(t.output_ids) for ts in batch.groups.values() for t in ts)
+        self.counters["mixed_version_trajectories"] += sum(len(set(t.versions)) > 1 for ts in batch.groups.values() for t in ts)
 
     def step_finished(self, now: float, metrics: Mapping[str, float]) -> None:
         self.steps_done += 1
@@ -192,6 +196,7 @@ class RunStats:
             lost=len(audit.lost),
             duplicated=len(audit.duplicated),
             audit_ok=audit.ok,
+            mixed_version_trajectories=counters["mixed_version_trajectories"],
             coordinator={**coordinator, **{k: float(v) for k, v in counters.items() if k.startswith("command_")}},
             train_metrics=list(self.train_metrics),
         )
