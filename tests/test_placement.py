@@ -42,11 +42,18 @@ def test_an_instance_wider_than_a_node_spreads_its_workers_over_nodes() -> None:
     assert one_node.group("rollout-0").strategy == "STRICT_PACK"
 
 
-def test_a_one_gpu_instance_holds_its_gpu_in_the_actor_and_runs_vllm_in_process() -> None:
-    config = load_config(overrides=["rollout.gpus_per_instance=1"])
-    actor = plan_placement(config).actor("rollout-0")
-    assert (actor.num_gpus, actor.worker_bundles, actor.env) == (1.0, (), ())
-    assert "distributed_executor_backend" not in config.rollout.engine_settings()
+def test_a_one_gpu_instance_holds_its_gpu_in_the_actor_and_runs_vllms_engine_core_in_a_process_of_its_own() -> None:
+    """Finding 7 (issue 35): with the core in the actor's process, the engine thread of the actor
+    would run torch.compile and CUDA-graph capture off the main thread; OpenRLHF and verl run vLLM's
+    core in its own process, as `vllm serve` does. A one-GPU instance (or a share of one) does too;
+    a CPU instance of tensor-parallel size 1 keeps the in-process core (start-up 2-3 s, not 13-19 s)."""
+    for overrides in (["rollout.gpus_per_instance=1"], ["rollout.gpus_per_instance=1", "rollout.instances_per_gpu=2"]):
+        config = load_config(overrides=overrides)
+        actor = plan_placement(config).actor("rollout-0")
+        own_core = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        assert (actor.num_gpus, actor.worker_bundles, actor.environment) == (config.rollout.gpu_share, (), own_core)
+        assert "distributed_executor_backend" not in config.rollout.engine_settings()
+    assert plan_placement(load_config()).actor("rollout-0").environment == {}
 
 
 def test_the_built_in_cpu_job_reserves_nothing_but_token_bundles() -> None:

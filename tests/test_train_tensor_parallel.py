@@ -47,6 +47,7 @@ TP_JOB = [
     "rollout.tensor_parallel=2",
     "rollout.max_new_tokens=48",  # long enough that requests run while the trainer steps (a pull finds them in flight)
     "rollout.verify_weights=true",
+    "coordinator.cost_model.refit_s=0.5",  # the run loop lasts seconds: refit often enough to take the engine's decode steps
     "task.max_count=12",
     "task.eval_prompts=0",
     "task.eval_every=0",
@@ -90,8 +91,12 @@ def test_a_tensor_parallel_cpu_instance_keeps_requests_through_verified_weight_t
     verified = [int(v) for v, ranks in re.findall(r"weights verified: version (\d+), (\d+) ranks", log) if ranks == "2"]
     assert "checksums differ" not in log
     syncs = int(summary["instances"]["weight_syncs"])
-    print(f"verified versions {verified}, {syncs} syncs, {summary['mixed_version_trajectories']} trajectories with two versions")
+    print(f"verified versions {verified}, {syncs} syncs, {summary['mixed_version_trajectories']} trajectories with two versions, "
+          f"cost fit {summary['cost_fit']}")
     assert syncs >= 2 and len(verified) >= syncs and set(range(1, max(verified) + 1)) <= set(verified), (verified, syncs)
+    # The engine core runs in a process of its own (as on GPUs): its decode steps, timed between the
+    # outputs it sends, still feed the cost model's fit (none were recorded before)
+    assert summary["cost_fit"]["cost_fit_steps"] > 0, summary["cost_fit"]
     # Requests in flight at a pull went on in place: some trained trajectories carry two versions.
     assert summary["mixed_version_trajectories"] >= 1, summary
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

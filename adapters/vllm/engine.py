@@ -34,9 +34,10 @@ from typing import Any, Self, TypeVar
 
 from staleflow.adapters.rlkit.weight_checksum import WeightChecksumMismatch
 from staleflow.adapters.rlkit.weight_sender import TransferWeights
-from staleflow.adapters.vllm.llm import check_request, default_weights_dir, kv_tokens, make_llm_engine, pure_decode, weights_file
+from staleflow.adapters.vllm.llm import check_request, default_weights_dir, kv_tokens, make_llm_engine, weights_file
 from staleflow.adapters.vllm.pause import reload_weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
+from staleflow.adapters.vllm.step_meter import StepMeter
 from staleflow.adapters.vllm.weight_checksum import engine_checksums, verify_loaded
 from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync, token_versions, with_weight_transfer
 from staleflow.runtime.coordination.cost_fit import DecodeStepLog
@@ -134,7 +135,7 @@ class VLLMEngine:
         self._live: dict[str, RolloutRequest] = {}  # engine thread only
         self._internal_ids: dict[str, str] = {}  # vLLM's internal id -> our id; engine thread only
         self._finished: list[Trajectory] = []  # under the lock
-        self._decode_steps = DecodeStepLog()
+        self._meter = StepMeter(DecodeStepLog())
         self._failure: BaseException | None = None
         self._stopping = threading.Event()
         self._llm: Any = None
@@ -248,7 +249,7 @@ class VLLMEngine:
     def decode_steps(self) -> list[ProfileRecord]:
         """The pure decode steps (no prefill in them) measured since the last call: running
         requests, KV-cache tokens and seconds of each, for fitting the cost model."""
-        return self._decode_steps.drain()
+        return self._meter.log.drain()
 
     def __enter__(self) -> Self:
         return self
@@ -329,18 +330,14 @@ class VLLMEngine:
 
     def _step(self) -> None:
         scheduler = self._scheduler()
-        decode = scheduler is not None and pure_decode(scheduler)
-        n, kv = (len(scheduler.running), kv_tokens(scheduler)) if decode else (0, 0)
-        start = time.perf_counter()
+        self._meter.before(scheduler, self._live)
         outputs = self._llm.step()
-        seconds = time.perf_counter() - start
         generated = 0
         for output in outputs:
             generated += self._absorb(output)
         with self._lock:
             self._published.generated_tokens += generated
-        if decode and n:  # seconds per token of each request: a speculative step makes more than one
-            self._decode_steps.record(n, kv, seconds * n / max(generated, n))
+        self._meter.after(generated, in_process=scheduler is not None)
         self._publish()
 
     def _absorb(self, output: Any) -> int:
@@ -350,6 +347,8 @@ class VLLMEngine:
             return 0
         completion = output.outputs[0]
         new_ids = list(completion.token_ids)
+        if new_ids:
+            self._meter.produced(request.request_id)
         logprobs = completion.logprobs or []
         if len(logprobs) != len(new_ids):
             raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(new_ids)} tokens")
@@ -360,6 +359,7 @@ class VLLMEngine:
             request.versions.append(version)
         if output.finished:
             del self._live[request.request_id]
+            self._meter.produced(request.request_id)
             self._forget_internal(request.request_id)
             self._finish(request, completion.finish_reason or "stop")
         return len(new_ids)
@@ -418,9 +418,12 @@ class VLLMEngine:
             internal = self._llm.add_request(request.request_id, prompt, params)
             self._internal_ids[internal] = request.request_id
             self._live[request.request_id] = request
+            self._meter.submitted([request.request_id])
 
     def _do_stop(self, request_ids: list[str]) -> list[RolloutRequest]:
         stopped = [self._live.pop(rid) for rid in request_ids if rid in self._live]
+        for request in stopped:
+            self._meter.produced(request.request_id)
         if stopped:
             self._llm.abort_request([r.request_id for r in stopped])
             for request in stopped:

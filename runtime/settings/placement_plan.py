@@ -232,8 +232,11 @@ def _engine_placement(config: JobConfig, name: str, role: str) -> tuple[GroupPla
     if tp <= 1:  # a CPU instance, one GPU, or a share of one: vLLM runs in the actor's own process(es)
         bundle = BundlePlan(rollout.cpus_per_instance, rollout.gpu_share, name)
         cpus = bundle.resources()["CPU"] if "CPU" in bundle.resources() else 0.0
-        # a tensor-parallel CPU instance: vLLM's engine core and workers in processes of their own
-        env = (("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),) if rollout.tensor_parallel_size > 1 else ()
+        # vLLM's engine core in a process of its own for a tensor-parallel CPU instance (its workers
+        # too) and on a GPU: there torch.compile and CUDA-graph capture run in the core process's main
+        # thread, as under `vllm serve`, not in the engine actor's background thread
+        own_core = rollout.tensor_parallel_size > 1 or rollout.gpu_share > 0
+        env = (("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),) if own_core else ()
         actor = ActorPlan(name, role, name, 0, cpus, rollout.gpu_share, rollout.gpu_share, env=env)
         return GroupPlan(name, ONE_NODE, (bundle,)), actor
     per_node = config.cluster.gpus_per_node
