@@ -98,12 +98,18 @@ def steady_state(
 
 
 def scaling(active: int, eta: int, rounds: int, seed: int, overhead_ns: float) -> dict[str, float]:
-    """Per-operation cost (ns) of reserve/occupy/abort with ``active`` groups in the protocol.
+    """Per-operation cost (ns) of reserve/occupy/abort with ``active`` groups in the protocol
+    (:func:`drive_fixed_size`)."""
+    timings = _Timings(overhead_ns)
+    drive_fixed_size(active, eta, rounds, seed, call=timings.call)
+    return {op: timings.total_ns[op] / timings.count[op] for op in ("reserve", "occupy", "abort")}
 
-    The protocol is filled to ``active`` groups, half of them finished (untimed); each timed round
-    aborts a random finished group, reserves a new one in its place and finishes a random running
-    one, so the size stays constant and dict resizing during the fill is not counted.
-    """
+
+def drive_fixed_size(active: int, eta: int, rounds: int, seed: int, call: Callable[[str, Callable[[], object]], object]) -> None:
+    """Fill the protocol to ``active`` groups, half of them finished (not through ``call``); then each
+    of ``rounds`` aborts a random finished group, reserves a new one in its place and finishes a
+    random running one, each call through ``call(op, fn)``: the size stays constant and dict
+    resizing during the fill is not counted."""
     rng = random.Random(seed)
     manager = StalenessManager(eta=eta, batch_size=active // (eta + 1))
     for group_id in range(active):
@@ -111,7 +117,6 @@ def scaling(active: int, eta: int, rounds: int, seed: int, overhead_ns: float) -
     running, done = list(range(0, active, 2)), list(range(1, active, 2))
     for group_id in done:
         manager.occupy(group_id)
-    timings = _Timings(overhead_ns)
 
     def take_random(ids: list[int]) -> int:
         index = rng.randrange(len(ids))
@@ -120,13 +125,12 @@ def scaling(active: int, eta: int, rounds: int, seed: int, overhead_ns: float) -
 
     for new_id in range(active, active + rounds):
         gone = take_random(done)
-        timings.call("abort", lambda: manager.abort(gone))
-        timings.call("reserve", lambda: manager.reserve(new_id, 0))
+        call("abort", lambda: manager.abort(gone))
+        call("reserve", lambda: manager.reserve(new_id, 0))
         running.append(new_id)
         finished = take_random(running)
-        timings.call("occupy", lambda: manager.occupy(finished))
+        call("occupy", lambda: manager.occupy(finished))
         done.append(finished)
-    return {op: timings.total_ns[op] / timings.count[op] for op in ("reserve", "occupy", "abort")}
 
 
 def lock_cost(batches: int, seed: int, overhead_ns: float, repeats: int = 5) -> dict[str, dict[str, float]]:

@@ -1,0 +1,88 @@
+"""The protocol's ops/s goal, checked by something that does not depend on the machine: the Python
+function calls each operation makes (profiled with ``sys.setprofile``: every ``call`` and
+``c_call`` event), on the steady-state call sequence that ``staleflow bench protocol`` and
+``staleflow bench trace-cost`` time (``bench/trace_cost.py::drive_steady_state``).
+
+The timed figure lives in the benchmark (``staleflow bench protocol``: operations per second, with the
+command to reproduce it); what the suite can hold without flaking is that an operation's work stays
+a small constant: ``reserve``, ``occupy`` and ``abort`` make the same few calls whatever the number of
+groups in flight (B 64 or 512, eta 1 or 3), and ``consume`` a few per group it takes. A change that
+made an operation walk the groups in flight (O(groups) per call, the way an ops/s figure collapses at
+scale) multiplies these counts, which the second test shows on such a manager.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import pytest
+from staleflow.bench.protocol import drive_fixed_size
+from staleflow.bench.trace_cost import drive_steady_state
+from staleflow.protocol import StalenessManager
+
+#: Most calls per operation (measured on Python 3.11: reserve 8, occupy 3, abort 4, consume 3.1 to
+#: 3.5 per group plus a constant); the margin is for a different interpreter's C calls.
+BUDGET = {"reserve": 10, "occupy": 4, "abort": 6}
+CONSUME_PER_GROUP, CONSUME_CONSTANT = 4, 40
+
+
+def calls_per_op(drive: Callable[[Callable[[str, Callable[[], object]], object]], None]) -> dict[str, float]:
+    """Mean profiled calls per operation of each kind that ``drive(call)`` makes through ``call``
+    (the driver's own lambda not counted)."""
+    calls: Counter[str] = Counter()
+    ops: Counter[str] = Counter()
+    seen = [0]
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            seen[0] += 1
+
+    def call(op: str, fn: Callable[[], object]) -> object:
+        seen[0] = 0
+        sys.setprofile(profile)
+        try:
+            result = fn()
+        finally:
+            sys.setprofile(None)
+        calls[op] += seen[0] - 1
+        ops[op] += 1
+        return result
+
+    drive(call)
+    return {op: calls[op] / ops[op] for op in ops}
+
+
+@pytest.mark.parametrize(("eta", "batch_size"), [(1, 64), (3, 64), (1, 512), (3, 512)])
+def test_each_protocol_operation_makes_a_few_calls_whatever_the_groups_in_flight(eta: int, batch_size: int) -> None:
+    manager = StalenessManager(eta=eta, batch_size=batch_size)
+    per_op = calls_per_op(lambda call: drive_steady_state(manager, eta, batch_size, 12, seed=0, call=call))
+    assert {op: per_op[op] <= limit for op, limit in BUDGET.items()} == dict.fromkeys(BUDGET, True), per_op
+    assert per_op["consume"] <= CONSUME_PER_GROUP * batch_size + CONSUME_CONSTANT, per_op
+
+
+def test_the_calls_per_operation_are_the_same_with_a_thousand_and_a_hundred_thousand_groups_active() -> None:
+    """``staleflow bench protocol`` times reserve/occupy/abort at 1,000 / 10,000 / 100,000 active
+    groups and finds them slower at the largest size; the same sequence makes exactly as many calls
+    at each size, so that growth is not work the code does (it is the memory the dicts take)."""
+    counts = {active: calls_per_op(lambda call, n=active: drive_fixed_size(n, 3, 300, 0, call)) for active in (1_000, 100_000)}
+    assert counts[1_000] == counts[100_000], counts
+    assert {op: counts[1_000][op] <= limit for op, limit in BUDGET.items()} == dict.fromkeys(BUDGET, True), counts
+
+
+class _ScanningManager(StalenessManager):
+    """A reserve that looks at every group it knows first (O(groups) per call)."""
+
+    def reserve(self, group_id: Any, version: int) -> bool:
+        for known in list(self._versions):
+            self._versions.get(known)
+        return super().reserve(group_id, version)
+
+
+def test_the_budget_catches_an_operation_that_walks_the_groups_in_flight() -> None:
+    manager = _ScanningManager(eta=1, batch_size=64)
+    per_op = calls_per_op(lambda call: drive_steady_state(manager, 1, 64, 12, seed=0, call=call))
+    assert per_op["reserve"] > 5 * BUDGET["reserve"], per_op  # about 72 calls (the ~64 groups in flight each looked at)
