@@ -34,7 +34,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
@@ -268,10 +268,15 @@ def annotation_only(source: str, mutated: str) -> bool:
     return code(source) == code(mutated)
 
 
-def judge_site(source: str, operator: str, occurrence: int, line: int,
-               timeout: float | Mapping[str, float]) -> Outcome | None:
-    """Judge one mutation site (None if the mutation changes nothing). An annotation-only mutant is
-    ``equivalent`` without running the layers; a survivor listed in :data:`EQUIVALENT` too."""
+#: How one mutated text is judged: ``judge(mutated source, mutant name) -> (outcome, layer, why)``.
+Judge = Callable[[str, str], tuple[str, str, str]]
+
+
+def judge_site(source: str, operator: str, occurrence: int, line: int, timeout: float | Mapping[str, float] | None = None,
+               judge_text: Judge | None = None, equivalent: Mapping[tuple[str, int], tuple[str, str]] = EQUIVALENT) -> Outcome | None:
+    """Judge one mutation site (None if the mutation changes nothing) by ``judge_text`` (default: the
+    manager's layers within ``timeout``). An annotation-only mutant is ``equivalent`` without running
+    anything; a survivor listed in ``equivalent`` (the manager's: :data:`EQUIVALENT`) too."""
     t0 = time.perf_counter()
     mutated = mutated_text(source, operator, occurrence)
     if mutated is None:
@@ -279,15 +284,17 @@ def judge_site(source: str, operator: str, occurrence: int, line: int,
     original, changed = _changed_line(source, mutated, line)
     if annotation_only(source, mutated):
         return Outcome(operator, occurrence, line, original, changed, "equivalent", "", 0.0, _ANNOTATION)
-    outcome, layer, why = judge(mutated, f"{operator.split('/')[-1]}-{occurrence}", timeout)
-    if outcome == "survived" and (operator, occurrence) in EQUIVALENT:
-        recorded, argument = EQUIVALENT[(operator, occurrence)]
+    name = f"{operator.split('/')[-1]}-{occurrence}"
+    outcome, layer, why = judge(mutated, name, timeout if timeout is not None else 2.0) if judge_text is None else judge_text(mutated, name)
+    if outcome == "survived" and (operator, occurrence) in equivalent:
+        recorded, argument = equivalent[(operator, occurrence)]
         if recorded == changed:
             outcome, why = "equivalent", argument
     return Outcome(operator, occurrence, line, original, changed, outcome, layer, round(time.perf_counter() - t0, 2), why)
 
 
-def _judge_all(source: str, sites: list[tuple[str, int, int]], timeout: Mapping[str, float], jobs: int) -> list[Outcome]:
+def _judge_all(source: str, sites: list[tuple[str, int, int]], judge_text: Judge, jobs: int,
+               equivalent: Mapping[tuple[str, int], tuple[str, str]]) -> list[Outcome]:
     """Judge every site, in ``jobs`` worker processes (each stays warm: its imports and the layers'
     module state are reused from one mutant to the next); outcomes in the order of ``sites``."""
     found: dict[int, Outcome] = {}
@@ -301,14 +308,15 @@ def _judge_all(source: str, sites: list[tuple[str, int, int]], timeout: Mapping[
 
     if jobs <= 1:
         for index, site in enumerate(sites):
-            report(index, judge_site(source, *site, timeout))
+            report(index, judge_site(source, *site, judge_text=judge_text, equivalent=equivalent))
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         # fork: the workers start with this process's imports (no z3, Java or Hypothesis state yet)
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = {pool.submit(judge_site, source, *site, timeout): index for index, site in enumerate(sites)}
+            futures = {pool.submit(judge_site, source, *site, judge_text=judge_text, equivalent=equivalent): index
+                       for index, site in enumerate(sites)}
             for future in as_completed(futures):
                 report(futures[future], future.result())
     return [found[index] for index in sorted(found)]
@@ -350,6 +358,34 @@ def _recorded_argument(token: str) -> str:
     return f"{flag}{equals}{recorded.as_posix()}"
 
 
+Equivalents = Mapping[tuple[str, int], tuple[str, str]]
+
+
+def _judging(relative: str, source: str, args: argparse.Namespace) -> tuple[Judge, dict[str, float], str, Equivalents]:
+    """How ``relative``'s mutants are judged: the judge, its limits, what judges (for the report) and
+    the survivors argued equivalent. ``protocol/manager.py``: the rows of ``verify --quick`` that
+    read it, each within its CPU limit; the other protocol modules: their test files
+    (:mod:`staleflow.bench.mutation_suite`) within a wall-time limit."""
+    import functools
+
+    if relative == "protocol/manager.py":
+        limits = calibrate(source, args.timeout_factor, args.timeout)
+        return functools.partial(judge, timeout=limits), limits, "the manager rows of verify --quick", EQUIVALENT
+    from staleflow.bench import mutation_suite
+
+    if relative not in mutation_suite.SUITES:
+        raise SystemExit(f"error: --file {relative}: no tests are set to judge it (modules: protocol/manager.py, "
+                         f"{', '.join(mutation_suite.SUITES)})")
+    import hypothesis  # noqa: F401 - imported once here: every forked judge starts warm
+    import pytest  # noqa: F401
+
+    tests, root = mutation_suite.SUITES[relative], _repository_root()
+    suite = {"module": mutation_suite.module_name(relative), "path": str(root / relative), "tests": tests, "root": root}
+    limit = mutation_suite.calibrate(**suite, source=source, factor=args.timeout_factor, floor=args.timeout)
+    judged = functools.partial(mutation_suite.judge_with_tests, **suite, limit_s=limit)
+    return judged, {"tests": limit}, ", ".join(tests), mutation_suite.EQUIVALENT.get(relative, {})
+
+
 def run(args: argparse.Namespace) -> int:
     from staleflow.protocol import manager as manager_module
 
@@ -368,13 +404,15 @@ def run(args: argparse.Namespace) -> int:
     sites = sites[args.skip :]
     if args.limit:
         sites = sites[: args.limit]
-    limits = calibrate(source, args.timeout_factor, args.timeout)
-    print(f"bench mutation: {len(sites)} mutation sites in {path.name}, {args.jobs} worker(s); CPU-second limits "
-          f"per layer (the unmutated file passes each): {limits}", file=sys.stderr, flush=True)
-    outcomes = _judge_all(source, sites, limits, args.jobs)
+    relative = path.relative_to(_repository_root()).as_posix()
+    judge_text, limits, judged_by, equivalent = _judging(relative, source, args)
+    print(f"bench mutation: {len(sites)} mutation sites in {path.name}, {args.jobs} worker(s), judged by {judged_by}; "
+          f"limits (the unmutated file passes): {limits}", file=sys.stderr, flush=True)
+    outcomes = _judge_all(source, sites, judge_text, args.jobs, equivalent)
     counts = Counter(o.outcome for o in outcomes)
     report: dict[str, Any] = {
-        "file": path.relative_to(_repository_root()).as_posix(),
+        "file": relative,
+        "judged_by": judged_by,
         "mutants": len(outcomes),
         "counts": dict(counts),
         "killed_by_layer": dict(Counter(o.layer for o in outcomes if o.outcome == "killed")),

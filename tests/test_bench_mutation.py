@@ -159,3 +159,22 @@ def test_a_module_outside_the_repository_is_refused(tmp_path: Path, capsys: pyte
     outside.write_text(SOURCE, encoding="utf-8")
     assert main(["bench", "mutation", "--file", str(outside), "--limit", "1"]) == 2
     assert f"--file {outside}: not a module of this repository" in capsys.readouterr().err
+
+
+def test_a_protocol_module_other_than_the_manager_is_judged_by_its_own_tests() -> None:
+    """``bench mutation --file protocol/waiting.py``: a mutant replaces the module for every importer
+    in a forked child, and the module's test files judge it (``bench/mutation_suite.py``)."""
+    from staleflow.bench import mutation_suite
+
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "protocol" / "waiting.py").read_text(encoding="utf-8")
+    suite = {"module": "staleflow.protocol.waiting", "path": str(root / "protocol" / "waiting.py"),
+             "tests": mutation_suite.SUITES["protocol/waiting.py"], "root": root}
+    assert mutation_suite.judge_with_tests(source, "unmutated", **suite, limit_s=120) == ("survived", "", "")  # 3 s
+    wrong = source.replace("if version + manager.eta < manager.version:", "if version + manager.eta <= manager.version:")
+    outcome, layer, why = mutation_suite.judge_with_tests(wrong, "deadline", **suite, limit_s=120)
+    assert (outcome, layer) == ("killed", "test_protocol_waiting.py") and why.startswith("tests/test_protocol_waiting.py::"), why
+    docstring = '    """The predicate both waits test'
+    hangs = source.replace(docstring, "    while True:\n        pass\n" + docstring, 1)
+    assert mutation_suite.judge_with_tests(hangs, "hang", **suite, limit_s=3)[0] == "timeout"
+    assert mutation_suite.judge_with_tests("import nothing_such_module\n", "broken", **suite, limit_s=120)[0] == "incompetent"

@@ -1,0 +1,152 @@
+"""Mutation testing of the protocol modules other than the manager, judged by their own tests.
+
+``manager.py`` is judged by the rows of ``verify --quick`` that read it (:mod:`staleflow.bench.mutation`);
+the wrapper, the trace writer, the trace checker, the waiting helpers and the hooks are exercised by
+test files instead (:data:`SUITES`). Each mutant runs those files in a child process forked from a
+warm worker (pytest and Hypothesis already imported): the child drops every ``staleflow`` module it
+inherited, puts a finder first on ``sys.meta_path`` that serves the mutated text under the module's
+real name (so every importer, the tests and the other protocol modules alike, gets the mutant), and
+runs pytest in-process, stopping at the first failure. Outcomes: ``killed`` (a test failed, named in
+``layer``), ``timeout`` (the files ran longer than the limit: a hang, counted as killed),
+``incompetent`` (pytest could not collect, e.g. the mutant does not import), ``survived``.
+The limit is ``--timeout-factor`` times the wall time the unmutated module's run takes, measured
+first, and at least ``--timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+#: The test files that judge each module's mutants (repository paths): the files that exercise it.
+SUITES: dict[str, tuple[str, ...]] = {
+    "protocol/locked.py": ("tests/test_locked_manager.py", "tests/test_protocol_waiting.py"),
+    "protocol/waiting.py": ("tests/test_protocol_waiting.py",),
+    "protocol/hooks.py": ("tests/test_protocol.py", "tests/test_trace_format.py"),
+    "protocol/trace.py": ("tests/test_trace_format.py", "tests/test_trace_cost.py", "tests/test_protocol.py"),
+    "protocol/check.py": ("tests/test_trace_format.py", "tests/test_safety_alarms.py", "tests/test_protocol_contract.py"),
+}
+
+#: Survivors argued equivalent, per module: (operator, occurrence) -> (the mutated line, why no
+#: behaviour changes), as :data:`staleflow.bench.mutation.EQUIVALENT` for the manager.
+EQUIVALENT: dict[str, dict[tuple[str, int], tuple[str, str]]] = {}
+
+#: pytest's exit codes: 1 tests failed, 2 interrupted, 3 internal error, 4 usage error, 5 no tests collected
+_KILLED, _COLLECTION = 1, (2, 3, 4, 5)
+
+
+class _MutantLoader(importlib.abc.Loader):
+    """Executes the mutated text as the module (its real file name, for tracebacks and ``__file__``)."""
+
+    def __init__(self, source: str, path: str) -> None:
+        self.source, self.path = source, path
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__file__ = self.path
+        exec(compile(self.source, self.path, "exec"), module.__dict__)  # noqa: S102 - our own file, mutated
+
+
+class _MutantFinder(importlib.abc.MetaPathFinder):
+    """Serves ``name`` from the mutated text; every other module imports as usual."""
+
+    def __init__(self, name: str, source: str, path: str) -> None:
+        self.name, self.loader, self.path = name, _MutantLoader(source, path), path
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        return importlib.util.spec_from_loader(fullname, self.loader, origin=self.path)
+
+
+def module_name(relative: str) -> str:
+    """``protocol/locked.py`` -> ``staleflow.protocol.locked``."""
+    return "staleflow." + relative.removesuffix(".py").replace("/", ".")
+
+
+def _child(module: str, source: str, path: str, tests: Sequence[str], root: Path, result: Path) -> None:
+    """In the forked child: the mutant in place of ``module``, then the tests; never returns."""
+    code, failed = 3, ""
+    try:
+        for name in [m for m in sys.modules if m.startswith("staleflow.") and not m.startswith("staleflow.bench")]:
+            del sys.modules[name]
+        sys.meta_path.insert(0, _MutantFinder(module, source, path))
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        import pytest
+
+        failures: list[str] = []
+
+        class FirstFailure:
+            def pytest_runtest_logreport(self, report: Any) -> None:
+                if report.failed and not failures:
+                    failures.append(report.nodeid)
+
+        args = [*(str(root / t) for t in tests), "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                "-m", "not nightly", "-n", "0", "--rootdir", str(root), "-c", str(root / "pyproject.toml")]
+        code = int(pytest.main(args, plugins=[FirstFailure()]))
+        failed = failures[0] if failures else ""
+    finally:
+        result.write_text(json.dumps({"code": code, "failed": failed}))
+        os._exit(0)
+
+
+def run_tests(module: str, source: str, path: str, tests: Sequence[str], root: Path, limit_s: float) -> tuple[int, str, float]:
+    """Run ``tests`` against ``source`` as ``module`` in a forked child: (pytest's exit code, the
+    first failed test, seconds); exit code -1 when the child passed ``limit_s`` and was killed."""
+    with tempfile.TemporaryDirectory(prefix="staleflow-mutant-") as scratch:
+        result = Path(scratch) / "result.json"
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            os.chdir(scratch)  # Hypothesis' example database and any file a test writes stay here
+            _child(module, source, path, tests, root, result)
+        while True:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() - started > limit_s:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return -1, "", time.monotonic() - started
+            time.sleep(0.02)
+        seconds = time.monotonic() - started
+        if not result.is_file():
+            return 3, "the child wrote no result", seconds
+        report = json.loads(result.read_text())
+        return int(report["code"]), str(report["failed"]), seconds
+
+
+def judge_with_tests(source: str, name: str, *, module: str, path: str, tests: Sequence[str], root: Path,
+                     limit_s: float) -> tuple[str, str, str]:
+    """(outcome, layer, why) of one mutated text, judged by ``tests`` (module docstring)."""
+    code, failed, _ = run_tests(module, source, path, tests, root, limit_s)
+    if code == -1:
+        return "timeout", "tests", f"the tests ran past {limit_s:.1f} s"
+    if code == 0:
+        return "survived", "", ""
+    if code == _KILLED:
+        return "killed", failed.split("::")[0].removeprefix("tests/") or "tests", failed[:200]
+    return "incompetent", "collection", f"pytest exit code {code} {failed}"[:200]
+
+
+def calibrate(module: str, source: str, path: str, tests: Sequence[str], root: Path, factor: float, floor: float) -> float:
+    """The wall-second limit of one mutant's run: ``factor`` times the unmutated module's, at least
+    ``floor``; the unmutated module must pass its tests (RuntimeError otherwise)."""
+    code, failed, seconds = run_tests(module, source, path, tests, root, limit_s=3600.0)
+    if code != 0:
+        raise RuntimeError(f"the unmutated {path} fails its tests (pytest exit code {code}: {failed})")
+    return round(max(floor, factor * seconds), 1)
