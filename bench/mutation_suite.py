@@ -39,7 +39,47 @@ SUITES: dict[str, tuple[str, ...]] = {
 
 #: Survivors argued equivalent, per module: (operator, occurrence) -> (the mutated line, why no
 #: behaviour changes), as :data:`staleflow.bench.mutation.EQUIVALENT` for the manager.
-EQUIVALENT: dict[str, dict[tuple[str, int], tuple[str, str]]] = {}
+_ONE_HOOK = ("only taken when exactly one hook is registered (len(hooks) == 1, or the recorder path that "
+             "only a single hook gets): index -1 is index 0")
+EQUIVALENT: dict[str, dict[tuple[str, int], tuple[str, str]]] = {
+    "protocol/waiting.py": {
+        ("core/ReplaceComparisonOperator_Gt_NotEq", 0): (
+            "return manager.reserve_slack(version) != 0",
+            "reserve_slack is never negative (0 for a passed deadline, else a minimum of free capacities under "
+            "the invariant), so != 0 and > 0 agree (the manager's own mutants of this comparison are argued so)"),
+        ("core/RemoveDecorator", 0): ("def eta(self) -> int: ...", "Waitable is a typing Protocol for annotations only "
+                                      "(not runtime_checkable, never instantiated or isinstance-checked): no run-time effect"),
+        ("core/RemoveDecorator", 1): ("def version(self) -> int: ...", "as for eta: a member of an annotation-only Protocol"),
+    },
+    "protocol/hooks.py": {
+        ("core/ReplaceComparisonOperator_Is_Eq", 0): (
+            "after = before if accepted == False else tuple(self._counts)",
+            "accepted is True, False or None (a reserve's verdict, None for the other operations): == False and "
+            "is False hold for exactly the same value"),
+        ("core/ReplaceComparisonOperator_IsNot_NotEq", 0): (
+            "if state != self._last_counted:",
+            "a one-entry cache: with != a state equal in value to the cached one reuses the cached CounterState, "
+            "which is immutable and equal to the one that would be built"),
+        ("core/NumberReplacer", 2): (
+            "self._last_counts = CounterState( 1, (), ())  # the CounterState of ``_last_counted`` (a cache)",
+            "the cache's first entry is for the empty state (), which no event has: _set_hooks sets the last state "
+            "to the counters (never empty: they end with the version) before any event, so it is never returned"),
+        ("core/NumberReplacer", 3): (
+            "self._last_counts = CounterState( -1, (), ())  # the CounterState of ``_last_counted`` (a cache)",
+            "as for NumberReplacer #2: the entry for the empty state is never returned"),
+        ("core/NumberReplacer", 5): (
+            'record = getattr(type(hooks[ -1]), "record_event", None) if len(hooks) == 1 else None', _ONE_HOOK),
+        ("core/NumberReplacer", 9): (
+            "self._record = cast(EventRecorder, hooks[ -1]).record_event if callable(record) else None", _ONE_HOOK),
+        ("core/NumberReplacer", 13): ("[(self._hooks[ -1], error)]) from error", _ONE_HOOK),
+    },
+    "protocol/locked.py": {
+        ("core/AddNot", 0): (
+            "if not TYPE_CHECKING:",
+            "the block imports pathlib.Path and the trace writer for annotations only; importing them at run time "
+            "creates no cycle (trace imports nothing of locked) and changes no behaviour"),
+    },
+}
 
 #: pytest's exit codes: 1 tests failed, 2 interrupted, 3 internal error, 4 usage error, 5 no tests collected
 _KILLED, _COLLECTION = 1, (2, 3, 4, 5)

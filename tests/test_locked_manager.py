@@ -62,3 +62,19 @@ def test_the_locked_wrapper_matches_the_plain_manager(seed: int) -> None:
     assert restored.snapshot() == plain.snapshot()
     with locked.locked() as inner:
         assert inner.snapshot() == plain.snapshot()
+
+
+def test_a_locked_managers_trace_counts_refused_reserves_unless_asked_to_trace_them(tmp_path) -> None:
+    """``attach_trace`` follows the writer's default: a refused reserve is counted, not traced
+    (a mutation-testing survivor of ``protocol/locked.py``: the default flipped to tracing them)."""
+    from staleflow.protocol.trace import read_trace
+
+    for refusals, traced in ((None, 0), (True, 1)):
+        locked = LockedStalenessManager.create(eta=0, batch_size=1)
+        path = tmp_path / f"trace-{refusals}.jsonl"
+        writer = locked.attach_trace(path) if refusals is None else locked.attach_trace(path, refusals=refusals)
+        assert locked.reserve("a", 0) and not locked.reserve("b", 0)  # the buffer is full: refused
+        writer.close()
+        events = read_trace(path)[0].events
+        assert [e.op for e in events if e.op == "reserve" and not e.accepted] == ["reserve"] * traced
+        assert writer.refusals_skipped == 1 - traced

@@ -429,3 +429,38 @@ def test_doctest_example_in_the_package_docstring() -> None:
 
     result = doctest.testmod(protocol)
     assert result.attempted >= 5 and result.failed == 0, result  # the example ran, not an empty docstring
+
+
+# --------------------------------------------------------------- hooks (mutation-testing survivors)
+def test_removing_a_hook_that_is_not_registered_is_an_error() -> None:
+    from staleflow.protocol.errors import UnknownHookError
+
+    manager = StalenessManager(eta=1, batch_size=1)
+    manager.add_event_hook(seen := [].append)
+    with pytest.raises(UnknownHookError, match="is not registered"):
+        manager.remove_event_hook(print)
+    manager.remove_event_hook(seen)
+    with pytest.raises(UnknownHookError):
+        manager.remove_event_hook(seen)
+
+
+def test_every_hook_sees_the_event_when_others_fail_and_the_first_failure_is_the_cause() -> None:
+    """Two hooks fail and one does not: the operation is applied, each hook got the event, and the
+    HookError lists both failures with the first one's error as its cause."""
+    from staleflow.protocol.errors import HookError
+
+    first, second = ValueError("first"), KeyError("second")
+    seen: list[str] = []
+
+    def failing(error: Exception) -> object:
+        def hook(event: object) -> None:
+            seen.append(str(error))
+            raise error
+        return hook
+
+    manager = StalenessManager(eta=1, batch_size=1, hooks=[failing(first), seen.append, failing(second)])
+    with pytest.raises(HookError) as raised:
+        manager.reserve("a", 0)
+    assert "a" in manager and seen[0] == "first" and seen[2] == "'second'" and len(seen) == 3
+    assert [error for _, error in raised.value.failures] == [first, second]
+    assert raised.value.__cause__ is first

@@ -5,9 +5,13 @@ waits with real threads and timeouts."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import pytest
 from staleflow.protocol import (
@@ -19,6 +23,7 @@ from staleflow.protocol import (
     StalenessManager,
     StaleVersionError,
 )
+from staleflow.protocol.waiting import admissible_now
 
 
 def _slacks(manager: StalenessManager) -> list[int]:
@@ -146,6 +151,115 @@ def test_async_waiter_is_woken_by_a_locked_manager_driven_from_a_thread() -> Non
     assert batch is not None and batch.group_ids == ("a", "b")
 
 
+def test_a_version_at_its_deadline_is_still_waited_for() -> None:
+    """``version + eta == manager.version``: the version's last buffer is the current one, so the
+    wait goes on (False at its timeout), never ``StaleVersionError`` (a mutation-testing survivor of
+    ``protocol/waiting.py``: ``version | eta`` for ``version + eta`` called version 1 stale at 2 with eta 1)."""
+    async def main() -> None:
+        manager = StalenessManager(eta=1, batch_size=1)
+        for step, group in enumerate(("a", "b")):
+            manager.reserve(group, step)
+            manager.occupy(group)
+            manager.consume()
+        assert manager.version == 2
+        manager.reserve("c", 1)  # buffer 2 full: version 1 has no room left, but is not past its deadline
+        with AsyncWaiter(manager) as waiter:
+            assert await waiter.wait_admissible(1, timeout=0.05) is False
+        with pytest.raises(StaleVersionError):
+            admissible_now(manager, 0)()
+
+    asyncio.run(main())
+
+
+class _Worker:
+    """A thread that stays alive and runs the callables it is given (so that several threads with
+    distinct idents exist at once)."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        self.ident = self._thread.ident
+
+    def _serve(self) -> None:
+        while (item := self._tasks.get()) is not None:
+            task, done = item
+            try:
+                done.set_result(task())
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                done.set_exception(error)
+
+    def run(self, task: Callable[[], Any]) -> Any:
+        done: Future[Any] = Future()
+        self._tasks.put((task, done))
+        return done.result(timeout=60)
+
+    def stop(self) -> None:
+        self._tasks.put(None)
+        self._thread.join()
+
+
+def test_wakes_from_another_thread_go_through_the_loop_and_those_from_its_own_thread_do_not() -> None:
+    """A hook called on the loop's thread wakes the waiters at once; from any other thread it hands
+    the wake to the loop (``call_soon_threadsafe``: an asyncio future may be completed only on its
+    loop's thread, and a loop asleep in ``select`` would not see it). Mutation-testing survivors of
+    ``protocol/waiting.py`` swapped or reordered the test of the thread (``!=``, ``<``, ``>=``, ...);
+    the wakes still happened, late. The loop runs on the thread of middle ident and the other threads'
+    operations come from a lower and a higher ident, so no ordering of idents passes for equality."""
+    workers = [_Worker() for _ in range(5)]
+    lowest, loop_thread, highest = (sorted(workers, key=lambda w: w.ident or 0)[i] for i in (0, 2, 4))
+
+    async def main() -> tuple[int, int]:
+        locked = LockedStalenessManager.create(eta=1, batch_size=4)
+        loop = asyncio.get_running_loop()
+        handed: list[object] = []
+        original = loop.call_soon_threadsafe
+
+        def counting(callback: Any, *args: Any) -> Any:
+            handed.append(args)
+            return original(callback, *args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        with AsyncWaiter(locked):
+            locked.reserve("a", 0)
+            locked.occupy("a")  # on the loop's thread: woken at once
+            on_loop = len(handed)
+            for worker, group in ((lowest, "b"), (highest, "c")):
+                worker.run(lambda g=group: (locked.reserve(g, 0), locked.occupy(g)))
+        return on_loop, len(handed)
+
+    try:
+        assert loop_thread.run(lambda: asyncio.run(main())) == (0, 2)  # each other thread's occupy (a reserve wakes nobody)
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def test_an_event_after_the_waiters_loop_closed_is_ignored() -> None:
+    """An operation from another thread after the loop that built the waiter has closed: the wake has
+    nobody to reach and the operation succeeds (a mutation-testing survivor of ``protocol/waiting.py``
+    let the closed loop's ``RuntimeError`` out of the hook, failing the operation)."""
+    locked = LockedStalenessManager.create(eta=0, batch_size=1)
+
+    async def main() -> None:
+        AsyncWaiter(locked)  # never closed: its hook outlives the loop
+
+    asyncio.run(main())
+    errors: list[BaseException] = []
+
+    def operate() -> None:
+        try:
+            locked.reserve("a", 0)
+            locked.occupy("a")
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=operate)
+    thread.start()
+    thread.join()
+    assert errors == [] and locked.can_consume()
+
+
 # ----------------------------------------------------------------------------- threads
 
 
@@ -175,6 +289,25 @@ def _instrumented(locked: LockedStalenessManager) -> _CountingCondition:
     condition = _CountingCondition(locked._lock)
     locked._changed = condition
     return condition
+
+
+def test_operations_notify_waiting_threads_only_while_one_waits() -> None:
+    """The locked wrapper counts the threads inside a wait and notifies only while one is there
+    (mutation-testing survivors of ``protocol/locked.py``: a count that starts at 1, or that a wait
+    leaves above 0 or below it, made every later operation notify nobody)."""
+    locked = LockedStalenessManager.create(eta=1, batch_size=1)
+    condition = _instrumented(locked)
+    assert locked.reserve("a", 0) and condition.notifies == 0  # nobody waits: no notify
+    woken: list[bool] = []
+    thread = threading.Thread(target=lambda: woken.append(locked.wait_consumable(timeout=30)))
+    thread.start()
+    assert condition.sleeping.wait(30)
+    locked.occupy("a")
+    thread.join(30)
+    assert woken == [True] and condition.notifies >= 1
+    after = condition.notifies
+    locked.consume()
+    assert locked.reserve("b", 1) and condition.notifies == after  # the wait is over: no notify again
 
 
 def test_blocking_waits_with_real_threads() -> None:
