@@ -3,7 +3,7 @@
 ``manager.py`` is judged by the rows of ``verify --quick`` that read it (:mod:`staleflow.bench.mutation`);
 the wrapper, the trace writer, the trace checker, the waiting helpers and the hooks are exercised by
 test files instead (:data:`SUITES`). Each mutant runs those files in a child process forked from a
-warm worker (pytest and Hypothesis already imported): the child drops every ``staleflow`` module it
+warm worker (pytest and Hypothesis already imported): the child drops every ``staleflow`` module and test module it
 inherited, puts a finder first on ``sys.meta_path`` that serves the mutated text under the module's
 real name (so every importer, the tests and the other protocol modules alike, gets the mutant), and
 runs pytest in-process, stopping at the first failure. Outcomes: ``killed`` (a test failed, named in
@@ -120,7 +120,11 @@ def _child(module: str, source: str, path: str, tests: Sequence[str], root: Path
     """In the forked child: the mutant in place of ``module``, then the tests; never returns."""
     code, failed = 3, ""
     try:
-        for name in [m for m in sys.modules if m.startswith("staleflow.") and not m.startswith("staleflow.bench")]:
+        # every module of this repository the parent had (the tests' own too, when the parent is a test
+        # run that imported them already), so that they import again, against the mutant
+        inherited = [name for name, mod in list(sys.modules.items()) if not name.startswith("staleflow.bench")
+                     and (name.startswith("staleflow.") or str(getattr(mod, "__file__", "") or "").startswith(str(root / "tests")))]
+        for name in inherited:
             del sys.modules[name]
         sys.meta_path.insert(0, _MutantFinder(module, source, path))
         null = os.open(os.devnull, os.O_WRONLY)
