@@ -11,7 +11,9 @@ failure (a survivor has therefore passed every one of them):
 
   restore (restore-fuzz, quick count) -> exhaustive (conformance-exhaustive, quick grid) -> model
   (z3-model = manager.py, quick grid) -> conformance (the Hypothesis machine, ci settings without
-  shrinking) -> trace validation (mirror replay of the traced workloads).
+  shrinking) -> trace validation (mirror replay of the traced workloads) -> tests (the manager's
+  unit tests, :data:`MANAGER_TESTS`, for its queries no verify row reads; run on a survivor of the
+  rows only, in a forked child as for the other modules, within a wall-time limit).
 
 The other rows of ``verify --quick`` (Z3 proofs, TLC, graph equivalence, spec mutants) read only the
 spec, the mirror and the model, never ``manager.py``, so a mutant cannot change their verdict.
@@ -220,13 +222,32 @@ def judge(source: str, name: str, timeout: float | Mapping[str, float]) -> tuple
             signal.setitimer(signal.ITIMER_VIRTUAL, 0)
             if why is not None:
                 return "killed", layer, why[:200]
-        return "survived", "", ""
     except MutantTimeout:
         limit = timeout[layer] if isinstance(timeout, Mapping) else timeout
         return "timeout", layer, f"{layer} ran past {limit:.1f} s of CPU time"
     finally:
         signal.setitimer(signal.ITIMER_VIRTUAL, 0)
         signal.signal(signal.SIGVTALRM, previous)
+    if not isinstance(timeout, Mapping) or "tests" not in timeout:
+        return "survived", "", ""
+    return manager_tests(source, timeout["tests"])
+
+
+#: The manager's unit tests: the last layer, for what the verify rows do not read (its queries: stats,
+#: start capacity, blocking groups, interrupted groups).
+MANAGER_TESTS = ("tests/test_protocol.py", "tests/test_protocol_contract.py", "tests/test_locked_manager.py")
+
+
+def manager_tests(source: str, limit_s: float) -> tuple[str, str, str]:
+    """The last layer: the manager's unit tests against the mutated text (in a forked child,
+    :mod:`staleflow.bench.mutation_suite`), within ``limit_s`` wall seconds."""
+    from staleflow.bench import mutation_suite
+
+    root = _repository_root()
+    outcome, layer, why = mutation_suite.judge_with_tests(source, "manager", module="staleflow.protocol.manager",
+                                                         path=str(root / "protocol" / "manager.py"), tests=MANAGER_TESTS,
+                                                         root=root, limit_s=limit_s)
+    return (outcome, "tests", why) if outcome in ("killed", "timeout") else (outcome, layer, why)
 
 
 def calibrate(source: str, factor: float, floor: float) -> dict[str, float]:
@@ -243,6 +264,11 @@ def calibrate(source: str, factor: float, floor: float) -> dict[str, float]:
         if why is not None:
             raise RuntimeError(f"the unmutated manager.py fails the {layer} layer: {why}")
         limits[layer] = round(max(floor, factor * (time.process_time() - started)), 1)
+    from staleflow.bench import mutation_suite
+
+    root = _repository_root()
+    limits["tests"] = mutation_suite.calibrate("staleflow.protocol.manager", source, str(root / "protocol" / "manager.py"),
+                                               MANAGER_TESTS, root, factor, max(floor, 30.0))
     return limits
 
 

@@ -97,7 +97,9 @@ def test_bench_mutation_reports_killed_and_equivalent_mutants_from_forked_worker
     assert code == 0 and json.loads(out.read_text()) == report
     assert report["mutants"] == 3 and report["counts"] == {"killed": 2, "equivalent": 1}
     assert report["killed_by_layer"] == {"exhaustive": 1, "restore": 1}
-    assert set(report["layer_cpu_limits"]) == {"restore", "exhaustive"} and min(report["layer_cpu_limits"].values()) >= 2.0
+    # the rows' CPU limits, and the wall limit of the last layer, the manager's unit tests (at least 30 s)
+    assert set(report["layer_cpu_limits"]) == {"restore", "exhaustive", "tests"} and min(report["layer_cpu_limits"].values()) >= 2.0
+    assert report["layer_cpu_limits"]["tests"] >= 30.0
     rows = {(row[0], row[1]): dict(zip(report["outcome_fields"], row)) for row in report["outcomes"]}
     assert rows[("core/ReplaceComparisonOperator_Gt_Eq", 3)]["layer"] == "restore"
     (equivalent,) = report["equivalent"]
@@ -106,11 +108,12 @@ def test_bench_mutation_reports_killed_and_equivalent_mutants_from_forked_worker
 
 
 def test_bench_mutation_lists_survivors_and_fails(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """A judge that catches nothing: every mutant survives, each is printed, and the exit code is 1.
+    """A judge that catches nothing (rows and unit tests): every mutant survives, each is printed, and the exit code is 1.
     --shard, --skip and --limit pick the sites."""
     from staleflow.__main__ import main
 
     monkeypatch.setattr(mutation, "judge_layers", lambda: {"restore": lambda cls: None})
+    monkeypatch.setattr(mutation, "manager_tests", lambda source, limit_s: ("survived", "", ""))
     sites = mutation.mutation_sites(SOURCE, ["core/ReplaceUnaryOperator"])
     code = main(["bench", "mutation", "--operators", "core/ReplaceUnaryOperator", "--shard", "2/2", "--skip", "1",
                  "--limit", "2", "--jobs", "1"])
@@ -138,6 +141,7 @@ def test_the_results_file_records_repository_paths_only(monkeypatch: pytest.Monk
     from staleflow.__main__ import main
 
     monkeypatch.setattr(mutation, "judge_layers", lambda: {"restore": lambda cls: None})
+    monkeypatch.setattr(mutation, "manager_tests", lambda source, limit_s: ("survived", "", ""))
     out = tmp_path / "results" / "run.json"
     out.parent.mkdir()
     argv = ["bench", "mutation", "--file", str(Path(manager_module.__file__).resolve()), "--operators", "core/ReplaceUnaryOperator",
@@ -178,3 +182,13 @@ def test_a_protocol_module_other_than_the_manager_is_judged_by_its_own_tests() -
     hangs = source.replace(docstring, "    while True:\n        pass\n" + docstring, 1)
     assert mutation_suite.judge_with_tests(hangs, "hang", **suite, limit_s=3)[0] == "timeout"
     assert mutation_suite.judge_with_tests("import nothing_such_module\n", "broken", **suite, limit_s=120)[0] == "incompetent"
+
+
+def test_a_manager_mutant_the_verify_rows_miss_is_killed_by_the_managers_unit_tests() -> None:
+    """The rows of verify --quick never read the manager's queries (here ``stats()``'s tally of
+    reserves); its unit tests, the last layer, do."""
+    mutated = SOURCE.replace("self._tally.reserved += 1", "self._tally.reserved += 2")
+    assert mutated != SOURCE
+    outcome, layer, why = mutation.manager_tests(mutated, limit_s=300)
+    assert (outcome, layer) == ("killed", "tests") and why.startswith("tests/"), why
+    assert mutation.manager_tests(SOURCE, limit_s=300)[0] == "survived"
