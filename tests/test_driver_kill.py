@@ -24,6 +24,7 @@ from skips import needs
 from test_train_e2e import SMALL_JOB, _ancestors, _consumed, _steps_logged
 
 pytestmark = [
+    pytest.mark.nightly,  # 2.5-4 minutes of CI's 15 (two whole jobs: the killed one and its resume)
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.ray,
