@@ -44,11 +44,6 @@ from typing import Any
 
 #: Survivors argued equivalent: (operator, occurrence) -> why the mutant cannot behave differently.
 #: Keys are checked against the current text (the mutated line must still read as recorded).
-_LAST_GUARD = (
-    "the prefix loop of _consume_plan then stops before k = eta; that last check, "
-    "Q(eta) <= cap(eta - 1), never refuses (what remains after taking B is at most cap(eta) - B = "
-    "cap(eta - 1)): proved for every eta by the z3-all-eta consume row"
-)
 _ANNOTATION = ("an annotation only (the module's code, annotations removed, is unchanged): manager.py has "
                "`from __future__ import annotations` and defines no dataclass, ClassVar or get_type_hints use, so "
                "annotations are strings never evaluated at run time (mypy --strict would reject the text)")
@@ -56,6 +51,12 @@ _SLACK_NONNEGATIVE = ("slack is never negative (0 for a passed deadline, else mi
                       "under Inv, proved inductive), so `!= 0` and `> 0` agree")
 _LAST_VIEW = ("slot may pass eta only when the last view is full; under Inv the views hold cap(eta) >= all "
               "active groups, so every later (bucket, field) has count 0 and views[slot] is never read again")
+_HEAD_DROPS = ("plan[0] = min(B, done0): if done0 <= B the right operand done0 - plan[0] is 0 and a | 0 = a ^ 0 = a; "
+               "else Inv's cap0 (running0 + done0 <= B + X) makes running0 + done0 - B <= X, so the sum passes "
+               "the guard, and a | b, a ^ b <= a + b (a, b >= 0) pass it too")
+_PLAN_PREFIX = ("under Inv the prefix guard at k can fail only when the plan reaches past offset k, i.e. takes every "
+                "done group of offsets 0..k, where each right operand done_k - plan[k] is 0 and a | 0 = a ^ 0 = a; "
+                "elsewhere a | b, a ^ b <= a + b (a, b >= 0), so the mutant passes wherever the original passes")
 EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
     ("core/ReplaceBinaryOperator_Sub_RShift", 1): (
         "for version in range(max(0, self._version >> self._eta), self._version + 1):",
@@ -64,7 +65,7 @@ EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
     ("core/ReplaceComparisonOperator_Gt_NotEq", 0): ("return self.reserve_slack(version) != 0", _SLACK_NONNEGATIVE),
     ("core/ReplaceComparisonOperator_Gt_NotEq", 1): ("if self.reserve_slack(version) != 0:", _SLACK_NONNEGATIVE),
     ("core/ReplaceComparisonOperator_Gt_NotEq", 2): (
-        "accepted = self._slack_at(version + self._eta - self._version) != 0", _SLACK_NONNEGATIVE),
+        "accepted = self._slack_at(offset) != 0", _SLACK_NONNEGATIVE),
     ("core/ReplaceComparisonOperator_Lt_LtE", 4): (
         "if k >= offset and capacity - prefix <= slack:",
         "on a tie the running minimum is replaced by an equal value: the same minimum"),
@@ -86,15 +87,10 @@ EQUIVALENT: dict[tuple[str, int], tuple[str, str]] = {
     ("core/ReplaceComparisonOperator_Lt_LtE", 0): ("if view.free == 0 and slot <= self._eta:", _LAST_VIEW),
     ("core/ReplaceComparisonOperator_Lt_NotEq", 0): ("if view.free == 0 and slot != self._eta:", _LAST_VIEW),
     ("core/ReplaceComparisonOperator_Lt_IsNot", 0): ("if view.free == 0 and slot is not self._eta:", _LAST_VIEW),
-    ("core/ReplaceBinaryOperator_Add_Mul", 14): ("for k in range(1, self._eta * 1):", _LAST_GUARD),
-    ("core/NumberReplacer", 79): ("for k in range(1, self._eta + 0):", _LAST_GUARD),
-    ("core/ReplaceBinaryOperator_Add_FloorDiv", 14): ("for k in range(1, self._eta // 1):", _LAST_GUARD),
-    ("core/ReplaceBinaryOperator_Add_Pow", 14): ("for k in range(1, self._eta ** 1):", _LAST_GUARD),
-    ("core/ReplaceBinaryOperator_Add_BitOr", 14): (
-        "for k in range(1, self._eta | 1):",
-        "for even eta the loop is unchanged (eta | 1 = eta + 1); for odd eta it stops before k = eta: "
-        + _LAST_GUARD,
-    ),
+    ("core/ReplaceBinaryOperator_Add_BitOr", 27): ("if counts[0] | counts[offsets] - plan[0] > self._redundancy:", _HEAD_DROPS),
+    ("core/ReplaceBinaryOperator_Add_BitXor", 27): ("if counts[0] ^ counts[offsets] - plan[0] > self._redundancy:", _HEAD_DROPS),
+    ("core/ReplaceBinaryOperator_Add_BitOr", 28): ("prefix += counts[k] | counts[offsets + k] - plan[k]", _PLAN_PREFIX),
+    ("core/ReplaceBinaryOperator_Add_BitXor", 28): ("prefix += counts[k] ^ counts[offsets + k] - plan[k]", _PLAN_PREFIX),
 }
 
 

@@ -34,7 +34,8 @@ SUITES: dict[str, tuple[str, ...]] = {
     "protocol/waiting.py": ("tests/test_protocol_waiting.py",),
     "protocol/hooks.py": ("tests/test_protocol.py", "tests/test_trace_format.py"),
     "protocol/trace.py": ("tests/test_trace_format.py", "tests/test_trace_cost.py", "tests/test_protocol.py"),
-    "protocol/check.py": ("tests/test_trace_format.py", "tests/test_safety_alarms.py", "tests/test_protocol_contract.py"),
+    "protocol/check.py": ("tests/test_trace_check.py", "tests/test_trace_format.py", "tests/test_safety_alarms.py",
+                          "tests/test_protocol_contract.py"),
 }
 
 #: Survivors argued equivalent, per module: (operator, occurrence) -> (the mutated line, why no

@@ -78,3 +78,27 @@ def peer_python(name: str, with_deps: list[str], no_deps: list[str], *, shared: 
              str(source))
         stamp.write_text(sources)
     return python, time.perf_counter() - started
+
+
+def peer_command(python: Path | str, *args: str, isolated: bool = False) -> list[str]:
+    """The command that runs ``python [-I] *args`` in a peer venv (``args`` a script or ``-m``/``-c`` and
+    what follows): under coverage.py when this test process is measured (``pytest --cov``), so the
+    light package's lines that only a peer's venv runs (the AReaL and verl bindings) join the suite's
+    figure. The peer writes a parallel data file beside the suite's, which pytest-cov combines at the
+    end; pyproject's ``[tool.coverage.paths]`` maps its installed ``staleflow_protocol`` files back to
+    ``protocol/``. A peer venv without coverage.py gets the suite's version installed first."""
+    head = [str(python), *(["-I"] if isolated else [])]
+    try:
+        import coverage
+    except ImportError:  # a run without the test extras: nothing measures
+        return [*head, *args]
+    current = coverage.Coverage.current()
+    if current is None:
+        return [*head, *args]
+    probe = subprocess.run([str(python), "-I", "-c", "import coverage"], capture_output=True, timeout=120, check=False)
+    if probe.returncode != 0:
+        _pip(Path(python), "install", "--no-compile", f"coverage=={coverage.__version__}")
+    data_file = Path(current.config.data_file)
+    data_file = data_file if data_file.is_absolute() else ROOT / data_file
+    return [*head, "-m", "coverage", "run", "--rcfile=/dev/null", "--parallel-mode", "--source=staleflow_protocol",
+            f"--data-file={data_file}", *args]

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.peer_venv import peer_python
+from tests.peer_venv import peer_command, peer_python
 
 RUN = Path(__file__).with_name("areal_dropin_run.py")
 GUARDS_RUN = Path(__file__).with_name("areal_guards_run.py")
@@ -124,7 +124,7 @@ def test_use_protocol_on_areals_sglang_and_vllm_engines(areal_python: tuple[Path
 
 def _run_in_venv(python: Path, tmp_path: Path, *args: str, timeout: int, script: Path = RUN) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "COV_", "COVERAGE"))}
-    done = subprocess.run([str(python), "-I", str(script), *args], capture_output=True, text=True,
+    done = subprocess.run(peer_command(python, str(script), *args, isolated=True), capture_output=True, text=True,
                           cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])

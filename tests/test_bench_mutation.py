@@ -10,11 +10,12 @@ from skips import require
 
 require("cosmic_ray", "dev")
 
-from staleflow.bench import mutation
+from staleflow.bench import mutation, mutation_suite
 from staleflow.bench import protocol as protocol_bench
 from staleflow.protocol import manager as manager_module
 
 SOURCE = Path(manager_module.__file__).read_text(encoding="utf-8")
+ROOT = Path(manager_module.__file__).resolve().parents[1]
 
 
 def test_cosmic_ray_mutants_of_the_manager_are_enumerated() -> None:
@@ -192,3 +193,18 @@ def test_a_manager_mutant_the_verify_rows_miss_is_killed_by_the_managers_unit_te
     outcome, layer, why = mutation.manager_tests(mutated, limit_s=300)
     assert (outcome, layer) == ("killed", "tests") and why.startswith("tests/"), why
     assert mutation.manager_tests(SOURCE, limit_s=300)[0] == "survived"
+
+
+@pytest.mark.parametrize(("path", "equivalent"), [("protocol/manager.py", mutation.EQUIVALENT), *mutation_suite.EQUIVALENT.items()],
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_every_equivalence_argued_names_a_mutant_of_the_current_text(path: str, equivalent: dict[tuple[str, int], tuple[str, str]]) -> None:
+    """An argument recorded for a mutant whose line has since moved or changed would be dead (it
+    applies only while the mutated line reads as recorded): each entry must still name its mutant."""
+    source = (ROOT / path).read_text()
+    stale = []
+    for (operator, occurrence), (recorded, _) in equivalent.items():
+        mutated = mutation.mutated_text(source, operator, occurrence)
+        changed = [new.strip() for old, new in zip(source.splitlines(), (mutated or "").splitlines()) if old != new]
+        if changed[:1] != [recorded]:
+            stale.append((operator, occurrence, recorded, changed[:1]))
+    assert stale == []

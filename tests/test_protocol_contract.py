@@ -326,3 +326,45 @@ def test_start_capacity_is_the_slack_capped_by_groups_in_flight() -> None:
     assert manager.start_capacity(0, 4) == 1 and manager.start_capacity(0, 2) == 0  # never negative
     manager.occupy(0)
     assert manager.start_capacity(0, 4) == 2 and manager.start_capacity(0, 100) == manager.reserve_slack(0) == 5
+
+
+def test_start_capacity_counts_running_groups_only_and_takes_zero_in_flight() -> None:
+    """Finished groups hold places in the buffers (the slack) but are not in flight; a limit of 0
+    admits nothing, a negative one is an error."""
+    manager = StalenessManager(eta=0, batch_size=8)
+    for g in range(3):
+        manager.reserve(g, 0)
+    manager.occupy(0)  # 2 running, 1 done; slack 8 - 3 = 5
+    assert manager.start_capacity(0, 4) == 2 and manager.start_capacity(0, 0) == 0
+    with pytest.raises(ValueError, match="max_in_flight"):
+        manager.start_capacity(0, -1)
+
+
+def test_a_refused_reserve_counts_as_stale_exactly_when_its_deadline_has_passed() -> None:
+    """At head 10 with eta 3 and every buffer full, a reserve of each version 0..10 is refused:
+    versions 0-6 (deadline v + 3 < 10) as stale, 7-10 as full."""
+    manager = StalenessManager(eta=3, batch_size=1)
+    for i in range(10):
+        manager.reserve(f"w{i}", manager.version)
+        manager.occupy(f"w{i}")
+        manager.consume()
+    for v in range(7, 11):  # one group due at each of buffers 10..13: every prefix at its capacity
+        assert manager.reserve(f"f{v}", v)
+    for v in range(11):
+        before = manager.stats().refused
+        assert not manager.reserve(f"x{v}", v)
+        kind = "stale" if v + 3 < 10 else "full"
+        assert manager.stats().refused == {**before, kind: before[kind] + 1}, v
+    assert manager.stats().refused == {"stale": 7, "full": 4}
+
+
+def test_stats_count_each_abort_once_and_the_groups_missing_to_a_batch() -> None:
+    manager = StalenessManager(eta=1, batch_size=4)
+    for g in ("a", "b"):
+        manager.reserve(g, 0)
+    assert manager.stats().missing == 2
+    manager.abort("a")
+    stats = manager.stats()
+    assert stats.aborted == 1 and stats.missing == 3 and stats.reserved == 2
+    manager.abort("b")
+    assert manager.stats().aborted == 2 and manager.stats().missing == 4

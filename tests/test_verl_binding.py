@@ -30,7 +30,7 @@ from staleflow.protocol.bindings.verl import CHECKPOINT_FILE, Admission, Protoco
 from staleflow.protocol.check import check_trace
 from staleflow.protocol.trace import JsonlTraceWriter, read_trace
 
-from tests.peer_venv import peer_python
+from tests.peer_venv import peer_command, peer_python
 from tests.verl_loop import FakeEngine, RunResult, VerlCountControl, run_loop
 
 ETA, BATCH, CONCURRENT = 1, 4, 12
@@ -255,7 +255,7 @@ def test_verls_own_rollouter_and_trainer_code_with_the_protocol_queue(verl_pytho
     root = Path(__file__).resolve().parents[1]
     past = {}
     for mode in ("protocol", "verl"):
-        done = subprocess.run([python, str(root / "tests" / "verl_real_scenario.py"), mode, str(tmp_path / mode), "0"],
+        done = subprocess.run(peer_command(python, str(root / "tests" / "verl_real_scenario.py"), mode, str(tmp_path / mode), "0"),
                               capture_output=True, text=True, check=False, timeout=600, cwd=tmp_path, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads((tmp_path / mode / "result.json").read_text())
@@ -264,7 +264,7 @@ def test_verls_own_rollouter_and_trainer_code_with_the_protocol_queue(verl_pytho
         assert len(ids) == len(set(ids)) == 200
         past[mode] = sum(b["version"] - v > 1 for b in result["trained"] for _, v in b["samples"])
     assert past["protocol"] == 0 and past["verl"] > 0, past
-    checked = subprocess.run([python, "-m", "staleflow_protocol.check", str(tmp_path / "protocol" / "trace.jsonl")],
+    checked = subprocess.run(peer_command(python, "-m", "staleflow_protocol.check", str(tmp_path / "protocol" / "trace.jsonl")),
                              capture_output=True, text=True, check=False, timeout=120, cwd=tmp_path, env=env)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
@@ -393,7 +393,7 @@ def test_a_hundred_rollouter_callers_never_stall_the_queue_hosted_as_verl_hosts_
 def _dropin_run(python: str, env: dict[str, str], mode: str, out: Path, total: int) -> list[dict[str, Any]]:
     """tests/verl_dropin_run.py in verl's venv; the local steps it trained (all runs into ``out`` so far)."""
     script = Path(__file__).resolve().parent / "verl_dropin_run.py"
-    done = subprocess.run([python, str(script), mode, str(out), str(total)], capture_output=True, text=True, check=False,
+    done = subprocess.run(peer_command(python, str(script), mode, str(out), str(total)), capture_output=True, text=True, check=False,
                           timeout=1200, cwd=out.parent, env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return [json.loads(line) for line in (out / "trained.jsonl").read_text().splitlines()]
@@ -425,7 +425,8 @@ def test_verls_own_fully_async_main_with_the_drop_in_keeps_the_bound_on_the_load
         assert len({sample_id for _, sample_id, _, _ in samples}) == len(samples) == len(run) * 4
         assert all(reserved <= version <= reserved + 1 for version, _, reserved, _ in samples), samples
         assert all(reserved <= weights for _, _, reserved, weights in samples), "reserved under a newer version than its weights"
-    checked = subprocess.run([python, "-m", "staleflow_protocol.check", str(out / "trace.jsonl")], capture_output=True, text=True,
+    checked = subprocess.run(peer_command(python, "-m", "staleflow_protocol.check", str(out / "trace.jsonl")),
+                             capture_output=True, text=True,
                              check=False, timeout=120, cwd=tmp_path, env=env)
     assert checked.returncode == 0 and "2 segment" in checked.stdout, checked.stdout + checked.stderr
     label = _dropin_run(python, env, "label", tmp_path / "label", 100)
