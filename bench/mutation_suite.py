@@ -33,7 +33,8 @@ SUITES: dict[str, tuple[str, ...]] = {
     "protocol/locked.py": ("tests/test_locked_manager.py", "tests/test_protocol_waiting.py"),
     "protocol/waiting.py": ("tests/test_protocol_waiting.py",),
     "protocol/hooks.py": ("tests/test_protocol.py", "tests/test_trace_format.py"),
-    "protocol/trace.py": ("tests/test_trace_format.py", "tests/test_trace_cost.py", "tests/test_protocol.py"),
+    "protocol/trace.py": ("tests/test_trace_io.py", "tests/test_trace_format.py", "tests/test_trace_cost.py", "tests/test_protocol.py",
+                          "tests/test_protocol_contract.py", "tests/test_trace_check.py"),
     "protocol/check.py": ("tests/test_trace_check.py", "tests/test_trace_format.py", "tests/test_safety_alarms.py",
                           "tests/test_protocol_contract.py"),
 }
@@ -42,6 +43,9 @@ SUITES: dict[str, tuple[str, ...]] = {
 #: behaviour changes), as :data:`staleflow.bench.mutation.EQUIVALENT` for the manager.
 _ONE_HOOK = ("only taken when exactly one hook is registered (len(hooks) == 1, or the recorder path that "
              "only a single hook gets): index -1 is index 0")
+_BLOCK = ("the bytes read per step while looking for the last newline: any positive size finds the same "
+          "newline (only the number of reads changes)")
+_MODE = "mode is 'a' or 'w' (checked first) and 'a' < 'w': <= 'a' holds exactly for 'a'"
 EQUIVALENT: dict[str, dict[tuple[str, int], tuple[str, str]]] = {
     "protocol/waiting.py": {
         ("core/ReplaceComparisonOperator_Gt_NotEq", 0): (
@@ -74,6 +78,88 @@ EQUIVALENT: dict[str, dict[tuple[str, int], tuple[str, str]]] = {
             "self._record = cast(EventRecorder, hooks[ -1]).record_event if callable(record) else None", _ONE_HOOK),
         ("core/NumberReplacer", 13): ("[(self._hooks[ -1], error)]) from error", _ONE_HOOK),
     },
+    "protocol/check.py": {
+        ("core/ReplaceComparisonOperator_Eq_LtE", 4): (
+            'if __name__ <= "__main__":',
+            "the module's name is '__main__' when run as a command, else staleflow.protocol.check or "
+            "staleflow_protocol.check, both greater than '__main__' ('s' > '_'): <= holds exactly when == does"),
+        ("core/ReplaceComparisonOperator_Eq_Is", 3): (
+            'if __name__ is "__main__":',
+            "runpy sets __name__ to its run_name '__main__', the interned literal (an identifier-like constant): "
+            "the same object, so `is` holds exactly when == does"),
+        ("core/ReplaceComparisonOperator_Eq_GtE", 1): (
+            "(running if status >= mirror.RUNNING else done)[offset] += 1",
+            "a status is 'running' or 'done' (start_state refuses any other, the mirror makes no other) and "
+            "'done' < 'running': >= holds exactly for 'running'"),
+        ("core/ReplaceComparisonOperator_Eq_GtE", 2): (
+            'if e.op >= "reserve":',
+            "an event's op is reserve, occupy, abort or consume (the reader refuses any other, the manager emits "
+            "no other), and 'reserve' is the greatest of the four: >= holds exactly for 'reserve'"),
+        ("core/ReplaceComparisonOperator_Eq_GtE", 3): (
+            't = (mirror.occupy if e.op >= "occupy" else mirror.abort)(p, s, e.group_id)',
+            "taken for occupy and abort only, and 'abort' < 'occupy': >= holds exactly for 'occupy'"),
+        ("core/ReplaceComparisonOperator_NotEq_Lt", 3): (
+            "if any(g is None for g in chosen) or len(set(b.group_ids)) < len(b.group_ids):",
+            "a set of a tuple's items is never longer than the tuple: < holds exactly when != does"),
+        ("core/ReplaceComparisonOperator_NotEq_Gt", 1): (
+            "if len(state.groups) > len(state.ids()) or any(v > version for _, v, _ in groups):",
+            "ids() is the set of the groups' first fields, never larger than the set of groups: > holds exactly "
+            "when != does"),
+        ("core/ReplaceComparisonOperator_NotEq_Gt", 6): (
+            "if step.dropped != frozenset(b.dropped) or len(b.dropped) > len(step.dropped):",
+            "the length test is reached only when frozenset(b.dropped) == step.dropped, so b.dropped has at least "
+            "as many items as the set: > holds exactly when != does"),
+    },
+    "protocol/trace.py": {
+        **{(f"core/ReplaceBinaryOperator_LShift_{name}", 0): (f"block = min(start, 1 {sign} 16)", _BLOCK)
+           for name, sign in (("Add", "+"), ("Mul", "*"), ("Mod", "%"), ("Pow", "**"), ("BitOr", "|"), ("BitXor", "^"))},
+        **{("core/NumberReplacer", k): (f"block = min(start, {text})", _BLOCK)
+           for k, text in ((22, "2 << 16"), (24, "1 << 17"), (25, "1 << 15"))},
+        ("core/ReplaceComparisonOperator_Gt_NotEq", 0): (
+            'while start != 0 and b"\\n" not in tail:  # the last line, read backwards in blocks',
+            "start begins at the file's size and each step takes at most what is left (min(start, block)): it is "
+            "never negative, so != 0 and > 0 agree"),
+        ("core/ReplaceComparisonOperator_Eq_LtE", 0): (
+            "if len(data) % 2 <= 0:", "a remainder of 2 is 0 or 1: <= 0 holds exactly when == 0 does"),
+        ("core/ReplaceComparisonOperator_Eq_LtE", 4): ('if mode <= "a":', _MODE),
+        ("core/ReplaceComparisonOperator_Eq_GtE", 4): (
+            'if mode >= "a":', "mode is 'a' or 'w' (checked first): for 'w' the torn line is dropped from a file "
+            "that open(path, 'w') truncates at once, so only the mode 'a' changes anything"),
+        ("core/ReplaceComparisonOperator_Eq_Is", 3): (
+            'if mode is "a":', "CPython keeps one object per one-character Latin-1 string: any 'a' is the literal"),
+        ("core/ReplaceComparisonOperator_Eq_GtE", 2): (
+            'if op >= "reserve" and not isinstance(accepted, bool):',
+            "op is one of abort, consume, occupy, reserve (refused above otherwise), and 'reserve' is the greatest: "
+            ">= holds exactly for 'reserve'"),
+        ("core/ReplaceComparisonOperator_Eq_Is", 5): (
+            "after_state = before_state if after is before else after.flat()",
+            "an equal after-state given as another object is recorded as a new, equal tuple; the writer compares "
+            "its own last tuple by identity only to omit a before-state equal to it, and the next event's "
+            "before-state is mapped to that same new tuple: the lines written are the same"),
+        ("core/ReplaceComparisonOperator_Is_Eq", 0): (
+            "if accepted == False and not self.refusals:",
+            "accepted is True, False or None: == False and is False hold for exactly the same value"),
+        ("core/ReplaceComparisonOperator_Is_Eq", 2): (
+            "rows += (seq, op, group_id if type(group_id) == int else json_group_id(group_id), version,",
+            "a type object equals only itself: == and is agree"),
+        ("core/ReplaceBreakWithContinue", 0): (
+            "continue  # torn: only the last line of a file can lack its newline",
+            "a line without its newline is the file's last: continue ends the loop as break does"),
+        **{("core/NumberReplacer", k): (f"first_line = {value}", "read only after a header line, which sets it: "
+                                        "a file without one is an error before it is read")
+           for k, value in ((8, "1"), (9, "-1"))},
+        **{("core/NumberReplacer", k): (f"WRITE_EVERY = {value}", "a tuning constant: the flush points are specified "
+                                        "relative to it, and the tests read writer.WRITE_EVERY")
+           for k, value in ((36, "257"), (37, "255"))},
+        **{("core/NumberReplacer", k): (
+            f"self._rows_limit = {value}  # fields in _rows that call for a flush (_set_rows_limit)",
+            "read only for an event chained to the last line written; the first line is never one (no line is "
+            "written before it), and writing it sets the limit")
+           for k, value in ((52, "1"), (53, "-1"))},
+        **{("core/RemoveDecorator", k): (f"def {name}(self) -> int: ...", "Traceable is a typing Protocol for "
+                                         "annotations only (not runtime_checkable, never instantiated): no run-time effect")
+           for k, name in ((0, "eta"), (1, "batch_size"), (2, "redundancy"))},
+    },
     "protocol/locked.py": {
         ("core/AddNot", 0): (
             "if not TYPE_CHECKING:",
@@ -95,9 +181,13 @@ class _MutantLoader(importlib.abc.Loader):
     def create_module(self, spec: Any) -> None:
         return None
 
+    def get_code(self, fullname: str) -> Any:
+        """The mutated module's code (what ``runpy`` runs for ``python -m``, as tests may do)."""
+        return compile(self.source, self.path, "exec")
+
     def exec_module(self, module: ModuleType) -> None:
         module.__file__ = self.path
-        exec(compile(self.source, self.path, "exec"), module.__dict__)  # noqa: S102 - our own file, mutated
+        exec(self.get_code(module.__name__), module.__dict__)  # noqa: S102 - our own file, mutated
 
 
 class _MutantFinder(importlib.abc.MetaPathFinder):

@@ -108,7 +108,8 @@ def counters(p: SpecParams, s: MirrorState) -> CounterState:
 def mirror_step(p: SpecParams, s: MirrorState, e: ProtocolEvent) -> MirrorState | str:
     """The mirror state after event ``e`` from ``s``, or why ``e`` is not a spec step."""
     if e.op == "reserve":
-        assert e.group_id is not None and e.version is not None
+        if e.group_id is None or e.version is None:
+            return f"reserve needs a group id and a version, got {e.group_id!r}, v={e.version}"
         t = mirror.reserve(p, s, e.group_id, e.version)
         if e.accepted:
             return t if t is not None else f"reserve({e.group_id!r}, v={e.version}) accepted but Reserve is disabled"

@@ -199,13 +199,15 @@ def header_from_json(data: Any, where: str = "header") -> TraceHeader:
     if data.get("type") != "header" or data.get("format") not in TRACE_FORMATS:
         raise TraceFormatError(
             f"{where}: not a trace header (expected type 'header', format {' or '.join(map(repr, TRACE_FORMATS))})")
-    start = data.get("start")
+    start, refusals = data.get("start"), data.get("refusals", True)
+    if not isinstance(refusals, bool):
+        raise TraceFormatError(f"{where}: refusals must be true or false, got {refusals!r}")
     return TraceHeader(
         eta=_int(_field(data, "eta", where), "eta", where),
         batch_size=_int(_field(data, "batch_size", where), "batch_size", where, minimum=1),
         redundancy=_int(_field(data, "redundancy", where), "redundancy", where),
         start=None if start is None else _mapping(start, "start", where),
-        refusals=data.get("refusals", True) is not False,
+        refusals=refusals,
     )
 
 
@@ -285,9 +287,9 @@ def drop_torn_line(path: Path) -> int:
             start -= block
             stream.seek(start)
             tail = stream.read(block) + tail
-        if not tail or tail.endswith(b"\n"):
-            return 0
         last = tail[tail.rfind(b"\n") + 1 :]
+        if not last:  # an empty file, or one that ends on a newline
+            return 0
         try:
             json.loads(last)
         except ValueError:  # not JSON (a decode error is a ValueError too)

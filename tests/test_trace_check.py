@@ -11,6 +11,7 @@ differ from the spec's step, and the command's output and exit status for severa
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import runpy
 import sys
@@ -59,9 +60,10 @@ def test_a_valid_snapshot_becomes_exactly_its_mirror_state() -> None:
     assert check.start_state(_header(start=_snapshot(0, []))) == MirrorState(0, frozenset())
 
 
+@pytest.mark.parametrize("delta", [1, -1])
 @pytest.mark.parametrize("name", ["eta", "batch_size", "redundancy"])
-def test_a_snapshot_that_disagrees_with_its_header_names_the_parameter(name: str) -> None:
-    start = _snapshot(0, [], **{name: getattr(P, name) + 1})
+def test_a_snapshot_that_disagrees_with_its_header_names_the_parameter(name: str, delta: int) -> None:
+    start = _snapshot(0, [], **{name: getattr(P, name) + delta})
     with pytest.raises(TraceFormatError, match=f"disagree on {name}$"):
         check.start_state(_header(start=start))
 
@@ -98,9 +100,9 @@ def test_a_snapshot_that_breaks_the_invariant_names_the_conjuncts() -> None:
 
 # ----------------------------------------------------------------------------- the invariant, conjunct by conjunct
 
-def _due(head: int, counts: dict[int, int]) -> MirrorState:
+def _due(head: int, counts: dict[int, int], p: SpecParams = P) -> MirrorState:
     """``counts[k]`` running groups with deadline ``head + k`` (version ``head + k - eta``); k = -1 is past due."""
-    return MirrorState(head, frozenset((f"g{k}.{i}", head + k - P.eta, RUNNING) for k, n in counts.items() for i in range(n)))
+    return MirrorState(head, frozenset((f"g{k}.{i}", head + k - p.eta, RUNNING) for k, n in counts.items() for i in range(n)))
 
 
 @pytest.mark.parametrize(("counts", "failed"), [
@@ -118,6 +120,15 @@ def _due(head: int, counts: dict[int, int]) -> MirrorState:
 def test_invariant_failures_name_exactly_the_conjuncts_broken(counts: dict[int, int], failed: list[str]) -> None:
     assert check.invariant_failures(P, _due(5, counts)) == failed
     assert mirror.invariant(P, _due(5, counts)) == (failed == [])
+
+
+@pytest.mark.parametrize(("counts", "failed"), [
+    ({0: 2}, []), ({0: 3}, ["cap0"]), ({0: 1, 1: 2}, []), ({0: 1, 1: 3}, ["cap1"]),
+], ids=str)
+def test_the_caps_add_the_redundancy_to_an_odd_multiple_of_the_batch(counts: dict[int, int], failed: list[str]) -> None:
+    """B = 1, X = 1, eta = 1: cap0 = 1 + 1 = 2 and cap1 = 2 + 1 = 3 (B = 2 above hides a `|` for `+`)."""
+    p = SpecParams(eta=1, batch_size=1, redundancy=1)
+    assert check.invariant_failures(p, _due(4, counts, p)) == failed
 
 
 @settings(max_examples=300, deadline=None)
@@ -139,6 +150,7 @@ def test_counters_count_running_and_done_groups_by_deadline_offset() -> None:
     s = _state(5, ("a", 3, RUNNING), ("b", 4, DONE), ("c", 5, RUNNING), ("d", 5, RUNNING), ("e", 5, DONE))
     assert check.counters(P, s) == CounterState(5, (1, 0, 2), (0, 1, 1))
     assert check.counters(SpecParams(0, 1), _state(3, ("a", 3, DONE))) == CounterState(3, (0,), (1,))
+    assert check.counters(SpecParams(1, 1), _state(3, ("a", 3, DONE), ("b", 2, RUNNING))) == CounterState(3, (1, 0), (0, 1))
 
 
 @pytest.mark.parametrize(("version", "offset"), [(2, -1), (6, 3)])
@@ -171,6 +183,13 @@ def test_an_event_the_spec_does_not_allow_is_named(op: str, group_id: str, versi
     assert check.mirror_step(P, S1, _event(S1, S1, op, group_id, version, accepted)) == reason
 
 
+@pytest.mark.parametrize(("group_id", "version"), [("c", None), (None, 1)])
+def test_a_reserve_without_its_group_or_version_is_refused(group_id: str | None, version: int | None) -> None:
+    """A trace line may omit a reserve's version (the reader allows null): a refusal, not a crash."""
+    assert check.mirror_step(P, S1, _event(S1, S1, "reserve", group_id, version, True)) == (
+        f"reserve needs a group id and a version, got {group_id!r}, v={version}")
+
+
 def test_occupy_finishes_a_running_group_and_abort_removes_one() -> None:
     assert check.mirror_step(P, S1, _event(S1, S1, "occupy", "a")) == _state(1, ("a", 0, DONE), ("b", 1, DONE))
     assert check.mirror_step(P, S1, _event(S1, S1, "abort", "a")) == _state(1, ("b", 1, DONE))
@@ -196,6 +215,7 @@ def test_a_consume_that_is_a_spec_successor_takes_its_batch_and_drops() -> None:
     (_consume(("p", "p"), (1, 1)), "consume takes ['p', 'p']: not distinct active groups"),
     (_consume(("p", "q"), (1, 1), ("old",)), "consume logs versions [1, 1], the spec has [1, 2]"),
     (_consume(("p", "q"), (1,), ("old",)), "consume logs versions [1], the spec has [1, 2]"),
+    (_consume(("p", "q"), (2, 2), ("old",)), "consume logs versions [2, 2], the spec has [1, 2]"),
     (_consume(("p", "old"), (1, 0)), "consume of ['p', 'old'] is not a Consume successor in the spec"),  # "old" is running
     (_consume(("p", "q"), (1, 2)), "consume drops [], the spec drops ['old']"),
     (_consume(("p", "q"), (1, 2), ("r",)), "consume drops ['r'], the spec drops ['old']"),
@@ -203,6 +223,26 @@ def test_a_consume_that_is_a_spec_successor_takes_its_batch_and_drops() -> None:
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_a_consume_that_differs_from_the_spec_is_named(event: ProtocolEvent, reason: str) -> None:
     assert check.mirror_step(P, S2, event) == reason
+
+
+def test_a_snapshot_read_from_json_counts_its_running_groups_as_running() -> None:
+    """Statuses decoded from JSON are equal to the mirror's constants, not the same objects."""
+    start = json.loads(json.dumps(_snapshot(1, [["a", 0, RUNNING], ["b", 1, DONE]])))
+    assert check.counters(P, check.start_state(_header(start=start))) == CounterState(1, (0, 1, 0), (0, 0, 1))
+
+
+def test_values_past_the_small_int_cache_compare_by_value() -> None:
+    """B = X = 300 at head 300, read from JSON: 300 finished and 300 running groups due now; a consume
+    takes the 300 and drops the 300 (every count and version here is a separate int object)."""
+    p = SpecParams(eta=1, batch_size=300, redundancy=300)
+    done, running = [f"d{i}" for i in range(300)], [f"r{i}" for i in range(300)]
+    groups = [[g, 299, DONE] for g in done] + [[g, 299, RUNNING] for g in running]
+    start = json.loads(json.dumps({"eta": 1, "batch_size": 300, "redundancy": 300, "version": 300, "groups": groups}))
+    header = TraceHeader(*json.loads("[1, 300, 300]"), start)
+    s = check.start_state(header)
+    t = MirrorState(301, frozenset())
+    batch = ConsumedBatch(json.loads("300"), tuple(done), (299,) * 300, tuple(running))
+    assert check.replay_events(header, [_event(s, t, "consume", None, 300, None, batch, p=p)]) is None
 
 
 # ----------------------------------------------------------------------------- replay and the report
@@ -270,6 +310,9 @@ def test_a_consume_is_described_by_its_buffer(tmp_path: Path) -> None:
     report = check.check_trace(_write(tmp_path / "t.jsonl", bad))
     assert report.offending == "segment 1: event #4 (line 6, seq 4, consume(buffer 0))"
     assert report.reason == "consume drops ['a'], the spec drops []"
+    aborted = [*events[:2], ProtocolEvent(2, "abort", "z", 0, None, None, events[1].after, events[1].after)]
+    report = check.check_trace(_write(tmp_path / "abort.jsonl", aborted))
+    assert report.offending == "segment 1: event #2 (line 4, seq 2, abort('z', v=0))"
 
 
 # ----------------------------------------------------------------------------- the command
