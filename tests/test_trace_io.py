@@ -119,11 +119,17 @@ def _run(manager: StalenessManager, operations: int, first: int = 0) -> None:
             manager.consume()
 
 
-def test_blank_lines_are_skipped_and_segments_start_at_their_header_line(tmp_path: Path) -> None:
+def _traced(tmp_path: Path) -> tuple[Path, StalenessManager]:
+    """A trace file of two groups reserved, finished and consumed (6 events), and its manager."""
     path = tmp_path / "t.jsonl"
     manager = StalenessManager(eta=1, batch_size=1)
     with JsonlTraceWriter.attach(manager, path):
         _run(manager, 2)
+    return path, manager
+
+
+def test_blank_lines_are_skipped_and_segments_start_at_their_header_line(tmp_path: Path) -> None:
+    path, _ = _traced(tmp_path)
     text = path.read_text()
     path.write_text("\n" + text + "\n" + text)
     first, second = read_trace(path)
@@ -132,10 +138,7 @@ def test_blank_lines_are_skipped_and_segments_start_at_their_header_line(tmp_pat
 
 
 def test_a_torn_last_line_is_ignored_and_a_bad_line_elsewhere_is_an_error(tmp_path: Path) -> None:
-    path = tmp_path / "t.jsonl"
-    manager = StalenessManager(eta=1, batch_size=1)
-    with JsonlTraceWriter.attach(manager, path):
-        _run(manager, 2)
+    path, _ = _traced(tmp_path)
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(lines) + lines[-1][:9])  # a writer killed inside its last write
     assert len(read_trace(path)[0].events) == 6
@@ -178,10 +181,7 @@ def test_drop_torn_line_finds_a_newline_several_blocks_back(tmp_path: Path) -> N
 
 
 def test_an_append_cuts_the_torn_line_first_and_starts_its_segment_on_a_line_of_its_own(tmp_path: Path) -> None:
-    path = tmp_path / "t.jsonl"
-    manager = StalenessManager(eta=1, batch_size=1)
-    with JsonlTraceWriter.attach(manager, path):
-        _run(manager, 2)
+    path, manager = _traced(tmp_path)
     whole = path.read_bytes()
     path.write_bytes(whole + whole.splitlines()[-1][:9])
     with JsonlTraceWriter.attach(manager, path, mode="a"):
@@ -194,10 +194,7 @@ def test_an_append_cuts_the_torn_line_first_and_starts_its_segment_on_a_line_of_
 
 
 def test_write_trace_writes_every_segment_and_event(tmp_path: Path) -> None:
-    path = tmp_path / "t.jsonl"
-    manager = StalenessManager(eta=1, batch_size=1)
-    with JsonlTraceWriter.attach(manager, path):
-        _run(manager, 2)
+    path, _ = _traced(tmp_path)
     segments = read_trace(path)
     copy = tmp_path / "copy.jsonl"
     write_trace(copy, segments * 2)
