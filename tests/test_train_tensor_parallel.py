@@ -29,6 +29,7 @@ import pytest
 from skips import needs
 
 pytestmark = [
+    pytest.mark.nightly,  # 123-173 s of CI's 15 minutes on 2 cores (CI took 15 min 58 s with it on 2026-12-06)
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.ray,
