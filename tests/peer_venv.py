@@ -17,6 +17,7 @@ The trade-off: the shared packages are the main venv's versions, not the peer's 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -80,6 +81,14 @@ def peer_python(name: str, with_deps: list[str], no_deps: list[str], *, shared: 
     return python, time.perf_counter() - started
 
 
+@functools.cache
+def _ensure_coverage(python: str, version: str) -> None:
+    """Install coverage.py ``version`` into the peer venv of ``python`` unless it imports there (once per run)."""
+    probe = subprocess.run([python, "-I", "-c", "import coverage"], capture_output=True, timeout=120, check=False)
+    if probe.returncode != 0:
+        _pip(Path(python), "install", "--no-compile", f"coverage=={version}")
+
+
 def peer_command(python: Path | str, *args: str, isolated: bool = False) -> list[str]:
     """The command that runs ``python [-I] *args`` in a peer venv (``args`` a script or ``-m``/``-c`` and
     what follows): under coverage.py when this test process is measured (``pytest --cov``), so the
@@ -95,9 +104,7 @@ def peer_command(python: Path | str, *args: str, isolated: bool = False) -> list
     current = coverage.Coverage.current()
     if current is None:
         return [*head, *args]
-    probe = subprocess.run([str(python), "-I", "-c", "import coverage"], capture_output=True, timeout=120, check=False)
-    if probe.returncode != 0:
-        _pip(Path(python), "install", "--no-compile", f"coverage=={coverage.__version__}")
+    _ensure_coverage(str(python), coverage.__version__)
     data_file = Path(current.config.data_file)
     data_file = data_file if data_file.is_absolute() else ROOT / data_file
     return [*head, "-m", "coverage", "run", "--rcfile=/dev/null", "--parallel-mode", "--source=staleflow_protocol",
