@@ -139,3 +139,26 @@ def test_a_wheel_folder_for_several_pythons_installs_the_one_for_this_python(tmp
     this_python = f"cp{sys.version_info.major}{sys.version_info.minor}"
     assert installed.is_file(), (done.stdout + done.stderr)[-3000:]
     assert installed.read_text() == f"BUILT_FOR = {this_python!r}\n"
+
+
+def test_the_cpu_self_check_trains_exports_and_passes_its_own_verdict(tmp_path: Path) -> None:
+    """``scripts/gpu-smoke.sh --trainer-only --backend torch --device cpu --size tiny``: the real run of
+    the GPU check's trainer path (the tiny model trained two steps, checkpointed, exported in bf16 and
+    reloaded by transformers with the trainer's log-probs), judged by the runner from its own line."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHON": sys.executable, "STALEFLOW_SMOKE_DIR": str(tmp_path), "WHEELS": str(tmp_path / "none")}
+    done = subprocess.run(["bash", "scripts/gpu-smoke.sh", "--trainer-only", "--backend", "torch", "--device", "cpu", "--steps", "2",
+                           "--size", "tiny", "--groups", "2", "--group-size", "2", "--max-response", "16"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (figures,) = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("GPU-SMOKE-TRAINER ")]
+    assert figures | {"losses": None, "export_logprob_gap_bf16": None} == figures | {
+        "size": "tiny", "backend": "torch", "device": "cpu", "steps": 2, "gpu": None, "mfu": None, "peak_from": "no GPU: MFU is for GPUs",
+        "published_dtypes": ["float32"], "published_matches_checkpoint": None, "losses": None, "export_logprob_gap_bf16": None}
+    assert len(figures["losses"]) == 2 and 0 <= figures["export_logprob_gap_bf16"] <= 1e-4
+    (verdict,) = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("GPU-SMOKE-VERDICT ")]
+    assert verdict["ok"] is True and verdict["backends"] == {"torch": {"status": "pass", "reasons": []}}
+    export = tmp_path / "trainer" / "export"
+    assert (export / "config.json").is_file() and list(export.glob("*.safetensors"))

@@ -4,7 +4,8 @@ trained sample, exactly the consumed ids trained, the trace accepted by the stan
 checker, a resume from verl's checkpoint folder mid-run; and verl's own count-based control on the
 same job, for the comparison in docs/integrating.md.
 
-verl's own rollouter and trainer code is driven by ``tests/verl_real_scenario.py`` (the last tests,
+verl's own rollouter and trainer code, with the protocol queue and with the drop-in's own classes, is
+driven by ``tests/verl_real_scenario.py`` (the last tests,
 markers ``verl`` and ``slow``; ``pytest -m "not verl"`` deselects them) in verl's own venv, built and
 cached by ``tests/peer_venv.py``: verl 0.9.1 and the 13 packages its ``fully_async_rollouter``,
 ``fully_async_trainer`` and ``message_queue`` import beyond the main venv (``VERL_PACKAGES``, found
@@ -246,27 +247,44 @@ def test_verl_venv_has_verl_and_the_light_package_and_not_staleflow(verl_python:
 
 @pytest.mark.verl
 @pytest.mark.slow
-def test_verls_own_rollouter_and_trainer_code_with_the_protocol_queue(verl_python: tuple[str, dict[str, str]],
-                                                                      tmp_path: Path) -> None:
-    """tests/verl_real_scenario.py in verl's venv: verl's own ``_processor_worker`` and
-    ``_get_samples_from_queue`` with ``ProtocolMessageQueue``, 50 steps, no sample past eta and the
-    trace accepted; verl's own queue and count on the same seed train samples past eta."""
+def test_verls_own_rollouter_and_trainer_code_with_the_protocol_queue_and_the_drop_in(verl_python: tuple[str, dict[str, str]],
+                                                                                     tmp_path: Path) -> None:
+    """tests/verl_real_scenario.py in verl's venv, three modes in one process: verl's own
+    ``_processor_worker`` and ``_get_samples_from_queue`` with ``ProtocolMessageQueue`` (50 steps, no
+    sample past eta, the trace accepted); verl's own queue and count on the same seed (samples past
+    eta); and the drop-in's classes (``ProtocolQueue`` from a verl config, ``ProtocolQueueClient``,
+    the rollouter and trainer mixins) on verl's own loop code, with redundancy: no sample past eta,
+    the dropped samples never trained and those still generating cancelled, the queue checkpointed
+    into verl's ``global_step_25`` folder and resumed from it by a new queue, rollouter and trainer."""
     python, env = verl_python
     root = Path(__file__).resolve().parents[1]
-    past = {}
-    for mode in ("protocol", "verl"):
-        done = subprocess.run(peer_command(python, str(root / "tests" / "verl_real_scenario.py"), mode, str(tmp_path / mode), "0"),
-                              capture_output=True, text=True, check=False, timeout=600, cwd=tmp_path, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        result = json.loads((tmp_path / mode / "result.json").read_text())
+    done = subprocess.run(peer_command(python, str(root / "tests" / "verl_real_scenario.py"), "protocol,verl,dropin", str(tmp_path), "0"),
+                          capture_output=True, text=True, check=False, timeout=600, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    past, results = {}, {}
+    for mode in ("protocol", "verl", "dropin"):
+        results[mode] = result = json.loads((tmp_path / mode / "result.json").read_text())
         assert [b["version"] for b in result["trained"]] == list(range(50))
         ids = [sample_id for b in result["trained"] for sample_id, _ in b["samples"]]
         assert len(ids) == len(set(ids)) == 200
+        assert all(v <= b["version"] for b in result["trained"] for _, v in b["samples"])
         past[mode] = sum(b["version"] - v > 1 for b in result["trained"] for _, v in b["samples"])
-    assert past["protocol"] == 0 and past["verl"] > 0, past
-    checked = subprocess.run(peer_command(python, "-m", "staleflow_protocol.check", str(tmp_path / "protocol" / "trace.jsonl")),
+    assert past == {"protocol": 0, "verl": past["verl"], "dropin": 0} and past["verl"] > 0, past
+    dropin = results["dropin"]
+    trained = [sample_id for b in dropin["trained"] for sample_id, _ in b["samples"]]
+    assert all(i.startswith("sample_0_") for i in trained[:100]) and all(i.startswith("sample_1_") for i in trained[100:])
+    assert dropin["dropped"] and not set(dropin["dropped"]) & set(trained)
+    generating, cancelled = dropin["generating"]
+    assert cancelled == generating > 0  # each dropped sample still generating was cancelled
+    assert sum(s["dropped_samples"] for s in dropin["stats"]) == len(dropin["dropped"])
+    assert [(s["param_version"], s["total_consumed"]) for s in dropin["stats"]] == [(25, 100), (50, 100)]
+    assert dropin["checkpoint"] == ["global_step_25", "global_step_25/actor", "global_step_25/staleflow_protocol.json",
+                                    "latest_checkpointed_iteration.txt"]
+    traces = [str(tmp_path / mode / "trace.jsonl") for mode in ("protocol", "dropin")]
+    checked = subprocess.run(peer_command(python, "-m", "staleflow_protocol.check", *traces),
                              capture_output=True, text=True, check=False, timeout=120, cwd=tmp_path, env=env)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "in 2 segment(s)" in checked.stdout.splitlines()[-1], checked.stdout
 
 
 @pytest.mark.ray

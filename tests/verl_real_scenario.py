@@ -1,11 +1,13 @@
 """verl 0.9's own rollouter and trainer code (``FullyAsyncRollouter._processor_worker`` and
 ``reset_staleness``, ``FullyAsyncTrainer._get_samples_from_queue``) with a fake engine, run in one of
-two modes: ``protocol`` (``staleflow_protocol.bindings.verl.ProtocolMessageQueue`` as the message-queue
-client) or ``verl`` (verl's own ``MessageQueue``, ``_process_single_sample_streaming`` and
-``_should_pause_generation``: its count-based staleness control). Run with a Python that has verl
-0.9.1 (installed --no-deps, see docs/integrating.md) and the light package:
-``python tests/verl_real_scenario.py MODE OUT SEED``; writes OUT/result.json (and OUT/trace.jsonl in
-protocol mode). Exit 3 when verl is not importable.
+three modes: ``protocol`` (``staleflow_protocol.bindings.verl.ProtocolMessageQueue`` as the message-queue
+client), ``verl`` (verl's own ``MessageQueue``, ``_process_single_sample_streaming`` and
+``_should_pause_generation``: its count-based staleness control) or ``dropin`` (the drop-in's own
+classes from ``staleflow_protocol.bindings.verl_dropin``: see :func:`run_dropin`). Run with a Python
+that has verl 0.9.1 (installed --no-deps, see docs/integrating.md) and the light package:
+``python tests/verl_real_scenario.py MODE[,MODE...] OUT SEED``; writes OUT/MODE/result.json (and
+OUT/MODE/trace.jsonl but in verl mode), one mode after the other in one process (verl's import is most
+of the time). Exit 3 when verl is not importable.
 
 The objects are made with ``__new__`` and given the attributes these two methods read (their
 constructors need verl's dataset, tokenizer and Ray worker groups); the rollouter subclass overrides
@@ -19,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import json
+import os
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +39,7 @@ try:
     from verl.experimental.fully_async_policy.fully_async_rollouter import FullyAsyncRollouter
     from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
     from verl.experimental.fully_async_policy.message_queue import MessageQueue
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 except ImportError as error:
     print(f"verl is not importable: {error}", file=sys.stderr)
     sys.exit(3)
@@ -43,7 +49,9 @@ def plain_class(actor_class: Any) -> Any:
     return actor_class.__ray_metadata__.modified_class if hasattr(actor_class, "__ray_metadata__") else actor_class
 
 
+from omegaconf import OmegaConf
 from staleflow_protocol.bindings.verl import Admission, ProtocolMessageQueue, protocol_settings
+from staleflow_protocol.bindings.verl_dropin import ProtocolQueue, ProtocolQueueClient, ProtocolRollouterMixin, ProtocolTrainerMixin
 from staleflow_protocol.trace import JsonlTraceWriter
 
 ETA, REQUIRED, STEPS = 1, 4, 50
@@ -93,16 +101,18 @@ class FakeBatch:
 class FakeEngine:
     """verl's ``async_rollout_manager``: generations of seeded random length (event-loop turns) with a
     long tail, stamped with the parameter version the replicas ran when the sample started; about 1
-    in 10 is filtered (a host filter; verl's own mode trains it: it has no filter there)."""
+    in 10 is filtered (a host filter; verl's own mode trains it: it has no filter there). One in ten
+    takes ``slow_turns``."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, slow_turns: int = 120) -> None:
         self.rng = random.Random(seed)
         self.version = 0
+        self.slow_turns = slow_turns
 
     async def generate_sequences_single(self, prompts: FakeBatch) -> FakeBatch:
         started = self.version
         filtered = self.rng.random() < 0.1
-        turns = self.rng.choice((1, 2, 3, 4, 6, 40)) if self.rng.random() < 0.9 else 120
+        turns = self.rng.choice((1, 2, 3, 4, 6, 40)) if self.rng.random() < 0.9 else self.slow_turns
         for _ in range(turns):
             await asyncio.sleep(0)
         return FakeBatch(started, filtered)
@@ -129,8 +139,8 @@ def make_rollouter(rollouter_class: Any, queue: Any, engine: FakeEngine) -> Any:
     return r
 
 
-def make_trainer(queue: ProtocolMessageQueue) -> Any:
-    trainer_class = plain_class(FullyAsyncTrainer)
+def make_trainer(queue: Any, trainer_class: Any = None) -> Any:
+    trainer_class = trainer_class or plain_class(FullyAsyncTrainer)
     t = trainer_class.__new__(trainer_class)
     t.required_samples = REQUIRED
     t.dynamic_schedule_enabled = False
@@ -139,6 +149,13 @@ def make_trainer(queue: ProtocolMessageQueue) -> Any:
     t.tokenizer = None
     t._step_wait_times, t._step_wait_samples = [], []
     return t
+
+
+async def feed(rollouter: Any, epoch: int) -> None:
+    """verl's ``_feed_samples`` without the dataloader: samples ``sample_EPOCH_N`` into the pending queue."""
+    for n in range(10**6):
+        await rollouter.pending_queue.put(RolloutSample(full_batch=FakeBatch(), sample_id=f"sample_{epoch}_{n}", epoch=epoch,
+                                                        rollout_status={}))
 
 
 async def run(mode: str, out: Path, seed: int) -> dict[str, Any]:
@@ -155,12 +172,7 @@ async def run(mode: str, out: Path, seed: int) -> dict[str, Any]:
         rollouter = make_rollouter(plain_class(FullyAsyncRollouter), queue, engine)
     trainer = make_trainer(queue)
 
-    async def feed() -> None:  # _feed_samples, without the dataloader
-        for n in range(10**6):
-            await rollouter.pending_queue.put(RolloutSample(full_batch=FakeBatch(), sample_id=f"sample_0_{n}",
-                                                            epoch=0, rollout_status={}))
-
-    feeder = asyncio.ensure_future(feed())
+    feeder = asyncio.ensure_future(feed(rollouter, epoch=0))
     processor = asyncio.ensure_future(rollouter._processor_worker())
     trained: list[dict[str, Any]] = []
     for step in range(STEPS):
@@ -179,11 +191,148 @@ async def run(mode: str, out: Path, seed: int) -> dict[str, Any]:
     return {"trained": trained, "stats": await queue.get_statistics()}
 
 
+class ActorStandIn:
+    """A Ray actor handle's calling convention, ``handle.method.remote(*args).future()``, over an object
+    whose methods (coroutines or not) run on ``loop``, as a Ray async actor runs its methods on its own
+    event loop: the drop-in's client and trainer call the queue and the rollouter through this."""
+
+    def __init__(self, target: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._target, self._loop = target, loop
+
+    def __getattr__(self, name: str) -> Any:
+        method, loop = getattr(self._target, name), self._loop
+
+        def remote(*args: Any) -> Any:
+            async def call() -> Any:
+                result = method(*args)
+                return await result if inspect.isawaitable(result) else result
+
+            future = asyncio.run_coroutine_threadsafe(call(), loop)
+            return SimpleNamespace(future=lambda: future)
+
+        return SimpleNamespace(remote=remote)
+
+
+def actor_loop() -> asyncio.AbstractEventLoop:
+    """An event loop on a thread of its own: the queue actor's."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return loop
+
+
+class ReplicaPush:
+    """verl's ``CheckpointEngineManager`` on the fake engine: ``update_weights`` loads the version."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    async def update_weights(self, global_steps: int) -> None:
+        self.engine.version = global_steps
+
+
+class VerlTrainerStandIn(plain_class(FullyAsyncTrainer)):  # type: ignore[misc]
+    """verl's trainer with the three methods the drop-in wraps reduced to what they do for it (verl's
+    own call its worker groups): ``set_rollouter`` keeps the rollouter and builds the checkpoint
+    manager; ``_save_checkpoint`` writes ``global_step_N/actor`` and then, last, verl's tracker file;
+    ``load_checkpoint`` finds the folder as verl does (``resume_mode`` auto) and returns its version."""
+
+    engine: FakeEngine
+
+    async def set_rollouter(self, rollouter: Any) -> None:
+        self.rollouter = rollouter
+        self.checkpoint_manager = ReplicaPush(self.engine)
+
+    def _save_checkpoint(self) -> None:
+        root = self.config.trainer.default_local_dir
+        os.makedirs(os.path.join(root, f"global_step_{self.current_param_version}", "actor"), exist_ok=True)
+        Path(root, "latest_checkpointed_iteration.txt").write_text(str(self.current_param_version))
+
+    async def load_checkpoint(self) -> int:
+        folder = find_latest_ckpt_path(self.config.trainer.default_local_dir)
+        self.current_param_version = 0 if folder is None else int(folder.split("global_step_")[-1])
+        return self.current_param_version
+
+
+class DropinRollouter(ProtocolRollouterMixin, plain_class(FullyAsyncRollouter)):  # type: ignore[misc]
+    """The drop-in's rollouter class as ``verl_dropin`` builds it, over verl's own; it records the ids
+    each push reported dropped, how many of them were still generating, and how many of those the
+    mixin's ``weights_loaded`` cancelled."""
+
+    dropped_ids: list[str]
+    generating: list[int]  # [still generating when dropped, of which cancelled]
+
+    async def weights_loaded(self, version: int, dropped: list[str]) -> None:
+        self.dropped_ids += dropped
+        tasks = [self._staleflow_generations()[i] for i in dropped if i in self._staleflow_generations()]
+        await super().weights_loaded(version, dropped)
+        self.generating[0] += len(tasks)
+        self.generating[1] += sum(task.cancelled() or task.cancelling() > 0 for task in tasks)
+
+
+class DropinTrainer(ProtocolTrainerMixin, VerlTrainerStandIn):  # type: ignore[misc]
+    """The drop-in's trainer mixin over the stand-in."""
+
+
+async def run_dropin(out: Path, seed: int, steps: int = 25) -> dict[str, Any]:
+    """The drop-in's classes on verl's own ``_processor_worker``, ``_process_single_sample_streaming``,
+    ``reset_staleness`` and ``_get_samples_from_queue``: ``ProtocolQueue`` built from a verl config
+    (redundancy 1, a trace) on a loop of its own, reached through ``ProtocolQueueClient``; each step the
+    trainer pushes through the checkpoint manager the mixin wraps (``param_synced``, then
+    ``weights_loaded`` on the rollouter, which cancels dropped generations) and verl resets the
+    rollouter's staleness. After ``steps`` steps the trainer checkpoints (the queue first), the run
+    stops, and a new queue, rollouter and trainer resume from verl's latest folder for ``steps`` more."""
+    fully_async_trainer.assemble_batch_from_rollout_samples = (
+        lambda samples, tokenizer, config, balance: SimpleNamespace(samples=samples, meta_info={}))
+    engine = FakeEngine(seed, slow_turns=2000)  # a tail long enough that dropped samples are still generating
+    config = OmegaConf.create({
+        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": REQUIRED}},
+        "async_training": {"require_batches": 1, "trigger_parameter_sync_step": 1, "staleness_threshold": ETA,
+                           "staleflow_redundancy": 1, "staleflow_trace_path": str(out / "trace.jsonl")},
+        "trainer": {"default_local_dir": str(out / "checkpoints"), "resume_mode": "auto", "balance_batch": False},
+    })
+    trained: list[dict[str, Any]] = []
+    stats: list[dict[str, Any]] = []
+    dropped: list[str] = []
+    generating = [0, 0]
+    for run_index in range(2):
+        queue_loop = actor_loop()
+        queue = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0, ProtocolQueue(config)), queue_loop))
+        client = ProtocolQueueClient(ActorStandIn(queue, queue_loop))
+        rollouter = make_rollouter(DropinRollouter, client, engine)
+        rollouter.dropped_ids, rollouter.generating = dropped, generating
+        trainer = make_trainer(client, DropinTrainer)
+        trainer.config, trainer.engine = config, engine
+        start = await trainer.load_checkpoint()
+        await trainer.set_rollouter(ActorStandIn(rollouter, asyncio.get_running_loop()))
+        await trainer.checkpoint_manager.update_weights(global_steps=start)  # fully_async_main pushes before fit
+
+        feeder = asyncio.ensure_future(feed(rollouter, epoch=run_index))
+        processor = asyncio.ensure_future(rollouter._processor_worker())
+        for step in range(start, start + steps):
+            _, batch = await trainer._get_samples_from_queue()
+            samples = [ray.cloudpickle.loads(s) if isinstance(s, bytes) else s for s in batch.samples]
+            trained.append({"version": step, "samples": [[s.sample_id, s.full_batch.version] for s in samples]})
+            trainer.current_param_version = step + 1
+            await trainer.checkpoint_manager.update_weights(global_steps=step + 1)
+            await rollouter.reset_staleness()
+        if run_index == 0:
+            trainer._save_checkpoint()
+        for task in (feeder, processor, *rollouter.active_tasks):
+            task.cancel()
+        await asyncio.gather(feeder, processor, *rollouter.active_tasks, return_exceptions=True)
+        stats.append(await client.get_statistics())
+        await client.shutdown()
+        queue_loop.call_soon_threadsafe(queue_loop.stop)
+    return {"trained": trained, "stats": stats, "dropped": dropped, "generating": generating,
+            "checkpoint": sorted(str(p.relative_to(out / "checkpoints")) for p in (out / "checkpoints").rglob("*"))}
+
+
 if __name__ == "__main__":
-    mode, out, seed = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    out.mkdir(parents=True, exist_ok=True)
-    result = asyncio.run(run(mode, out, seed))
-    (out / "result.json").write_text(json.dumps(result))
-    past = sum(b["version"] - v > ETA for b in result["trained"] for _, v in b["samples"])
-    print(f"trained {sum(len(b['samples']) for b in result['trained'])} samples in {len(result['trained'])} steps, "
-          f"{past} past eta")
+    modes, out, seed = sys.argv[1].split(","), Path(sys.argv[2]), int(sys.argv[3])
+    for mode in modes:
+        (out / mode).mkdir(parents=True, exist_ok=True)
+        result = asyncio.run(run_dropin(out / mode, seed) if mode == "dropin" else run(mode, out / mode, seed))
+        (out / mode / "result.json").write_text(json.dumps(result))
+        past = sum(b["version"] - v > ETA for b in result["trained"] for _, v in b["samples"])
+        print(f"{mode}: trained {sum(len(b['samples']) for b in result['trained'])} samples in {len(result['trained'])} steps, "
+              f"{past} past eta")
