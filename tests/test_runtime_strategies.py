@@ -624,6 +624,48 @@ def test_completion_ledger_consumes_in_the_peers_orders_without_a_bound():
         ledger.add_event_hook(print)
 
 
+def test_completion_ledger_refuses_misuse_and_keeps_its_groups_through_a_consume_that_is_not_ready():
+    """The ledger's own errors (an unknown order, a version it has not reached, a group admitted
+    twice, a snapshot), its view of the groups, and a consume refused for want of fresh groups: the
+    stale ones it set aside are still held, dropped by the consume that succeeds."""
+    from staleflow.protocol.errors import ConsumeNotReadyError, InvalidVersionError
+    from staleflow.protocol.events import GroupStatus
+    from staleflow.runtime.run.group_life import CompletionLedger
+
+    with pytest.raises(ValueError, match="order must be oldest_finished or finish_order, got 'lifo'"):
+        CompletionLedger(eta=1, batch_size=1, order="lifo")
+    ledger = CompletionLedger(eta=0, batch_size=2, order="finish_order", filter_stale=True)
+    with pytest.raises(InvalidVersionError, match="version 1 is not in 0..0"):
+        ledger.reserve("a", 1)
+    with pytest.raises(InvalidVersionError, match="version -1 is not in 0..0"):
+        ledger.can_reserve(-1)
+    for group_id in ("a", "b", "c"):
+        assert ledger.can_reserve(0) and ledger.reserve(group_id, 0)
+    with pytest.raises(ValueError, match="group 'a' is already active"):
+        ledger.reserve("a", 0)
+    ledger.occupy("a")
+    ledger.occupy("b")
+    assert [(r.group_id, r.version, r.status) for r in ledger.groups()] == [
+        ("a", 0, GroupStatus.DONE), ("b", 0, GroupStatus.DONE), ("c", 0, GroupStatus.RUNNING)]
+    assert ledger.consume().group_ids == ("a", "b") and ledger.version == 1
+    ledger.occupy("c")  # now past eta 0
+    ledger.reserve("d", 1)
+    ledger.occupy("d")
+    assert not ledger.can_consume()
+    with pytest.raises(ConsumeNotReadyError, match=r"1 finished groups \(and 1 past eta, not trained\), 2 needed"):
+        ledger.consume()
+    assert "c" in ledger and len(ledger) == 2 and ledger.counts().done == (2,)  # c set aside, still held
+    ledger.reserve("e", 1)
+    ledger.occupy("e")
+    batch = ledger.consume()
+    assert batch.group_ids == ("d", "e") and batch.dropped == ("c",) and len(ledger) == 0 and "c" not in ledger
+    ledger.reserve("f", 2)
+    ledger.abort("f")
+    assert len(ledger) == 0 and ledger.counts().running == (0,)
+    with pytest.raises(ValueError, match="a completion-order system has no protocol snapshot"):
+        ledger.snapshot()
+
+
 # ----------------------------------------------------------------------------- StaleFlow as the authors run it
 def test_evacuation_empties_the_highest_ratio_instance_only_from_ten_requests_and_only_for_a_starved_one():
     from staleflow.runtime.coordination.migration import plan_evacuation

@@ -194,3 +194,50 @@ def test_a_version_published_in_buckets_is_sent_bucket_by_bucket_never_fetched_w
     assert fetched == [0, 1]  # each bucket once, in order, while sending
     assert sent == sum(t.numel() * t.element_size() for t in weights.values())
     assert receiver.received.keys() == weights.keys() and all(torch.equal(receiver.received[k], v) for k, v in weights.items())
+
+
+def test_bad_transfer_settings_and_a_pull_that_fails_are_named() -> None:
+    import time
+
+    from staleflow.adapters.rlkit.weight_sender import wait_until, wire_tensors
+
+    with pytest.raises(TransferBackendError, match="weight-transfer backend must be auto, gloo or nccl, got 'mpi'"):
+        TransferSettings(backend="mpi").resolved_backend(cuda_available=False)
+    with pytest.raises(ValueError, match="wire dtype must be one of .*, got 'int4'"):
+        wire_tensors([("w", torch.ones(1))], "int4")
+    with pytest.raises(TimeoutError, match="an NCCL broadcast did not complete before its deadline"):
+        wait_until(lambda: False, time.monotonic() + 0.01, "an NCCL broadcast")
+
+    class Unreachable:
+        def pull(self, version: int) -> None:
+            raise ConnectionError("the parameter server's actor died")
+
+    with pytest.raises(TransferFailedError, match="pull of version 4: the parameter server's actor died"):
+        TransferWeights(Unreachable(), 4).fetch()
+
+
+def test_a_version_held_by_reference_is_fetched_once_for_every_instance_it_is_sent_to() -> None:
+    """A version pushed as a reference to weights elsewhere (not buckets) is fetched whole at its first
+    send and kept for the next instances; a newer version replaces it."""
+    weights = {"layer.weight": torch.randn(8, 4), "norm.weight": torch.ones(4)}
+    fetches: list[int] = []
+
+    class Elsewhere:
+        def __init__(self, version: int) -> None:
+            self.version = version
+
+        def fetch(self) -> dict[str, torch.Tensor]:
+            fetches.append(self.version)
+            return {k: v * self.version for k, v in weights.items()}
+
+    server = TransferParameterServer(transfer={"backend": "gloo", "wire_dtype": "float32"}, copy_weights=lambda w: w)
+    receivers = {name: GlooReceiver() for name in ("i0", "i1")}
+    for version in (1, 2):
+        server.push(version, Elsewhere(version))
+        for name, receiver in receivers.items():
+            reference = TransferWeights(server, version)
+            if version == 1:
+                reference.connect(name, 1, receiver, backend="gloo")
+            assert reference.deliver(name, receiver) == sum(t.numel() * 4 for t in weights.values())
+            assert all(torch.equal(receiver.received[k], v * version) for k, v in weights.items())
+    assert fetches == [1, 2]

@@ -139,9 +139,11 @@ class CompletionLedger:
         for group_id in dropped:
             del self._done[group_id]
         if len(self._done) < self.batch_size:
+            fresh = len(self._done)
             for group_id in dropped:
                 self._done[group_id] = None
-            raise ConsumeNotReadyError(f"{len(self._done)} finished groups, {self.batch_size} needed")
+            past = f" (and {len(dropped)} past eta, not trained)" if dropped else ""
+            raise ConsumeNotReadyError(f"{fresh} finished groups{past}, {self.batch_size} needed")
         if self.order == "finish_order":
             taken = list(self._done)[: self.batch_size]
         else:
