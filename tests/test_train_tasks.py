@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from skips import require
 from staleflow.app.evaluation import EngineEvaluator
 from staleflow.app.job_parts import wants_warmup
@@ -301,3 +302,48 @@ def test_the_trainers_greedy_evaluation_scores_through_the_resolved_scorer(tiny_
     expected = [1.0] + [repeat_letter_reward(p.answer[0] * 2, p.answer) for p in prompts[1:]]
     assert figures["eval_reward"] == pytest.approx(sum(expected) / 4)
     assert figures["eval_exact"] == pytest.approx(sum(1 for r in expected if r == 1.0) / 4)
+
+
+def test_the_progress_bar_and_tensorboard_record_what_the_jsonl_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``metrics.progress`` and ``metrics.tensorboard`` on: the bar's last state (reward, staleness
+    histogram, versions), evaluations and events on the console, the scalars in TensorBoard's event
+    file, and a NaN written to ``metrics.jsonl`` as null (JSON has none)."""
+    from staleflow.app.metrics import MetricsLog, read_metrics
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLog(tmp_path, total_steps=2, tensorboard=True, progress=True)
+    log.step(1, {"reward_mean": 0.5, "tokens_per_s": 1234.4, "loss": float("nan"), "group_staleness": {"1": 3, "0": 5}}, versions=[0, 1])
+    task = log._progress.tasks[0]  # type: ignore[union-attr]
+    assert (task.completed, task.total) == (1, 2)
+    assert task.fields == {"reward": "0.500", "tps": "1234", "staleness": "0:5 1:3", "versions": "0/1"}
+    log.eval(1, {"eval_reward": 0.25, "eval_rows": 8})
+    log.event("checkpoint", step=1, path="checkpoints/step-000001")
+    log.close()
+    out = capsys.readouterr().out
+    assert "eval at step 1: eval_reward 0.250" in out and "checkpoint: step=1, path=checkpoints/step-000001" in out
+    records = read_metrics(tmp_path)
+    assert [r["kind"] for r in records] == ["step", "eval", "checkpoint"] and records[0]["loss"] is None
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"train/reward_mean", "train/tokens_per_s", "eval/eval_reward", "eval/eval_rows"}
+    assert [(e.step, e.value) for e in events.Scalars("train/reward_mean")] == [(1, 0.5)]
+
+
+def test_the_base_model_is_the_users_folder_or_a_tiny_model_per_seed(tmp_path: Path) -> None:
+    """``model.path`` without a ``config.json`` is refused by name; a user's folder is version 0 itself
+    when there is no warm-up (not copied); the tiny model gets one folder per ``model.seed``, and
+    different seeds different weights."""
+    from safetensors.torch import load_file
+    from staleflow.app.job_parts import base_model, warm_start
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"model.path {tmp_path / 'empty'} is not a local model folder \\(no config.json\\)"):
+        base_model(load_config(overrides=[f"model.path={tmp_path / 'empty'}"]))
+    folders = {seed: base_model(load_config(overrides=[f"model.tiny_model_dir={tmp_path / 'tiny'}", f"model.seed={seed}"]))
+               for seed in (0, 3)}
+    assert folders == {0: tmp_path / "tiny", 3: tmp_path / "tiny-seed3"}
+    weights = [load_file(str(next(folders[seed].glob("*.safetensors")))) for seed in (0, 3)]
+    assert weights[0].keys() == weights[1].keys() and any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    user = load_config(overrides=[f"model.path={folders[3]}", "warmup.when=never"])
+    assert warm_start(user, folders[3], tmp_path / "run" / "model-v0", tokens=None) == (folders[3], 0.0)  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
