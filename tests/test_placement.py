@@ -168,6 +168,14 @@ def test_tensor_parallel_engines_capture_their_group_and_their_workers_get_one_g
         with pytest.raises(PlacementError, match="GPU: the job needs 6 .* the cluster has 4"):
             placement.reserve(bigger)
         assert len(ray.util.list_named_actors()) == 0 and len(placement._actors) == 2  # nothing more started
+        # within the cluster's totals but not its free GPUs (the first plan holds all 4): refused in time, its groups removed
+        free_plan = plan_placement(load_config(overrides=["rollout.instances=1", "rollout.gpus_per_instance=2"]))
+        live = lambda: sorted(g["placement_group_id"] for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED")  # noqa: E731
+        held = live()
+        with pytest.raises(PlacementError, match=r"could not place the job's 1 placement groups within 2 s \(no node holds a group\? "
+                                                 r"the widest is rollout-0: 2 GPU on "):
+            placement.reserve(free_plan, timeout_s=2)
+        assert live() == held and placement._plan is plan
     finally:
         placement.close()
     assert ray.is_initialized()  # a placement on a cluster it did not start leaves the cluster running
