@@ -83,3 +83,25 @@ def test_a_failed_update_resumes_scheduling() -> None:
     with pytest.raises(ConnectionError):
         sync.receive(Failing())
     assert engine.calls[-2:] == ["start_weight_update", "resume_scheduler()"]
+
+
+def test_the_chunked_nccl_engine_is_what_vllms_factory_builds_for_its_name_and_refuses_before_init() -> None:
+    """``staleflow_nccl`` registered with vLLM's factory loads the chunked engine (a subclass of vLLM's
+    NCCL engine, imported lazily by its module path); receiving before the group exists is refused by
+    name. (The receive itself broadcasts on a CUDA stream: the GPU check runs it.)"""
+    from skips import require
+
+    require("vllm", "cpu-infer")
+    from staleflow.adapters.vllm.weight_transfer import ENGINES, register_engines
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    register_engines()
+    register_engines()  # a second registration in the same process is a no-op
+    name = ENGINES["nccl"][0]
+    engine_class = WeightTransferEngineFactory._registry[name]()
+    assert engine_class.__name__ == "ChunkedNCCLWeightTransferEngine" and issubclass(engine_class, NCCLWeightTransferEngine)
+    engine = engine_class.__new__(engine_class)
+    engine.model_update_group = None
+    with pytest.raises(RuntimeError, match="the NCCL weight transfer is not initialised: call init_weight_transfer_engine first"):
+        engine.receive_weights(None)
