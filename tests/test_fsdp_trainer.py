@@ -283,3 +283,30 @@ def test_the_model_state_estimate_and_the_offload_it_chooses() -> None:
     with pytest.raises(ValueError, match="train.cpu_offload must be one of auto, on, off, got 'yes'"):
         choose_offload("yes", 1, 1, None)
 
+
+
+def test_a_dead_ranks_exit_code_is_reported_when_its_pipe_closes_before_it_is_reaped() -> None:
+    """A rank's pipe closes as it exits, before the process is reaped: the group read the exit code at
+    once and reported "exit code None" on a loaded machine (seen in a full run). The rank process
+    here answers ``exitcode`` only once joined, as a not yet reaped process does."""
+    from staleflow.adapters.rlkit.worker_group import ProcessWorkers, WorkerGroupError
+
+    class NotYetReaped:
+        def __init__(self, proc) -> None:  # type: ignore[no-untyped-def]
+            self._proc, self._joined = proc, False
+
+        def join(self, timeout=None) -> None:  # type: ignore[no-untyped-def]
+            self._proc.join(timeout)
+            self._joined = True
+
+        @property
+        def exitcode(self):  # type: ignore[no-untyped-def]
+            return self._proc.exitcode if self._joined else None
+
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            return getattr(self._proc, name)
+
+    workers = ProcessWorkers(functools.partial(types.SimpleNamespace, run=eval), 1, timeout_s=120)
+    workers._procs[0] = NotYetReaped(workers._procs[0])
+    with pytest.raises(WorkerGroupError, match=r"rank 0 died during 'run' \(exit code 7\)"):
+        workers.call_all("run", [("__import__('os')._exit(7)",)])

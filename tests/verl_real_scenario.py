@@ -259,11 +259,12 @@ class DropinRollouter(ProtocolRollouterMixin, plain_class(FullyAsyncRollouter)):
     mixin's ``weights_loaded`` cancelled."""
 
     dropped_ids: list[str]
-    generating: list[int]  # [still generating when dropped, of which cancelled]
+    generating: list[int]  # [still generating (not done) when dropped, of which cancelled]
 
     async def weights_loaded(self, version: int, dropped: list[str]) -> None:
         self.dropped_ids += dropped
-        tasks = [self._staleflow_generations()[i] for i in dropped if i in self._staleflow_generations()]
+        generations = self._staleflow_generations()  # a finished one may stay listed until its caller resumes
+        tasks = [generations[i] for i in dropped if i in generations and not generations[i].done()]
         await super().weights_loaded(version, dropped)
         self.generating[0] += len(tasks)
         self.generating[1] += sum(task.cancelled() or task.cancelling() > 0 for task in tasks)

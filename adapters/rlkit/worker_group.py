@@ -127,13 +127,13 @@ class ProcessWorkers:
                     try:
                         status, value = conn.recv()
                     except (EOFError, OSError):
-                        self._fail(f"rank {rank} died during {name!r} (exit code {proc.exitcode})")
+                        self._fail(f"rank {rank} died during {name!r} (exit code {_exit_code(proc)})")
                     if status == "error":
                         self._fail(f"rank {rank} failed in {name!r}:\n{value}")
                     answers[rank] = value
                     pending.discard(rank)
                 elif not proc.is_alive():
-                    self._fail(f"rank {rank} died during {name!r} (exit code {proc.exitcode})")
+                    self._fail(f"rank {rank} died during {name!r} (exit code {_exit_code(proc)})")
             if time.monotonic() > deadline:
                 self._fail(f"ranks {sorted(pending)} did not answer {name!r} within {self.timeout_s:.0f} s")
         return answers
@@ -162,6 +162,13 @@ class ProcessWorkers:
                 proc.join(timeout=10)
         for conn in self._conns:
             conn.close()
+
+
+def _exit_code(proc: Any) -> int | None:
+    """The exit code of a rank whose pipe closed: its pipe closes as it exits, before it is reaped,
+    so it is waited for (briefly) first; None if it has not ended by then."""
+    proc.join(timeout=5)
+    return proc.exitcode  # type: ignore[no-any-return]
 
 
 class _RankHost:
