@@ -136,14 +136,12 @@ class CompletionLedger:
 
     def consume(self) -> ConsumedBatch:
         dropped = self._stale()
-        for group_id in dropped:
-            del self._done[group_id]
-        if len(self._done) < self.batch_size:
-            fresh = len(self._done)
-            for group_id in dropped:
-                self._done[group_id] = None
+        fresh = len(self._done) - len(dropped)
+        if fresh < self.batch_size:
             past = f" (and {len(dropped)} past eta, not trained)" if dropped else ""
             raise ConsumeNotReadyError(f"{fresh} finished groups{past}, {self.batch_size} needed")
+        for group_id in dropped:
+            del self._done[group_id]
         if self.order == "finish_order":
             taken = list(self._done)[: self.batch_size]
         else:
