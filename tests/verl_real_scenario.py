@@ -151,6 +151,12 @@ def make_trainer(queue: Any, trainer_class: Any = None) -> Any:
     return t
 
 
+def assemble_batches_as_lists() -> None:
+    """The trainer's ``assemble_batch_from_rollout_samples`` (tensor padding) replaced by the list of samples."""
+    fully_async_trainer.assemble_batch_from_rollout_samples = (
+        lambda samples, tokenizer, config, balance: SimpleNamespace(samples=samples, meta_info={}))
+
+
 async def feed(rollouter: Any, epoch: int) -> None:
     """verl's ``_feed_samples`` without the dataloader: samples ``sample_EPOCH_N`` into the pending queue."""
     for n in range(10**6):
@@ -159,8 +165,7 @@ async def feed(rollouter: Any, epoch: int) -> None:
 
 
 async def run(mode: str, out: Path, seed: int) -> dict[str, Any]:
-    fully_async_trainer.assemble_batch_from_rollout_samples = (
-        lambda samples, tokenizer, config, balance: SimpleNamespace(samples=samples, meta_info={}))
+    assemble_batches_as_lists()
     engine = FakeEngine(seed)
     writer = None
     if mode == "protocol":
@@ -282,8 +287,7 @@ async def run_dropin(out: Path, seed: int, steps: int = 25) -> dict[str, Any]:
     ``weights_loaded`` on the rollouter, which cancels dropped generations) and verl resets the
     rollouter's staleness. After ``steps`` steps the trainer checkpoints (the queue first), the run
     stops, and a new queue, rollouter and trainer resume from verl's latest folder for ``steps`` more."""
-    fully_async_trainer.assemble_batch_from_rollout_samples = (
-        lambda samples, tokenizer, config, balance: SimpleNamespace(samples=samples, meta_info={}))
+    assemble_batches_as_lists()
     engine = FakeEngine(seed, slow_turns=2000)  # a tail long enough that dropped samples are still generating
     config = OmegaConf.create({
         "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": REQUIRED}},
