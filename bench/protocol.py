@@ -105,13 +105,14 @@ def scaling(active: int, eta: int, rounds: int, seed: int, overhead_ns: float) -
     return {op: timings.total_ns[op] / timings.count[op] for op in ("reserve", "occupy", "abort")}
 
 
-def drive_fixed_size(active: int, eta: int, rounds: int, seed: int, call: Callable[[str, Callable[[], object]], object]) -> None:
-    """Fill the protocol to ``active`` groups, half of them finished (not through ``call``); then each
-    of ``rounds`` aborts a random finished group, reserves a new one in its place and finishes a
-    random running one, each call through ``call(op, fn)``: the size stays constant and dict
-    resizing during the fill is not counted."""
+def drive_fixed_size(active: int, eta: int, rounds: int, seed: int, call: Callable[[str, Callable[[], object]], object],
+                     manager_class: type[StalenessManager] = StalenessManager) -> None:
+    """Fill the protocol (a ``manager_class``) to ``active`` groups, half of them finished (not
+    through ``call``); then each of ``rounds`` aborts a random finished group, reserves a new one in
+    its place and finishes a random running one, each call through ``call(op, fn)``: the size stays
+    constant and dict resizing during the fill is not counted."""
     rng = random.Random(seed)
-    manager = StalenessManager(eta=eta, batch_size=active // (eta + 1))
+    manager = manager_class(eta=eta, batch_size=active // (eta + 1))
     for group_id in range(active):
         manager.reserve(group_id, 0)
     running, done = list(range(0, active, 2)), list(range(1, active, 2))
