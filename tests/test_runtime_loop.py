@@ -12,6 +12,7 @@ from staleflow.runtime.run.assembly import assemble_run
 from staleflow.runtime.run.clock import RealClock, VirtualClock
 from staleflow.runtime.run.loop import RunParts, RunStalledError
 from staleflow.runtime.run.run_spec import RunSpec
+from staleflow.runtime.servers.parameter_server import ParameterServer
 from staleflow.runtime.settings.policies import POLICIES, make_policy
 from staleflow.runtime.types import PromptGroup
 
@@ -60,6 +61,54 @@ def test_every_policy_keeps_the_bound_and_loses_nothing(name):
     consumes = [e for e in events if e.op == "consume"]
     assert [e.batch.version for e in consumes] == list(range(8))
     json.dumps(metrics.to_dict())
+
+
+class UnreachableWhile(ParameterServer):
+    """A parameter server that refuses pushes (ConnectionError, the failure contract) while the clock
+    is in ``[start, end)``: the versions trained meanwhile reach it, in order, at the first retry after."""
+
+    def __init__(self, clock, start, end):
+        super().__init__()
+        self.clock, self.start, self.end = clock, start, end
+
+    def push(self, version, weights):
+        if self.start <= self.clock.now() < self.end:
+            raise ConnectionError(f"push of version {version}: the parameter server is unreachable")
+        super().push(version, weights)
+
+
+class LagRecorder(FakeEngine):
+    """A fake engine that records, at each snapshot, how many versions it is behind the trainer."""
+
+    def __init__(self, *args, trainer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trainer, self.lags = trainer, []
+
+    def snapshot(self):
+        self.lags.append(self.trainer.version - self.version)
+        return super().snapshot()
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+def test_every_policy_keeps_the_bound_while_its_instances_lag_past_eta(name):
+    """The parameter server is unreachable from t = 2 s to 8 s: the trainer goes on while every
+    instance stays on the last version pushed, more than eta versions behind. Groups may be admitted
+    only at versions the protocol still admits; a reserve that admitted a group one version past
+    its deadline (``_slack_at`` accepting offset -1) trains it eta + 1 versions late, or stalls the run."""
+    clock = VirtualClock()
+    trainer = FakeTrainer(clock, 0.5)
+    engines = [LagRecorder(f"i{k}", clock, max_running=6, trainer=trainer) for k in range(4)]
+    spec = RunSpec(make_policy(name), eta=2, batch_size=4, tick_s=0.5)
+    parts = RunParts(engines=engines, trainer=trainer, prompts=prompt_groups(4), cost_model=MODEL, clock=clock,
+                     parameter_server=UnreachableWhile(clock, 2.0, 8.0))
+    loop = assemble_run(spec, parts)
+    metrics = loop.run(10)
+    eta = loop.manager.eta
+    assert loop.stats.counters["push_failures"] > 0
+    assert max(lag for e in engines for lag in e.lags) > eta, "no instance lagged past eta: the scenario tests nothing"
+    assert [b.version for b in trainer.batches] == list(range(10))
+    check_bound(trainer, eta)
+    assert metrics.max_staleness <= eta and metrics.audit_ok and metrics.lost == 0 and metrics.duplicated == 0
 
 
 def test_sync_is_on_policy_and_one_step_off_at_most_one():
