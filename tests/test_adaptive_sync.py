@@ -79,14 +79,20 @@ def test_a_broadcast_load_on_a_parameter_server_link_takes_the_broadcast_time_an
     assert link.transfer_s(0.0) == 60 / 25
 
 
-def test_a_simulated_run_at_a_tight_bound_broadcasts_where_the_network_favours_it() -> None:
+def test_a_simulated_run_at_a_tight_bound_broadcasts_where_the_network_favours_it_and_pulls_where_it_does_not() -> None:
+    """The same adaptive run on two networks: a slow parameter server and a fast broadcast (pulls
+    of stuck instances cost more: it broadcasts), then a fast server and links with a slow broadcast
+    (it never broadcasts). Without the cost comparison it would broadcast on both."""
     base = load_workload("small-ci")
-    # a slow parameter server and a fast broadcast: pulls of stuck instances cost more
-    network = NetworkSpec(weights_gb=10, ps_gb_per_s=5, link_gb_per_s=5, broadcast_gb_per_s=100)
-    workload = base.model_copy(update={"network": network})
+    favours_broadcast = NetworkSpec(weights_gb=10, ps_gb_per_s=5, link_gb_per_s=5, broadcast_gb_per_s=100)
+    workload = base.model_copy(update={"network": favours_broadcast})
     adaptive = simulate_system(workload, "staleflow", eta=0, steps=3, seed=0, sync="adaptive")
     pulls = simulate_system(workload, "staleflow", eta=0, steps=3, seed=0)
     assert adaptive["sync_loads"]["broadcast_pulls"] > 0
     assert pulls["sync_loads"]["broadcast_pulls"] == 0 and pulls["sync_loads"]["pulls"] > 0
     assert adaptive["lost"] == adaptive["duplicated"] == 0
     assert adaptive["max_staleness"] <= 0
+    favours_pulls = NetworkSpec(weights_gb=10, ps_gb_per_s=1000, link_gb_per_s=100, broadcast_gb_per_s=1)
+    adaptive = simulate_system(base.model_copy(update={"network": favours_pulls}), "staleflow", eta=0, steps=3, seed=0, sync="adaptive")
+    assert adaptive["sync_loads"]["broadcast_pulls"] == 0 and adaptive["sync_loads"]["pulls"] > 0, adaptive["sync_loads"]
+    assert adaptive["lost"] == adaptive["duplicated"] == 0 and adaptive["max_staleness"] <= 0

@@ -1,7 +1,7 @@
 """Finding 8 of issue 24 (MoE): a version is published in the training dtype, one bucket at a time
 on rank 0 (never the full fp32 state dict); a 2-layer random Qwen3-MoE trains on FSDP and exports
 to a folder transformers loads; Megatron refuses it by name, finds q/k norms from the architecture
-and honours ``train.dtype``. (The vLLM load path of the same model: ``tests/test_vllm_moe.py``.)"""
+and is given ``train.dtype`` by the job config. (The vLLM load path of the same model: ``tests/test_vllm_moe.py``.)"""
 
 from __future__ import annotations
 
@@ -145,8 +145,12 @@ def test_megatrons_qk_norm_is_read_from_the_architecture_not_the_model_type() ->
 
 
 @pytest.mark.parametrize(("dtype", "bf16"), [("fp32", False), ("bf16", True), ("auto", True)])
-def test_megatron_trains_in_the_configured_dtype(dtype: str, bf16: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """``train.dtype`` was ignored by the Megatron trainer (always bf16); auto is bf16 (Megatron runs on GPUs)."""
+def test_the_job_config_passes_train_dtype_to_the_megatron_trainer(dtype: str, bf16: bool, monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """The config wiring only: ``make_trainer`` builds ``MegatronTrainer`` with ``bf16`` from
+    ``train.dtype`` (it was always bf16; auto is bf16, Megatron runs on GPUs). The trainer is
+    replaced by a recorder of its arguments: whether Megatron then trains in that dtype needs a GPU
+    (docs/gpu.md)."""
     from staleflow.adapters.megatron import trainer as megatron
     from staleflow.app import job_parts
     from staleflow.runtime.settings.config import load_config

@@ -666,6 +666,30 @@ def test_completion_ledger_refuses_misuse_and_keeps_its_groups_through_a_consume
         ledger.snapshot()
 
 
+
+def test_a_consume_the_completion_ledger_refuses_leaves_its_finish_order_as_it_was():
+    """A refused consume changes nothing (as the protocol's operations): the stale groups it looked
+    at keep their place in the finish order. It took them out and put them back at the end, behind
+    groups that finished after them (fixed in 9d74391). Nothing a consume returns shows that order
+    today (the stale groups are dropped by the next consume that succeeds, before any fresh group can
+    turn stale), so the order is read where the ledger keeps it."""
+    from staleflow.protocol.errors import ConsumeNotReadyError
+    from staleflow.runtime.run.group_life import CompletionLedger
+
+    ledger = CompletionLedger(eta=0, batch_size=2, order="finish_order", filter_stale=True)
+    for group_id in ("old", "x", "y"):
+        ledger.reserve(group_id, 0)
+    ledger.occupy("x")
+    ledger.occupy("y")
+    assert ledger.consume().group_ids == ("x", "y")
+    ledger.occupy("old")  # finished first of those now held, past eta 0
+    ledger.reserve("new", 1)
+    ledger.occupy("new")
+    before = list(ledger._done)
+    with pytest.raises(ConsumeNotReadyError, match=r"1 finished groups \(and 1 past eta, not trained\), 2 needed"):
+        ledger.consume()
+    assert list(ledger._done) == before == ["old", "new"]
+
 # ----------------------------------------------------------------------------- StaleFlow as the authors run it
 def test_evacuation_empties_the_highest_ratio_instance_only_from_ten_requests_and_only_for_a_starved_one():
     from staleflow.runtime.coordination.migration import plan_evacuation
