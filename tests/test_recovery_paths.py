@@ -6,7 +6,8 @@ loop quiesces for a checkpoint; a parameter server whose pushes keep failing (th
 with an error naming the version and who needed it); a trace whose last line a killed writer tore.
 Each run must still end with nothing lost or duplicated and every group within the bound, or fail
 with the error the contract promises. (A dying vLLM engine thread: tests/test_vllm_engine_failure.py;
-a killed instance actor: tests/test_chaos.py; a killed driver resumed: tests/test_train_e2e.py.)
+a killed instance actor: tests/test_chaos.py; a killed driver resumed: tests/test_driver_kill.py, in
+the nightly tier; a whole job resumed from a checkpoint, in CI: tests/test_train_e2e.py.)
 """
 
 from __future__ import annotations

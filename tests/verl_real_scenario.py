@@ -51,10 +51,22 @@ def plain_class(actor_class: Any) -> Any:
 
 from omegaconf import OmegaConf
 from staleflow_protocol.bindings.verl import Admission, ProtocolMessageQueue, protocol_settings
-from staleflow_protocol.bindings.verl_dropin import ProtocolQueue, ProtocolQueueClient, ProtocolRollouterMixin, ProtocolTrainerMixin
+from staleflow_protocol.bindings.verl_dropin import (
+    ProtocolQueue,
+    ProtocolQueueClient,
+    ProtocolRollouterMixin,
+    ProtocolTrainerMixin,
+    current_reservation,
+)
 from staleflow_protocol.trace import JsonlTraceWriter
 
 ETA, REQUIRED, STEPS = 1, 4, 50
+#: Seconds the drop-in mode's weight push takes (verl's checkpoint engine broadcasting): generations
+#: started meanwhile run on the previous weights.
+PUSH_S = 0.005
+#: Seconds a step of the drop-in mode may take before the run is reported stalled (a step takes
+#: milliseconds; verl's rollouter lock held while every slot waits to be admitted never ends).
+STALL_S = 60.0
 
 
 class ProtocolRollouter(plain_class(FullyAsyncRollouter)):  # type: ignore[misc]
@@ -93,6 +105,7 @@ class FakeBatch:
     def __init__(self, version: int = -1, filtered: bool = False) -> None:
         self.non_tensor_batch: dict[str, Any] = {}
         self.version, self.filtered = version, filtered
+        self.reserved = -1  # the version the sample was reserved under (the drop-in's mode records it)
 
     def __len__(self) -> int:
         return 1
@@ -226,13 +239,28 @@ def actor_loop() -> asyncio.AbstractEventLoop:
 
 
 class ReplicaPush:
-    """verl's ``CheckpointEngineManager`` on the fake engine: ``update_weights`` loads the version."""
+    """verl's ``CheckpointEngineManager`` on the fake engine: ``update_weights`` takes :data:`PUSH_S`
+    (the event loop runs on: generations start on the old weights meanwhile), then loads the version."""
 
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
 
     async def update_weights(self, global_steps: int) -> None:
+        await asyncio.sleep(PUSH_S)
         self.engine.version = global_steps
+
+
+class ReservingEngine(FakeEngine):
+    """The fake engine under the drop-in: each generation also records the version its sample was
+    reserved under (``current_reservation``), to compare with the weights it ran on."""
+
+    async def generate_sequences_single(self, prompts: FakeBatch) -> FakeBatch:
+        reservation = current_reservation()
+        assert reservation is not None, "a generation started without a reservation"
+        reserved = reservation.version
+        generated = await super().generate_sequences_single(prompts)
+        generated.reserved = reserved
+        return generated
 
 
 class VerlTrainerStandIn(plain_class(FullyAsyncTrainer)):  # type: ignore[misc]
@@ -279,6 +307,21 @@ class DropinTrainer(ProtocolTrainerMixin, VerlTrainerStandIn):  # type: ignore[m
     """The drop-in's trainer mixin over the stand-in."""
 
 
+async def train_and_push(trainer: Any, rollouter: Any, step: int) -> dict[str, Any]:
+    """One step of the drop-in mode: the batch, the push of the next version, verl's reset; the
+    batch's record (each sample's id, the version of its weights, the version it was reserved under)."""
+    _, batch = await trainer._get_samples_from_queue()
+    samples = [ray.cloudpickle.loads(s) if isinstance(s, bytes) else s for s in batch.samples]
+    rows = [[s.sample_id, s.full_batch.version, s.full_batch.reserved] for s in samples]
+    ahead = [row for row in rows if row[2] > row[1]]
+    if ahead:  # stop at once: the test finds it in the result too, but a run gone wrong may also stall
+        raise AssertionError(f"step {step}: [sample, weights, reserved] {ahead}: reserved under a newer version than its weights")
+    trainer.current_param_version = step + 1
+    await trainer.checkpoint_manager.update_weights(global_steps=step + 1)
+    await rollouter.reset_staleness()
+    return {"version": step, "samples": rows}
+
+
 async def run_dropin(out: Path, seed: int, steps: int = 25) -> dict[str, Any]:
     """The drop-in's classes on verl's own ``_processor_worker``, ``_process_single_sample_streaming``,
     ``reset_staleness`` and ``_get_samples_from_queue``: ``ProtocolQueue`` built from a verl config
@@ -288,7 +331,7 @@ async def run_dropin(out: Path, seed: int, steps: int = 25) -> dict[str, Any]:
     rollouter's staleness. After ``steps`` steps the trainer checkpoints (the queue first), the run
     stops, and a new queue, rollouter and trainer resume from verl's latest folder for ``steps`` more."""
     assemble_batches_as_lists()
-    engine = FakeEngine(seed, slow_turns=2000)  # a tail long enough that dropped samples are still generating
+    engine = ReservingEngine(seed, slow_turns=2000)  # a tail long enough that dropped samples are still generating
     config = OmegaConf.create({
         "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": REQUIRED}},
         "async_training": {"require_batches": 1, "trigger_parameter_sync_step": 1, "staleness_threshold": ETA,
@@ -314,12 +357,10 @@ async def run_dropin(out: Path, seed: int, steps: int = 25) -> dict[str, Any]:
         feeder = asyncio.ensure_future(feed(rollouter, epoch=run_index))
         processor = asyncio.ensure_future(rollouter._processor_worker())
         for step in range(start, start + steps):
-            _, batch = await trainer._get_samples_from_queue()
-            samples = [ray.cloudpickle.loads(s) if isinstance(s, bytes) else s for s in batch.samples]
-            trained.append({"version": step, "samples": [[s.sample_id, s.full_batch.version] for s in samples]})
-            trainer.current_param_version = step + 1
-            await trainer.checkpoint_manager.update_weights(global_steps=step + 1)
-            await rollouter.reset_staleness()
+            try:
+                trained.append(await asyncio.wait_for(train_and_push(trainer, rollouter, step), STALL_S))
+            except TimeoutError:
+                raise RuntimeError(f"the drop-in run stalled at step {step}: no batch trained and pushed in {STALL_S:.0f} s") from None
         if run_index == 0:
             trainer._save_checkpoint()
         for task in (feeder, processor, *rollouter.active_tasks):
@@ -338,6 +379,6 @@ if __name__ == "__main__":
         (out / mode).mkdir(parents=True, exist_ok=True)
         result = asyncio.run(run_dropin(out / mode, seed) if mode == "dropin" else run(mode, out / mode, seed))
         (out / mode / "result.json").write_text(json.dumps(result))
-        past = sum(b["version"] - v > ETA for b in result["trained"] for _, v in b["samples"])
+        past = sum(b["version"] - v > ETA for b in result["trained"] for _, v, *_ in b["samples"])
         print(f"{mode}: trained {sum(len(b['samples']) for b in result['trained'])} samples in {len(result['trained'])} steps, "
               f"{past} past eta")
