@@ -46,39 +46,47 @@ LINE_CAP = 5_000
 PROTOCOL_DIR = str(Path(manager_module.__file__).resolve().parent)
 
 
-def calls_per_op(drive: Callable[[Callable[[str, Callable[[], object]], object]], None]) -> dict[str, float]:
-    """Mean profiled calls per operation of each kind that ``drive(call)`` makes through ``call``
-    (the driver's own lambda not counted)."""
-    calls: Counter[str] = Counter()
+Drive = Callable[[Callable[[str, Callable[[], object]], object]], None]
+
+
+def _events_per_op(drive: Drive, set_hook: Callable[[Any], object], hook: Any, seen: list[int], own: int) -> dict[str, float]:
+    """Mean events per operation of each kind that ``drive(call)`` makes through ``call``: ``hook``
+    is installed with ``set_hook`` (``sys.setprofile`` or ``sys.settrace``) around each operation and
+    counts its events in ``seen[0]``; ``own``: the events of the driver's own lambda, not counted."""
+    events: Counter[str] = Counter()
     ops: Counter[str] = Counter()
+
+    def call(op: str, fn: Callable[[], object]) -> object:
+        seen[0] = 0
+        set_hook(hook)
+        try:
+            result = fn()
+        finally:
+            set_hook(None)
+        events[op] += seen[0] - own
+        ops[op] += 1
+        return result
+
+    drive(call)
+    return {op: events[op] / ops[op] for op in ops}
+
+
+def calls_per_op(drive: Drive) -> dict[str, float]:
+    """Mean profiled calls (``call`` and ``c_call`` events) per operation of each kind that
+    ``drive(call)`` makes through ``call`` (the driver's own lambda not counted)."""
     seen = [0]
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event in ("call", "c_call"):
             seen[0] += 1
 
-    def call(op: str, fn: Callable[[], object]) -> object:
-        seen[0] = 0
-        sys.setprofile(profile)
-        try:
-            result = fn()
-        finally:
-            sys.setprofile(None)
-        calls[op] += seen[0] - 1
-        ops[op] += 1
-        return result
-
-    drive(call)
-    return {op: calls[op] / ops[op] for op in ops}
+    return _events_per_op(drive, sys.setprofile, profile, seen, own=1)
 
 
-def lines_per_op(drive: Callable[[Callable[[str, Callable[[], object]], object]], None],
-                 code: tuple[str, ...] = (PROTOCOL_DIR,)) -> dict[str, float]:
+def lines_per_op(drive: Drive, code: tuple[str, ...] = (PROTOCOL_DIR,)) -> dict[str, float]:
     """Mean line events per operation of each kind that ``drive(call)`` makes through ``call``, in
     frames of the files under ``code`` only (the protocol package's; each operation counted up to
     :data:`LINE_CAP`)."""
-    lines: Counter[str] = Counter()
-    ops: Counter[str] = Counter()
     seen = [0]
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
@@ -92,19 +100,7 @@ def lines_per_op(drive: Callable[[Callable[[str, Callable[[], object]], object]]
     def on_call(frame: FrameType, event: str, arg: Any) -> Any:
         return local if frame.f_code.co_filename.startswith(code) else None
 
-    def call(op: str, fn: Callable[[], object]) -> object:
-        seen[0] = 0
-        sys.settrace(on_call)
-        try:
-            result = fn()
-        finally:
-            sys.settrace(None)
-        lines[op] += seen[0]
-        ops[op] += 1
-        return result
-
-    drive(call)
-    return {op: lines[op] / ops[op] for op in ops}
+    return _events_per_op(drive, sys.settrace, on_call, seen, own=0)
 
 
 @pytest.mark.parametrize(("eta", "batch_size"), [(1, 64), (3, 64), (1, 512), (3, 512)])
