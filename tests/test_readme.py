@@ -24,7 +24,8 @@ def test_every_relative_link_of_the_readme_resolves() -> None:
 
 def test_the_link_check_finds_a_missing_file_and_a_missing_anchor(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "page.md").write_text("# Page\n\n## Time to quality (`staleflow bench time-to-quality`)\n\n```\n# not a heading\n```\n")
+    page = "# Page\n\n## Time to quality (`staleflow bench time-to-quality`)\n\n```\n# not a heading\n```\n"
+    (tmp_path / "docs" / "page.md").write_text(page)
     readme = tmp_path / "README.md"
     readme.write_text(
         "# Title\n\n## Results\n\n"
