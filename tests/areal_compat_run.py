@@ -20,8 +20,8 @@ from __future__ import annotations
 import inspect
 import json
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))  # python -I leaves the script's folder off the path
