@@ -118,19 +118,26 @@ def attribute_values() -> dict[str, Any]:
 
 def zero_batch() -> dict[str, Any]:
     """AReaL clamps ``consumer_batch_size`` and ``max_concurrent_rollouts`` 0 to 1, and a rank's share
-    ``consumer_batch_size // dp`` 0 to 1: a rollout of each, compared on attributes and on what it starts."""
-    got: dict[str, Any] = {}
-    areal = StalenessManager(version_provider=Version(), max_concurrent_rollouts=0, consumer_batch_size=0, max_staleness=0)
-    ours = dropin.ProtocolStalenessManager(version_provider=Version(), max_concurrent_rollouts=0, consumer_batch_size=0, max_staleness=0)
-    got["manager 0 0 eta 0"] = [[*attributes(areal), started(areal)], [*attributes(ours), started(ours)], ours.protocol.batch_size]
-    for batch, mcr, dp in ((0, 0, 1), (3, None, 4)):
+    ``consumer_batch_size // dp`` 0 to 1: a rollout of each, compared on attributes and on what it starts
+    (each case reported on its own)."""
+
+    def manager() -> list[Any]:
+        areal = StalenessManager(version_provider=Version(), max_concurrent_rollouts=0, consumer_batch_size=0, max_staleness=0)
+        ours = dropin.ProtocolStalenessManager(version_provider=Version(), max_concurrent_rollouts=0, consumer_batch_size=0,
+                                               max_staleness=0)
+        return [[*attributes(areal), started(areal)], [*attributes(ours), started(ours)], ours.protocol.batch_size]
+
+    def executor(batch: int, mcr: int | None, dp: int) -> list[Any]:
         config = InferenceEngineConfig(consumer_batch_size=batch, max_head_offpolicyness=1, max_concurrent_rollouts=mcr)
         protocol = dropin.protocol_for_config(config, dp)  # what the docs' recipe builds for this rank
         areal, ours = executors(config, dp, protocol)
-        got[f"executor {batch} {mcr} dp {dp}"] = [[*attributes(areal.staleness_manager), started(areal.staleness_manager)],
-                                                  [*attributes(ours.staleness), started(ours.staleness)], protocol.batch_size]
+        got = [[*attributes(areal.staleness_manager), started(areal.staleness_manager)],
+               [*attributes(ours.staleness), started(ours.staleness)], protocol.batch_size]
         destroy(areal, ours)
-    return got
+        return got
+
+    return {"manager 0 0 eta 0": section(manager), "executor 0 0 dp 1": section(lambda: executor(0, 0, 1)),
+            "executor 3 None dp 4": section(lambda: executor(3, None, 4))}
 
 
 #: AReaL's own unit tests' manager arguments (max_concurrent_rollouts, consumer_batch_size, max_staleness).
