@@ -12,6 +12,7 @@ own venv (tests/test_areal_compat.py; ``python -I`` this file).
   than the data-parallel size (where ``consumer_batch_size // dp`` is 0);
 - ``constructor``: the drop-in's manager built by name from AReaL's own arguments, and its controller
   from AReaL's; their capacities against AReaL's in the states of AReaL's own unit tests;
+- ``callbacks_without_context``: AReaL's callbacks played by hand, as its own unit tests play them;
 - ``differences``: the numbers of the docs' table of intended differences (docs/integrating.md).
 """
 
@@ -165,6 +166,26 @@ def constructor() -> dict[str, Any]:
             "capacities": capacities, "controller": controller}
 
 
+def callbacks_without_context() -> list[list[int]]:
+    """AReaL's callbacks played by hand, outside any episode (no task id in AReaL's ``workflow_context``),
+    as AReaL's own unit tests play them: for (max_concurrent_rollouts, consumer_batch_size, eta, submitted,
+    then accepted, then rejected), the capacity after, on AReaL's manager and on the drop-in's."""
+    got = []
+    for mcr, batch, eta, submitted, accepted, rejected in ((10, 4, 2, 10, 0, 10), (20, 8, 3, 20, 15, 5), (20, 4, 2, 5, 5, 0)):
+        capacities = []
+        for cls in (StalenessManager, dropin.ProtocolStalenessManager):
+            manager = cls(version_provider=Version(), max_concurrent_rollouts=mcr, consumer_batch_size=batch, max_staleness=eta)
+            for _ in range(submitted):
+                manager.on_rollout_enqueued()
+                manager.on_rollout_submitted()
+            for finish, count in ((manager.on_rollout_accepted, accepted), (manager.on_rollout_rejected, rejected)):
+                for _ in range(count):
+                    finish()
+            capacities.append(manager.get_capacity())
+        got.append(capacities)
+    return got
+
+
 def differences() -> dict[str, Any]:
     """The table's numbers. At version 5, eta 2, batch 4, no cap: AReaL's manager, new at version 5 (a
     rollout built mid-run), starts ``(eta + 5 + 1) * 4``; the drop-in's, its protocol having trained 5
@@ -205,7 +226,8 @@ def section(run: Callable[[], Any]) -> Any:
 
 def main() -> None:
     print(json.dumps({"default_cap": section(default_cap), "attributes": section(attribute_values), "zero_batch": section(zero_batch),
-                      "constructor": section(constructor), "differences": section(differences)}))
+                      "constructor": section(constructor), "callbacks_without_context": section(callbacks_without_context),
+                      "differences": section(differences)}))
 
 
 if __name__ == "__main__":

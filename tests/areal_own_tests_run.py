@@ -7,9 +7,9 @@ from a checkout of AReaL (https://github.com/inclusionAI/AReaL, at a commit whos
 is the installed ``areal==1.0.4``'s) into ``OUT``, beside a ``conftest.py`` that puts the drop-in under
 AReaL's names as docs/integrating.md tells a user to (where AReaL builds a ``StalenessManager`` or a
 ``RolloutController``, build ``ProtocolStalenessManager`` or ``ProtocolRolloutController`` with the same
-arguments), and runs them with pytest on CPU: the tests marked ``sglang`` (a GPU inference server) are
-deselected, and ``get_model_path`` answers the local path it is given (only that deselected test
-uses the model; AReaL's helper would download it when the module is imported). ``--areal`` runs the
+arguments), and runs them with pytest on CPU: the test marked ``sglang`` (a GPU inference server) is
+deselected, and ``huggingface_hub.snapshot_download`` answers the model's name (AReaL's test helpers
+download their models when imported; only that deselected test uses one). ``--areal`` runs the
 same tests on AReaL's own classes. Prints each test's outcome, then one JSON line of counts.
 """
 
@@ -24,12 +24,14 @@ from pathlib import Path
 COPIED = ("tests/__init__.py", "tests/utils.py", "tests/test_staleness_manager.py", "tests/test_rollout_controller.py")
 
 SUBSTITUTION = '''
+import huggingface_hub
+
+huggingface_hub.snapshot_download = lambda repo_id, **kwargs: repo_id  # no model hub: a name nothing here reads
+
 import areal.infra
 import areal.infra.staleness_manager
-import areal.utils.testing_utils
 from staleflow_protocol.bindings.areal import ProtocolRolloutController, ProtocolStalenessManager
 
-areal.utils.testing_utils.get_model_path = lambda local_path, hf_id: local_path
 if {substitute}:
     areal.infra.staleness_manager.StalenessManager = ProtocolStalenessManager
     areal.infra.RolloutController = ProtocolRolloutController

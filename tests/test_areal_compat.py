@@ -71,6 +71,13 @@ def test_built_from_areals_own_constructor_arguments(compat: dict[str, Any]) -> 
     assert got["controller"] == ["ProtocolRolloutController", 2, 16, 16, 16]
 
 
+def test_callbacks_without_a_task_are_counted_as_areal_counts_them(compat: dict[str, Any]) -> None:
+    """Outside an episode (no task id in AReaL's context) an accepted rollout keeps its place against
+    the capacity and a rejected one gives it back, as AReaL counts them (the sequences of AReaL's own
+    unit tests: 10 of 10 rejected, 15 accepted and 5 rejected of 20, 5 of 5 accepted)."""
+    assert compat["callbacks_without_context"] == [[10, 10], [17, 17], [7, 7]]
+
+
 def test_the_documented_difference_in_numbers(compat: dict[str, Any]) -> None:
     """docs/integrating.md's table: at version 5, eta 2, batch 4, AReaL's manager new at that version
     admits 32, the protocol 12; trained oldest first, AReaL's samples 13-32 are 3-7 versions late (20 past

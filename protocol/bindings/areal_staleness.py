@@ -69,6 +69,7 @@ class ProtocolStalenessManager:
         self._changed = threading.Condition(self._lock)
         self._stat = RolloutStat()
         self._unreserved = 0  # submitted to the runner, episode not started: capacity they will take
+        self._untracked = 0  # accepted without a task id in AReaL's context: counted as AReaL counts them
         self._started: set[int] = set()  # tasks whose episode asked for a reservation
         self._reserved: set[int] = set()  # tasks the protocol admitted
         self._finished: set[int] = set()  # tasks whose result AReaL has (accepted or rejected)
@@ -87,7 +88,7 @@ class ProtocolStalenessManager:
         slack = self.protocol.reserve_slack(version)
         with self._lock:
             running: int = self._stat.running
-            return min(slack - self._unreserved, max(1, self.max_concurrent_rollouts) - running)
+            return min(slack - self._unreserved - self._untracked, max(1, self.max_concurrent_rollouts) - running)
 
     def on_rollout_enqueued(self) -> None:
         with self._lock:
@@ -151,10 +152,13 @@ class ProtocolStalenessManager:
             self._stat.running -= 1
             self._stat.accepted += accepted
             self._stat.rejected += not accepted
-            # an episode that never asked for admission (evaluation) is not the protocol's
+            # an episode that never asked for admission (evaluation) is not the protocol's: its place is
+            # given back; one without AReaL's task context (callbacks played by hand) is counted as AReaL
+            # counts it, an accepted one keeping its place against the capacity
             wrapped = task_id in self._started
-            if task_id is not None and not wrapped:
+            if not wrapped:
                 self._unreserved -= 1
+                self._untracked += task_id is None and accepted
             reserved = task_id in self._reserved
         if task_id is None or not wrapped:
             return
