@@ -190,7 +190,7 @@ def differences() -> dict[str, Any]:
     """The table's numbers. At version 5, eta 2, batch 4, no cap: AReaL's manager, new at version 5 (a
     rollout built mid-run), starts ``(eta + 5 + 1) * 4``; the drop-in's, its protocol having trained 5
     batches, ``(eta + 1) * 4``. Trained oldest first, one batch per version from 5, AReaL's sample ``i``
-    (from 1) is ``(i - 1) // 4`` versions late. And AReaL's recover hook against the drop-in's."""
+    (from 1) is ``(i - 1) // 4`` versions late. And AReaL's recover hook and pending limit against the drop-in's."""
     version, eta, batch = 5, 2, 4
     areal = StalenessManager(version_provider=Version(version), max_concurrent_rollouts=10_000, consumer_batch_size=batch,
                              max_staleness=eta)
@@ -213,8 +213,12 @@ def differences() -> dict[str, Any]:
         refusal = "accepted"
     except ValueError as error:
         refusal = str(error)
+    pending = [areal.get_pending_limit(), fresh.get_pending_limit(),
+               dropin.ProtocolStalenessManager(Version(), 10, batch, eta, protocol=LockedStalenessManager.create(eta, batch, 1))
+               .get_pending_limit()]  # AReaL's, the drop-in's, the drop-in's with redundancy 1
     return {"admitted": admitted, "excess_samples": [admitted[1] + 1, admitted[0]], "excess_late": [min(excess), max(excess)],
-            "past_eta": sum(lag > eta for lag in late), "recovered_areal_starts": started(recovered), "recovered_dropin": refusal}
+            "past_eta": sum(lag > eta for lag in late), "recovered_areal_starts": started(recovered), "recovered_dropin": refusal,
+            "pending_limit": pending}
 
 
 def section(run: Callable[[], Any]) -> Any:
