@@ -191,10 +191,9 @@ class ProtocolRolloutController(RefusesBypasses, RolloutController):
 
     def initialize(self, *args: Any, **kwargs: Any) -> None:
         super().initialize(*args, **kwargs)
-        # AReaL's own manager's arguments (its initialize): the cap max_concurrent_rollouts, else consumer_batch_size
-        config = self.config
-        self.staleness = ProtocolStalenessManager(self, config.max_concurrent_rollouts or config.consumer_batch_size,
-                                                  config.consumer_batch_size, config.max_head_offpolicyness, protocol=self.protocol)
+        areal = self.staleness_manager  # the one AReaL's initialize built: the drop-in takes its arguments
+        self.staleness = ProtocolStalenessManager(self, areal.max_concurrent_rollouts, areal.consumer_batch_size, areal.max_staleness,
+                                                  protocol=self.protocol)
         self._staleness_manager = self.staleness
         self.dispatcher.staleness_manager = self.staleness
         self.batches = ProtocolBatches(self.staleness, self._wait_for_trajectory, self._wake, self.trace_path)
