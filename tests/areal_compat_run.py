@@ -87,18 +87,27 @@ def destroy(*built: Any) -> None:
         rollout.destroy()
 
 
+def side_by_side(config: InferenceEngineConfig, measure: Callable[[Any], Any], label: str) -> dict[str, list[Any]]:
+    """``measure`` of AReaL's manager and of the drop-in's, built from ``config``: on the executors of a
+    rank of two data-parallel ranks (``executor ... dp 2``), and on the controllers."""
+    eta, batch = config.max_head_offpolicyness, config.consumer_batch_size
+    builders = {f"executor {label} dp 2": lambda: executors(config, 2, LockedStalenessManager.create(eta, batch // 2)),
+                f"controller {label}": lambda: controllers(config, LockedStalenessManager.create(eta, batch))}
+    got = {}
+    for name, build in builders.items():
+        areal, ours = build()
+        got[name] = [measure(areal.staleness_manager), measure(ours.staleness_manager)]
+        destroy(areal, ours)
+    return got
+
+
 def default_cap() -> dict[str, Any]:
     """With ``max_concurrent_rollouts`` unset AReaL caps at ``consumer_batch_size`` (per rank on the
     executor, ``max(1, .. // dp)``); the protocol's own slack is ``(eta + 1) * batch``."""
     got: dict[str, Any] = {}
     for batch, eta in ((64, 3), (16, 2)):
         config = InferenceEngineConfig(backend="vllm:d2", consumer_batch_size=batch, max_head_offpolicyness=eta)
-        areal, ours = executors(config, 2, LockedStalenessManager.create(eta, batch // 2))
-        got[f"executor {batch} eta {eta} dp 2"] = [started(areal.staleness_manager), started(ours.staleness)]
-        destroy(areal, ours)
-        areal, ours = controllers(config, LockedStalenessManager.create(eta, batch))
-        got[f"controller {batch} eta {eta}"] = [started(areal.staleness_manager), started(ours.staleness_manager)]
-        destroy(areal, ours)
+        got.update(side_by_side(config, started, f"{batch} eta {eta}"))
     return got
 
 
@@ -108,12 +117,7 @@ def attribute_values() -> dict[str, Any]:
     for mcr, batch, eta in ((None, 16, 2), (100, 32, 5)):
         config = InferenceEngineConfig(backend="vllm:d2", consumer_batch_size=batch, max_head_offpolicyness=eta,
                                        max_concurrent_rollouts=mcr)
-        areal, ours = executors(config, 2, LockedStalenessManager.create(eta, batch // 2))
-        got[f"executor {mcr} {batch} {eta} dp 2"] = [attributes(areal.staleness_manager), attributes(ours.staleness_manager)]
-        destroy(areal, ours)
-        areal, ours = controllers(config, LockedStalenessManager.create(eta, batch))
-        got[f"controller {mcr} {batch} {eta}"] = [attributes(areal.staleness_manager), attributes(ours.staleness_manager)]
-        destroy(areal, ours)
+        got.update(side_by_side(config, attributes, f"{mcr} {batch} {eta}"))
     return got
 
 
