@@ -141,8 +141,11 @@ def zero_batch() -> dict[str, Any]:
         destroy(areal, ours)
         return got
 
+    def mismatch() -> Any:  # a protocol of 2 groups for a batch of 0: AReaL runs 1
+        return section(lambda: dropin.ProtocolStalenessManager(Version(), 0, 0, 1, protocol=LockedStalenessManager.create(1, 2)))
+
     return {"manager 0 0 eta 0": section(manager), "executor 0 0 dp 1": section(lambda: executor(0, 0, 1)),
-            "executor 3 None dp 4": section(lambda: executor(3, None, 4))}
+            "executor 3 None dp 4": section(lambda: executor(3, None, 4)), "mismatch": mismatch()}
 
 
 #: AReaL's own unit tests' manager arguments (max_concurrent_rollouts, consumer_batch_size, max_staleness).

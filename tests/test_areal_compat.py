@@ -53,11 +53,14 @@ def test_managers_have_areals_public_attributes(compat: dict[str, Any]) -> None:
 def test_a_zero_batch_runs_one_as_in_areal(compat: dict[str, Any]) -> None:
     """``consumer_batch_size`` 0 and ``max_concurrent_rollouts`` 0 count as 1 (AReaL's clamping), and a
     batch of 3 over 4 data-parallel ranks gives each rank's protocol a batch of 1 (the docs' recipe gave 0,
-    which the protocol refuses): the same attributes and the same single start as AReaL's."""
+    which the protocol refuses): the same attributes and the same single start as AReaL's. A protocol of
+    another batch is refused, naming the 1 that AReaL runs."""
     assert compat["zero_batch"] == {
         "manager 0 0 eta 0": [[0, 0, 0, 1], [0, 0, 0, 1], 1],
         "executor 0 0 dp 1": [[1, 1, 1, 1], [1, 1, 1, 1], 1],
-        "executor 3 None dp 4": [[1, 1, 1, 1], [1, 1, 1, 1], 1]}
+        "executor 3 None dp 4": [[1, 1, 1, 1], [1, 1, 1, 1], 1],
+        "mismatch": "error: ValueError: protocol and AReaL rollout config disagree: the protocol's batch_size is 2 but "
+                    "AReaL's consumer_batch_size is 0 (AReaL runs 1)"}
 
 
 def test_built_from_areals_own_constructor_arguments(compat: dict[str, Any]) -> None:
