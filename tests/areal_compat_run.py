@@ -18,6 +18,7 @@ own venv (tests/test_areal_compat.py; ``python -I`` this file).
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import json
 import sys
@@ -29,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # python -I leaves the script's 
 
 import torch  # noqa: E402
 from areal.api.cli_args import InferenceEngineConfig  # noqa: E402
-from areal.infra import RolloutController  # noqa: E402
+from areal.infra import RolloutController, workflow_context  # noqa: E402
 from areal.infra.staleness_manager import StalenessManager  # noqa: E402
+from areal.infra.workflow_context import WorkflowContext  # noqa: E402
 from areal.infra.workflow_executor import WorkflowExecutor  # noqa: E402
 from areal_dropin_run import VOCAB, FakeEngine, InProcessScheduler  # noqa: E402
 from staleflow_protocol import LockedStalenessManager  # noqa: E402
@@ -193,6 +195,38 @@ def callbacks_without_context() -> list[list[int]]:
     return got
 
 
+def evaluation_episode() -> list[int]:
+    """An evaluation episode (AReaL's context ``is_eval``, a task id) accepted on the training rollout's
+    manager (eta 2, batch 4, cap 100): the capacity after, on AReaL's manager and on the drop-in's."""
+    capacities = []
+    for cls in (StalenessManager, dropin.ProtocolStalenessManager):
+        manager = cls(version_provider=Version(), max_concurrent_rollouts=100, consumer_batch_size=4, max_staleness=2)
+        manager.on_rollout_enqueued()
+        manager.on_rollout_submitted()
+
+        def evaluated(manager: Any = manager) -> None:  # inside the episode's own context, as AReaL runs it
+            workflow_context.set(WorkflowContext(is_eval=True, task_id=7))
+            manager.on_rollout_accepted()
+
+        contextvars.copy_context().run(evaluated)
+        capacities.append(manager.get_capacity())
+    return capacities
+
+
+def engine_ahead() -> list[str]:
+    """An episode admitted at a version the protocol's trainer has not made (the engine ahead): what
+    ``admit`` raises, and what the trainer's next check reports."""
+    manager = dropin.ProtocolStalenessManager(Version(1), 100, 4, 2)
+    got = []
+    for check in (lambda: manager.admit(7, 1), manager.raise_errors):
+        try:
+            check()
+            got.append("passed")
+        except Exception as error:
+            got.append(f"{type(error).__name__}: {error}")
+    return got
+
+
 def differences() -> dict[str, Any]:
     """The table's numbers. At version 5, eta 2, batch 4, no cap: AReaL's manager, new at version 5 (a
     rollout built mid-run), starts ``(eta + 5 + 1) * 4``; the drop-in's, its protocol having trained 5
@@ -225,7 +259,7 @@ def differences() -> dict[str, Any]:
                .get_pending_limit()]  # AReaL's, the drop-in's, the drop-in's with redundancy 1
     return {"admitted": admitted, "excess_samples": [admitted[1] + 1, admitted[0]], "excess_late": [min(excess), max(excess)],
             "past_eta": sum(lag > eta for lag in late), "recovered_areal_starts": started(recovered), "recovered_dropin": refusal,
-            "pending_limit": pending}
+            "pending_limit": pending, "evaluation_episode": section(evaluation_episode), "engine_ahead": section(engine_ahead)}
 
 
 def section(run: Callable[[], Any]) -> Any:

@@ -85,9 +85,13 @@ def test_the_documented_difference_in_numbers(compat: dict[str, Any]) -> None:
     """docs/integrating.md's table: at version 5, eta 2, batch 4, AReaL's manager new at that version
     admits 32, the protocol 12; trained oldest first, AReaL's samples 13-32 are 3-7 versions late (20 past
     eta 2). AReaL's recover hook resets its count; the drop-in refuses a protocol not restored. The pending
-    limits agree but for the protocol's ``redundancy``."""
+    limits agree but for the protocol's ``redundancy``; an evaluation episode holds no place in the drop-in;
+    an episode at a version ahead of the protocol's trainer is an error the trainer hears."""
     got = compat["differences"]
     assert (got["admitted"], got["excess_samples"], got["excess_late"], got["past_eta"]) == ([32, 12], [13, 32], [3, 7], 20)
     assert got["recovered_areal_starts"] == 12
     assert got["recovered_dropin"].startswith("recovered model version 5 but the protocol is at 0: restore the protocol snapshot")
     assert got["pending_limit"] == [12, 12, 13]  # (eta + 1) * batch, plus the protocol's redundancy
+    assert got["evaluation_episode"] == [11, 12]  # AReaL counts an accepted evaluation sample; to the protocol it is none of its
+    ahead = "version 1 is ahead of the trainer: the newest model is 0"
+    assert got["engine_ahead"] == [f"InvalidVersionError: {ahead}", f"RuntimeError: protocol error in a rollout: {ahead}"]
