@@ -110,6 +110,8 @@ def default_cap() -> dict[str, Any]:
     for batch, eta in ((64, 3), (16, 2)):
         config = InferenceEngineConfig(backend="vllm:d2", consumer_batch_size=batch, max_head_offpolicyness=eta)
         got.update(side_by_side(config, started, f"{batch} eta {eta}"))
+        shares = (batch // 2, batch)  # a rank's of two, and the whole batch
+        got[f"protocol slack {batch} eta {eta}"] = [LockedStalenessManager.create(eta, share).reserve_slack(0) for share in shares]
     return got
 
 

@@ -36,10 +36,10 @@ def compat(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_default_concurrency_cap_is_areals(compat: dict[str, Any]) -> None:
     """``max_concurrent_rollouts`` unset: AReaL starts ``consumer_batch_size`` (a rank's share on the
-    executor), not the protocol's whole slack ``(eta + 1) * batch`` (256 for batch 64, eta 3)."""
+    executor), not the protocol's whole slack ``(eta + 1) * batch`` (256 for batch 64, eta 3: 128 per rank of two)."""
     assert compat["default_cap"] == {
-        "executor 64 eta 3 dp 2": [32, 32], "controller 64 eta 3": [64, 64],
-        "executor 16 eta 2 dp 2": [8, 8], "controller 16 eta 2": [16, 16]}
+        "executor 64 eta 3 dp 2": [32, 32], "controller 64 eta 3": [64, 64], "protocol slack 64 eta 3": [128, 256],
+        "executor 16 eta 2 dp 2": [8, 8], "controller 16 eta 2": [16, 16], "protocol slack 16 eta 2": [24, 48]}
 
 
 def test_managers_have_areals_public_attributes(compat: dict[str, Any]) -> None:
