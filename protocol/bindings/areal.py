@@ -4,7 +4,8 @@ Imports ``areal`` and this package only. AReaL's rollout machinery runs unchange
 threads, async task runner and the host's ``RolloutWorkflow``); its count-based staleness control
 is replaced by the protocol at AReaL's own extension points (docs/integrating.md, "AReaL"):
 
-- :class:`ProtocolStalenessManager` (``.areal_staleness``) stands in for ``areal.infra.staleness_manager.StalenessManager``:
+- :class:`ProtocolStalenessManager` (``.areal_staleness``) stands in for ``areal.infra.staleness_manager.StalenessManager``
+  (built from its arguments, with its public attributes and its concurrency cap):
   ``get_capacity`` is the protocol's reserve slack at the engine's version; the completion callbacks
   become ``occupy`` / ``abort`` of the task id AReaL keeps in its ``workflow_context``;
 - :class:`ProtocolWorkflowExecutor` is AReaL's ``WorkflowExecutor`` (the path of ``RemoteInfEngine``:
