@@ -254,7 +254,7 @@ def refusal_check() -> dict[str, Any]:
     state with the retried one (the loader's own state counts it as handed out)."""
     protocol = LockedStalenessManager.create(eta=1, batch_size=1)
     protocol.reserve("other", 0)
-    staleness = ProtocolStalenessManager(protocol, FakeEngine(torch.zeros(VOCAB), 0))
+    staleness = ProtocolStalenessManager(FakeEngine(torch.zeros(VOCAB), 0), 8, 1, 1, protocol=protocol)
     submitted: list[list[int]] = []
     batches = ProtocolBatches(staleness, lambda task_id, timeout, raise_timeout=True: {"task": task_id}, lambda: None)
 

@@ -105,7 +105,7 @@ def non_head_recover(out: Path) -> dict[str, Any]:
     got.update(recovered_step=second.recover_info.last_step_info.global_step, rollout_version=second.rollout.get_version(),
                protocol_version=second.train_dataloader.batches.protocol.version)
     second.rollout.workflow_executor.destroy()
-    head = ProtocolStalenessManager(LockedStalenessManager.create(ETA, BATCH), FakeEngine(torch.zeros(VOCAB), 0))
+    head = ProtocolStalenessManager(FakeEngine(torch.zeros(VOCAB), 0), BATCH, BATCH, ETA)  # AReaL's arguments: a new protocol
     got["head_unrestored"] = refused(lambda: head.on_version_recovered(4))
     return got
 

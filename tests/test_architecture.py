@@ -284,7 +284,7 @@ def test_the_import_scans_find_lazy_private_imports_and_cycles(tmp_path: Path) -
     assert _private_imports(tmp_path) == ["adapters/two/tool.py:2 staleflow.adapters.one.core._helper"]
     assert _adapter_cycle(tmp_path) == ["one -> two (adapters/one/core.py:6)", "two -> one (adapters/two/tool.py:2)"]
 
-#: The only reasons a package line may be left out of line coverage (README, "Coverage").
+#: The only reasons a package line may be left out of line coverage (docs/testing.md, "Coverage").
 COVERAGE_EXCLUSIONS = {"needs CUDA"}
 
 

@@ -126,7 +126,7 @@ def test_the_offline_build_refuses_a_fresh_venvs_setuptools_by_name(light_venv: 
     """A venv made by ``python -m venv`` has setuptools older than the floor (3.11: 65.5, which needs the
     ``wheel`` package for ``bdist_wheel``) or none (3.12 on). The documented offline command stops
     before building and names the requirement, instead of failing inside the build with ``invalid
-    command 'bdist_wheel'``; README and the guide give that command."""
+    command 'bdist_wheel'``; docs/python.md and the guide give that command."""
     found = _installed_version(light_venv, "setuptools")
     if found != "none" and tuple(int(p) for p in found.split(".")[:2]) >= (70, 1):
         pytest.skip(f"this Python's venv comes with setuptools {found}, at the floor already")
@@ -139,7 +139,8 @@ def test_the_offline_build_refuses_a_fresh_venvs_setuptools_by_name(light_venv: 
     assert "bdist_wheel" not in refused.stdout + refused.stderr  # refused before any build step ran
     command = "pip install " + " ".join(OFFLINE_BUILD) + " ./protocol"
     assert command in " ".join((ROOT / "docs" / "integrating.md").read_text().split())
-    assert "pip wheel --check-build-dependencies --no-build-isolation --no-deps --no-index ./protocol" in (ROOT / "README.md").read_text()
+    wheel = "pip wheel --check-build-dependencies --no-build-isolation --no-deps --no-index ./protocol"
+    assert wheel in (ROOT / "docs" / "python.md").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Imports ``areal`` and this package only. AReaL's rollout machinery runs unchange
 threads, async task runner and the host's ``RolloutWorkflow``); its count-based staleness control
 is replaced by the protocol at AReaL's own extension points (docs/integrating.md, "AReaL"):
 
-- :class:`ProtocolStalenessManager` (``.areal_staleness``) stands in for ``areal.infra.staleness_manager.StalenessManager``:
+- :class:`ProtocolStalenessManager` (``.areal_staleness``) stands in for ``areal.infra.staleness_manager.StalenessManager``
+  (built from its arguments, with its public attributes and its concurrency cap):
   ``get_capacity`` is the protocol's reserve slack at the engine's version; the completion callbacks
   become ``occupy`` / ``abort`` of the task id AReaL keeps in its ``workflow_context``;
 - :class:`ProtocolWorkflowExecutor` is AReaL's ``WorkflowExecutor`` (the path of ``RemoteInfEngine``:
@@ -32,11 +33,11 @@ from areal.infra.workflow_executor import WorkflowExecutor
 
 from ..locked import LockedStalenessManager
 from .areal_batches import FIRST_TASK_ID, ProtocolBatches, RecoverableLoader, TracePath, TrainBatch
-from .areal_staleness import ProtocolStalenessManager
+from .areal_staleness import ProtocolStalenessManager, check_protocol_matches, rank_batch_size
 
 __all__ = ["BYPASS_REFUSED", "FIRST_TASK_ID", "ProtocolBatches", "ProtocolRolloutController", "ProtocolStalenessManager",
            "ProtocolWorkflow", "ProtocolWorkflowExecutor", "RecoverableLoader", "RefusesBypasses", "TracePath", "TrainBatch",
-           "check_config_matches", "executor_owner", "use_protocol"]
+           "check_config_matches", "executor_owner", "protocol_for_config", "rank_batch_size", "use_protocol"]
 
 #: What a direct ``submit`` / ``wait`` / ``rollout_batch`` on a protocol-owned training rollout hears.
 BYPASS_REFUSED = (
@@ -49,17 +50,17 @@ BYPASS_REFUSED = (
 def check_config_matches(protocol: LockedStalenessManager, config: Any, data_parallel_size: int = 1) -> None:
     """Refuse a protocol whose eta or batch size is not AReaL's: ``max_head_offpolicyness`` must be the
     protocol's eta and ``consumer_batch_size`` (the trainer's, split over ``data_parallel_size`` ranks
-    as AReaL's own staleness manager splits it) its batch size, or the trained batch silently changes."""
-    rank_batch = max(1, config.consumer_batch_size // data_parallel_size)
-    mismatches = []
-    if protocol.eta != config.max_head_offpolicyness:
-        mismatches.append(f"the protocol's eta is {protocol.eta} but AReaL's max_head_offpolicyness is {config.max_head_offpolicyness}")
-    if protocol.batch_size != rank_batch:
-        split = f" // {data_parallel_size} data-parallel ranks = {rank_batch}" if data_parallel_size != 1 else ""
-        mismatches.append(f"the protocol's batch_size is {protocol.batch_size} but AReaL's consumer_batch_size is "
-                          f"{config.consumer_batch_size}{split}")
-    if mismatches:
-        raise ValueError("protocol and AReaL rollout config disagree: " + "; ".join(mismatches))
+    as AReaL's own staleness manager splits it, :func:`rank_batch_size`) its batch size, or the trained
+    batch silently changes."""
+    check_protocol_matches(protocol, config.max_head_offpolicyness, config.consumer_batch_size, data_parallel_size)
+
+
+def protocol_for_config(config: Any, data_parallel_size: int = 1, redundancy: int = 0) -> LockedStalenessManager:
+    """A protocol for AReaL's rollout ``config`` on one of ``data_parallel_size`` ranks: eta
+    ``max_head_offpolicyness``, batch size the rank's share of ``consumer_batch_size`` as AReaL splits it
+    (:func:`rank_batch_size`: at least 1, where ``consumer_batch_size // data_parallel_size`` would be 0)."""
+    return LockedStalenessManager.create(eta=config.max_head_offpolicyness, redundancy=redundancy,
+                                         batch_size=rank_batch_size(config.consumer_batch_size, data_parallel_size))
 
 
 class ProtocolWorkflow(RolloutWorkflow):
@@ -109,19 +110,22 @@ class ProtocolWorkflowExecutor(RefusesBypasses, WorkflowExecutor):
 
     def __init__(self, config: Any, inference_engine: Any, protocol: LockedStalenessManager,
                  trace_path: Optional[TracePath] = None, consumes: bool = True) -> None:
-        self.staleness = ProtocolStalenessManager(protocol, inference_engine, config.max_concurrent_rollouts, consumes)
+        # AReaL's cap until initialize takes this rank's share: max_concurrent_rollouts, else consumer_batch_size
+        self.staleness = ProtocolStalenessManager(inference_engine, config.max_concurrent_rollouts or config.consumer_batch_size,
+                                                  protocol.batch_size, protocol.eta, protocol=protocol, consumes=consumes)
         super().__init__(config, inference_engine, staleness_manager=self.staleness)
         self.batches = ProtocolBatches(self.staleness, self.wait_for_task, self._wake, trace_path)
 
     def initialize(self, logger: Any = None, train_data_parallel_size: Optional[int] = None) -> None:
-        """AReaL's ``initialize``. ``max_concurrent_rollouts`` is the trainer's, over its data-parallel
-        ranks: as AReaL's own manager does, this rank's executor caps its share ``max_concurrent_rollouts // dp``
-        (``dp``: ``train_data_parallel_size``, else AReaL's from ``torch.distributed``), and its protocol
-        must have AReaL's eta and per-rank batch size (:func:`check_config_matches`)."""
+        """AReaL's ``initialize``. ``max_concurrent_rollouts`` (unset: ``consumer_batch_size``, AReaL's
+        default) and ``consumer_batch_size`` are the trainer's, over its data-parallel ranks: as AReaL's own
+        executor builds its manager, this rank's caps its share ``max(1, max_concurrent_rollouts // dp)``
+        (``dp``: ``train_data_parallel_size``, else AReaL's from ``torch.distributed``), and its protocol must
+        have AReaL's eta and per-rank batch size ``max(1, consumer_batch_size // dp)`` (:func:`check_config_matches`)."""
         dp = train_data_parallel_size if train_data_parallel_size is not None else self._resolve_dp_world_size()
         check_config_matches(self.staleness.protocol, self.config, dp)
-        if self.config.max_concurrent_rollouts:
-            self.staleness.max_concurrent_rollouts = max(1, self.config.max_concurrent_rollouts // dp)
+        self.staleness.max_concurrent_rollouts = max(1, self.max_concurrent_rollouts // dp)
+        self.staleness.consumer_batch_size = rank_batch_size(self.consumer_batch_size, dp)
         super().initialize(logger=logger, train_data_parallel_size=train_data_parallel_size)
 
     def _wake(self) -> None:
@@ -171,20 +175,26 @@ class ProtocolRolloutController(RefusesBypasses, RolloutController):
     ``initialize`` builds AReaL's controller, then gives its dispatcher a
     :class:`ProtocolStalenessManager`; each task is reserved when the dispatcher starts it, at the
     controller's version (the version its workers run); ``prepare_batch`` has RLTrainer's arguments.
-    The protocol must have the config's eta and ``consumer_batch_size`` (the controller serves every
-    data-parallel rank: :func:`check_config_matches`); ``submit``, ``wait`` and ``rollout_batch`` are
-    refused (:data:`BYPASS_REFUSED`).
+    It takes AReaL's own arguments (``inf_engine, config, scheduler``), and ``protocol``: one with the
+    config's eta and ``consumer_batch_size`` (the controller serves every data-parallel rank:
+    :func:`check_config_matches`), or, when None, a new one (:func:`protocol_for_config`). ``submit``,
+    ``wait`` and ``rollout_batch`` are refused (:data:`BYPASS_REFUSED`).
     """
 
-    def __init__(self, *args: Any, protocol: LockedStalenessManager, trace_path: Optional[TracePath] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, protocol: Optional[LockedStalenessManager] = None, trace_path: Optional[TracePath] = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if protocol is None:
+            protocol = protocol_for_config(self.config)
         check_config_matches(protocol, self.config)
         self.protocol = protocol
         self.trace_path = trace_path
 
     def initialize(self, *args: Any, **kwargs: Any) -> None:
         super().initialize(*args, **kwargs)
-        self.staleness = ProtocolStalenessManager(self.protocol, self, self.config.max_concurrent_rollouts)
+        areal = self.staleness_manager  # the one AReaL's initialize built: the drop-in takes its arguments
+        self.staleness = ProtocolStalenessManager(self, areal.max_concurrent_rollouts, areal.consumer_batch_size, areal.max_staleness,
+                                                  protocol=self.protocol)
         self._staleness_manager = self.staleness
         self.dispatcher.staleness_manager = self.staleness
         self.batches = ProtocolBatches(self.staleness, self._wait_for_trajectory, self._wake, self.trace_path)

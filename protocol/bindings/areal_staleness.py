@@ -12,8 +12,40 @@ from areal.infra import workflow_context
 from ..locked import LockedStalenessManager
 
 
+def rank_batch_size(consumer_batch_size: int, data_parallel_size: int = 1) -> int:
+    """AReaL's per-rank consumer batch: ``consumer_batch_size // data_parallel_size``, at least 1 (AReaL
+    clamps 0 to 1, so a job whose batch is smaller than its data-parallel size runs 1 per rank)."""
+    return max(1, consumer_batch_size // data_parallel_size)
+
+
+def check_protocol_matches(protocol: LockedStalenessManager, max_staleness: int, consumer_batch_size: int,
+                           data_parallel_size: int = 1) -> None:
+    """Refuse a protocol whose eta is not ``max_staleness`` (AReaL's ``max_head_offpolicyness``) or whose
+    batch size is not AReaL's per-rank ``consumer_batch_size`` (:func:`rank_batch_size`), naming both values:
+    otherwise the bound or the trained batch silently changes."""
+    rank_batch = rank_batch_size(consumer_batch_size, data_parallel_size)
+    mismatches = []
+    if protocol.eta != max_staleness:
+        mismatches.append(f"the protocol's eta is {protocol.eta} but AReaL's max_head_offpolicyness is {max_staleness}")
+    if protocol.batch_size != rank_batch:
+        if data_parallel_size != 1:
+            split = f" // {data_parallel_size} data-parallel ranks = {rank_batch}"
+        else:
+            split = f" (AReaL runs {rank_batch})" if rank_batch != consumer_batch_size else ""
+        mismatches.append(f"the protocol's batch_size is {protocol.batch_size} but AReaL's consumer_batch_size is "
+                          f"{consumer_batch_size}{split}")
+    if mismatches:
+        raise ValueError("protocol and AReaL rollout config disagree: " + "; ".join(mismatches))
+
+
 class ProtocolStalenessManager:
-    """AReaL's ``StalenessManager`` interface driven by the protocol (thread-safe).
+    """AReaL's ``StalenessManager`` driven by the protocol (thread-safe), built from AReaL's own arguments.
+
+    ``version_provider``, ``max_concurrent_rollouts``, ``consumer_batch_size`` and ``max_staleness`` are
+    AReaL's (kept as its public attributes): ``max_concurrent_rollouts`` caps the running rollouts (0 counts
+    as 1, as in AReaL), and the protocol's eta is ``max_staleness`` and its batch size ``consumer_batch_size``
+    (0 counts as 1). ``protocol``: the staleness manager to drive (it must have that eta and batch size,
+    :func:`check_protocol_matches`); a new one when None.
 
     AReaL calls it from its producer thread (``get_capacity``, ``on_rollout_submitted``), from the
     event loop running the episodes (``on_rollout_accepted`` / ``rejected``) and from the trainer's
@@ -22,16 +54,22 @@ class ProtocolStalenessManager:
     data-parallel heads draw prompts, the other ranks of a head's group receive its batch).
     """
 
-    def __init__(self, protocol: LockedStalenessManager, version_provider: Any, max_concurrent_rollouts: Optional[int] = None,
-                 consumes: bool = True) -> None:
+    def __init__(self, version_provider: Any, max_concurrent_rollouts: int, consumer_batch_size: int, max_staleness: int,
+                 *, protocol: Optional[LockedStalenessManager] = None, consumes: bool = True) -> None:
+        if protocol is None:
+            protocol = LockedStalenessManager.create(eta=max_staleness, batch_size=rank_batch_size(consumer_batch_size))
+        check_protocol_matches(protocol, max_staleness, consumer_batch_size)
         self.protocol = protocol
         self.version_provider = version_provider
         self.max_concurrent_rollouts = max_concurrent_rollouts
+        self.consumer_batch_size = consumer_batch_size
+        self.max_staleness = max_staleness
         self.consumes = consumes
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._stat = RolloutStat()
         self._unreserved = 0  # submitted to the runner, episode not started: capacity they will take
+        self._untracked = 0  # accepted without a task id in AReaL's context: counted as AReaL counts them
         self._started: set[int] = set()  # tasks whose episode asked for a reservation
         self._reserved: set[int] = set()  # tasks the protocol admitted
         self._finished: set[int] = set()  # tasks whose result AReaL has (accepted or rejected)
@@ -44,14 +82,13 @@ class ProtocolStalenessManager:
         return self.protocol.capacity(self.protocol.eta)
 
     def get_capacity(self) -> int:
-        """New episodes the protocol would admit now at the engine's version (minus those starting)."""
+        """New episodes the protocol would admit now at the engine's version (minus those starting),
+        capped by ``max_concurrent_rollouts`` minus the running ones, as AReaL caps them."""
         version = min(int(self.version_provider.get_version()), self.protocol.version)
         slack = self.protocol.reserve_slack(version)
         with self._lock:
-            capacity = slack - self._unreserved
-            if self.max_concurrent_rollouts:
-                capacity = min(capacity, self.max_concurrent_rollouts - self._stat.running)
-            return capacity
+            running: int = self._stat.running
+            return min(slack - self._unreserved - self._untracked, max(1, self.max_concurrent_rollouts) - running)
 
     def on_rollout_enqueued(self) -> None:
         with self._lock:
@@ -115,10 +152,13 @@ class ProtocolStalenessManager:
             self._stat.running -= 1
             self._stat.accepted += accepted
             self._stat.rejected += not accepted
-            # an episode that never asked for admission (evaluation) is not the protocol's
+            # an episode that never asked for admission (evaluation) is not the protocol's: its place is
+            # given back; one without AReaL's task context (callbacks played by hand) is counted as AReaL
+            # counts it, an accepted one keeping its place against the capacity
             wrapped = task_id in self._started
-            if task_id is not None and not wrapped:
+            if not wrapped:
                 self._unreserved -= 1
+                self._untracked += task_id is None and accepted
             reserved = task_id in self._reserved
         if task_id is None or not wrapped:
             return
