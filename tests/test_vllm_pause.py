@@ -42,7 +42,10 @@ class _Weights:
     def connect(self, instance_id: str, receivers: int, client: Any, backend: str) -> None:
         client.init_weight_transfer_engine({"receivers": receivers})
 
-    def deliver(self, instance_id: str, client: Any) -> int:
+    def prepare(self) -> dict[str, Any]:
+        return {"deadline_s": 1.0}
+
+    def deliver(self, instance_id: str, client: Any, update: Any = None) -> int:
         client.start_weight_update()
         client.update_weights({})
         client.finish_weight_update(weight_version="3")
@@ -74,7 +77,7 @@ def test_an_update_into_an_in_process_engine_core_needs_no_pause() -> None:
 
 def test_a_failed_update_resumes_scheduling() -> None:
     class Failing(_Weights):
-        def deliver(self, instance_id: str, client: Any) -> int:
+        def deliver(self, instance_id: str, client: Any, update: Any = None) -> int:
             client.start_weight_update()
             raise ConnectionError("sender gone")
 

@@ -104,7 +104,17 @@ def test_the_parameter_servers_staging_memory_is_bounded_by_the_bucket_not_the_l
             reference.connect("i0", 1, receiver, backend="gloo")
         reference.deliver("i0", receiver)
         assert all(torch.equal(receiver.received[k], (v * version).to(torch.bfloat16)) for k, v in weights.items())
-    assert largest > bucket and staged == [bucket, bucket]  # one buffer per transfer, of the bucket's size
+    # gloo broadcasts the staged host copy's own chunks: no device buffer at all
+    assert largest > bucket and staged == []
+    # nccl copies each chunk into one device buffer of the bucket's size (the broadcast itself stood in for)
+    channel = WeightChannel(TransferSettings(backend="nccl", bucket_bytes=bucket), 1, "nccl", "127.0.0.1", stage=counted)
+    channel._group, wire = object(), []
+    channel._broadcast = lambda chunk, deadline: wire.append(chunk.clone())  # type: ignore[method-assign]
+    version = server._staged_version(2)
+    assert channel.send(version, 10.0) == version.nbytes and staged == [bucket]
+    assert torch.equal(torch.cat(wire), version.buffer) and max(c.numel() for c in wire) == bucket
+    channel._group = None  # (no communicator to abort)
+    channel.close()
     assert max(receiver.broadcast_bytes) == bucket and sum(receiver.broadcast_bytes) == 2 * sum(t.numel() * 2 for t in weights.values())
 
 
@@ -199,12 +209,12 @@ def test_a_version_published_in_buckets_is_sent_bucket_by_bucket_never_fetched_w
 def test_bad_transfer_settings_and_a_pull_that_fails_are_named() -> None:
     import time
 
-    from staleflow.adapters.rlkit.weight_sender import wait_until, wire_tensors
+    from staleflow.adapters.rlkit.weight_sender import wait_until, wire_dtype
 
     with pytest.raises(TransferBackendError, match="weight-transfer backend must be auto, gloo or nccl, got 'mpi'"):
         TransferSettings(backend="mpi").resolved_backend(cuda_available=False)
     with pytest.raises(ValueError, match="wire dtype must be one of .*, got 'int4'"):
-        wire_tensors([("w", torch.ones(1))], "int4")
+        wire_dtype("int4")
     with pytest.raises(TimeoutError, match="an NCCL broadcast did not complete before its deadline"):
         wait_until(lambda: False, time.monotonic() + 0.01, "an NCCL broadcast")
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from staleflow.adapters.rlkit.weight_checksum import WeightChecksumMismatch
-from staleflow.adapters.rlkit.weight_sender import TransferWeights
+from staleflow.adapters.rlkit.weight_sender import TransferWeights, UpdateLeftOpenError
 from staleflow.adapters.vllm.llm import check_request, default_weights_dir, kv_tokens, make_llm_engine, weights_file
 from staleflow.adapters.vllm.pause import reload_weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
@@ -181,7 +181,7 @@ class VLLMEngine:
             self._published.loads_pending += 1
         try:
             if isinstance(weights, TransferWeights):
-                self._call(lambda: self._do_load(version, weights))
+                self._load_transfer(version, weights)
                 return
             weights = resolve_weights(weights)
             path, temporary = weights_file(weights, self._weights_dir, self.instance_id)
@@ -193,6 +193,19 @@ class VLLMEngine:
         finally:
             with self._lock:
                 self._published.loads_pending -= 1
+
+    def _load_transfer(self, version: int, weights: TransferWeights) -> None:
+        """Receive ``version`` through vLLM's weight-transfer API: the sender stages it first (this
+        instance generating meanwhile), then the engine thread receives it, waited for no longer than
+        the transfer's deadline and margin; past that the engine thread is stuck in the update and
+        the engine is failed (every later call raises :class:`EngineFailed` at once)."""
+        update = weights.prepare()
+        bound = self.weight_sync.wait_bound_s(update)  # type: ignore[union-attr]
+        try:
+            self._call(lambda: self._do_load(version, weights, update), timeout=bound)
+        except TimeoutError as error:
+            self._failure = error
+            raise EngineFailed(f"{self.instance_id}: loading version {version} did not end within {bound:g} s") from error
 
     def snapshot(self) -> InstanceSnapshot:
         self._raise_if_failed()
@@ -430,11 +443,15 @@ class VLLMEngine:
                 self._forget_internal(request.request_id)
         return stopped
 
-    def _do_load(self, version: int, source: Path | TransferWeights) -> None:
+    def _do_load(self, version: int, source: Path | TransferWeights, update: Mapping[str, Any] | None = None) -> None:
         if version < self._version:
             raise ValueError(f"{self.instance_id}: cannot load version {version} over version {self._version}")
         if isinstance(source, TransferWeights):  # ends with set_weight_version, through finish_weight_update
-            self.bytes_received += self.weight_sync.receive(source)  # type: ignore[union-attr]
+            try:
+                self.bytes_received += self.weight_sync.receive(source, update)  # type: ignore[union-attr]
+            except UpdateLeftOpenError as error:  # its weights are part old, part new: it cannot serve
+                self._failure = error
+                raise
         else:
             reload_weights_file(self._llm, source, version)
         self._version = version
