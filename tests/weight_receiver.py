@@ -1,12 +1,14 @@
 """A stand-in for an instance's vLLM workers in weight-transfer tests without vLLM: the four
 control-plane calls of vLLM's ``VLLMWeightSyncClient``, receiving a gloo transfer as one worker
 (rank 1) does, and recording the calls, the tensors received and the size of every broadcast;
-:class:`StalledReceiver` dies or hangs after its first chunk."""
+:class:`StalledReceiver` dies or hangs after its first chunk; :class:`TimedReceiver` takes
+``chunk_s`` over each chunk and records when its update started and finished."""
 
 from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Any
 
 import torch
@@ -58,6 +60,29 @@ class _Counted:
     def broadcast(self, tensors: list[torch.Tensor], options: Any) -> Any:
         self._sizes.append(sum(t.numel() * t.element_size() for t in tensors))
         return self._group.broadcast(tensors, options)
+
+
+class TimedReceiver(GlooReceiver):
+    """A worker that takes ``chunk_s`` seconds over each chunk it receives (a loaded model's layers),
+    recording ``started`` / ``finished``: the monotonic times of its update's start and finish."""
+
+    def __init__(self, chunk_s: float) -> None:
+        super().__init__()
+        self.chunk_s = chunk_s
+        self.started = self.finished = 0.0
+
+    def start_weight_update(self) -> None:
+        self.started = time.monotonic()
+        super().start_weight_update()
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        super().finish_weight_update(weight_version)
+        self.finished = time.monotonic()
+
+    def _stream(self, update_info: dict[str, Any]) -> Any:
+        for item in super()._stream(update_info):
+            time.sleep(self.chunk_s)
+            yield item
 
 
 class StalledReceiver(GlooReceiver):
