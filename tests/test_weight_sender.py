@@ -65,8 +65,29 @@ def test_an_instance_receiving_by_another_backend_is_refused_by_name():
 
 def test_the_config_passes_backend_and_host_to_the_parameter_server():
     servers = ServersConfig(placement="ray", weight_transfer="broadcast", transfer_backend="nccl", transfer_host="10.0.0.9")
-    assert servers.broadcast_settings() == {"backend": "nccl", "host": "10.0.0.9", "wire_dtype": "bfloat16", "bucket_bytes": 64 << 20}
+    assert servers.broadcast_settings() == {"backend": "nccl", "host": "10.0.0.9", "wire_dtype": "bfloat16", "bucket_bytes": 64 << 20,
+                                            "timeout_s": None, "link_gb_s": 1.0}
     assert TransferSettings(**servers.broadcast_settings()).host == "10.0.0.9"
+
+
+def test_the_transfer_deadline_is_a_config_key_defaulting_from_the_versions_bytes_and_the_link_rate():
+    """Issue 45: the deadline was a fixed 120 s with no config key, passed from the third instance on
+    by a 61 GB version. Now ``servers.transfer_timeout_s`` sets it; by default it follows from the
+    bytes, the transfers the sender runs at once and ``servers.transfer_link_gb_s``, with a floor."""
+    from staleflow.adapters.rlkit.weight_sender import TRANSFER_DEADLINE_FLOOR_S
+
+    def settings(**keys: object) -> TransferSettings:
+        return TransferSettings(**ServersConfig(placement="ray", weight_transfer="broadcast", **keys).broadcast_settings())
+
+    assert settings().deadline_s(10 << 20, transfers=2) == TRANSFER_DEADLINE_FLOOR_S == 30.0  # a small model: the floor
+    assert settings().deadline_s(61 * 10**9, transfers=12) == pytest.approx(4 * 61 * 12)  # 61 GB to 12 instances at 1 GB/s
+    assert settings(transfer_link_gb_s=25.0).deadline_s(61 * 10**9, transfers=12) == pytest.approx(4 * 61 * 12 / 25)
+    assert settings(transfer_timeout_s=600.0).deadline_s(61 * 10**9, transfers=12) == 600.0
+    server = TransferParameterServer(transfer=settings(transfer_timeout_s=7.0))
+    server.push(0, {"w": torch.ones(4)})
+    assert server.open_channel("i0", 1)["timeout_s"] == 7.0 and server.stage(0)["deadline_s"] == 7.0
+    with pytest.raises(ValueError, match="transfer_timeout_s"):
+        ServersConfig(placement="ray", weight_transfer="broadcast", transfer_timeout_s=-1.0)
 
 
 def test_chunks_carry_mixed_dtypes_byte_for_byte_split_anywhere():
