@@ -503,10 +503,13 @@ SENDER_GRACE_S = 5.0
 #: The longest one control-plane call of an update may take (starting or finishing vLLM's update,
 #: pausing or resuming the scheduler); the instance is given up after it.
 CONTROL_CALL_S = 30.0
-#: How much longer than its transfer deadline an instance's pull may take in all: the sender's grace
-#: and four control calls (pause, start, finish, resume). The run loop waits no longer on a pull
-#: once the version is staged.
-TRANSFER_MARGIN_S = SENDER_GRACE_S + 4 * CONTROL_CALL_S
+
+
+def transfer_margin_s() -> float:
+    """How much longer than its transfer deadline an instance's pull may take in all: the sender's
+    grace and four control calls (pause, start, finish, resume), 125 s. The run loop waits no longer
+    on a pull once the version is staged."""
+    return SENDER_GRACE_S + 4 * CONTROL_CALL_S
 
 
 def bounded(call: Callable[[], Any], what: str, wait_s: float) -> Any:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from staleflow.adapters.rlkit.weight_sender import CONTROL_CALL_S, bounded
+from staleflow.adapters.rlkit import weight_sender
 
 
 @contextmanager
@@ -34,11 +34,12 @@ def scheduling_paused(llm_engine: Any) -> Iterator[bool]:
         yield False
         return
     # keep: requests and their KV cache stay; each utility call bounded (vLLM's waits with no timeout)
-    bounded(lambda: core.call_utility("pause_scheduler", "keep", False), "pausing the scheduler", CONTROL_CALL_S)
+    bound = weight_sender.CONTROL_CALL_S
+    weight_sender.bounded(lambda: core.call_utility("pause_scheduler", "keep", False), "pausing the scheduler", bound)
     try:
         yield True
     finally:
-        bounded(lambda: core.call_utility("resume_scheduler"), "resuming the scheduler", CONTROL_CALL_S)
+        weight_sender.bounded(lambda: core.call_utility("resume_scheduler"), "resuming the scheduler", bound)
 
 
 def reload_weights_file(llm_engine: Any, path: Path, version: int) -> None:
