@@ -205,6 +205,7 @@ class VLLMEngine:
             self._call(lambda: self._do_load(version, weights, update), timeout=bound)
         except TimeoutError as error:
             self._failure = error
+            self._stopping.set()
             raise EngineFailed(f"{self.instance_id}: loading version {version} did not end within {bound:g} s") from error
 
     def snapshot(self) -> InstanceSnapshot:
@@ -304,7 +305,7 @@ class VLLMEngine:
                 if self._live and not self._stopping.is_set():
                     self._step()
         except BaseException as error:  # noqa: BLE001 - surfaced by the next call
-            self._failure = error
+            self._failure = self._failure or error  # the first failure is the cause
         finally:
             self._fail_pending()
             self._llm.engine_core.shutdown()
@@ -449,8 +450,9 @@ class VLLMEngine:
         if isinstance(source, TransferWeights):  # ends with set_weight_version, through finish_weight_update
             try:
                 self.bytes_received += self.weight_sync.receive(source, update)  # type: ignore[union-attr]
-            except UpdateLeftOpenError as error:  # its weights are part old, part new: it cannot serve
+            except UpdateLeftOpenError as error:  # its weights are part old, part new: it serves nothing more
                 self._failure = error
+                self._stopping.set()  # no step runs the half-loaded model; the engine shuts down
                 raise
         else:
             reload_weights_file(self._llm, source, version)
