@@ -199,7 +199,7 @@ def test_every_version_goes_over_one_long_lived_group_with_vllms_calls():
 def test_a_version_published_in_buckets_is_sent_bucket_by_bucket_never_fetched_whole():
     """Finding 8 (issue 24): a version a trainer published as buckets in Ray's object store was fetched
     whole into the parameter server's process before it was sent (a full copy per version there).
-    Now its specs announce the update and its buckets are fetched one at a time as they are sent."""
+    Now its specs size the staged copy and its buckets are fetched one at a time into it, once."""
     from staleflow.adapters.ray.object_weights import ObjectStoreWeights
 
     weights = {f"layer{i}.weight": torch.randn(64, 32).to(torch.bfloat16) for i in range(6)} | {"step": torch.arange(3)}

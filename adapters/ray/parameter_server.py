@@ -16,7 +16,6 @@ from staleflow.adapters.ray.placement import ActorProxy, RayPlacement
 from staleflow.runtime.interfaces import TransferFailedError
 from staleflow.runtime.servers.parameter_server import ParameterServer, VersionNotAvailableError
 
-
 #: Calls the parameter server's actor runs at once (threads): the sends to every instance side by side
 #: (each instance's one at a time, under its channel's lock), and the driver's pushes, pulls and
 #: version queries beside them. The server is thread-safe (a readers-writer lock, locks per channel).

@@ -12,15 +12,21 @@ instance's ``VLLMWeightSyncClient``: ``init_weight_transfer_engine`` (first pull
 :mod:`staleflow.adapters.vllm.weight_transfer`).
 
 Transports: both send the same chunks (:mod:`~staleflow.adapters.rlkit.wire_chunks`: the tensors'
-bytes cut into chunks of at most the bucket size, a larger tensor split across chunks, staged in one
-buffer), ``nccl`` over vLLM's stateless NCCL group from a GPU buffer, ``gloo`` over a gloo group from
-a CPU one; the worker engines of :mod:`staleflow.adapters.vllm.weight_transfer` receive them.
+bytes cut into chunks of at most the bucket size, a larger tensor split across chunks), read from
+the version staged once in the server's process (:mod:`~staleflow.adapters.rlkit.staged_version`),
+``nccl`` over vLLM's stateless NCCL group through one GPU buffer, ``gloo`` over a gloo group from
+the host buffer itself; the worker engines of :mod:`staleflow.adapters.vllm.weight_transfer`
+receive them. Sends to different instances run side by side (the server is thread-safe, each
+channel under its own lock); an instance has the version staged (:meth:`TransferWeights.prepare`)
+before it pauses, so it pauses for its own transfer only.
 
-A failed or stuck transfer: the sender gives up by ``timeout_s`` after it began (NCCL: its
-broadcasts waited for until then), the server tears the instance's group down (an NCCL group is
-unusable after a failed broadcast) and answers its next call; the instance side waits for both
-halves no longer than that (and a little grace) and raises :class:`TransferFailedError`, which the
-run loop handles as a lost instance (its requests re-queued); its next pull makes a new group.
+A failed or stuck transfer: both ends give up by the transfer's deadline
+(:meth:`TransferSettings.deadline_s`: ``servers.transfer_timeout_s``, or from the version's bytes);
+the server tears the instance's group down (an NCCL group is unusable after a failed broadcast) and
+answers its next call; the instance side waits for both halves no longer than that (and
+:data:`SENDER_GRACE_S`), for each control call no longer than :data:`CONTROL_CALL_S`, and raises
+:class:`TransferFailedError` (:class:`UpdateLeftOpenError` once vLLM's update began), which the run
+loop handles as a lost instance (its requests re-queued); its next pull makes a new group.
 """
 
 from __future__ import annotations
@@ -140,7 +146,8 @@ def received_specs(names: Sequence[str], dtype_names: Sequence[str], shapes: Seq
     return [(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtype_names, shapes, strict=True)]
 
 
-def receive_gloo(group: Any, specs: Sequence[Spec], bucket_bytes: int, timeout_s: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_gloo(group: Any, specs: Sequence[Spec], bucket_bytes: int,
+                 timeout_s: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The receiving side of a gloo transfer from rank 0 of ``group``: ``(name, tensor)`` of each
     announced tensor, chunk by chunk (:func:`~staleflow.adapters.rlkit.wire_chunks.receive_chunks`),
     every chunk's wait ending by ``timeout_s`` from the first (None: the group's own timeout)."""
