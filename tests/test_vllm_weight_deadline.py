@@ -57,7 +57,7 @@ def test_a_vllm_worker_blocked_in_its_receive_costs_the_run_one_instance_within_
     once, and the run ends on the other instance with nothing lost."""
     from runtime_fakes import FakeEngine, FakeTrainer, prompt_groups
     from safetensors.torch import load_file
-    from staleflow.adapters.rlkit import weight_sender
+    from staleflow.adapters.rlkit import bounded_calls
     from staleflow.adapters.rlkit.weight_sender import TransferParameterServer
     from staleflow.adapters.vllm.engine import EngineFailed, SamplingConfig, VLLMEngine
     from staleflow.adapters.vllm.gloo_transfer import GlooWeightTransferEngine
@@ -72,10 +72,10 @@ def test_a_vllm_worker_blocked_in_its_receive_costs_the_run_one_instance_within_
     weights = load_file(str(tiny_model / "model.safetensors"))
     unblock = threading.Event()
     monkeypatch.setattr(GlooWeightTransferEngine, "receive_weights", lambda self, info: unblock.wait(120))
-    monkeypatch.setattr(weight_sender, "CONTROL_CALL_S", 2.0)
-    monkeypatch.setattr(weight_sender, "SENDER_GRACE_S", 1.0)
+    monkeypatch.setattr(bounded_calls, "CONTROL_CALL_S", 2.0)
+    monkeypatch.setattr(bounded_calls, "SENDER_GRACE_S", 1.0)
     deadline = 2.0
-    bound = deadline + weight_sender.transfer_margin_s()
+    bound = deadline + bounded_calls.transfer_margin_s()
 
     class StateDictTrainer(FakeTrainer):
         def weights(self) -> Any:

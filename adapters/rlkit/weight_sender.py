@@ -24,7 +24,7 @@ A failed or stuck transfer: both ends give up by the transfer's deadline
 (:meth:`TransferSettings.deadline_s`: ``servers.transfer_timeout_s``, or from the version's bytes);
 the server tears the instance's group down (an NCCL group is unusable after a failed broadcast) and
 answers its next call; the instance side waits for both halves no longer than that (and
-:data:`SENDER_GRACE_S`), for each control call no longer than :data:`CONTROL_CALL_S`, and raises
+:mod:`~staleflow.adapters.rlkit.bounded_calls`' grace), for each control call no longer than its bound, and raises
 :class:`TransferFailedError` (:class:`UpdateLeftOpenError` once vLLM's update began), which the run
 loop handles as a lost instance (its requests re-queued); its next pull makes a new group.
 """
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from staleflow.adapters.rlkit import bounded_calls
 from staleflow.adapters.rlkit.staged_version import StagedVersion, stage
 from staleflow.adapters.rlkit.weight_checksum import mismatches
 from staleflow.adapters.rlkit.wire_chunks import Spec, receive_chunks, send_chunks
@@ -434,8 +435,7 @@ class WeightSyncClient(Protocol):
 
 
 class UpdateLeftOpenError(TransferFailedError):
-    """A transfer failed after the instance's weight update began: its weights are part old, part
-    new (or its workers still receive), so it cannot serve again without a restart."""
+    """A transfer failed after the instance's weight update began: its weights are part old, part new."""
 
 
 class TransferWeights:
@@ -465,7 +465,7 @@ class TransferWeights:
                 "(servers.transfer_backend must match the instances' devices: nccl for GPU instances, gloo for CPU ones)"
             )
         deadline = info.pop("deadline_s")
-        _together(lambda: self._server.join_channel(instance_id), lambda: client.init_weight_transfer_engine(info),
+        bounded_calls.together(lambda: self._server.join_channel(instance_id), lambda: client.init_weight_transfer_engine(info),
                   f"joining the weight channel of {instance_id}", deadline)
 
     def prepare(self) -> dict[str, Any]:
@@ -479,19 +479,19 @@ class TransferWeights:
     def deliver(self, instance_id: str, client: WeightSyncClient, update: Mapping[str, Any] | None = None) -> int:
         """Send this version over ``instance_id``'s group (made by :meth:`connect`) and finish the
         update with it as the weight version; returns the bytes sent. ``update``: what
-        :meth:`prepare` returned (None: prepared here). Each step is bounded: the transfer by its
-        deadline and :data:`SENDER_GRACE_S`, the update's start and finish by :data:`CONTROL_CALL_S`;
+        :meth:`prepare` returned (None: prepared here). Each step is bounded
+        (:mod:`~staleflow.adapters.rlkit.bounded_calls`): the transfer by its deadline and a grace,
+        the update's start and finish as control calls;
         a failure once the update began raises :class:`UpdateLeftOpenError`."""
         info = dict(update if update is not None else self.prepare())
         deadline = float(info.pop("deadline_s"))
         info["timeout_s"] = deadline  # the workers' receive is bounded by it too
-        what = f"sending version {self.version} to {instance_id}"
-        bounded(client.start_weight_update, f"starting the weight update of {instance_id}", CONTROL_CALL_S)
+        bounded_calls.bounded(client.start_weight_update, f"starting the weight update of {instance_id}", bounded_calls.CONTROL_CALL_S)
         try:
-            sent = _together(lambda: self._server.send(instance_id, self.version, deadline), lambda: client.update_weights(info),
-                             what, deadline)
-            bounded(lambda: client.finish_weight_update(weight_version=str(self.version)),
-                    f"finishing the weight update of {instance_id}", CONTROL_CALL_S)
+            sent = bounded_calls.together(lambda: self._server.send(instance_id, self.version, deadline),
+                                          lambda: client.update_weights(info), f"sending version {self.version} to {instance_id}", deadline)
+            bounded_calls.bounded(lambda: client.finish_weight_update(weight_version=str(self.version)),
+                                  f"finishing the weight update of {instance_id}", bounded_calls.CONTROL_CALL_S)
         except TransferFailedError as error:
             raise UpdateLeftOpenError(f"{error} (the weight update of {instance_id} was left open)") from error
         return int(sent)
@@ -503,59 +503,3 @@ class TransferWeights:
 
     def __repr__(self) -> str:
         return f"TransferWeights(version={self.version})"
-
-
-#: How much longer than the sender's deadline the instance side waits for it (a remote call's latency).
-SENDER_GRACE_S = 5.0
-#: The longest one control-plane call of an update may take (starting or finishing vLLM's update,
-#: pausing or resuming the scheduler); the instance is given up after it.
-CONTROL_CALL_S = 30.0
-
-
-def transfer_margin_s() -> float:
-    """How much longer than its transfer deadline an instance's pull may take in all: the sender's
-    grace and four control calls (pause, start, finish, resume), 125 s. The run loop waits no longer
-    on a pull once the version is staged."""
-    return SENDER_GRACE_S + 4 * CONTROL_CALL_S
-
-
-def bounded(call: Callable[[], Any], what: str, wait_s: float) -> Any:
-    """``call()`` in a thread of its own, waited for no longer than ``wait_s``; its result, or
-    :class:`TransferFailedError` if it fails or is still running then (left behind, a daemon thread)."""
-    return _in_threads({"instance": call}, what, wait_s)["instance"]
-
-
-def _together(sender: Callable[[], Any], receiver: Callable[[], Any], what: str, deadline_s: float) -> Any:
-    """Run ``sender`` and ``receiver`` (both meet in one collective) and wait for both, no longer
-    than ``deadline_s`` (the sender's own deadline) plus :data:`SENDER_GRACE_S`; the sender's result.
-    The sender ends by its own deadline."""
-    return _in_threads({"sending": sender, "receiving": receiver}, what, deadline_s + SENDER_GRACE_S)["sending"]
-
-
-def _in_threads(calls: Mapping[str, Callable[[], Any]], what: str, wait_s: float) -> dict[str, Any]:
-    """Run each call in a daemon thread of its own and wait for all, no longer than ``wait_s`` in
-    all; their results by side, or :class:`TransferFailedError` naming the side that failed or did
-    not finish (a call still running then is left behind)."""
-    outcome: dict[str, Any] = {}
-
-    def run(side: str, call: Callable[[], Any]) -> None:
-        try:
-            outcome[side] = call()
-        except Exception as error:  # noqa: BLE001 - reported below
-            outcome[side] = error
-
-    threads = {side: threading.Thread(target=run, args=(side, call), name=f"{what} ({side})", daemon=True)
-               for side, call in calls.items()}
-    for thread in threads.values():
-        thread.start()
-    end = time.monotonic() + wait_s
-    for thread in threads.values():
-        thread.join(max(0.0, end - time.monotonic()))
-    for side in threads:
-        result = outcome.get(side)
-        if isinstance(result, BaseException):
-            raise TransferFailedError(f"{what} failed on the {side} side: {result}") from result
-    late = [side for side, thread in threads.items() if thread.is_alive()]
-    if late:
-        raise TransferFailedError(f"{what}: the {' and the '.join(late)} side did not finish within {wait_s:g} s")
-    return outcome

@@ -180,8 +180,9 @@ class VLLMEngine:
         with self._lock:
             self._published.loads_pending += 1
         try:
-            if isinstance(weights, TransferWeights):
-                self._load_transfer(version, weights)
+            if isinstance(weights, TransferWeights):  # staged by its sender while this instance generates
+                update = weights.prepare()
+                self._call(lambda: self._do_load(version, weights, update))
                 return
             weights = resolve_weights(weights)
             path, temporary = weights_file(weights, self._weights_dir, self.instance_id)
@@ -193,20 +194,6 @@ class VLLMEngine:
         finally:
             with self._lock:
                 self._published.loads_pending -= 1
-
-    def _load_transfer(self, version: int, weights: TransferWeights) -> None:
-        """Receive ``version`` through vLLM's weight-transfer API: the sender stages it first (this
-        instance generating meanwhile), then the engine thread receives it, waited for no longer than
-        the transfer's deadline and margin; past that the engine thread is stuck in the update and
-        the engine is failed (every later call raises :class:`EngineFailed` at once)."""
-        update = weights.prepare()
-        bound = self.weight_sync.wait_bound_s(update)  # type: ignore[union-attr]
-        try:
-            self._call(lambda: self._do_load(version, weights, update), timeout=bound)
-        except TimeoutError as error:
-            self._failure = error
-            self._stopping.set()
-            raise EngineFailed(f"{self.instance_id}: loading version {version} did not end within {bound:g} s") from error
 
     def snapshot(self) -> InstanceSnapshot:
         self._raise_if_failed()
@@ -447,22 +434,18 @@ class VLLMEngine:
     def _do_load(self, version: int, source: Path | TransferWeights, update: Mapping[str, Any] | None = None) -> None:
         if version < self._version:
             raise ValueError(f"{self.instance_id}: cannot load version {version} over version {self._version}")
-        if isinstance(source, TransferWeights):  # ends with set_weight_version, through finish_weight_update
-            try:
+        try:
+            if isinstance(source, TransferWeights):  # ends with set_weight_version, through finish_weight_update
                 self.bytes_received += self.weight_sync.receive(source, update)  # type: ignore[union-attr]
-            except UpdateLeftOpenError as error:  # its weights are part old, part new: it serves nothing more
-                self._failure = error
-                self._stopping.set()  # no step runs the half-loaded model; the engine shuts down
-                raise
-        else:
-            reload_weights_file(self._llm, source, version)
-        self._version = version
-        if self._verify_weights:
-            try:
+            else:
+                reload_weights_file(self._llm, source, version)
+            self._version = version
+            if self._verify_weights:
                 verify_loaded(self._llm, self.instance_id, version, source)
-            except WeightChecksumMismatch as error:  # the instance cannot serve this version: lost
-                self._failure = error
-                raise
+        except (UpdateLeftOpenError, WeightChecksumMismatch) as error:  # its weights are not the version's: lost
+            self._failure = error
+            self._stopping.set()  # no step runs on them; the engine shuts down
+            raise
 
     def weight_checksums(self, seed: int = 0) -> list[dict[str, Any]]:
         """Each tensor-parallel rank's weight layouts and checksums (:mod:`~staleflow.adapters.vllm.weight_checksum`),

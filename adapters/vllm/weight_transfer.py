@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from staleflow.adapters.rlkit import weight_sender
 from staleflow.adapters.rlkit.weight_sender import BACKENDS, TransferWeights
 from staleflow.adapters.vllm.pause import scheduling_paused
 from staleflow.adapters.vllm.settings import set_vllm_env_defaults
@@ -131,13 +130,6 @@ class InstanceWeightSync:
         self.backend = backend
         self.pauses: list[float] = []
         self._connected = False
-
-    def wait_bound_s(self, update: Mapping[str, Any]) -> float:
-        """The longest :meth:`receive` of a prepared ``update`` takes: its deadline and
-        :func:`~staleflow.adapters.rlkit.weight_sender.transfer_margin_s`, and a group's joining
-        if the instance has none."""
-        joining = 0.0 if self._connected else weight_sender.TRANSFER_DEADLINE_FLOOR_S + weight_sender.SENDER_GRACE_S
-        return float(update["deadline_s"]) + weight_sender.transfer_margin_s() + joining
 
     def receive(self, weights: TransferWeights, update: Mapping[str, Any] | None = None) -> int:
         """Receive the version ``weights`` refers to (``update``: what ``weights.prepare()`` returned;
