@@ -196,7 +196,7 @@ def test_every_version_goes_over_one_long_lived_group_with_vllms_calls():
         TransferWeights(server, 3).deliver("i1", GlooReceiver())
 
 
-def test_a_version_published_in_buckets_is_sent_bucket_by_bucket_never_fetched_whole():
+def test_a_version_published_in_buckets_is_staged_bucket_by_bucket_once_never_fetched_whole():
     """Finding 8 (issue 24): a version a trainer published as buckets in Ray's object store was fetched
     whole into the parameter server's process before it was sent (a full copy per version there).
     Now its specs size the staged copy and its buckets are fetched one at a time into it, once."""
