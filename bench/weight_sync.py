@@ -12,6 +12,18 @@ in-process vLLM engine loads ``--syncs`` new versions from a parameter server, e
 It prints the median seconds per sync and the bytes moved per sync. The engine is built with the
 rollout settings of a job (``--config`` and ``KEY=VALUE`` overrides; default the built-in job), as
 ``staleflow train`` builds it: on a GPU job bf16 with CUDA graphs, not the CPU defaults.
+
+``--instances N``: transfers side by side instead. N engines in this process receive from one
+parameter server placed as a Ray actor (as a job with ``servers.weight_transfer=broadcast`` places
+it): after a first version (each instance's group made), version 2 goes to instance 0 alone (one
+instance's transfer) and version 3 to all N at once. It prints each instance's pause (its
+scheduling held: its own transfer, the version staged before), the version's total time, the
+bytes sent to each instance and the model's unique bytes in the wire dtype, and the two ratios the
+goals bound (longest / shortest pause, total / one instance's transfer: both at most 1.5).
+
+Both ends of one NCCL group cannot share a GPU (NCCL refuses: "Duplicate GPU detected"), and the
+bench's engines and its sender would: where the transport would be NCCL it refuses, naming the way
+out (``--backend gloo``, or ``staleflow train`` on a job whose instances have GPUs of their own).
 """
 
 from __future__ import annotations
@@ -41,7 +53,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--syncs", type=int, default=5, help="versions loaded per model and way (default: 5)")
     parser.add_argument("--wire-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--instances", type=int, metavar="N",
+                        help="N instances pulling one version at once (transfers side by side; first model of --models)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="broadcast transport (auto: nccl where this process sees a GPU, which the bench refuses)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
+
+
+class SharedDeviceError(ValueError):
+    """Both ends of one NCCL group would be on one GPU."""
+
+
+def check_transport(backend: str, cuda_available: bool, device_count: int) -> str:
+    """The transport the bench broadcasts with; :class:`SharedDeviceError` where it would be NCCL:
+    its sender and its engines run in this process, on the one GPU it uses, and NCCL refuses two
+    ranks of a group on one device."""
+    from staleflow.adapters.rlkit.weight_sender import TransferSettings
+
+    resolved = TransferSettings(backend=backend).resolved_backend(cuda_available)
+    if resolved == "nccl":
+        raise SharedDeviceError(
+            f"the bench would broadcast over NCCL with the sender and its engines on one GPU of this process (of {device_count} "
+            "visible), and NCCL refuses two ranks of one group on one device ('Duplicate GPU detected'): run it with "
+            "--backend gloo, or measure NCCL in a job whose instances have GPUs of their own (docs/gpu.md)"
+        )
+    return resolved
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,9 +90,23 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    import torch
+
+    try:
+        backend = check_transport(args.backend, torch.cuda.is_available(), torch.cuda.device_count())
+    except (SharedDeviceError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     set_vllm_env_defaults()
-    rows = [measure(name, args.syncs, args.wire_dtype, args.bucket_mb << 20, engine_kwargs) for name in args.models]
     command = "staleflow bench weight-sync " + " ".join(sys.argv[3:])
+    if args.instances is not None:
+        if args.instances < 1:
+            print(f"error: --instances must be >= 1, got {args.instances}", file=sys.stderr)
+            return 2
+        row = measure_side_by_side(args.models[0], args.instances, args.wire_dtype, args.bucket_mb << 20, engine_kwargs, backend)
+        print_side_by_side(row, command, args.json)
+        return 0
+    rows = [measure(name, args.syncs, args.wire_dtype, args.bucket_mb << 20, engine_kwargs) for name in args.models]
     if args.json:
         print(json.dumps({"rows": rows, "command": command}, indent=1))
         return 0
@@ -109,3 +159,75 @@ def measure(name: str, syncs: int, wire_dtype: str, bucket_bytes: int, engine_kw
         "parameters": parameters,
         **{way: {"seconds": statistics.median(t), "bytes": bytes_moved[way], "all_seconds": t} for way, t in timings.items()},
     }
+
+
+def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_bytes: int, engine_kwargs: dict[str, Any] | None,
+                         backend: str) -> dict[str, Any]:
+    """Pauses, bytes and times of ``instances`` engines of model ``name`` pulling one version at once
+    from a Ray-placed parameter server (module docstring)."""
+    import threading
+
+    from safetensors.torch import load_file
+    from staleflow.adapters.ray.parameter_server import RemoteParameterServer
+    from staleflow.adapters.ray.placement import RayPlacement
+    from staleflow.adapters.rlkit.staged_version import unique_tensors
+    from staleflow.adapters.rlkit.weight_sender import wire_dtype as wire_of
+    from staleflow.adapters.vllm.engine import VLLMEngine
+    from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
+
+    folder = Path(tempfile.gettempdir()) / f"staleflow-bench-model-{name}"
+    model = ensure_tiny_model(folder, TinyModelSpec(**MODELS[name]))
+    weights = load_file(str(model / "model.safetensors"))
+    wire = wire_of(wire_dtype)
+    unique = sum(t.numel() * (wire.itemsize if t.is_floating_point() else t.element_size()) for _, t in unique_tensors(weights.items()))
+    placement = RayPlacement(num_cpus=2, include_dashboard=False)
+    engines: list[Any] = []
+    try:
+        server = RemoteParameterServer.place(placement, keep=2,
+                                             broadcast={"backend": backend, "wire_dtype": wire_dtype, "bucket_bytes": bucket_bytes})
+        engines = [VLLMEngine(f"bench-{name}-{i}", model, max_model_len=256, engine_kwargs=engine_kwargs) for i in range(instances)]
+
+        def pull(version: int, chosen: list[Any]) -> float:
+            server.push(version, {k: v + 1e-3 * version for k, v in weights.items()})
+            reference = server.pull(version)[1]
+            threads = [threading.Thread(target=engine.load_weights, args=(version, reference)) for engine in chosen]
+            started = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if any(engine.version != version for engine in chosen):
+                raise RuntimeError(f"version {version} did not load into every instance")
+            return time.perf_counter() - started
+
+        pull(1, engines)  # every instance's group made
+        solo = pull(2, engines[:1])
+        before = [engine.bytes_received for engine in engines]
+        total = pull(3, engines)
+        pauses = [engine.weight_sync.pauses[-1] for engine in engines]
+        sent = [engine.bytes_received - b for engine, b in zip(engines, before)]
+    finally:
+        for engine in engines:
+            engine.close()
+        placement.close()
+    return {
+        "model": name, "instances": instances, "backend": backend, "wire_dtype": wire_dtype,
+        "pauses_s": pauses, "pause_ratio": max(pauses) / min(pauses), "total_s": total, "one_instance_s": solo,
+        "total_to_one_instance": total / solo, "bytes_sent": sent, "unique_bytes": unique,
+    }
+
+
+def print_side_by_side(row: dict[str, Any], command: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({**row, "command": command}, indent=1))
+        return
+    print(f"model {row['model']}, {row['instances']} instances pulling one version at once ({row['backend']}, {row['wire_dtype']})")
+    print("| instance | pause | bytes sent |")
+    print("|---|---|---|")
+    for i, (pause, sent) in enumerate(zip(row["pauses_s"], row["bytes_sent"])):
+        print(f"| {i} | {pause:.3f} s | {sent / 1e6:.2f} MB |")
+    print(f"\nunique bytes of the model (wire dtype): {row['unique_bytes'] / 1e6:.2f} MB")
+    print(f"longest / shortest pause: {row['pause_ratio']:.2f} (goal <= 1.5)")
+    print(f"version to all: {row['total_s']:.3f} s; one instance alone: {row['one_instance_s']:.3f} s; "
+          f"ratio {row['total_to_one_instance']:.2f} (goal <= 1.5)")
+    print(f"\nreproduce: {command}")

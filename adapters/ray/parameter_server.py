@@ -4,6 +4,8 @@ The driver coordinates; the weights of a version go from the parameter server's 
 the rollout instance that pulls them: :meth:`RemoteParameterServer.pull` checks that the version is
 there and returns a :class:`RemoteWeights` reference, which the instance's engine (in its own actor)
 fetches. The server keeps what arrives without copying it again (a Ray transfer is already a copy).
+Its actor runs :data:`SERVER_THREADS` calls at once, so no instance's transfer waits behind
+another's, and the run loop's pushes and pulls wait behind none.
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ from typing import Any
 from staleflow.adapters.ray.placement import ActorProxy, RayPlacement
 from staleflow.runtime.interfaces import TransferFailedError
 from staleflow.runtime.servers.parameter_server import ParameterServer, VersionNotAvailableError
+
+#: Calls the parameter server's actor runs at once (threads): the sends to every instance side by side
+#: (each instance's one at a time, under its channel's lock), and the driver's pushes, pulls and
+#: version queries beside them. The server is thread-safe (a readers-writer lock, locks per channel).
+SERVER_THREADS = 64
 
 
 def _keep_as_is(weights: Any) -> Any:
@@ -66,8 +73,8 @@ class RemoteParameterServer:
             factory = TransferParameterServer
             kwargs["transfer"] = broadcast
         if name is None:
-            return cls(placement.place(factory, **kwargs), broadcast)
-        return cls(placement.place_reserved(name, factory, **kwargs), broadcast)
+            return cls(placement.place(factory, threads=SERVER_THREADS, **kwargs), broadcast)
+        return cls(placement.place_reserved(name, factory, threads=SERVER_THREADS, **kwargs), broadcast)
 
     def push(self, version: int, weights: Any) -> None:
         self._server.push(version, weights)

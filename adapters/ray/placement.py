@@ -146,18 +146,21 @@ class RayPlacement:
         return options
 
     def place_reserved(
-        self, name: str, factory: Callable[..., Any], *args: Any, env: Mapping[str, str] | None = None, **kwargs: Any
+        self, name: str, factory: Callable[..., Any], *args: Any, env: Mapping[str, str] | None = None, threads: int = 1,
+        **kwargs: Any
     ) -> ActorProxy:
         """Build ``factory(*args, **kwargs)`` as actor ``name`` of the reserved plan
         (:meth:`actor_options`; Ray sets the actor's ``CUDA_VISIBLE_DEVICES``), ``env`` added to
-        the plan's environment."""
+        the plan's environment; ``threads``: how many calls it runs at once (a part that is
+        thread-safe; 1: one call at a time)."""
         options = self.actor_options(name)
         if env:
             options["runtime_env"] = {"env_vars": {**options.get("runtime_env", {}).get("env_vars", {}), **env}}
-        return self._start(self._host.options(**options), factory, args, kwargs)
+        return self._start(self._host.options(**options, max_concurrency=threads), factory, args, kwargs)
 
-    def place(self, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> ActorProxy:
-        return self._start(self._host, factory, args, kwargs)
+    def place(self, factory: Callable[..., Any], *args: Any, threads: int = 1, **kwargs: Any) -> ActorProxy:
+        """Build ``factory(*args, **kwargs)`` as an actor anywhere, running ``threads`` calls at once."""
+        return self._start(self._host.options(max_concurrency=threads), factory, args, kwargs)
 
     def _start(self, host: Any, factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> ActorProxy:
         import ray

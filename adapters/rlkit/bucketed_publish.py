@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from staleflow.adapters.rlkit.staged_version import unique_tensors
 
 DEFAULT_PUBLISH_BUCKET_BYTES = 512 << 20
 
@@ -43,7 +44,8 @@ def gathered_buckets(state: Mapping[str, Any], dtype: torch.dtype, bucket_bytes:
 
 
 def _gathered_copies(state: Mapping[str, Any], dtype: torch.dtype, keep: bool, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in state.items():
+    """The copies of ``state``'s tensors, a tied one (the same storage as an earlier name) published once."""
+    for name, tensor in unique_tensors(state.items()):
         full = gather_full(tensor)
         if not keep:
             del full

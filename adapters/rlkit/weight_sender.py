@@ -12,15 +12,21 @@ instance's ``VLLMWeightSyncClient``: ``init_weight_transfer_engine`` (first pull
 :mod:`staleflow.adapters.vllm.weight_transfer`).
 
 Transports: both send the same chunks (:mod:`~staleflow.adapters.rlkit.wire_chunks`: the tensors'
-bytes cut into chunks of at most the bucket size, a larger tensor split across chunks, staged in one
-buffer), ``nccl`` over vLLM's stateless NCCL group from a GPU buffer, ``gloo`` over a gloo group from
-a CPU one; the worker engines of :mod:`staleflow.adapters.vllm.weight_transfer` receive them.
+bytes cut into chunks of at most the bucket size, a larger tensor split across chunks), read from
+the version staged once in the server's process (:mod:`~staleflow.adapters.rlkit.staged_version`),
+``nccl`` over vLLM's stateless NCCL group through one GPU buffer, ``gloo`` over a gloo group from
+the host buffer itself; the worker engines of :mod:`staleflow.adapters.vllm.weight_transfer`
+receive them. Sends to different instances run side by side (the server is thread-safe, each
+channel under its own lock); an instance has the version staged (:meth:`TransferWeights.prepare`)
+before it pauses, so it pauses for its own transfer only.
 
-A failed or stuck transfer: the sender gives up by ``timeout_s`` after it began (NCCL: its
-broadcasts waited for until then), the server tears the instance's group down (an NCCL group is
-unusable after a failed broadcast) and answers its next call; the instance side waits for both
-halves no longer than that (and a little grace) and raises :class:`TransferFailedError`, which the
-run loop handles as a lost instance (its requests re-queued); its next pull makes a new group.
+A failed or stuck transfer: both ends give up by the transfer's deadline
+(:meth:`TransferSettings.deadline_s`: ``servers.transfer_timeout_s``, or from the version's bytes);
+the server tears the instance's group down (an NCCL group is unusable after a failed broadcast) and
+answers its next call; the instance side waits for both halves no longer than that (and
+:mod:`~staleflow.adapters.rlkit.bounded_calls`' grace), for each control call no longer than its bound, and raises
+:class:`TransferFailedError` (:class:`UpdateLeftOpenError` once vLLM's update began), which the run
+loop handles as a lost instance (its requests re-queued); its next pull makes a new group.
 """
 
 from __future__ import annotations
@@ -29,13 +35,15 @@ import datetime
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from staleflow.adapters.rlkit import bounded_calls
+from staleflow.adapters.rlkit.staged_version import StagedVersion, stage
 from staleflow.adapters.rlkit.weight_checksum import mismatches
-from staleflow.adapters.rlkit.wire_chunks import Spec, nbytes, receive_chunks, send_chunks
+from staleflow.adapters.rlkit.wire_chunks import Spec, receive_chunks, send_chunks
 from staleflow.runtime.interfaces import TransferFailedError, WeightsReference, resolve_weights
 from staleflow.runtime.servers.parameter_server import ParameterServer, VersionNotAvailableError
 
@@ -47,16 +55,36 @@ class TransferBackendError(ValueError):
     """A weight-transfer backend that cannot run where it was asked to (e.g. ``nccl`` without a GPU)."""
 
 
+#: The shortest transfer deadline, whatever the version's size (a group's set-up, a remote call's latency).
+TRANSFER_DEADLINE_FLOOR_S = 30.0
+#: How many times its expected duration a transfer may take before it is given up.
+TRANSFER_DEADLINE_SLACK = 4.0
+
+
 @dataclass(frozen=True)
 class TransferSettings:
     """How versions move: ``backend`` (``auto``: ``nccl`` where the sender sees a GPU, else ``gloo``),
-    ``host`` (the rendezvous address; None: the sender's node IP), the wire dtype and bucket size."""
+    ``host`` (the rendezvous address; None: the sender's node IP), the wire dtype and bucket size.
+
+    ``timeout_s``: the deadline of one transfer; None: :meth:`deadline_s` of the version's bytes at
+    ``link_gb_s``, the sender's expected link rate (gigabytes per second, shared by the transfers it
+    runs at once)."""
 
     backend: str = "auto"
     host: str | None = None
     wire_dtype: str = "bfloat16"
     bucket_bytes: int = 64 << 20
-    timeout_s: float = 120.0
+    timeout_s: float | None = None
+    link_gb_s: float = 1.0
+
+    def deadline_s(self, nbytes: int = 0, transfers: int = 1) -> float:
+        """The deadline of a transfer of ``nbytes`` while ``transfers`` run from this sender at once:
+        ``timeout_s`` if set, else ``max(TRANSFER_DEADLINE_FLOOR_S, TRANSFER_DEADLINE_SLACK *
+        nbytes * transfers / link rate)``."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        expected = nbytes * max(1, transfers) / (self.link_gb_s * 1e9)
+        return max(TRANSFER_DEADLINE_FLOOR_S, TRANSFER_DEADLINE_SLACK * expected)
 
     def resolved_backend(self, cuda_available: bool | None = None) -> str:
         """The backend this process sends with; :class:`TransferBackendError` on a bad combination."""
@@ -99,19 +127,11 @@ def transfer_host(configured: str | None, node_ip: str | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------------ the wire
-def wire_tensors(tensors: Iterable[tuple[str, torch.Tensor]], wire_dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The floating-point tensors in ``wire_dtype`` (others as they are), in order, one at a time."""
-    if wire_dtype not in WIRE_DTYPES:
-        raise ValueError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
-    wire = WIRE_DTYPES[wire_dtype]
-    return ((name, t.to(wire) if t.is_floating_point() else t) for name, t in tensors)
-
-
-def wire_specs(weights: Mapping[str, torch.Tensor], wire_dtype: str) -> list[Spec]:
-    """``(name, dtype, shape)`` of each tensor as it travels (``wire_dtype`` for floating point);
-    the values may be meta tensors."""
-    meta = ((n, torch.empty(t.shape, dtype=t.dtype, device="meta")) for n, t in weights.items())
-    return [(n, t.dtype, tuple(t.shape)) for n, t in wire_tensors(meta, wire_dtype)]
+def wire_dtype(name: str) -> torch.dtype:
+    """The torch dtype of wire dtype ``name``; ValueError naming the choices for another."""
+    if name not in WIRE_DTYPES:
+        raise ValueError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {name!r}")
+    return WIRE_DTYPES[name]
 
 
 def wait_until(ready: Callable[[], bool], deadline: float, what: str) -> None:
@@ -123,18 +143,27 @@ def wait_until(ready: Callable[[], bool], deadline: float, what: str) -> None:
 
 
 def received_specs(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[Spec]:
-    """The specs of an update as announced (:meth:`WeightChannel.update_info`'s three lists)."""
+    """The specs of an update as announced (:meth:`TransferParameterServer.stage`'s three lists)."""
     return [(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtype_names, shapes, strict=True)]
 
 
-def receive_gloo(group: Any, specs: Sequence[Spec], bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_gloo(group: Any, specs: Sequence[Spec], bucket_bytes: int,
+                 timeout_s: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The receiving side of a gloo transfer from rank 0 of ``group``: ``(name, tensor)`` of each
-    announced tensor, chunk by chunk (:func:`~staleflow.adapters.rlkit.wire_chunks.receive_chunks`)."""
+    announced tensor, chunk by chunk (:func:`~staleflow.adapters.rlkit.wire_chunks.receive_chunks`),
+    every chunk's wait ending by ``timeout_s`` from the first (None: the group's own timeout)."""
     import torch.distributed as dist
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
     def receive(buffer: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = 0
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"the weight transfer did not complete within {timeout_s:g} s")
+            options.timeout = datetime.timedelta(seconds=remaining)
         group.broadcast([buffer], options).wait()
 
     return receive_chunks(specs, bucket_bytes, receive)
@@ -155,10 +184,11 @@ class WeightChannel:
     """The sender's end of one instance's long-lived group (rank 0 of ``1 + receivers``). Its
     rendezvous port is bound from the moment the channel is made (a port probed and released could
     be taken by another process before the group bound it; the workers then time out). A transfer
-    stages its chunks (:mod:`~staleflow.adapters.rlkit.wire_chunks`) in one buffer from ``stage``
-    (default: on the sending device) and ends by ``settings.timeout_s`` after it began, done or not:
-    a receiver that died or hangs cannot hold the sender (and so the parameter server) in a
-    broadcast. After a failed transfer the group is unusable: :meth:`close` it."""
+    broadcasts a :class:`~staleflow.adapters.rlkit.staged_version.StagedVersion`'s chunks (gloo: the
+    host buffer's own views; nccl: each copied into one device buffer of the bucket's size from
+    ``stage``) and ends by its deadline, done or not: a receiver that died or hangs cannot hold the
+    sender in a broadcast. One transfer at a time per channel (its lock); channels of different
+    instances send at the same time. After a failed transfer the group is unusable: :meth:`close` it."""
 
     def __init__(self, settings: TransferSettings, receivers: int, backend: str, host: str,
                  stage: Callable[[int], torch.Tensor] | None = None) -> None:
@@ -166,15 +196,17 @@ class WeightChannel:
         self.backend = backend
         self.host = host
         self.world_size = 1 + receivers
+        self.lock = threading.Lock()
         self._stage = stage or self._device_buffer
         self._group: Any = None
         self._store: Any = None
         self._listen: socket.socket | None = None
+        self._join_s = settings.deadline_s()
         if backend == "gloo":
             import torch.distributed as dist
 
             # The group's store listens from now on, on a port the OS chose.
-            self._store = dist.TCPStore(host, 0, self.world_size, True, timeout=datetime.timedelta(seconds=settings.timeout_s),
+            self._store = dist.TCPStore(host, 0, self.world_size, True, timeout=datetime.timedelta(seconds=self._join_s),
                                         wait_for_workers=False)
             self.port = int(self._store.port)
         else:  # vLLM's group store takes this listening socket over when the group is made
@@ -188,7 +220,7 @@ class WeightChannel:
         common = {"master_address": self.host, "master_port": self.port, "world_size": self.world_size, "rank_offset": 1}
         if self.backend == "nccl":
             return {"backend": "nccl", **common, "packed": True, "packed_buffer_size_bytes": self.settings.bucket_bytes}
-        return {"backend": "gloo", **common, "timeout_s": self.settings.timeout_s, "bucket_bytes": self.settings.bucket_bytes}
+        return {"backend": "gloo", **common, "timeout_s": self._join_s, "bucket_bytes": self.settings.bucket_bytes}
 
     def join(self) -> None:
         """Make the group (blocks until every worker has joined)."""
@@ -199,36 +231,31 @@ class WeightChannel:
 
             listen, self._listen = self._listen, None
             rendezvous = StatelessProcessGroup.create(self.host, self.port, 0, self.world_size,
-                                                      store_timeout=int(self.settings.timeout_s), listen_socket=listen)
+                                                      store_timeout=int(self._join_s), listen_socket=listen)
             with unpinned_nccl_env():
                 self._group = PyNcclCommunicator(rendezvous, device=torch.cuda.current_device())
             return
         import torch.distributed as dist
 
-        self._group = dist.ProcessGroupGloo(self._store, 0, self.world_size, datetime.timedelta(seconds=self.settings.timeout_s))
+        self._group = dist.ProcessGroupGloo(self._store, 0, self.world_size, datetime.timedelta(seconds=self._join_s))
 
-    def update_info(self, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """What every worker's ``update_weights`` takes for ``weights`` (names, dtypes, shapes; the
-        values may be meta tensors)."""
-        specs = wire_specs(weights, self.settings.wire_dtype)
-        return {"names": [n for n, _, _ in specs], "dtype_names": [str(d).removeprefix("torch.") for _, d, _ in specs],
-                "shapes": [list(s) for _, _, s in specs]}
-
-    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], specs: Sequence[Spec]) -> int:
-        """Broadcast the ``(name, tensor)`` pairs (rank 0), consumed one at a time in the order of
-        ``specs`` (:meth:`update_info`'s), by ``settings.timeout_s`` from now (TimeoutError, or the
+    def send(self, staged: StagedVersion, deadline_s: float) -> int:
+        """Broadcast ``staged``'s chunks (rank 0) by ``deadline_s`` from now (TimeoutError, or the
         transport's error, after it); returns the bytes sent."""
         if self._group is None:
             raise RuntimeError("join() the channel first")
-        deadline = time.monotonic() + self.settings.timeout_s
-        total = sum(nbytes(dtype, shape) for _, dtype, shape in specs)
-        return send_chunks(wire_tensors(tensors, self.settings.wire_dtype), total, self.settings.bucket_bytes,
-                           self._stage, lambda chunk: self._broadcast(chunk, deadline))
+        deadline = time.monotonic() + deadline_s
+        if self.backend == "gloo":  # gloo reads host memory: the staged buffer's own chunks
+            for chunk in staged.chunks(self.settings.bucket_bytes):
+                self._broadcast(chunk, deadline)
+            return staged.nbytes
+        return send_chunks([("version", staged.buffer)], staged.nbytes, self.settings.bucket_bytes, self._stage,
+                           lambda chunk: self._broadcast(chunk, deadline))
 
     def _broadcast(self, chunk: torch.Tensor, deadline: float) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError(f"the transfer did not complete within {self.settings.timeout_s} s")
+            raise TimeoutError("the transfer did not complete within its deadline")
         if self.backend == "nccl":  # enqueued on the stream; its completion waited for until the deadline
             self._group.broadcast(chunk, src=0, stream=torch.cuda.current_stream())
             done = torch.cuda.Event()
@@ -243,7 +270,7 @@ class WeightChannel:
         self._group.broadcast([chunk], options).wait()
 
     def _device_buffer(self, size: int) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.uint8, device="cuda" if self.backend == "nccl" else "cpu")
+        return torch.empty(size, dtype=torch.uint8, device="cuda")
 
     def close(self) -> None:
         """Tear the group down (NCCL: the communicator aborted, which ends a broadcast still in
@@ -256,22 +283,36 @@ class WeightChannel:
 
 
 # ------------------------------------------------------------------------------------ the server
+#: How many staged versions the server keeps (the newest ones still held): the instances of a
+#: decision pull one version, and those lagging within the bound the one before.
+STAGED_VERSIONS = 2
+
+
 class TransferParameterServer(ParameterServer):
     """A parameter server that also sends a version to an instance over that instance's long-lived
-    group (it runs where the weights are). A version pushed as buckets elsewhere
-    (:class:`BucketedWeights`: a trainer rank's buckets in Ray's object store) is sent bucket by
-    bucket as each is fetched, never whole in this process; another reference is fetched whole for
-    its first send and the newest one fetched is kept for the next ones. ``channels_opened`` counts
-    the groups made."""
+    group (it runs where the weights are). Thread-safe: in a threaded actor
+    (:meth:`~staleflow.adapters.ray.parameter_server.RemoteParameterServer.place`) the sends to
+    different instances run side by side, each under its channel's lock, and pushes, pulls and
+    version queries are not held up by them.
+
+    A version is staged once (:mod:`~staleflow.adapters.rlkit.staged_version`: fetched from where it
+    is held, in buckets where it was published so, converted to the wire dtype, a tied tensor
+    once) by the first instance that needs it (:meth:`stage`, called before the instance pauses),
+    and every send of it reads that copy; the :data:`STAGED_VERSIONS` newest are kept.
+    ``channels_opened`` counts the groups made."""
 
     def __init__(self, *args: Any, transfer: TransferSettings | Mapping[str, Any] | None = None,
                  stage: Callable[[int], torch.Tensor] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._stage = stage  # the staging buffers' allocator (None: on the sending device)
+        self._stage = stage  # the device buffers' allocator (None: on the sending GPU)
         self.transfer = transfer if isinstance(transfer, TransferSettings) else TransferSettings(**(transfer or {}))
         self.backend = self.transfer.resolved_backend()  # a bad combination fails when the server starts
+        wire_dtype(self.transfer.wire_dtype)
         self.channels_opened = 0
         self._channels: dict[str, WeightChannel] = {}
+        self._channels_lock = threading.Lock()
+        self._staged: dict[int, StagedVersion] = {}
+        self._staging_lock = threading.Lock()
         self._fetched: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._fetch_lock = threading.Lock()
 
@@ -285,30 +326,51 @@ class TransferParameterServer(ParameterServer):
             return self._fetched[1]
 
     def open_channel(self, instance_id: str, receivers: int) -> dict[str, Any]:
-        """A new group for ``instance_id`` (replacing its old one: a restarted instance); its init info."""
-        if (old := self._channels.pop(instance_id, None)) is not None:
-            old.close()
+        """A new group for ``instance_id`` (replacing its old one: a restarted instance); its init
+        info, and ``deadline_s``: how long joining it may take."""
         channel = WeightChannel(self.transfer, receivers, self.backend, transfer_host(self.transfer.host), stage=self._stage)
-        self._channels[instance_id] = channel
-        self.channels_opened += 1
-        return {**channel.init_info(), "deadline_s": self.transfer.timeout_s}
+        with self._channels_lock:
+            old = self._channels.pop(instance_id, None)
+            self._channels[instance_id] = channel
+            self.channels_opened += 1
+        if old is not None:
+            with old.lock:
+                old.close()
+        return {**channel.init_info(), "deadline_s": self.transfer.deadline_s()}
 
     def join_channel(self, instance_id: str) -> None:
         self._guarded(instance_id, "joining the group", lambda channel: channel.join())
 
-    def update_info(self, instance_id: str, version: int) -> dict[str, Any]:
-        """What ``instance_id``'s workers' ``update_weights`` takes for ``version``, and
-        ``deadline_s``: how long the instance waits for the transfer."""
-        info = self._channel(instance_id).update_info(self._meta(version))
-        return {**info, "deadline_s": self.transfer.timeout_s}
+    def stage(self, version: int) -> dict[str, Any]:
+        """Stage ``version`` here if it is not yet (the sender ready: an instance calls this before
+        it pauses), and what every worker's ``update_weights`` takes for it (names, dtypes, shapes),
+        with ``deadline_s``: how long its transfer may take (:meth:`TransferSettings.deadline_s` of
+        its bytes, every open channel sending at once)."""
+        staged = self._staged_version(version)
+        with self._channels_lock:
+            transfers = len(self._channels)
+        return {**staged.update_info(), "deadline_s": self.transfer.deadline_s(staged.nbytes, transfers)}
 
-    def send(self, instance_id: str, version: int) -> int:
-        """Broadcast ``version`` to ``instance_id``'s workers; the bytes sent once they have it. A
-        transfer that fails or passes its deadline tears the group down and raises
-        :class:`TransferFailedError`."""
-        tensors = self._tensor_items(version)
-        specs = wire_specs(self._meta(version), self.transfer.wire_dtype)
-        return int(self._guarded(instance_id, f"sending version {version}", lambda channel: channel.send(tensors, specs)))
+    def send(self, instance_id: str, version: int, deadline_s: float | None = None) -> int:
+        """Broadcast ``version`` to ``instance_id``'s workers by ``deadline_s`` (None: that of
+        :meth:`stage`); the bytes sent once they have it. A transfer that fails or passes its
+        deadline tears the group down and raises :class:`TransferFailedError`."""
+        staged = self._staged_version(version)
+        deadline = self.stage(version)["deadline_s"] if deadline_s is None else deadline_s
+        return int(self._guarded(instance_id, f"sending version {version}", lambda channel: channel.send(staged, deadline)))
+
+    def _staged_version(self, version: int) -> StagedVersion:
+        with self._staging_lock:
+            staged = self._staged.get(version)
+            if staged is None:
+                specs = [(name, t.dtype, tuple(t.shape)) for name, t in self._meta(version).items()]
+                staged = stage(version, self._tensor_items(version), specs, wire_dtype(self.transfer.wire_dtype),
+                               pinned=self.backend == "nccl")
+                held = set(self.versions())
+                self._staged = {v: kept for v, kept in self._staged.items() if v in held} | {version: staged}
+                for old in sorted(self._staged)[:-STAGED_VERSIONS]:
+                    del self._staged[old]
+            return staged
 
     def weight_mismatches(self, version: int, ranks: Sequence[Mapping[str, Any]], seed: int) -> list[str] | None:
         """:func:`~staleflow.adapters.rlkit.weight_checksum.mismatches` of an instance's ranks (their
@@ -330,7 +392,8 @@ class TransferParameterServer(ParameterServer):
 
     def channel_open(self, instance_id: str) -> bool:
         """Whether ``instance_id`` has a group (none after a failed transfer tore it down)."""
-        return instance_id in self._channels
+        with self._channels_lock:
+            return instance_id in self._channels
 
     def _meta(self, version: int) -> Mapping[str, torch.Tensor]:
         stored = self.pull(version)[1]
@@ -339,20 +402,24 @@ class TransferParameterServer(ParameterServer):
         return self._weights(version)
 
     def _guarded(self, instance_id: str, what: str, action: Callable[[WeightChannel], Any]) -> Any:
-        """``action`` on ``instance_id``'s channel; on any failure the channel is closed and dropped
-        (the group is unusable) and :class:`TransferFailedError` raised."""
+        """``action`` on ``instance_id``'s channel, under its lock; on any failure the channel is
+        closed and dropped (the group is unusable) and :class:`TransferFailedError` raised."""
         channel = self._channel(instance_id)
-        try:
-            return action(channel)
-        except Exception as error:  # noqa: BLE001 - every transport failure ends the group
-            del self._channels[instance_id]
-            channel.close()
-            raise TransferFailedError(f"{what} of instance {instance_id!r} failed; its group was torn down: {error}") from error
+        with channel.lock:
+            try:
+                return action(channel)
+            except Exception as error:  # noqa: BLE001 - every transport failure ends the group
+                with self._channels_lock:
+                    if self._channels.get(instance_id) is channel:
+                        del self._channels[instance_id]
+                channel.close()
+                raise TransferFailedError(f"{what} of instance {instance_id!r} failed; its group was torn down: {error}") from error
 
     def _channel(self, instance_id: str) -> WeightChannel:
-        if instance_id not in self._channels:
-            raise TransferFailedError(f"no weight channel is open for instance {instance_id!r}")
-        return self._channels[instance_id]
+        with self._channels_lock:
+            if instance_id not in self._channels:
+                raise TransferFailedError(f"no weight channel is open for instance {instance_id!r}")
+            return self._channels[instance_id]
 
 
 class WeightSyncClient(Protocol):
@@ -365,6 +432,10 @@ class WeightSyncClient(Protocol):
     def update_weights(self, update_info: dict[str, Any]) -> None: ...
 
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+class UpdateLeftOpenError(TransferFailedError):
+    """A transfer failed after the instance's weight update began: its weights are part old, part new."""
 
 
 class TransferWeights:
@@ -394,18 +465,35 @@ class TransferWeights:
                 "(servers.transfer_backend must match the instances' devices: nccl for GPU instances, gloo for CPU ones)"
             )
         deadline = info.pop("deadline_s")
-        _together(lambda: self._server.join_channel(instance_id), lambda: client.init_weight_transfer_engine(info),
+        bounded_calls.together(lambda: self._server.join_channel(instance_id), lambda: client.init_weight_transfer_engine(info),
                   f"joining the weight channel of {instance_id}", deadline)
 
-    def deliver(self, instance_id: str, client: WeightSyncClient) -> int:
+    def prepare(self) -> dict[str, Any]:
+        """Have the sender stage this version (:meth:`TransferParameterServer.stage`), before the
+        instance pauses: what its workers' ``update_weights`` takes, and ``deadline_s``."""
+        try:
+            return dict(self._server.stage(self.version))
+        except ConnectionError as error:
+            raise TransferFailedError(f"staging version {self.version}: {error}") from error
+
+    def deliver(self, instance_id: str, client: WeightSyncClient, update: Mapping[str, Any] | None = None) -> int:
         """Send this version over ``instance_id``'s group (made by :meth:`connect`) and finish the
-        update with it as the weight version; returns the bytes sent."""
-        update = self._server.update_info(instance_id, self.version)
-        deadline = update.pop("deadline_s")
-        client.start_weight_update()
-        sent = _together(lambda: self._server.send(instance_id, self.version), lambda: client.update_weights(update),
-                         f"sending version {self.version} to {instance_id}", deadline)
-        client.finish_weight_update(weight_version=str(self.version))
+        update with it as the weight version; returns the bytes sent. ``update``: what
+        :meth:`prepare` returned (None: prepared here). Each step is bounded
+        (:mod:`~staleflow.adapters.rlkit.bounded_calls`): the transfer by its deadline and a grace,
+        the update's start and finish as control calls;
+        a failure once the update began raises :class:`UpdateLeftOpenError`."""
+        info = dict(update if update is not None else self.prepare())
+        deadline = float(info.pop("deadline_s"))
+        info["timeout_s"] = deadline  # the workers' receive is bounded by it too
+        bounded_calls.bounded(client.start_weight_update, f"starting the weight update of {instance_id}", bounded_calls.CONTROL_CALL_S)
+        try:
+            sent = bounded_calls.together(lambda: self._server.send(instance_id, self.version, deadline),
+                                          lambda: client.update_weights(info), f"sending version {self.version} to {instance_id}", deadline)
+            bounded_calls.bounded(lambda: client.finish_weight_update(weight_version=str(self.version)),
+                                  f"finishing the weight update of {instance_id}", bounded_calls.CONTROL_CALL_S)
+        except TransferFailedError as error:
+            raise UpdateLeftOpenError(f"{error} (the weight update of {instance_id} was left open)") from error
         return int(sent)
 
     def mismatches(self, ranks: Sequence[Mapping[str, Any]], seed: int) -> list[str] | None:
@@ -415,38 +503,3 @@ class TransferWeights:
 
     def __repr__(self) -> str:
         return f"TransferWeights(version={self.version})"
-
-
-#: How much longer than the sender's deadline the instance side waits for it (a remote call's latency).
-SENDER_GRACE_S = 5.0
-
-
-def _together(sender: Callable[[], Any], receiver: Callable[[], Any], what: str, deadline_s: float) -> Any:
-    """Run ``sender`` and ``receiver`` in threads of their own (both meet in one collective) and wait
-    for both, no longer than ``deadline_s`` (the sender's own deadline) plus :data:`SENDER_GRACE_S`;
-    the sender's result, or :class:`TransferFailedError` naming the side that failed or did not
-    finish. A side still running then is left behind (a daemon thread); the sender ends by its own
-    deadline."""
-    outcome: dict[str, Any] = {}
-
-    def run(side: str, call: Callable[[], Any]) -> None:
-        try:
-            outcome[side] = call()
-        except Exception as error:  # noqa: BLE001 - reported below
-            outcome[side] = error
-
-    threads = {side: threading.Thread(target=run, args=(side, call), name=f"{what} ({side})", daemon=True)
-               for side, call in (("receiving", receiver), ("sending", sender))}
-    for thread in threads.values():
-        thread.start()
-    end = time.monotonic() + deadline_s + SENDER_GRACE_S
-    for thread in threads.values():
-        thread.join(max(0.0, end - time.monotonic()))
-    for side in threads:
-        result = outcome.get(side)
-        if isinstance(result, BaseException):
-            raise TransferFailedError(f"{what} failed on the {side} side: {result}") from result
-    late = [side for side, thread in threads.items() if thread.is_alive()]
-    if late:
-        raise TransferFailedError(f"{what}: the {' and the '.join(late)} side did not finish within {deadline_s} s")
-    return outcome["sending"]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from staleflow.adapters.rlkit.weight_checksum import WeightChecksumMismatch
-from staleflow.adapters.rlkit.weight_sender import TransferWeights
+from staleflow.adapters.rlkit.weight_sender import TransferWeights, UpdateLeftOpenError
 from staleflow.adapters.vllm.llm import check_request, default_weights_dir, kv_tokens, make_llm_engine, weights_file
 from staleflow.adapters.vllm.pause import reload_weights_file
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
@@ -180,8 +180,9 @@ class VLLMEngine:
         with self._lock:
             self._published.loads_pending += 1
         try:
-            if isinstance(weights, TransferWeights):
-                self._call(lambda: self._do_load(version, weights))
+            if isinstance(weights, TransferWeights):  # staged by its sender while this instance generates
+                update = weights.prepare()
+                self._call(lambda: self._do_load(version, weights, update))
                 return
             weights = resolve_weights(weights)
             path, temporary = weights_file(weights, self._weights_dir, self.instance_id)
@@ -291,7 +292,7 @@ class VLLMEngine:
                 if self._live and not self._stopping.is_set():
                     self._step()
         except BaseException as error:  # noqa: BLE001 - surfaced by the next call
-            self._failure = error
+            self._failure = self._failure or error  # the first failure is the cause
         finally:
             self._fail_pending()
             self._llm.engine_core.shutdown()
@@ -430,20 +431,21 @@ class VLLMEngine:
                 self._forget_internal(request.request_id)
         return stopped
 
-    def _do_load(self, version: int, source: Path | TransferWeights) -> None:
+    def _do_load(self, version: int, source: Path | TransferWeights, update: Mapping[str, Any] | None = None) -> None:
         if version < self._version:
             raise ValueError(f"{self.instance_id}: cannot load version {version} over version {self._version}")
-        if isinstance(source, TransferWeights):  # ends with set_weight_version, through finish_weight_update
-            self.bytes_received += self.weight_sync.receive(source)  # type: ignore[union-attr]
-        else:
-            reload_weights_file(self._llm, source, version)
-        self._version = version
-        if self._verify_weights:
-            try:
+        try:
+            if isinstance(source, TransferWeights):  # ends with set_weight_version, through finish_weight_update
+                self.bytes_received += self.weight_sync.receive(source, update)  # type: ignore[union-attr]
+            else:
+                reload_weights_file(self._llm, source, version)
+            self._version = version
+            if self._verify_weights:
                 verify_loaded(self._llm, self.instance_id, version, source)
-            except WeightChecksumMismatch as error:  # the instance cannot serve this version: lost
-                self._failure = error
-                raise
+        except (UpdateLeftOpenError, WeightChecksumMismatch) as error:  # its weights are not the version's: lost
+            self._failure = error
+            self._stopping.set()  # no step runs on them; the engine shuts down
+            raise
 
     def weight_checksums(self, seed: int = 0) -> list[dict[str, Any]]:
         """Each tensor-parallel rank's weight layouts and checksums (:mod:`~staleflow.adapters.vllm.weight_checksum`),

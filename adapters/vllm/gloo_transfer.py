@@ -38,11 +38,13 @@ class GlooInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One version: every tensor's name, dtype and shape, in the order they travel."""
+    """One version: every tensor's name, dtype and shape, in the order they travel, and its deadline."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    timeout_s: float | None = None
+    """The transfer's deadline: the receive gives up after it (None: the group's timeout)."""
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -84,7 +86,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             pass
 
     def _received(self, info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
-        return receive_gloo(self.group, received_specs(info.names, info.dtype_names, info.shapes), self.bucket_bytes)
+        return receive_gloo(self.group, received_specs(info.names, info.dtype_names, info.shapes), self.bucket_bytes, info.timeout_s)
 
     def shutdown(self) -> None:
         self.group = None

@@ -12,24 +12,53 @@ receives too: the sender's staging buffer is bounded by the bucket size
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
-from staleflow.adapters.rlkit.weight_sender import received_specs
+from staleflow.adapters.rlkit.weight_sender import received_specs, wait_until
 from staleflow.adapters.rlkit.wire_chunks import receive_chunks
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
 
 
-class ChunkedNCCLWeightTransferEngine(NCCLWeightTransferEngine):
-    """vLLM's NCCL engine receiving chunks of at most ``packed_buffer_size_bytes``."""
+@dataclass
+class ChunkedNCCLUpdateInfo(NCCLWeightTransferUpdateInfo):
+    """vLLM's NCCL update info, and the transfer's deadline (None: no deadline)."""
 
-    def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
+    timeout_s: float | None = None
+
+
+class ChunkedNCCLWeightTransferEngine(NCCLWeightTransferEngine):
+    """vLLM's NCCL engine receiving chunks of at most ``packed_buffer_size_bytes``, each broadcast's
+    completion waited for until the transfer's deadline: past it the communicator is aborted (which
+    ends the broadcast in flight) and dropped, the update fails (vLLM ends its update state), and
+    the next ``init_weight_transfer_engine`` makes a new group."""
+
+    update_info_cls = ChunkedNCCLUpdateInfo
+
+    def receive_weights(self, update_info: ChunkedNCCLUpdateInfo) -> None:  # type: ignore[override]
         group = self.model_update_group
         if group is None:
             raise RuntimeError("the NCCL weight transfer is not initialised: call init_weight_transfer_engine first")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+        deadline = None if update_info.timeout_s is None else time.monotonic() + update_info.timeout_s
+
+        def receive(buffer: torch.Tensor) -> None:
+            group.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
+            if deadline is None:
+                return
+            done = torch.cuda.Event()
+            done.record()
+            try:
+                wait_until(done.query, deadline, "the weight transfer's NCCL broadcast")
+            except TimeoutError:
+                self.model_update_group = None
+                group.destroy()  # ncclCommAbort: the broadcast in flight ends
+                raise
+
         specs = received_specs(update_info.names, update_info.dtype_names, update_info.shapes)
-        stream = receive_chunks(specs, self.packed_buffer_size_bytes,
-                                lambda buffer: group.broadcast(buffer, src=0, stream=torch.cuda.current_stream()), device=self.device)
+        stream = receive_chunks(specs, self.packed_buffer_size_bytes, receive, device=self.device)
         with disable_mtp_completeness_check():
             self.model.load_weights(stream)
             for _ in stream:  # what the loader left: the broadcast runs to its end on every rank

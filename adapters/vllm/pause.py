@@ -20,20 +20,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from staleflow.adapters.rlkit import bounded_calls
+
 
 @contextmanager
 def scheduling_paused(llm_engine: Any) -> Iterator[bool]:
     """Pause ``llm_engine``'s scheduler (keeping running requests) for the body when its engine core
-    runs in another process; yields whether it paused."""
+    runs in another process; yields whether it paused. Each of the two utility calls ends within
+    :data:`~staleflow.adapters.rlkit.bounded_calls.CONTROL_CALL_S` or raises ``TransferFailedError``
+    (an instance failure)."""
     core = llm_engine.engine_core
     if not hasattr(core, "call_utility"):  # in-process client: no step runs while this thread updates
         yield False
         return
-    core.call_utility("pause_scheduler", "keep", False)  # keep requests and their KV cache
+    # keep: requests and their KV cache stay; each utility call bounded (vLLM's waits with no timeout)
+    bound = bounded_calls.CONTROL_CALL_S
+    bounded_calls.bounded(lambda: core.call_utility("pause_scheduler", "keep", False), "pausing the scheduler", bound)
     try:
         yield True
     finally:
-        core.call_utility("resume_scheduler")
+        bounded_calls.bounded(lambda: core.call_utility("resume_scheduler"), "resuming the scheduler", bound)
 
 
 def reload_weights_file(llm_engine: Any, path: Path, version: int) -> None:

@@ -17,6 +17,7 @@ runs the GPU code path but for the group; the sender's half is :mod:`staleflow.a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from staleflow.adapters.rlkit.weight_sender import BACKENDS, TransferWeights
 from staleflow.adapters.vllm.pause import scheduling_paused
 from staleflow.adapters.vllm.settings import set_vllm_env_defaults
+from staleflow.runtime.interfaces import TransferFailedError
 
 GLOO = "gloo"
 
@@ -80,37 +82,44 @@ def weight_transfer_args(backend: str) -> dict[str, Any]:
 class EngineWeightSyncClient:
     """vLLM's ``VLLMWeightSyncClient`` protocol over an ``LLMEngine`` in this process: each call goes
     to every worker (``collective_rpc``); ``finish_weight_update(weight_version)`` also sets the
-    version the engine core stamps on the tokens it samples from then on. ``calls`` records the
-    calls made, in order (their names)."""
+    version the engine core stamps on the tokens it samples from then on. Whatever a call raises
+    (``collective_rpc`` raises a plain ``Exception`` for a worker's error in another process) is a
+    :class:`~staleflow.runtime.interfaces.TransferFailedError`: an instance failure. ``calls``
+    records the calls made, in order (their names)."""
 
     def __init__(self, llm_engine: Any) -> None:
         self._llm = llm_engine
         self.calls: list[str] = []
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.calls.append("init_weight_transfer_engine")
-        self._llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+        self._rpc("init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self.calls.append("start_weight_update")
-        self._llm.collective_rpc("start_weight_update")
+        self._rpc("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.calls.append("update_weights")
-        self._llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+        self._rpc("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.calls.append("finish_weight_update")
-        self._llm.collective_rpc("finish_weight_update")
+        self._rpc("finish_weight_update")
         if weight_version is not None:
             self._llm.set_weight_version(weight_version)
+
+    def _rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> None:
+        self.calls.append(method)
+        try:
+            self._llm.collective_rpc(method, kwargs=kwargs or {})
+        except Exception as error:  # noqa: BLE001 - every worker error is an instance failure
+            raise TransferFailedError(f"{method} failed in the vLLM workers: {type(error).__name__}: {error}") from error
 
 
 class InstanceWeightSync:
     """One instance's side of weight sync: its :class:`EngineWeightSyncClient` (``client``), and its
     long-lived group, made on the first transfer and again after a failed one (which leaves the
     group unusable). ``engine_args``: the instance's (its worker count); ``version``: the weights'
-    version at start-up, the label of the tokens sampled until the first reload."""
+    version at start-up, the label of the tokens sampled until the first reload. ``pauses``: the
+    seconds each receive held the instance's scheduling (its own transfer: the version is staged
+    by the sender before, :meth:`TransferWeights.prepare`)."""
 
     def __init__(self, llm_engine: Any, instance_id: str, engine_args: Mapping[str, Any], backend: str, version: int) -> None:
         llm_engine.set_weight_version(str(version))
@@ -119,20 +128,26 @@ class InstanceWeightSync:
         self.instance_id = instance_id
         self.receivers = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
         self.backend = backend
+        self.pauses: list[float] = []
         self._connected = False
 
-    def receive(self, weights: TransferWeights) -> int:
-        """Receive the version ``weights`` refers to, the engine core's scheduling paused if it runs
-        in another process (:mod:`~staleflow.adapters.vllm.pause`); returns the bytes sent."""
+    def receive(self, weights: TransferWeights, update: Mapping[str, Any] | None = None) -> int:
+        """Receive the version ``weights`` refers to (``update``: what ``weights.prepare()`` returned;
+        None: prepared here), the engine core's scheduling paused if it runs in another process
+        (:mod:`~staleflow.adapters.vllm.pause`) for the transfer alone; returns the bytes sent."""
         if not self._connected:
             weights.connect(self.instance_id, self.receivers, self.client, self.backend)
             self._connected = True
+        prepared = weights.prepare() if update is None else update
+        started = time.monotonic()
         try:
             with scheduling_paused(self._llm):
-                return weights.deliver(self.instance_id, self.client)
+                return weights.deliver(self.instance_id, self.client, prepared)
         except Exception:
             self._connected = False
             raise
+        finally:
+            self.pauses.append(time.monotonic() - started)
 
 
 def token_versions(llm_engine: Any, output: Any, internal_ids: Mapping[str, str], count: int) -> list[int]:

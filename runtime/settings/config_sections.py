@@ -234,6 +234,12 @@ class ServersConfig(ConfigSection):
     """Dtype of weights on the wire of a broadcast (vLLM loads them into its parameters' dtype)."""
     bucket_mb: StrictInt = Field(64, ge=1, le=65536)
     """Size of one broadcast bucket, MiB."""
+    transfer_timeout_s: StrictFloat | None = Field(None, gt=0)
+    """Deadline of one broadcast (both ends give up after it and the instance is lost); null: from the
+    version's bytes, ``max(30, 4 x bytes x transfers at once / transfer_link_gb_s)`` seconds."""
+    transfer_link_gb_s: StrictFloat = Field(1.0, gt=0)
+    """Expected rate of the parameter server's link, GB/s (shared by the broadcasts it runs at once),
+    from which the default deadline follows."""
 
     @model_validator(mode="after")
     def _broadcast_needs_ray(self) -> ServersConfig:
@@ -247,7 +253,7 @@ class ServersConfig(ConfigSection):
             return None
         return {
             "backend": self.transfer_backend, "host": self.transfer_host, "wire_dtype": self.wire_dtype,
-            "bucket_bytes": self.bucket_mb << 20,
+            "bucket_bytes": self.bucket_mb << 20, "timeout_s": self.transfer_timeout_s, "link_gb_s": self.transfer_link_gb_s,
         }
 
 
