@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from staleflow.adapters.rlkit.weight_checksum import mismatches
+from staleflow.adapters.rlkit.weight_checksum import VersionReferences
 from staleflow.adapters.rlkit.wire_chunks import Spec, nbytes, receive_chunks, send_chunks
 from staleflow.runtime.interfaces import TransferFailedError, WeightsReference, resolve_weights
 from staleflow.runtime.servers.parameter_server import ParameterServer, VersionNotAvailableError
@@ -274,6 +274,11 @@ class TransferParameterServer(ParameterServer):
         self._channels: dict[str, WeightChannel] = {}
         self._fetched: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._fetch_lock = threading.Lock()
+        self._references = VersionReferences(lambda version: wire_tensors(self._tensor_items(version), self.transfer.wire_dtype))
+
+    def push(self, version: int, weights: Any) -> None:
+        super().push(version, weights)
+        self._references.prepare(version, self.versions())  # the weight check's, computed in the background
 
     def _weights(self, version: int) -> Mapping[str, torch.Tensor]:
         version, stored = self.pull(version)
@@ -311,15 +316,15 @@ class TransferParameterServer(ParameterServer):
         return int(self._guarded(instance_id, f"sending version {version}", lambda channel: channel.send(tensors, specs)))
 
     def weight_mismatches(self, version: int, ranks: Sequence[Mapping[str, Any]], seed: int) -> list[str] | None:
-        """:func:`~staleflow.adapters.rlkit.weight_checksum.mismatches` of an instance's ranks (their
-        checksums after loading ``version``) against ``version`` as it was sent (in the wire dtype);
-        None when the server no longer holds that version. A bucketed version is gathered whole here."""
+        """The layers of an instance's ranks (their responses after loading ``version``) that differ
+        from ``version`` as it was sent (in the wire dtype); None when the server no longer holds that
+        version. The expected responses are computed once per version, in the background as the
+        version is pushed once checks are on (:class:`~staleflow.adapters.rlkit.weight_checksum.VersionReferences`),
+        a bucketed version read bucket by bucket, never gathered whole."""
         try:
-            tensors = dict(self._tensor_items(version))
+            return self._references.mismatches(version, ranks, seed)
         except VersionNotAvailableError:
             return None
-        wire = getattr(torch, self.transfer.wire_dtype)
-        return mismatches({name: tensor.to(wire) for name, tensor in tensors.items()}, ranks, seed)
 
     def _tensor_items(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """``version``'s ``(name, tensor)`` pairs: bucket by bucket as each is fetched for a bucketed one."""
