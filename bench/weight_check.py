@@ -48,9 +48,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(figures, indent=2))
         return 0
     alarms, head = figures["false_alarms"], figures["lm_head"]
-    print(f"false alarms: {alarms['flagged']} of {alarms['rows']:,} rows of correct loads (largest error/tolerance {alarms['worst_ratio']:.3f})")
+    print(f"false alarms: {alarms['flagged']} of {alarms['rows']:,} rows of correct loads "
+          f"(largest error/tolerance {alarms['worst_ratio']:.3f})")
     for row in figures["wrong_rows"]:
-        print(f"wrong rows at K={row['K']}: {row['passing']:.4f} pass; a shard of 10 such rows passes with probability {row['shard_of_10']:.1e}")
+        print(f"wrong rows at K={row['K']}: {row['passing']:.4f} pass; "
+              f"a shard of 10 such rows passes with probability {row['shard_of_10']:.1e}")
     print(f"lm_head {LM_HEAD_ROWS:,} x {args.hidden}, 2 ranks: {head['detected']} of {head['trials']} swapped or shifted shards "
           f"detected; {head['flagged']} of {head['correct']} correct loads flagged")
     for row in figures["versions"]:
@@ -66,7 +68,7 @@ def measure(seeds: int, hidden: int, shifts: int) -> dict[str, Any]:
         "false_alarms": false_alarms([(4096, 256), (2048, 1536), (512, 8960)], seeds),
         "wrong_rows": [{"K": k, **wrong_rows(rows, k, seeds)} for rows, k in ((4096, 256), (2048, 1536), (512, 8960))],
         "lm_head": lm_head_shards(hidden, seeds, shifts),
-        "versions": [{"delta": d, **version_rows(2048, 1536, d, seeds)} for d in (0.02, 0.05, 0.1, 0.2)],
+        "versions": [{"delta": d, **version_rows(2048, 1536, d, seeds)} for d in (0.01, 0.02, 0.05, 0.1)],
     }
 
 
