@@ -9,7 +9,7 @@ are random normal rows (deviation 0.02) in bfloat16. Four figures:
   shifted shard's rows) that pass, and the probability that a shard of 10 such rows passes;
 - ``lm_head``: a 151,936-row ``lm_head`` split over two ranks; per probe seed, the two shards swapped
   and shifted by 1 to ``--shifts`` rows either way, each a trial: trials detected, and correct loads
-  flagged;
+  flagged; and the time to compute the expected responses, in nanoseconds a weight;
 - ``versions``: by relative update ``delta`` (each weight moved by ``delta`` times the weights'
   deviation, in float32, then cast to bfloat16), the share of rows that pass, and the probability
   that a 1,536-row layer, and a whole Qwen2.5-1.5B load (about 900,000 rows), pass.
@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrong rows at K={row['K']}: {row['passing']:.4f} pass; "
               f"a shard of 10 such rows passes with probability {row['shard_of_10']:.1e}")
     print(f"lm_head {LM_HEAD_ROWS:,} x {args.hidden}, 2 ranks: {head['detected']} of {head['trials']} swapped or shifted shards "
-          f"detected; {head['flagged']} of {head['correct']} correct loads flagged")
+          f"detected; {head['flagged']} of {head['correct']} correct loads flagged; expected responses computed in "
+          f"{head['expected_ns_per_weight']} ns a weight")
     for row in figures["versions"]:
         print(f"update delta={row['delta']:.3f}: {row['passing']:.5f} of rows pass; a 1,536-row layer passes with probability "
               f"{row['layer']:.2e}, a whole load {row['load']:.2e}")
@@ -115,7 +116,7 @@ def wrong_rows(rows: int, width: int, seeds: int) -> dict[str, float]:
     return {"passing": share, "shard_of_10": share**10}
 
 
-def lm_head_shards(hidden: int, seeds: int, shifts: int) -> dict[str, int]:
+def lm_head_shards(hidden: int, seeds: int, shifts: int) -> dict[str, Any]:
     """A ``lm_head`` split over two ranks by rows; per seed, the correct load (two checks, one a
     rank), the swapped shards and the shards shifted by 1..``shifts`` rows either way (a trial
     each, detected when some row of either rank fails). A shifted rank's kernel output is the
@@ -123,8 +124,11 @@ def lm_head_shards(hidden: int, seeds: int, shifts: int) -> dict[str, int]:
     matrix = random_rows(LM_HEAD_ROWS, hidden, 3).to(DTYPE)
     half = LM_HEAD_ROWS // 2
     trials = detected = flagged = correct = 0
+    computing = 0.0
     for seed in range(seeds):
+        started = time.perf_counter()
         want, tol = expected(matrix, seed)
+        computing += time.perf_counter() - started
         got = served(matrix, seed)
 
         def fails(rows_held: torch.Tensor, want: torch.Tensor = want, tol: torch.Tensor = tol, got: torch.Tensor = got) -> bool:
@@ -143,7 +147,8 @@ def lm_head_shards(hidden: int, seeds: int, shifts: int) -> dict[str, int]:
         for rows_held in faults:
             trials += 1
             detected += int(fails(rows_held))
-    return {"trials": trials, "detected": detected, "correct": correct, "flagged": flagged}
+    return {"trials": trials, "detected": detected, "correct": correct, "flagged": flagged,
+            "expected_ns_per_weight": round(computing / seeds / matrix.numel() * 1e9, 2)}
 
 
 def version_rows(rows: int, width: int, delta: float, seeds: int) -> dict[str, float]:
