@@ -19,13 +19,13 @@ The first term is twice the rounding of the output to the dtype; the second cove
 rounds each product or partial sum to the dtype (round to nearest: independent errors of at most
 ``u |t|`` each, whose sum passes ``LAMBDA u sqrt(sum t**2)`` with probability below ``2 exp(-LAMBDA**2/2)``,
 1e-31 per row, by Hoeffding's inequality); the third is the worst case of float32 accumulation in any
-order and rounding mode. A correct load therefore never differs from the reference by more than
-``tol_i`` in any row. A wrong row (another rank's, a shifted one, another version's) differs by
-``d . x``, a normal variable of deviation ``|d|`` over the probe, and passes only when that lands
-within ``2 tol_i``: with unrelated rows of equal norm, probability about 6% at ``K = 1536``, 13% at
-8,960 in bfloat16 (docs/gpu.md has the measured figures), and every wrong row of a shard must pass
-for the shard to: a shard of 10 wrong rows is missed with probability below 1e-3, one of 75,968
-(half of a 151,936-row ``lm_head``) never.
+order and rounding mode. So a row of a correct load always passes when the kernel accumulates in
+float32 and rounds its output once, and fails with odds below 1e-31 when it rounds more often. A wrong row (another rank's, a shifted one, another version's) differs by ``d . x``, a
+normal variable of deviation ``|d|`` over the probe, and passes only when that lands within about
+``2 tol_i``: with unrelated rows of equal norm in bfloat16, probability at most 6.5% at ``K = 1536``
+and 13% at 8,960 (measured: 3% and 6%; docs/gpu.md has the figures and the command), and every
+wrong row of a shard must pass for the shard to: a shard of 10 wrong rows is missed with
+probability below 1e-3, one of 75,968 (half of a 151,936-row ``lm_head``) never.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16
 LAMBDA = 12.0
 #: The relative error of one float32 accumulation step in any rounding mode (truncation included).
 ACCUMULATION_EPS = 2.0**-23
-#: Elements of a tensor turned into float64 at a time while computing its expected responses.
+#: Elements of a tensor converted at a time while computing its expected responses (bounds the memory).
 CHUNK_ELEMENTS = 1 << 22
 
 
