@@ -20,8 +20,9 @@ rounds each product or partial sum to the dtype (round to nearest: independent e
 ``u |t|`` each, whose sum passes ``LAMBDA u sqrt(sum t**2)`` with probability below ``2 exp(-LAMBDA**2/2)``,
 1e-31 per row, by Hoeffding's inequality); the third is the worst case of float32 accumulation in any
 order and rounding mode. So a row of a correct load always passes when the kernel accumulates in
-float32 and rounds its output once, and fails with odds below 1e-31 when it rounds more often. A wrong row (another rank's, a shifted one, another version's) differs by ``d . x``, a
-normal variable of deviation ``|d|`` over the probe, and passes only when that lands within about
+float32 and rounds its output once, and fails with odds below 1e-31 when it rounds more often.
+A wrong row (another rank's, a shifted one, another version's) differs by ``d . x``, a normal
+variable of deviation ``|d|`` over the probe, and passes only when that lands within about
 ``2 tol_i``: with unrelated rows of equal norm in bfloat16, probability at most 6.5% at ``K = 1536``
 and 13% at 8,960 (measured: 3% and 6%; docs/gpu.md has the figures and the command), and every
 wrong row of a shard must pass for the shard to: a shard of 10 wrong rows is missed with
@@ -156,7 +157,7 @@ class ExpectedResponses:
                 continue
             values = tensor.detach().to(dtype)
             if name in needs.values:
-                expected.values[name] = values.to(device="cpu", dtype=torch.float64)
+                expected.values[name] = torch.atleast_1d(values.to(device="cpu", dtype=torch.float64))
             if name in needs.rows:
                 expected.rows[name] = _row_references(values, probe(seed, values.shape[1]).to(dtype), u)
             for part, start, size in needs.cols:

@@ -8,9 +8,10 @@ each linear weight into a oneDNN handle after loading and empties the parameter)
 checked by what it computes: its response to the seeded probe through the layer's own
 ``quant_method.apply`` (the very kernel that serves requests), computed on the rank's device, every
 output row reported. On a GPU the probe runs with PyTorch's reduced-precision reductions and TF32
-switched off (restored after), so a bfloat16 GEMM accumulates in float32 as the tolerance assumes. The layout is read from the layer:
-vLLM's fused ``qkv_proj`` and ``gate_up_proj``, column- and row-parallel splits, the vocabulary shard.
-Parameters outside the linear layers (norms, biases) are checked by value.
+switched off (restored after), so a bfloat16 GEMM accumulates in float32 as the tolerance assumes.
+The layout is read from the layer: vLLM's fused ``qkv_proj`` and ``gate_up_proj``, column- and
+row-parallel splits, the vocabulary shard. Parameters outside the linear layers (norms, biases) are
+checked by value.
 
 Covered: vLLM's unquantized ``QKVParallelLinear``, ``MergedColumnParallelLinear``,
 ``ColumnParallelLinear``, ``RowParallelLinear``, ``ReplicatedLinear`` and ``VocabParallelEmbedding``
@@ -98,8 +99,8 @@ def _reported(values: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def _float32_reductions() -> Iterator[None]:
-    """PyTorch's CUDA matmul flags set so a 16-bit GEMM accumulates in float32 and a float32 one in
-    float32 (no reduced-precision split-K reduction, no TF32), restored after."""
+    """PyTorch's CUDA matmul flags set so that every GEMM accumulates in float32 (no reduced-precision
+    reduction of a 16-bit one, no TF32 for a float32 one), restored after."""
     matmul = torch.backends.cuda.matmul
     flags = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction", "allow_tf32")
     saved = {flag: getattr(matmul, flag) for flag in flags}
