@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,7 +229,7 @@ class VersionReferences:
 
     ``tensors(version)`` gives a version's ``(name, tensor)`` pairs as sent. The first check shows
     what the instances' layouts need (and that checks are on); from then on each version announced
-    by :meth:`prepare` (as it is pushed) is computed in a background thread right away, probed with
+    by :meth:`prepare` (as it is pushed) is computed in a background thread, one at a time, probed with
     its version number as the seed (the engines' convention), so a check usually finds it ready. A
     check that asks for another seed, dtype or layout has it computed then."""
 
@@ -239,6 +239,8 @@ class VersionReferences:
         self._needs: Needs | None = None
         self._dtype: torch.dtype | None = None
         self._computed: dict[tuple[int, int, torch.dtype], Future[ExpectedResponses]] = {}
+        # one version at a time: versions pushed faster than computed queue up (a dropped one is skipped)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expected responses")
         self.computations = 0  # versions' responses computed (started), for tests and logs
 
     def prepare(self, version: int, held: Iterable[int]) -> None:
@@ -247,13 +249,14 @@ class VersionReferences:
         keep = set(held)
         with self._lock:
             for key in [k for k in self._computed if k[0] not in keep]:
-                del self._computed[key]
+                self._computed.pop(key).cancel()  # not computed if still queued
             if self._needs is not None and self._dtype is not None:
                 self._start(version, version, self._dtype, self._needs)
 
     def mismatches(self, version: int, ranks: Sequence[Mapping[str, Any]], seed: int) -> list[str]:
         """:meth:`ExpectedResponses.mismatches` of ``ranks`` against ``version`` (waiting for its
-        responses if they are being computed); the error of fetching the version if it failed."""
+        responses if they are being computed); the error of fetching the version if it failed, or
+        ``CancelledError`` if the version was dropped before its turn."""
         if not ranks:
             return []
         dtype, needs = rank_dtype(ranks[0]), Needs.of(ranks)
@@ -270,17 +273,8 @@ class VersionReferences:
         return expected.mismatches(ranks)
 
     def _start(self, version: int, seed: int, dtype: torch.dtype, needs: Needs) -> Future[ExpectedResponses]:
-        """Compute in a thread of its own (under the lock)."""
-        future: Future[ExpectedResponses] = Future()
+        """Queue the computation on the worker thread (under the lock)."""
+        future = self._worker.submit(lambda: ExpectedResponses.compute(self._tensors(version), seed, dtype, needs))
         self._computed[(version, seed, dtype)] = future
         self.computations += 1
-
-        def compute() -> None:
-            try:
-                future.set_result(ExpectedResponses.compute(self._tensors(version), seed, dtype, needs))
-            except BaseException as error:  # noqa: BLE001 - handed to whoever waits
-                future.set_exception(error)
-
-        threading.Thread(target=compute, name=f"expected responses of version {version}", daemon=True).start()
         return future
-

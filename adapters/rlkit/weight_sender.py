@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -323,7 +324,7 @@ class TransferParameterServer(ParameterServer):
         a bucketed version read bucket by bucket, never gathered whole."""
         try:
             return self._references.mismatches(version, ranks, seed)
-        except VersionNotAvailableError:
+        except (VersionNotAvailableError, CancelledError):  # dropped before or while its responses were computed
             return None
 
     def _tensor_items(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
