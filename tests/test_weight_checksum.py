@@ -30,6 +30,7 @@ from staleflow.adapters.rlkit.weight_checksum import (
     WeightChecksumMismatch,
     layer_probe,
     mismatches,
+    reported,
 )
 from staleflow.bench import weight_check
 
@@ -38,7 +39,7 @@ SEED = 7
 
 def _report(layout: dict, response: torch.Tensor) -> dict:
     """What a rank reports of a layer of ``layout`` whose kernel computed ``response``."""
-    return {**layout, "response": response}
+    return {**layout, "response": reported(response)}
 
 
 def _served(shard: torch.Tensor, layout: dict, seed: int = SEED) -> torch.Tensor:
@@ -88,7 +89,7 @@ def test_each_rank_of_a_split_model_matches_the_full_tensors_and_a_stale_or_swap
     first_columns = {**trainer, "down.weight": trainer["down.weight"] + 1e-3 * torch.eye(4, 8)}  # rank 0's columns only
     assert _named(mismatches(first_columns, ranks, SEED)) == ["rank 0: down"]
     # a value that is not a number never passes; a dtype the check has no tolerance for is refused
-    broken = [ranks[0], {**ranks[1], "entries": [{**ranks[1]["entries"][0], "response": torch.full((8,), math.nan)}]}]
+    broken = [ranks[0], {**ranks[1], "entries": [{**ranks[1]["entries"][0], "response": reported(torch.full((8,), math.nan))}]}]
     assert _named(mismatches(trainer, broken, SEED)) == ["rank 1: gate_up"]
     with pytest.raises(ValueError, match="serves in 'torch.int8'"):
         mismatches(trainer, [{**ranks[0], "dtype": "torch.int8"}], SEED)

@@ -3,9 +3,10 @@ shard of the weights, compared row by row with the same computed from the traine
 
 A rank reports, per layer, a *layout* (which rows, ``rows``, or input columns, ``cols``, of which
 checkpoint tensors it holds; ``param`` for a tensor checked by value) and its *response*: the layer
-applied to a seeded probe ``x`` (:func:`probe`), ``y = W_rank @ x``, one number per output row (float32,
-on the CPU). :class:`ExpectedResponses` holds the same computed from the checkpoint tensors, cast to the
-rank's dtype, in float64, with each row's rounding tolerance; :func:`mismatches` compares. Reading
+applied to a seeded probe ``x`` (:func:`probe`), ``y = W_rank @ x``, one number per output row
+(float32 bytes, :func:`reported`). :class:`ExpectedResponses` holds the same computed from the
+checkpoint tensors, cast to the rank's dtype, in float64, with each row's rounding tolerance;
+:func:`mismatches` compares. Reading
 layouts and responses off an engine is the engine binding's part
 (:mod:`staleflow.adapters.vllm.weight_checksum`); :class:`VersionReferences` computes each version's
 expected responses once, off the send path, for every instance and rank that checks it.
@@ -70,6 +71,17 @@ def layer_probe(layout: Mapping[str, Any], seed: int) -> torch.Tensor:
         _, start, size = layout["parts"][0]
         x = x[start:start + size]
     return x
+
+
+def reported(values: torch.Tensor) -> bytes:
+    """What a rank reports of a layer's response or a parameter: its values, flattened, as float32
+    bytes (exact for float32, bfloat16 and float16; plain bytes cross vLLM's and Ray's messages as
+    they are, where a tensor nested in a reply may not)."""
+    return values.detach().reshape(-1).to(device="cpu", dtype=torch.float32).numpy().tobytes()
+
+
+def _response_values(report: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(report), dtype=torch.float32).to(torch.float64)
 
 
 def rank_dtype(rank: Mapping[str, Any]) -> torch.dtype:
@@ -201,7 +213,7 @@ class ExpectedResponses:
                 raise ValueError(f"rank {rank['rank']} serves in {rank['dtype']}, these responses are for {self.dtype}")
             for entry in rank["entries"]:
                 want, tol = self.reference(entry)
-                got = torch.as_tensor(entry["response"]).reshape(-1).to(torch.float64)
+                got = _response_values(entry["response"])
                 if got.numel() != want.numel():
                     found.append(f"rank {rank['rank']}: {entry['name']}: {got.numel()} values, the trainer's layer has {want.numel()}")
                     continue

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from staleflow.adapters.rlkit.weight_checksum import WeightChecksumMismatch, layer_probe, mismatches
+from staleflow.adapters.rlkit.weight_checksum import WeightChecksumMismatch, layer_probe, mismatches, reported
 from staleflow.adapters.rlkit.weight_sender import TransferWeights
 
 LOG = logging.getLogger("staleflow.adapters.vllm.engine")  # the engine's verdicts, in its log
@@ -91,12 +91,6 @@ def _response(layer: torch.nn.Module, layout: Mapping[str, Any], seed: int, dtyp
     return y[0, :rows]
 
 
-def _reported(values: torch.Tensor) -> torch.Tensor:
-    """What a rank reports of a response or parameter: its values, flattened, in float32 on the CPU
-    (exact for float32, bfloat16 and float16)."""
-    return values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-
-
 @contextmanager
 def _float32_reductions() -> Iterator[None]:
     """PyTorch's CUDA matmul flags set so that every GEMM accumulates in float32 (no reduced-precision
@@ -128,18 +122,18 @@ def _rank_report(model: torch.nn.Module, seed: int, tp_rank: int) -> dict[str, A
         layout = _layer_layout(model, name, layer)
         if layout is None:
             continue
-        entries.append({"name": name, **layout, "response": _reported(_response(layer, layout, seed, dtype, device))})
+        entries.append({"name": name, **layout, "response": reported(_response(layer, layout, seed, dtype, device))})
         covered.add(f"{name}.weight")
         bias = getattr(layer, "bias", None)
         if isinstance(bias, torch.nn.Parameter) and layout["kind"] == "rows":  # sharded as the rows
             parts = [(part.removesuffix(".weight") + ".bias", start, size) for part, start, size in layout["parts"]]
             rows = sum(size for _, _, size in parts)
-            entries.append({"name": f"{name}.bias", "kind": "param", "parts": parts, "response": _reported(bias[:rows])})
+            entries.append({"name": f"{name}.bias", "kind": "param", "parts": parts, "response": reported(bias[:rows])})
             covered.add(f"{name}.bias")
     for name, param in model.named_parameters():
         if name not in covered and param.numel():
             rows = param.shape[0] if param.dim() else 1
-            entries.append({"name": name, "kind": "param", "parts": [(name, 0, rows)], "response": _reported(param)})
+            entries.append({"name": name, "kind": "param", "parts": [(name, 0, rows)], "response": reported(param)})
     return {"rank": tp_rank, "dtype": str(dtype), "entries": entries}
 
 
