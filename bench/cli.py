@@ -14,6 +14,7 @@ from staleflow.bench import (
     protocol,
     time_to_quality,
     trace_cost,
+    weight_check,
     weight_sync,
 )
 
@@ -27,6 +28,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "convergence": convergence,
     "time-to-quality": time_to_quality,
     "weight-sync": weight_sync,
+    "weight-check": weight_check,
     "mutation": mutation,
 }
 

@@ -36,13 +36,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from staleflow.adapters.rlkit import bounded_calls
 from staleflow.adapters.rlkit.staged_version import StagedVersion, stage
-from staleflow.adapters.rlkit.weight_checksum import mismatches
+from staleflow.adapters.rlkit.weight_checksum import VersionReferences
 from staleflow.adapters.rlkit.wire_chunks import Spec, receive_chunks, send_chunks
 from staleflow.runtime.interfaces import TransferFailedError, WeightsReference, resolve_weights
 from staleflow.runtime.servers.parameter_server import ParameterServer, VersionNotAvailableError
@@ -315,6 +316,11 @@ class TransferParameterServer(ParameterServer):
         self._staging_lock = threading.Lock()
         self._fetched: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._fetch_lock = threading.Lock()
+        self._references = VersionReferences(self._wire_items)
+
+    def push(self, version: int, weights: Any) -> None:
+        super().push(version, weights)
+        self._references.prepare(version, self.versions())  # the weight check's, computed in the background
 
     def _weights(self, version: int) -> Mapping[str, torch.Tensor]:
         version, stored = self.pull(version)
@@ -373,15 +379,20 @@ class TransferParameterServer(ParameterServer):
             return staged
 
     def weight_mismatches(self, version: int, ranks: Sequence[Mapping[str, Any]], seed: int) -> list[str] | None:
-        """:func:`~staleflow.adapters.rlkit.weight_checksum.mismatches` of an instance's ranks (their
-        checksums after loading ``version``) against ``version`` as it was sent (in the wire dtype);
-        None when the server no longer holds that version. A bucketed version is gathered whole here."""
+        """The layers of an instance's ranks (their responses after loading ``version``) that differ
+        from ``version`` as it was sent (in the wire dtype); None when the server no longer holds that
+        version. The expected responses are computed once per version, in the background as the
+        version is pushed once checks are on (:class:`~staleflow.adapters.rlkit.weight_checksum.VersionReferences`),
+        a bucketed version read bucket by bucket, never gathered whole."""
         try:
-            tensors = dict(self._tensor_items(version))
-        except VersionNotAvailableError:
+            return self._references.mismatches(version, ranks, seed)
+        except (VersionNotAvailableError, CancelledError):  # dropped before or while its responses were computed
             return None
-        wire = getattr(torch, self.transfer.wire_dtype)
-        return mismatches({name: tensor.to(wire) for name, tensor in tensors.items()}, ranks, seed)
+
+    def _wire_items(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """``version``'s ``(name, tensor)`` pairs as they travel: floating point in the wire dtype."""
+        wire = wire_dtype(self.transfer.wire_dtype)
+        return ((name, t.to(wire) if t.is_floating_point() else t) for name, t in self._tensor_items(version))
 
     def _tensor_items(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """``version``'s ``(name, tensor)`` pairs: bucket by bucket as each is fetched for a bucketed one."""

@@ -1,14 +1,17 @@
-"""Per-rank checksums of the weights a vLLM engine serves (the engine's side of
-:mod:`staleflow.adapters.rlkit.weight_checksum`).
+"""Per-rank weight checks of a vLLM engine: each layer's response to a seeded probe, row by row (the
+engine's side of :mod:`staleflow.adapters.rlkit.weight_checksum`).
 
 After a weight sync every tensor-parallel rank must hold *its shard* of the new version: a rank left on
 the old weights, or one that loaded the right tensor into the wrong rows, shifts every logit of every
 request the instance serves. A rank's linear layers cannot be read back everywhere (vLLM-CPU repacks
 each linear weight into a oneDNN handle after loading and empties the parameter), so a layer is
 checked by what it computes: its response to the seeded probe through the layer's own
-``quant_method.apply`` (the very kernel that serves requests). The layout is read from the layer:
-vLLM's fused ``qkv_proj`` and ``gate_up_proj``, column- and row-parallel splits, the vocabulary shard.
-Parameters outside the linear layers (norms, biases) are checked by value.
+``quant_method.apply`` (the very kernel that serves requests), computed on the rank's device, every
+output row reported. On a GPU the probe runs with PyTorch's reduced-precision reductions and TF32
+switched off (restored after), so a bfloat16 GEMM accumulates in float32 as the tolerance assumes.
+The layout is read from the layer: vLLM's fused ``qkv_proj`` and ``gate_up_proj``, column- and
+row-parallel splits, the vocabulary shard. Parameters outside the linear layers (norms, biases) are
+checked by value.
 
 Covered: vLLM's unquantized ``QKVParallelLinear``, ``MergedColumnParallelLinear``,
 ``ColumnParallelLinear``, ``RowParallelLinear``, ``ReplicatedLinear`` and ``VocabParallelEmbedding``
@@ -20,12 +23,13 @@ a layout names but the trainer does not hold is an error naming it, never a pass
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from staleflow.adapters.rlkit.weight_checksum import WeightChecksumMismatch, checksum, layer_probe, mismatches
+from staleflow.adapters.rlkit.weight_checksum import WeightChecksumMismatch, layer_probe, mismatches, reported
 from staleflow.adapters.rlkit.weight_sender import TransferWeights
 
 LOG = logging.getLogger("staleflow.adapters.vllm.engine")  # the engine's verdicts, in its log
@@ -87,8 +91,29 @@ def _response(layer: torch.nn.Module, layout: Mapping[str, Any], seed: int, dtyp
     return y[0, :rows]
 
 
+@contextmanager
+def _float32_reductions() -> Iterator[None]:
+    """PyTorch's CUDA matmul flags set so that every GEMM accumulates in float32 (no reduced-precision
+    reduction of a 16-bit one, no TF32 for a float32 one), restored after."""
+    matmul = torch.backends.cuda.matmul
+    flags = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction", "allow_tf32")
+    saved = {flag: getattr(matmul, flag) for flag in flags}
+    try:
+        for flag in flags:
+            setattr(matmul, flag, False)
+        yield
+    finally:
+        for flag, value in saved.items():
+            setattr(matmul, flag, value)
+
+
 def rank_checksums(model: torch.nn.Module, seed: int, tp_rank: int) -> dict[str, Any]:
-    """This rank's layouts and checksums (run inside a vLLM worker, e.g. through ``collective_rpc``)."""
+    """This rank's layouts and responses (run inside a vLLM worker, e.g. through ``collective_rpc``)."""
+    with _float32_reductions():
+        return _rank_report(model, seed, tp_rank)
+
+
+def _rank_report(model: torch.nn.Module, seed: int, tp_rank: int) -> dict[str, Any]:
     entries: list[dict[str, Any]] = []
     covered: set[str] = set()
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -97,18 +122,18 @@ def rank_checksums(model: torch.nn.Module, seed: int, tp_rank: int) -> dict[str,
         layout = _layer_layout(model, name, layer)
         if layout is None:
             continue
-        entries.append({"name": name, **layout, "checksum": checksum(_response(layer, layout, seed, dtype, device), seed)})
+        entries.append({"name": name, **layout, "response": reported(_response(layer, layout, seed, dtype, device))})
         covered.add(f"{name}.weight")
         bias = getattr(layer, "bias", None)
         if isinstance(bias, torch.nn.Parameter) and layout["kind"] == "rows":  # sharded as the rows
             parts = [(part.removesuffix(".weight") + ".bias", start, size) for part, start, size in layout["parts"]]
             rows = sum(size for _, _, size in parts)
-            entries.append({"name": f"{name}.bias", "kind": "param", "parts": parts, "checksum": checksum(bias[:rows], seed)})
+            entries.append({"name": f"{name}.bias", "kind": "param", "parts": parts, "response": reported(bias[:rows])})
             covered.add(f"{name}.bias")
     for name, param in model.named_parameters():
         if name not in covered and param.numel():
             rows = param.shape[0] if param.dim() else 1
-            entries.append({"name": name, "kind": "param", "parts": [(name, 0, rows)], "checksum": checksum(param, seed)})
+            entries.append({"name": name, "kind": "param", "parts": [(name, 0, rows)], "response": reported(param)})
     return {"rank": tp_rank, "dtype": str(dtype), "entries": entries}
 
 
@@ -137,5 +162,5 @@ def verify_loaded(llm_engine: Any, instance_id: str, version: int, source: Path 
     if problems:
         raise WeightChecksumMismatch(f"{instance_id}: after loading version {version}, {len(problems)} weight checksums "
                                      f"differ from the trainer's ({'; '.join(problems[:3])})")
-    LOG.info("%s: weights verified: version %d, %d ranks x %d checksums equal the trainer's",
+    LOG.info("%s: weights verified: version %d, %d ranks x %d layers' responses equal the trainer's",
              instance_id, version, len(ranks), len(ranks[0]["entries"]))

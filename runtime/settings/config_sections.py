@@ -160,10 +160,11 @@ class RolloutConfig(ConfigSection):
     """Longest an instance may take to start (load the model, compile, capture CUDA graphs) before
     the run stops with an error naming it."""
     verify_weights: StrictBool = False
-    """After every weight load, check each tensor-parallel rank's weights against the version's by
-    checksum (each layer's response to a seeded probe, compared with the trainer's tensors: a rank left
+    """After every weight load, check each tensor-parallel rank's weights against the version's (each
+    layer's response to a seeded probe, compared row by row with the trainer's tensors: a rank left
     on old weights or holding the wrong shard); a mismatch fails the instance, whose requests are
-    recovered. Costs one probe per layer and, for a broadcast, the version gathered on the parameter server."""
+    recovered. Costs one probe per layer, its rows' responses sent back, and, for a broadcast, each
+    version's expected responses computed once on the parameter server, in the background."""
 
     @model_validator(mode="after")
     def _gpu_sharing(self) -> RolloutConfig:
