@@ -133,7 +133,8 @@ def simulate_system(
     ]
     parts = RunParts(
         engines=list(engines),
-        trainer=SimTrainer.from_workload(workload, clock, scale=scale, after_step_s=after_step, recompute=policy.recomputes_logprobs),
+        trainer=SimTrainer.from_workload(workload, clock, scale=scale, after_step_s=after_step, recompute=policy.recomputes_logprobs,
+                                       reference=policy.reference_forward),
         prompts=workload.prompt_groups(seed, n_extra=policy.group_redundancy),
         cost_model=estimate if cost_refit_s is None else OnlineCostModel(
             estimate, f"the workload's, {estimation_error:.0%} error", refit_s=cost_refit_s, max_n=workload.instance.max_running),

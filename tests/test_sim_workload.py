@@ -271,6 +271,32 @@ def test_verl_async_trains_without_the_recompute_and_roll_pays_its_offload() -> 
     assert trainer_offload_seconds(qwen3.network, qwen3.cluster.trainer_gpus) == pytest.approx(2 * 8 * 61.1 / 64 / 25)
 
 
+def test_roll_flash_as_the_paper_ran_it_pays_a_reference_forward_every_step(tmp_path) -> None:
+    """ROLL's RLVR pipeline at aa6ad590 runs the reference model's forward pass over every batch of a
+    full-parameter run: one more forward (2 FLOPs per active parameter per token, one attention
+    pass) on top of training (6) and the old log-prob recompute (2). Its later code gates it: only
+    ``roll-flash`` pays it."""
+    from staleflow.adapters.sim.trainer import SimTrainer
+    from staleflow.runtime.run.clock import VirtualClock
+    from staleflow.runtime.settings.policies import POLICIES
+    from staleflow.runtime.types import TrainingBatch, Trajectory
+
+    training = load_workload(write(tmp_path, _flops_training)).training
+    # 10 FLOPs per parameter over 1e14 FLOP/s; 5 attention passes x 1000 FLOPs per pair x c^2 / 2
+    assert training.seconds_per_token(2, reference=True) == pytest.approx(1e-4)
+    assert training.seconds_per_token2(2, reference=True) == pytest.approx(2.5e-11)
+    assert training.seconds_per_token(2, recompute=False, reference=True) == pytest.approx(8e-5)
+    clock = VirtualClock()
+    trainer = SimTrainer(clock, training, trainer_gpus=2, reference=True)
+    trainer.start_step(TrainingBatch(0, {"g": [Trajectory("r", "g", [1] * 64, [2] * 936, [0.0] * 936, [0] * 936, "stop")]}))
+    assert trainer.next_event_time() == pytest.approx(1.0 + 1e-4 * 1000 + 2.5e-11 * 1000**2)
+    # a measured per-token rate (recompute included) grows by a quarter
+    rated = load_workload("small-ci").training
+    assert rated.seconds_per_token(1, reference=True) == pytest.approx(1.25 * rated.seconds_per_token(1))
+    # the simulated run charges it: tests/test_roll_flash.py times ROLL Flash's trainer exactly
+    assert [name for name, policy in POLICIES.items() if policy.reference_forward] == ["roll-flash"]
+
+
 def test_speculating_on_small_batches_speeds_up_the_tail_and_keeps_the_bound() -> None:
     """``staleflow-spec`` (1.5x decode at 8 running requests or fewer) against ``staleflow`` on the
     same seed: the rollouts' last, lightly loaded stretch is faster, so the run is (3,487 ->

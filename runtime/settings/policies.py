@@ -55,6 +55,9 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     the interrupted requests as prompt plus partial output (a full re-prefill) one at a time, each to
     the next instance in turn (``resend_round_robin``: per request, so a group's partials spread over
     the instances), before any new prompt.
+    *reference model* (``reference_forward``): ``rlvr_pipeline.py`` computes the reference model's
+    log-probs over every batch of a full-parameter (not LoRA) run, one more forward pass on the
+    trainer's GPUs each step (the later code runs it only when ``enable_reference`` is set).
 ``roll-flash-2026`` (ROLL ``generate_scheduler.py``, ``router.py``, ``rlvr_pipeline.py``, commit 8eb27cc2; old name ``start-version-gc``)
     Each prompt is bound to its start step (``async_generation_ratio`` = ``eta``); the batch waits
     for the oldest start-step groups and leftovers past their start step are aborted only after the
@@ -226,6 +229,11 @@ class SystemPolicy:
             forward pass over the batch (VeRL's and AReaL's default, and StaleFlow's); False trains on
             the log-probs the rollout returned (verl's fully-async recipe: ``use_rollout_log_probs``
             defaults to True). A simulated cost (:class:`~staleflow.runtime.settings.workload.TrainingSpec`).
+        reference_forward: the trainer also runs a reference model's forward pass over the batch every
+            step (ROLL's RLVR pipeline at aa6ad590, ``rlvr_pipeline.py``: the reference cluster's
+            ``compute_log_probs`` for every run that is not LoRA; its later code runs it only when
+            ``enable_reference`` is set), about 2 x active parameters FLOPs per token and one attention
+            pass, on the trainer's GPUs before its update. A simulated cost, as ``recomputes_logprobs``.
         plan_growth: throughput routing places a request only where the KV cache holds, besides what
             is resident, the tokens the requests there and this one are expected to add until they
             finish (from the lengths seen so far, given each one's progress:
@@ -280,6 +288,7 @@ class SystemPolicy:
     resend_round_robin: bool = False
     update_pause_s: float = 0.0
     recomputes_logprobs: bool = True
+    reference_forward: bool = False
     offloads_trainer: bool = False
     plan_growth: bool = False
     tail_hosted: int = 0
@@ -377,7 +386,7 @@ _ROLL: dict[str, Any] = {**_BASELINE, "sync": "global_immediate", "update_pause_
 #: ROLL Flash as the paper measured it (commit aa6ad590): see the module docstring for each knob's source.
 _ROLL_AA6AD590: dict[str, Any] = {
     **_ROLL, "routing": "prompt_round_robin", "max_running": ROLL_MAX_RUNNING_REQUESTS, "outstanding": "ratio",
-    "resend_round_robin": True,
+    "resend_round_robin": True, "reference_forward": True,
 }
 
 
