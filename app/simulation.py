@@ -96,6 +96,7 @@ def simulate_system(
     """
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer, prefill_seconds, trainer_offload_seconds
+    from staleflow.adapters.sim.speculation import geometric_tau
     from staleflow.adapters.sim.trainer import SimTrainer
     from staleflow.app.instance_skew import SkewRecorder
     from staleflow.runtime.coordination.cost_fit import OnlineCostModel
@@ -127,8 +128,10 @@ def simulate_system(
         after_step += trainer_offload_seconds(workload.network, cluster.trainer_gpus)
     estimate = workload.build_cost_model().with_error(estimation_error, seed)
     speculation = (policy.speculative_speedup, policy.speculative_max_batch) if policy.speculative_speedup > 1 else None
+    draft_tau = geometric_tau(policy.draft_acceptance, policy.max_drafts) if policy.draft_acceptance else None
     engines = [
-        SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link, speculation=speculation)
+        SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link, speculation=speculation,
+                                draft_tau=draft_tau)
         for i in range(instances)
     ]
     parts = RunParts(
@@ -188,6 +191,7 @@ def simulate_system(
         "reused_run": False,
         "instance_skew": skew.figures(),
         "cost_fit": metrics.cost_fit,
+        "draft_acceptance": policy.draft_acceptance,
     }, policy.protocol_eta(eta), eta)
 
 
@@ -217,6 +221,26 @@ def violations(results: dict[str, dict[str, Any]]) -> list[str]:
         if figures["lost"] or figures["duplicated"]:
             problems.append(f"{name}: {figures['lost']} lost and {figures['duplicated']} duplicated trajectories")
     return problems
+
+
+#: ``--speculation``: ``off``; ``request``: every system's engines draft from the request's own tokens;
+#: ``siblings``: StaleFlow's also from the other responses of its prompt (the rest as ``request``).
+SPECULATION = ("off", "request", "siblings")
+
+
+def speculation_knobs(system: str, speculation: str) -> dict[str, float]:
+    """The draft acceptance ``system``'s engines get under ``speculation`` (:data:`SPECULATION`;
+    the rates: :data:`~staleflow.adapters.sim.speculation.ASSUMED_ACCEPTANCE`). A system that
+    models speculation its own way (``staleflow-spec``) keeps it."""
+    from staleflow.adapters.sim.speculation import ASSUMED_ACCEPTANCE
+    from staleflow.runtime.settings.policies import make_policy
+
+    if speculation not in SPECULATION:
+        raise ValueError(f"unknown speculation {speculation!r}; known: {', '.join(SPECULATION)}")
+    if speculation == "off" or make_policy(system).speculative_speedup > 1:
+        return {}
+    source = "siblings" if speculation == "siblings" and system.startswith("staleflow") else "request"
+    return {"draft_acceptance": ASSUMED_ACCEPTANCE[source]}
 
 
 def knobs_for(system: str, group_redundancy: int, batch_redundancy: int) -> dict[str, int]:
@@ -281,6 +305,7 @@ class Comparison:
     group_redundancy: int = 0
     batch_redundancy: int = 0
     trace_dir: Path | None = None
+    speculation: str = "off"
 
 
 def compare_systems(
@@ -307,6 +332,7 @@ def compare_systems(
         "workload_tick_s": workload.simulation.tick_s,
         "event_quantum_s": comparison.event_quantum_s if comparison.event_quantum_s is not None else workload.simulation.event_quantum_s,
         "rollout_gpus": workload.gpus - workload.cluster.trainer_gpus,
+        "speculation": comparison.speculation,
         "upper_bound_tokens_per_s": bound.tokens_per_s,
         "upper_bound": bound.to_dict(),
         "by_eta": {},
@@ -362,7 +388,8 @@ def _runner(
             workload, system, eta, comparison.steps, comparison.seed, comparison.tick_s, comparison.event_quantum_s,
             on_step=lambda: progress.advance(task), trace_path=trace, estimation_error=comparison.estimation_error,
             cost_refit_s=comparison.cost_refit_s,
-            **knobs_for(system, comparison.group_redundancy, comparison.batch_redundancy), **extra,
+            **knobs_for(system, comparison.group_redundancy, comparison.batch_redundancy),
+            **speculation_knobs(system, comparison.speculation), **extra,
         )
         runs[key] = (figures, trace)
         return figures

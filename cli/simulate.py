@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="StaleFlow samples N_EXTRA more responses per group, keeps the first (default: 0)")
     parser.add_argument("--batch-redundancy", type=int, default=0, metavar="X",
                         help="StaleFlow admits X groups beyond the batches, drops the surplus (default: 0)")
+    parser.add_argument("--speculation", choices=simulation.SPECULATION, default="off",
+                        help="engines speculate at every batch size, timed by the cost model: 'request' drafts from each "
+                        "request's own tokens for every system; 'siblings' also from the group's other responses for "
+                        "StaleFlow (default: off; the acceptance rates are assumed: docs/simulation.md)")
     parser.add_argument("--rollout-gpus", type=int, default=None, metavar="N",
                         help="give N of the workload's GPUs to rollout and the rest to the trainer (default: the workload's split)")
     parser.add_argument("--tick", type=float, default=None, help="coordinator tick in seconds (default: the workload's)")
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         systems=systems, etas=list(args.eta), steps=args.steps, seed=args.seed, tick_s=args.tick, event_quantum_s=args.quantum,
         estimation_error=args.estimation_error, cost_refit_s=args.cost_refit_s, group_redundancy=args.group_redundancy,
         batch_redundancy=args.batch_redundancy,
-        trace_dir=args.trace_dir,
+        trace_dir=args.trace_dir, speculation=args.speculation,
     )
     with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
         report, exit_code = simulation.compare_systems(workload, comparison, progress, lambda line: err.print(line, highlight=False))

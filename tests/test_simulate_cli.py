@@ -159,6 +159,19 @@ def test_redundancy_and_estimation_error_from_the_command_line(capsys) -> None:
     assert "--estimation-error must be in [0, 0.5)" in capsys.readouterr().err
 
 
+def test_speculation_from_the_command_line_gives_siblings_to_staleflow_only(capsys) -> None:
+    from staleflow.adapters.sim.speculation import ASSUMED_ACCEPTANCE
+
+    base = ["--workload", "small-ci", "--eta", "2", "--steps", "2", "--json", "--systems", "staleflow", "roll-flash"]
+    assert run_cli([*base, "--speculation", "siblings"]) == 0
+    systems = json.loads(capsys.readouterr().out)["systems"]
+    assert systems["staleflow"]["draft_acceptance"] == ASSUMED_ACCEPTANCE["siblings"]
+    assert systems["roll-flash"]["draft_acceptance"] == ASSUMED_ACCEPTANCE["request"]
+    with pytest.raises(SystemExit):
+        run_cli([*base, "--speculation", "everything"])
+    assert "invalid choice: 'everything'" in capsys.readouterr().err
+
+
 def test_a_run_that_does_not_depend_on_eta_runs_once_and_matches_a_fresh_run(capsys) -> None:
     """verl-sync (bound 0) and one-step-off (bound 1) run once for every eta; areal-tight at eta 3
     reuses areal's run at eta 2 when its p99 is within 3. Reused figures equal a fresh run's, with

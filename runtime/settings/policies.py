@@ -253,6 +253,12 @@ class SystemPolicy:
             does (:mod:`~staleflow.adapters.sim.speculation`); 1.0: off. A training job sets its
             engines' speculation in ``rollout.speculation`` and gets what they measure.
         speculative_max_batch: see ``speculative_speedup``.
+        draft_acceptance: simulated engines speculate at every batch size, timed by their own cost
+            model (:class:`~staleflow.adapters.sim.speculation.DraftVerification`), each draft token
+            accepted with this probability once the ones before it were; 0: off. ``staleflow simulate
+            --speculation`` sets it for every system (drafts from the request's own tokens) and a
+            higher one for StaleFlow's (drafts from the group's other responses too).
+        max_drafts: the most draft tokens per request and step (``draft_acceptance``).
     """
 
     name: str
@@ -295,6 +301,8 @@ class SystemPolicy:
     tail_share: float = 0.25
     speculative_speedup: float = 1.0
     speculative_max_batch: int = 8
+    draft_acceptance: float = 0.0
+    max_drafts: int = 8
 
     def __post_init__(self) -> None:
         _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin", "prompt_affinity", "prompt_round_robin"))
@@ -305,13 +313,17 @@ class SystemPolicy:
         _choice("outstanding", self.outstanding, ("protocol", "ratio"))
         _choice("migration_rule", self.migration_rule, ("split", "evacuate"))
         counts = ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort",
-                  "request_budget", "evacuate_min_requests", "tail_hosted", "speculative_max_batch")
+                  "request_budget", "evacuate_min_requests", "tail_hosted", "speculative_max_batch", "max_drafts")
         for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"policy {self.name!r}: {name} must be an int >= 0, got {value!r}")
         if not self.speculative_speedup >= 1.0:
             raise ValueError(f"policy {self.name!r}: speculative_speedup must be >= 1 (1: off), got {self.speculative_speedup!r}")
+        if not 0.0 <= self.draft_acceptance < 1.0:
+            raise ValueError(f"policy {self.name!r}: draft_acceptance must be in [0, 1) (0: off), got {self.draft_acceptance!r}")
+        if self.draft_acceptance and self.speculative_speedup > 1.0:
+            raise ValueError(f"policy {self.name!r}: draft_acceptance and speculative_speedup are two models of one engine's speculation")
         if self.fixed_eta is not None and (not isinstance(self.fixed_eta, int) or self.fixed_eta < 0):
             raise ValueError(f"policy {self.name!r}: fixed_eta must be None or an int >= 0")
         if self.batch_redundancy and not self.takes_redundancy:
