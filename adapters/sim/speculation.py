@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 
 from staleflow.runtime.coordination.cost_model import CostModel
 
-
 #: Per-draft-token acceptance rates ``staleflow simulate --speculation`` gives the engines: drafts
 #: from the request's own tokens (vLLM's n-gram and suffix proposers, open to every system) and
 #: from the other responses of its prompt too (grouped speculative decoding: Seer, arXiv 2511.14617;
