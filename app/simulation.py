@@ -279,6 +279,14 @@ def ratios(systems: dict[str, dict[str, Any]], bound: float, eta: int, key: str 
     return ratios
 
 
+def of_bound(systems: dict[str, dict[str, Any]], bound: float) -> dict[str, float]:
+    """StaleFlow's throughput, whole run and steady state, as a share of ``bound`` (empty without a StaleFlow run)."""
+    ours = systems.get("staleflow")
+    if ours is None or bound <= 0:
+        return {}
+    return {key: ours[key] / bound for key in ("tokens_per_s", "steady_tokens_per_s") if ours.get(key)}
+
+
 def tight(workload: Workload, eta: int, run_one: Any) -> dict[str, Any]:
     """AReaL with a smaller admission bound: the largest ``eta' < eta`` whose run keeps its p99
     staleness within ``eta`` (down to 0; the last tried is reported if none does)."""
@@ -316,7 +324,7 @@ def compare_systems(
     ``progress``: a :class:`rich.progress.Progress` (one task per run); ``on_error``: gets one line
     per stalled run or broken guarantee.
     """
-    from staleflow.app.upper_bound import upper_bound
+    from staleflow.app.upper_bound import latency_bound, upper_bound
     from staleflow.runtime.run.loop import RunStalledError
 
     bound = upper_bound(workload, seed=comparison.seed)
@@ -358,9 +366,12 @@ def compare_systems(
         for problem in violations(results):
             on_error(f"error: eta={eta} {problem}")
             exit_code = 1
+        latency = latency_bound(workload, eta, bound, seed=comparison.seed)
         report["by_eta"][str(eta)] = {
             "systems": results, "staleflow_ratio": ratios(results, bound.tokens_per_s, eta),
             "staleflow_ratio_steady": ratios(results, bound.tokens_per_s, eta, "steady_tokens_per_s"),
+            "latency_bound": latency.to_dict(),
+            "staleflow_of_latency_bound": of_bound(results, latency.tokens_per_s),
         }
     return report, exit_code
 
@@ -404,6 +415,7 @@ def json_payload(report: dict[str, Any], comparison: Comparison) -> dict[str, An
     eta = comparison.etas[0]
     only = report["by_eta"][str(eta)]
     return {"systems": only["systems"], "upper_bound_tokens_per_s": report["upper_bound_tokens_per_s"],
+            "latency_bound": only["latency_bound"], "staleflow_of_latency_bound": only["staleflow_of_latency_bound"],
             "staleflow_ratio": only["staleflow_ratio"], "staleflow_ratio_steady": only["staleflow_ratio_steady"],
             "eta": eta, "workload": report["workload"],
             "steps": comparison.steps, "seed": comparison.seed, "estimation_error": comparison.estimation_error}

@@ -120,7 +120,8 @@ def print_tables(report: dict[str, Any], console: Any) -> None:
         for column in ("system", "tokens/s", "steady tokens/s", "of bound", "step time (s)", "steady step (s)", "utilisation",
                        "trainer busy",
                        "staleness p99/max", "past eta", "staleness (groups)", "dropped", "wasted tokens", "lost/dup", "wall (s)"):
-            table.add_column(column, justify="left" if column in ("system", "staleness (groups)") else "right")
+            table.add_column(column, justify="left" if column in ("system", "staleness (groups)") else "right",
+                             no_wrap=column == "system")
         for name, f in run["systems"].items():
             label = name if f["admission_eta"] == f["eta"] else f"{name} (admits at eta {f['admission_eta']})"
             table.add_row(
@@ -132,6 +133,8 @@ def print_tables(report: dict[str, Any], console: Any) -> None:
                 f"{f['wall_s']:.1f}",
             )
         table.add_row(UPPER_BOUND, f"{bound:,.0f}", "", "100%", *[""] * 11)
+        latency = run["latency_bound"]["tokens_per_s"]
+        table.add_row("latency-bound", f"{latency:,.0f}", "", f"{latency / bound:.0%}", *[""] * 11)
         console.print(table)
         skip = next(iter(run["systems"].values()))["steady_skip_steps"] if run["systems"] else 0
         for line in comparison_lines(run, int(eta_key), skip):
@@ -170,4 +173,9 @@ def comparison_lines(run: dict[str, Any], eta: int, skip: int) -> list[str]:
     if UPPER_BOUND in whole:
         later = f" (steady {steady[UPPER_BOUND]:.0%})" if UPPER_BOUND in steady else ""
         lines.append(f"StaleFlow of the upper bound: {whole[UPPER_BOUND]:.0%}{later}")
+    share = run.get("staleflow_of_latency_bound", {})
+    if "tokens_per_s" in share:
+        later = f" (steady {share['steady_tokens_per_s']:.0%})" if "steady_tokens_per_s" in share else ""
+        lines.append(f"StaleFlow of the latency-aware bound (each batch's longest response decoded alone within the "
+                     f"eta + 1 step window): {share['tokens_per_s']:.0%}{later}")
     return lines

@@ -175,6 +175,31 @@ def test_upper_bound_by_hand_on_fixed_lengths(tmp_path) -> None:
     assert bound.tokens_per_s == pytest.approx(min(train, 4 * per_instance))
 
 
+def test_latency_aware_bound_by_hand_on_fixed_lengths(tmp_path) -> None:
+    """Every response 1,000 tokens: the batch's longest decoded alone takes prefill(P) + 1,000 steps of
+    L(1, P + t); eta + 1 periods hold it and a training step, so a period is at least
+    (D + t_train) / (eta + 1). At eta 0 that is below the throughput bound; by eta 3 it is not."""
+    from staleflow.app.upper_bound import latency_bound
+
+    def fixed(d: dict) -> None:
+        d["response_tokens"] = {"distribution": "fixed", "tokens": 1000}
+        d["instance"].update(prefill_s_per_token=1e-4, max_running=32, kv_capacity_tokens=40_000)
+
+    workload = load_workload(write(tmp_path, fixed))
+    bound = upper_bound(workload)
+    cost = workload.build_cost_model()
+    alone = 64 * 1e-4 + sum(cost.step_latency(1, 64 + t) for t in range(1000))
+    train = 0.2 + 2e-5 * 16 * 4 * 1064  # base + per token over 16 x 4 trajectories of 64 + 1000 tokens
+    for eta in (0, 3):
+        latency = latency_bound(workload, eta, bound)
+        assert latency.longest_decode_s == pytest.approx(alone) and latency.training_s == pytest.approx(train)
+        assert latency.latency_tokens_per_s == pytest.approx(16 * 4 * 1000 * (eta + 1) / (alone + train))
+        assert latency.tokens_per_s == pytest.approx(min(bound.tokens_per_s, latency.latency_tokens_per_s))
+    assert latency_bound(workload, 0, bound).tokens_per_s < bound.tokens_per_s == latency_bound(workload, 3, bound).tokens_per_s
+    with pytest.raises(ValueError, match="eta must be >= 0"):
+        latency_bound(workload, -1, bound)
+
+
 def _flops_training(d: dict) -> None:
     d["training"] = {"base_s": 1.0, "active_params": 1e9, "mfu": 0.5, "gpu_tflops": 100, "attn_flops_per_token2": 1000}
     d["cluster"]["trainer_gpus"] = 2

@@ -77,6 +77,13 @@ def test_table_prints_both_comparison_bases_with_steady_state(capsys) -> None:
     assert "past eta, max lag" in out and "best of them" in out
     assert "StaleFlow over the best bound-keeping baseline (p99 staleness within eta 1):" in out
     assert "StaleFlow of the upper bound:" in out and "steady" in out
+    # the latency-aware bound beside the throughput bound, and StaleFlow's share of it
+    from staleflow.app.upper_bound import latency_bound
+
+    workload = load_workload("small-ci")
+    latency = latency_bound(workload, 1, upper_bound(workload)).tokens_per_s
+    assert f"latency-bound │ {latency:,.0f} │" in out
+    assert "StaleFlow of the latency-aware bound (each batch's longest response decoded alone within the eta + 1 step window):" in out
 
 
 def test_bad_workload_exits_2_with_the_key_named(capsys, tmp_path) -> None:
