@@ -9,6 +9,7 @@ from staleflow.bench import (
     chaos,
     convergence,
     coordinator,
+    draft_acceptance,
     load,
     mutation,
     protocol,
@@ -28,6 +29,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "time-to-quality": time_to_quality,
     "weight-sync": weight_sync,
     "mutation": mutation,
+    "draft-acceptance": draft_acceptance,
 }
 
 
