@@ -200,6 +200,26 @@ def test_latency_aware_bound_by_hand_on_fixed_lengths(tmp_path) -> None:
         latency_bound(workload, -1, bound)
 
 
+def test_latency_aware_bound_of_the_paper_workloads() -> None:
+    """docs/simulation.md's table: on Qwen3-30B-A3B at 40,960 the latency bound binds at eta 1
+    (40,721 tokens/s against 48,894: a batch's longest response alone takes 570 s), at 20,480 it does
+    not; on Qwen2.5-32B it binds at eta 1 and 2."""
+    from staleflow.app.upper_bound import latency_bound
+
+    def figures(name: str, eta: int) -> tuple[float, float, float]:
+        workload = load_workload(name)
+        bound = upper_bound(workload)
+        latency = latency_bound(workload, eta, bound)
+        return bound.tokens_per_s, latency.latency_tokens_per_s, latency.longest_decode_s
+
+    throughput, latency, longest = figures("qwen3-30b-a3b-128gpu", 1)
+    assert (round(throughput, -1), round(latency, -1), round(longest)) == (48890, 40720, 570)
+    throughput, latency, _ = figures("qwen3-30b-a3b-128gpu-cap20k", 1)
+    assert latency > throughput
+    throughput, latency, _ = figures("qwen2.5-32b-128gpu", 2)
+    assert round(latency, -1) == 7580 < throughput
+
+
 def _flops_training(d: dict) -> None:
     d["training"] = {"base_s": 1.0, "active_params": 1e9, "mfu": 0.5, "gpu_tflops": 100, "attn_flops_per_token2": 1000}
     d["cluster"]["trainer_gpus"] = 2
