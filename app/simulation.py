@@ -96,7 +96,7 @@ def simulate_system(
     """
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer, prefill_seconds, trainer_offload_seconds
-    from staleflow.adapters.sim.speculation import geometric_tau
+    from staleflow.adapters.sim.speculation import DraftVerification, SpeculativeDecoding, geometric_tau
     from staleflow.adapters.sim.trainer import SimTrainer
     from staleflow.app.instance_skew import SkewRecorder
     from staleflow.runtime.coordination.cost_fit import OnlineCostModel
@@ -127,11 +127,13 @@ def simulate_system(
     if policy.offloads_trainer:
         after_step += trainer_offload_seconds(workload.network, cluster.trainer_gpus)
     estimate = workload.build_cost_model().with_error(estimation_error, seed)
-    speculation = (policy.speculative_speedup, policy.speculative_max_batch) if policy.speculative_speedup > 1 else None
-    draft_tau = geometric_tau(policy.draft_acceptance, policy.max_drafts) if policy.draft_acceptance else None
+    speculate = None
+    if policy.speculative_speedup > 1:
+        speculate = partial(SpeculativeDecoding, speedup=policy.speculative_speedup, max_batch=policy.speculative_max_batch)
+    elif policy.draft_acceptance:
+        speculate = partial(DraftVerification, tau=geometric_tau(policy.draft_acceptance, policy.max_drafts))
     engines = [
-        SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link, speculation=speculation,
-                                draft_tau=draft_tau)
+        SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link, speculate=speculate)
         for i in range(instances)
     ]
     parts = RunParts(

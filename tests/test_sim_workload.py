@@ -362,7 +362,7 @@ def test_speculation_for_every_system_and_sibling_drafts_for_staleflow() -> None
     assert runs["off"]["tokens_per_s"] < runs["request"]["tokens_per_s"] < runs["siblings"]["tokens_per_s"]
     assert [runs[m]["draft_acceptance"] for m in ("off", "siblings")] == [0.0, ASSUMED_ACCEPTANCE["siblings"]]
     assert all(r["max_staleness"] <= 2 and r["lost"] == r["duplicated"] == 0 for r in runs.values())
-    with pytest.raises(ValueError, match="two models of one engine's speculation"):
+    with pytest.raises(ValueError, match=r"draft_acceptance must be in \[0, 1\), without speculative_speedup"):
         simulate_system(workload, "staleflow-spec", 2, 1, 0, draft_acceptance=0.5)
 
 

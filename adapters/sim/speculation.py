@@ -140,3 +140,7 @@ class SpeculativeDecoding:
     def steps_within(self, budget_s: float, n_running: int, kv_tokens: int, limit: int) -> int:
         """:meth:`CostModel.steps_within`, ``speedup`` times more steps at a small batch."""
         return self.cost.steps_within(budget_s * self._factor(n_running), n_running, kv_tokens, limit)
+
+
+#: What times a simulated engine's decode steps: the cost model, or a speculating model around it.
+Decode = CostModel | DraftVerification | SpeculativeDecoding

@@ -55,9 +55,8 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     the interrupted requests as prompt plus partial output (a full re-prefill) one at a time, each to
     the next instance in turn (``resend_round_robin``: per request, so a group's partials spread over
     the instances), before any new prompt.
-    *reference model* (``reference_forward``): ``rlvr_pipeline.py`` computes the reference model's
-    log-probs over every batch of a full-parameter (not LoRA) run, one more forward pass on the
-    trainer's GPUs each step (the later code runs it only when ``enable_reference`` is set).
+    *reference model* (``reference_forward``): ``rlvr_pipeline.py`` runs the reference model's forward
+    over every batch of a run that is not LoRA, on the trainer (later code: with ``enable_reference``).
 ``roll-flash-2026`` (ROLL ``generate_scheduler.py``, ``router.py``, ``rlvr_pipeline.py``, commit 8eb27cc2; old name ``start-version-gc``)
     Each prompt is bound to its start step (``async_generation_ratio`` = ``eta``); the batch waits
     for the oldest start-step groups and leftovers past their start step are aborted only after the
@@ -229,11 +228,9 @@ class SystemPolicy:
             forward pass over the batch (VeRL's and AReaL's default, and StaleFlow's); False trains on
             the log-probs the rollout returned (verl's fully-async recipe: ``use_rollout_log_probs``
             defaults to True). A simulated cost (:class:`~staleflow.runtime.settings.workload.TrainingSpec`).
-        reference_forward: the trainer also runs a reference model's forward pass over the batch every
-            step (ROLL's RLVR pipeline at aa6ad590, ``rlvr_pipeline.py``: the reference cluster's
-            ``compute_log_probs`` for every run that is not LoRA; its later code runs it only when
-            ``enable_reference`` is set), about 2 x active parameters FLOPs per token and one attention
-            pass, on the trainer's GPUs before its update. A simulated cost, as ``recomputes_logprobs``.
+        reference_forward: the trainer also runs a reference model's forward pass over the batch each
+            step (ROLL Flash at aa6ad590: module docstring), 2 FLOPs per active parameter per token
+            and one attention pass. A simulated cost, as ``recomputes_logprobs``.
         plan_growth: throughput routing places a request only where the KV cache holds, besides what
             is resident, the tokens the requests there and this one are expected to add until they
             finish (from the lengths seen so far, given each one's progress:
@@ -253,12 +250,9 @@ class SystemPolicy:
             does (:mod:`~staleflow.adapters.sim.speculation`); 1.0: off. A training job sets its
             engines' speculation in ``rollout.speculation`` and gets what they measure.
         speculative_max_batch: see ``speculative_speedup``.
-        draft_acceptance: simulated engines speculate at every batch size, timed by their own cost
-            model (:class:`~staleflow.adapters.sim.speculation.DraftVerification`), each draft token
-            accepted with this probability once the ones before it were; 0: off. ``staleflow simulate
-            --speculation`` sets it for every system (drafts from the request's own tokens) and a
-            higher one for StaleFlow's (drafts from the group's other responses too).
-        max_drafts: the most draft tokens per request and step (``draft_acceptance``).
+        draft_acceptance: simulated engines verify up to ``max_drafts`` draft tokens a step at every
+            batch size, each accepted with this probability once the ones before it were (0: off),
+            timed by their cost model (:class:`~staleflow.adapters.sim.speculation.DraftVerification`).
     """
 
     name: str
@@ -320,10 +314,8 @@ class SystemPolicy:
                 raise ValueError(f"policy {self.name!r}: {name} must be an int >= 0, got {value!r}")
         if not self.speculative_speedup >= 1.0:
             raise ValueError(f"policy {self.name!r}: speculative_speedup must be >= 1 (1: off), got {self.speculative_speedup!r}")
-        if not 0.0 <= self.draft_acceptance < 1.0:
-            raise ValueError(f"policy {self.name!r}: draft_acceptance must be in [0, 1) (0: off), got {self.draft_acceptance!r}")
-        if self.draft_acceptance and self.speculative_speedup > 1.0:
-            raise ValueError(f"policy {self.name!r}: draft_acceptance and speculative_speedup are two models of one engine's speculation")
+        if not 0.0 <= self.draft_acceptance < 1.0 or (self.draft_acceptance and self.speculative_speedup > 1.0):
+            raise ValueError(f"policy {self.name!r}: draft_acceptance must be in [0, 1), without speculative_speedup")
         if self.fixed_eta is not None and (not isinstance(self.fixed_eta, int) or self.fixed_eta < 0):
             raise ValueError(f"policy {self.name!r}: fixed_eta must be None or an int >= 0")
         if self.batch_redundancy and not self.takes_redundancy:
