@@ -220,6 +220,18 @@ def test_latency_aware_bound_of_the_paper_workloads() -> None:
     assert round(latency, -1) == 7580 < throughput
 
 
+def test_the_length_models_clip_ratio_and_icc() -> None:
+    """docs/simulation.md's table of the length model's tail: the share cut at the cap and the
+    prompt's share of the log-length variance, per paper workload."""
+    expected = {"qwen3-30b-a3b-128gpu-cap20k": (0.096, 0.39), "qwen3-30b-a3b-128gpu": (0.015, 0.39),
+                "qwen2.5-32b-128gpu": (0.008, 0.31), "deepseek-r1-distill-qwen-32b-128gpu": (0.096, 0.39),
+                "deepseek-r1-distill-qwen-14b-64gpu": (0.063, 0.39)}
+    for name, (clip, icc) in expected.items():
+        lengths = load_workload(name).response_tokens
+        assert round(load_workload(name).length_stats()["truncated"], 3) == clip, name
+        assert round(lengths.prompt_sigma**2 / lengths.sigma**2, 2) == icc, name
+
+
 def _flops_training(d: dict) -> None:
     d["training"] = {"base_s": 1.0, "active_params": 1e9, "mfu": 0.5, "gpu_tflops": 100, "attn_flops_per_token2": 1000}
     d["cluster"]["trainer_gpus"] = 2
