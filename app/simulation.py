@@ -96,6 +96,7 @@ def simulate_system(
     """
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer, prefill_seconds, trainer_offload_seconds
+    from staleflow.adapters.sim.speculation import DraftVerification, SpeculativeDecoding, geometric_tau
     from staleflow.adapters.sim.trainer import SimTrainer
     from staleflow.app.instance_skew import SkewRecorder
     from staleflow.runtime.coordination.cost_fit import OnlineCostModel
@@ -126,14 +127,19 @@ def simulate_system(
     if policy.offloads_trainer:
         after_step += trainer_offload_seconds(workload.network, cluster.trainer_gpus)
     estimate = workload.build_cost_model().with_error(estimation_error, seed)
-    speculation = (policy.speculative_speedup, policy.speculative_max_batch) if policy.speculative_speedup > 1 else None
+    speculate = None
+    if policy.speculative_speedup > 1:
+        speculate = partial(SpeculativeDecoding, speedup=policy.speculative_speedup, max_batch=policy.speculative_max_batch)
+    elif policy.draft_acceptance:
+        speculate = partial(DraftVerification, tau=geometric_tau(policy.draft_acceptance, policy.max_drafts))
     engines = [
-        SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link, speculation=speculation)
+        SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link, speculate=speculate)
         for i in range(instances)
     ]
     parts = RunParts(
         engines=list(engines),
-        trainer=SimTrainer.from_workload(workload, clock, scale=scale, after_step_s=after_step, recompute=policy.recomputes_logprobs),
+        trainer=SimTrainer.from_workload(workload, clock, scale=scale, after_step_s=after_step, recompute=policy.recomputes_logprobs,
+                                       reference=policy.reference_forward),
         prompts=workload.prompt_groups(seed, n_extra=policy.group_redundancy),
         cost_model=estimate if cost_refit_s is None else OnlineCostModel(
             estimate, f"the workload's, {estimation_error:.0%} error", refit_s=cost_refit_s, max_n=workload.instance.max_running),
@@ -187,6 +193,7 @@ def simulate_system(
         "reused_run": False,
         "instance_skew": skew.figures(),
         "cost_fit": metrics.cost_fit,
+        "draft_acceptance": policy.draft_acceptance,
     }, policy.protocol_eta(eta), eta)
 
 
@@ -216,6 +223,26 @@ def violations(results: dict[str, dict[str, Any]]) -> list[str]:
         if figures["lost"] or figures["duplicated"]:
             problems.append(f"{name}: {figures['lost']} lost and {figures['duplicated']} duplicated trajectories")
     return problems
+
+
+#: ``--speculation``: ``off``; ``request``: every system's engines draft from the request's own tokens;
+#: ``siblings``: StaleFlow's also from the other responses of its prompt (the rest as ``request``).
+SPECULATION = ("off", "request", "siblings")
+
+
+def speculation_knobs(system: str, speculation: str) -> dict[str, float]:
+    """The draft acceptance ``system``'s engines get under ``speculation`` (:data:`SPECULATION`;
+    the rates: :data:`~staleflow.adapters.sim.speculation.ASSUMED_ACCEPTANCE`). A system that
+    models speculation its own way (``staleflow-spec``) keeps it."""
+    from staleflow.adapters.sim.speculation import ASSUMED_ACCEPTANCE
+    from staleflow.runtime.settings.policies import make_policy
+
+    if speculation not in SPECULATION:
+        raise ValueError(f"unknown speculation {speculation!r}; known: {', '.join(SPECULATION)}")
+    if speculation == "off" or make_policy(system).speculative_speedup > 1:
+        return {}
+    source = "siblings" if speculation == "siblings" and system.startswith("staleflow") else "request"
+    return {"draft_acceptance": ASSUMED_ACCEPTANCE[source]}
 
 
 def knobs_for(system: str, group_redundancy: int, batch_redundancy: int) -> dict[str, int]:
@@ -254,6 +281,14 @@ def ratios(systems: dict[str, dict[str, Any]], bound: float, eta: int, key: str 
     return ratios
 
 
+def of_bound(systems: dict[str, dict[str, Any]], bound: float) -> dict[str, float]:
+    """StaleFlow's throughput, whole run and steady state, as a share of ``bound`` (empty without a StaleFlow run)."""
+    ours = systems.get("staleflow")
+    if ours is None or bound <= 0:
+        return {}
+    return {key: ours[key] / bound for key in ("tokens_per_s", "steady_tokens_per_s") if ours.get(key)}
+
+
 def tight(workload: Workload, eta: int, run_one: Any) -> dict[str, Any]:
     """AReaL with a smaller admission bound: the largest ``eta' < eta`` whose run keeps its p99
     staleness within ``eta`` (down to 0; the last tried is reported if none does)."""
@@ -280,6 +315,7 @@ class Comparison:
     group_redundancy: int = 0
     batch_redundancy: int = 0
     trace_dir: Path | None = None
+    speculation: str = "off"
 
 
 def compare_systems(
@@ -290,7 +326,7 @@ def compare_systems(
     ``progress``: a :class:`rich.progress.Progress` (one task per run); ``on_error``: gets one line
     per stalled run or broken guarantee.
     """
-    from staleflow.app.upper_bound import upper_bound
+    from staleflow.app.upper_bound import latency_bound, upper_bound
     from staleflow.runtime.run.loop import RunStalledError
 
     bound = upper_bound(workload, seed=comparison.seed)
@@ -306,6 +342,7 @@ def compare_systems(
         "workload_tick_s": workload.simulation.tick_s,
         "event_quantum_s": comparison.event_quantum_s if comparison.event_quantum_s is not None else workload.simulation.event_quantum_s,
         "rollout_gpus": workload.gpus - workload.cluster.trainer_gpus,
+        "speculation": comparison.speculation,
         "upper_bound_tokens_per_s": bound.tokens_per_s,
         "upper_bound": bound.to_dict(),
         "by_eta": {},
@@ -331,9 +368,12 @@ def compare_systems(
         for problem in violations(results):
             on_error(f"error: eta={eta} {problem}")
             exit_code = 1
+        latency = latency_bound(workload, eta, bound, seed=comparison.seed)
         report["by_eta"][str(eta)] = {
             "systems": results, "staleflow_ratio": ratios(results, bound.tokens_per_s, eta),
             "staleflow_ratio_steady": ratios(results, bound.tokens_per_s, eta, "steady_tokens_per_s"),
+            "latency_bound": latency.to_dict(),
+            "staleflow_of_latency_bound": of_bound(results, latency.tokens_per_s),
         }
     return report, exit_code
 
@@ -361,7 +401,8 @@ def _runner(
             workload, system, eta, comparison.steps, comparison.seed, comparison.tick_s, comparison.event_quantum_s,
             on_step=lambda: progress.advance(task), trace_path=trace, estimation_error=comparison.estimation_error,
             cost_refit_s=comparison.cost_refit_s,
-            **knobs_for(system, comparison.group_redundancy, comparison.batch_redundancy), **extra,
+            **knobs_for(system, comparison.group_redundancy, comparison.batch_redundancy),
+            **speculation_knobs(system, comparison.speculation), **extra,
         )
         runs[key] = (figures, trace)
         return figures
@@ -376,6 +417,7 @@ def json_payload(report: dict[str, Any], comparison: Comparison) -> dict[str, An
     eta = comparison.etas[0]
     only = report["by_eta"][str(eta)]
     return {"systems": only["systems"], "upper_bound_tokens_per_s": report["upper_bound_tokens_per_s"],
+            "latency_bound": only["latency_bound"], "staleflow_of_latency_bound": only["staleflow_of_latency_bound"],
             "staleflow_ratio": only["staleflow_ratio"], "staleflow_ratio_steady": only["staleflow_ratio_steady"],
             "eta": eta, "workload": report["workload"],
             "steps": comparison.steps, "seed": comparison.seed, "estimation_error": comparison.estimation_error}

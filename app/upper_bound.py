@@ -24,6 +24,16 @@ training model on its trainer GPUs), so training consumes at most
 
 ``E[R]`` and ``E[R^2]`` are estimated from a large seeded sample of the workload's length
 distribution.
+
+The latency-aware bound (:func:`latency_bound`) adds what a system that keeps the staleness bound
+``eta`` can reach given each response's decode latency. A group generated with version ``b - eta``
+starts no earlier than the end of training step ``b - eta - 1`` and must be done when step ``b``
+starts, so ``eta + 1`` step periods hold the batch's longest response decoded plus one training
+step: the mean period is at least ``(E[D_max] + t_train) / (eta + 1)``, where ``D_max`` is the
+batch's longest response decoded at the best per-token speed there is (alone on an instance:
+``prefill(P) + sum_t L(1, P + t)``) and ``t_train`` the training step. With ``B N E[R]`` tokens a
+batch, the bound is the smaller of that rate and the throughput bound above. ``D_max`` comes from
+seeded batches of the workload's grouped length draws (a prompt's difficulty shared by its group).
 """
 
 from __future__ import annotations
@@ -48,6 +58,41 @@ class UpperBound:
 
     def to_dict(self) -> dict[str, float | str]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class LatencyBound:
+    """The latency-aware bound at ``eta`` (module docstring) and the figures it comes from."""
+
+    eta: int
+    tokens_per_s: float
+    latency_tokens_per_s: float
+    step_s: float
+    longest_decode_s: float
+    training_s: float
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def latency_bound(workload: Workload, eta: int, bound: UpperBound, seed: int = 0, batches: int = 64) -> LatencyBound:
+    """:class:`LatencyBound` of ``workload`` at ``eta``, beside its throughput ``bound`` (module docstring)."""
+    import numpy as np
+
+    if eta < 0:
+        raise ValueError(f"eta must be >= 0, got {eta}")
+    rng = np.random.default_rng(seed)
+    groups, size = workload.batch.groups_per_step, workload.batch.group_size
+    longest = np.array([max(workload.response_tokens.sample(rng, size).max() for _ in range(groups)) for _ in range(batches)])
+    spec, prompt = workload.instance, workload.prompt_tokens
+    prefill = spec.prefill_s_per_token * prompt + spec.prefill_attn_s_per_token2 * prompt * prompt / 2
+    decode = float((prefill + workload.build_cost_model().decode_seconds(longest.astype(float), 1, prompt)).mean())
+    batch_tokens = groups * size * bound.mean_response_tokens
+    training = batch_tokens / bound.training_tokens_per_s
+    step = (decode + training) / (eta + 1)
+    latency = batch_tokens / step
+    return LatencyBound(eta=eta, tokens_per_s=min(bound.tokens_per_s, latency), latency_tokens_per_s=latency, step_s=step,
+                        longest_decode_s=decode, training_s=training)
 
 
 def upper_bound(workload: Workload, seed: int = 0, samples: int = 200_000) -> UpperBound:

@@ -9,6 +9,7 @@ from staleflow.bench import (
     chaos,
     convergence,
     coordinator,
+    draft_acceptance,
     load,
     mutation,
     protocol,
@@ -30,6 +31,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "weight-sync": weight_sync,
     "weight-check": weight_check,
     "mutation": mutation,
+    "draft-acceptance": draft_acceptance,
 }
 
 

@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="StaleFlow samples N_EXTRA more responses per group, keeps the first (default: 0)")
     parser.add_argument("--batch-redundancy", type=int, default=0, metavar="X",
                         help="StaleFlow admits X groups beyond the batches, drops the surplus (default: 0)")
+    parser.add_argument("--speculation", choices=simulation.SPECULATION, default="off",
+                        help="engines speculate at every batch size, timed by the cost model: 'request' drafts from each "
+                        "request's own tokens for every system; 'siblings' also from the group's other responses for "
+                        "StaleFlow (default: off; the acceptance rates are assumed: docs/simulation.md)")
     parser.add_argument("--rollout-gpus", type=int, default=None, metavar="N",
                         help="give N of the workload's GPUs to rollout and the rest to the trainer (default: the workload's split)")
     parser.add_argument("--tick", type=float, default=None, help="coordinator tick in seconds (default: the workload's)")
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         systems=systems, etas=list(args.eta), steps=args.steps, seed=args.seed, tick_s=args.tick, event_quantum_s=args.quantum,
         estimation_error=args.estimation_error, cost_refit_s=args.cost_refit_s, group_redundancy=args.group_redundancy,
         batch_redundancy=args.batch_redundancy,
-        trace_dir=args.trace_dir,
+        trace_dir=args.trace_dir, speculation=args.speculation,
     )
     with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
         report, exit_code = simulation.compare_systems(workload, comparison, progress, lambda line: err.print(line, highlight=False))
@@ -116,7 +120,8 @@ def print_tables(report: dict[str, Any], console: Any) -> None:
         for column in ("system", "tokens/s", "steady tokens/s", "of bound", "step time (s)", "steady step (s)", "utilisation",
                        "trainer busy",
                        "staleness p99/max", "past eta", "staleness (groups)", "dropped", "wasted tokens", "lost/dup", "wall (s)"):
-            table.add_column(column, justify="left" if column in ("system", "staleness (groups)") else "right")
+            table.add_column(column, justify="left" if column in ("system", "staleness (groups)") else "right",
+                             no_wrap=column == "system")
         for name, f in run["systems"].items():
             label = name if f["admission_eta"] == f["eta"] else f"{name} (admits at eta {f['admission_eta']})"
             table.add_row(
@@ -128,6 +133,8 @@ def print_tables(report: dict[str, Any], console: Any) -> None:
                 f"{f['wall_s']:.1f}",
             )
         table.add_row(UPPER_BOUND, f"{bound:,.0f}", "", "100%", *[""] * 11)
+        latency = run["latency_bound"]["tokens_per_s"]
+        table.add_row("latency-bound", f"{latency:,.0f}", "", f"{latency / bound:.0%}", *[""] * 11)
         console.print(table)
         skip = next(iter(run["systems"].values()))["steady_skip_steps"] if run["systems"] else 0
         for line in comparison_lines(run, int(eta_key), skip):
@@ -166,4 +173,9 @@ def comparison_lines(run: dict[str, Any], eta: int, skip: int) -> list[str]:
     if UPPER_BOUND in whole:
         later = f" (steady {steady[UPPER_BOUND]:.0%})" if UPPER_BOUND in steady else ""
         lines.append(f"StaleFlow of the upper bound: {whole[UPPER_BOUND]:.0%}{later}")
+    share = run.get("staleflow_of_latency_bound", {})
+    if "tokens_per_s" in share:
+        later = f" (steady {share['steady_tokens_per_s']:.0%})" if "steady_tokens_per_s" in share else ""
+        lines.append(f"StaleFlow of the latency-aware bound (each batch's longest response decoded alone within the "
+                     f"eta + 1 step window): {share['tokens_per_s']:.0%}{later}")
     return lines

@@ -71,6 +71,14 @@ def test_a_view_estimates_each_requests_progress_from_the_instance_rate():
     view.add("b", 8, 0, generated=0, group="g")
     assert view.observe(snap("i0", running=("a", "b"), kv=1_116, tokens_per_s=100.0, time=10.0))
     assert view.generated(["a", "b"]).tolist() == [600, 500]
+    generated, prompts = view.progress()
+    assert generated.tolist() == [600, 500] and prompts.tolist() == [8, 8]
+    # the arrays kept between calls follow the requests that come and go, and the steps made
+    view.remove("a")
+    view.add("c", 58, 0, generated=50, group="h")
+    assert [a.tolist() for a in view.progress()] == [[500, 50], [8, 8]]
+    assert view.observe(snap("i0", running=("b", "c"), kv=1_066, tokens_per_s=100.0, time=11.0))
+    assert [a.tolist() for a in view.progress()] == [[550, 100], [8, 8]]
 
 
 def test_admission_keeps_room_for_the_growth_of_running_requests():
@@ -143,3 +151,23 @@ def test_the_kv_reserve_is_the_expected_peak_not_every_final_size_at_once():
     # a short request that holds much: the peak is just before it finishes (1,003 + 4), not at the end (11)
     assert kv_peak_growth(np.array([1000.0, 1.0]), np.array([3.0, 10.0])) == 6.0
     assert kv_peak_growth(np.array([]), np.array([])) == 0.0
+
+
+def test_the_kv_peaks_of_many_instances_in_one_pass_are_each_instance_alone_to_the_bit():
+    """Growth planning estimates every changed view's peak in one pass (`kv_peak_growths`): each set's
+    figure equals what the set alone gives, bit for bit (the run's decisions must not move), with
+    ties in the remaining steps, fractional KV (progress estimates) and empty sets among them."""
+    import numpy as np
+    from staleflow.runtime.coordination.fleet import kv_peak_growth, kv_peak_growths
+
+    rng = np.random.default_rng(7)
+    sizes = [0, 1, 7, 9, 130, 0, 513, 40]
+    kvs = [rng.integers(100, 5000, n) + rng.random(n) for n in sizes]
+    remaining = [rng.choice([0.0, 17.25, 900.5, 4000.0], n) if i % 2 else rng.random(n) * 3000 for i, n in enumerate(sizes)]
+    together = kv_peak_growths(kvs, np.concatenate(remaining))
+    alone = [kv_peak_growth(kv, r) for kv, r in zip(kvs, remaining)]
+    assert together.tolist() == alone and together[0] == together[5] == 0.0 and together.max() > 0
+    # the one-set form is the reference formula of the test above: max_k sum_{r_i >= r_k} (kv_i + r_k) - sum kv
+    kv, r = kvs[4], remaining[4]
+    reference = max(sum(kv[i] + r[k] for i in range(len(kv)) if r[i] >= r[k]) for k in range(len(kv))) - kv.sum()
+    assert np.isclose(alone[4], max(0.0, reference), rtol=1e-12)

@@ -252,11 +252,11 @@ def test_roll_flash_policies():
     assert roll.update_pause_s == ideal.update_pause_s > 0 and not roll.pull_keeps_requests
     assert (ideal.routing, ideal.max_running) == ("least_loaded", 1_000_000)
     assert (roll.outstanding, roll.resend_round_robin) == (ideal.outstanding, ideal.resend_round_robin) == ("protocol", False)
-    # the paper's ROLL Flash (aa6ad590) differs from the 2026 model in exactly its three knobs
+    # the paper's ROLL Flash (aa6ad590) differs from the 2026 model in exactly its four knobs
     paper = POLICIES["roll-flash"]
     assert (paper.routing, paper.outstanding, paper.resend_round_robin) == ("prompt_round_robin", "ratio", True)
     assert {k for k in SystemPolicy.__dataclass_fields__ if getattr(paper, k) != getattr(roll, k)} == {
-        "name", "routing", "outstanding", "resend_round_robin"}
+        "name", "routing", "outstanding", "resend_round_robin", "reference_forward"}
     assert make_policy("start-version-gc").name == "roll-flash-2026"
     with pytest.raises(ValueError, match="update_pause_s"):
         make_policy("roll-flash", update_pause_s=-1.0)
@@ -299,13 +299,16 @@ def test_pause_delays_every_instance_and_an_interrupted_request_pays_a_full_re_p
 
 def test_roll_flash_blocks_the_trainer_through_the_whole_update():
     """small-ci: 0.5 s load_states, no broadcast bytes, the 1 s pause; each step the trainer is busy
-    base + per-token + pause + load: the trainer's busy time gives it back exactly."""
+    base + per-token + pause + load, the per-token rate a quarter above the workload's (the reference
+    model's forward pass on top of training and the recompute, 10 FLOPs per parameter instead of 8):
+    the trainer's busy time gives it back exactly."""
     workload = load_workload("small-ci")
     figures = simulate_system(workload, "roll-flash", eta=1, steps=3, seed=0)
     prompt_tokens = 3 * workload.batch.groups_per_step * workload.batch.group_size * workload.prompt_tokens
     response_tokens = figures["tokens_per_s"] * figures["virtual_s"]
     pause = POLICIES["roll-flash"].update_pause_s + workload.instance.weight_load_s
-    expected = 3 * (workload.training.base_s + pause) + workload.training.per_token_s * (prompt_tokens + response_tokens)
+    per_token = 1.25 * workload.training.per_token_s
+    expected = 3 * (workload.training.base_s + pause) + per_token * (prompt_tokens + response_tokens)
     assert figures["trainer_busy"] * figures["virtual_s"] == pytest.approx(expected, rel=1e-9)
 
 

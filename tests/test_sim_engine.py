@@ -285,3 +285,54 @@ def test_speculation_speeds_up_only_a_small_batch() -> None:
 def test_speculation_refuses_a_speedup_at_or_below_one_or_no_batch(speculation: tuple[float, int]) -> None:
     with pytest.raises(ValueError, match="speculative decoding's"):
         SpeculativeDecoding(COST, *speculation)
+
+
+QWEN3 = CostModel(thr=0.0115108, o_b=0.0097899, o_k=1.249e-4, a_b=8.671926e-4, a_k=7.28e-8)  # psrl qwen_moe_30b.json
+
+
+def test_draft_verification_costs_the_workloads_own_terms_at_every_batch_size() -> None:
+    """Verifying k drafts per request reads the KV cache once and runs the matmuls over n (k + 1)
+    tokens: L_verify = a_b + a_k K + max(thr, o_b + o_k n (k + 1)). On Qwen3-30B-A3B's own terms,
+    with drafts accepted at 0.6 each, a full instance at a long context (26 requests, 226k KV
+    tokens) verifies 3 drafts and makes a token 1.65x faster; 512 requests over short contexts
+    draft nothing (a plain step); a lone 41k-token request drafts the most allowed."""
+    from staleflow.adapters.sim.speculation import DraftVerification, geometric_tau
+
+    tau = geometric_tau(0.6, 8)
+    assert tau[:3] == pytest.approx((1.6, 1.96, 2.176))
+    spec = DraftVerification(QWEN3, tau)
+    plain = 8.671926e-4 + 7.28e-8 * 226_000 + (0.0097899 + 1.249e-4 * 26)  # L(26, 226k): the o-term above thr
+    verify3 = 8.671926e-4 + 7.28e-8 * 226_000 + (0.0097899 + 1.249e-4 * 26 * 4)
+    assert QWEN3.step_latency(26, 226_000) == pytest.approx(plain)
+    assert spec.verify_latency(26, 226_000, 3) == pytest.approx(verify3)
+    assert spec.drafts(26, 226_000) == 3
+    assert spec.step_latency(26, 226_000) == pytest.approx(verify3 / 2.176)
+    assert plain / spec.step_latency(26, 226_000) == pytest.approx(1.647, abs=1e-3)
+    assert spec.drafts(512, 100_000) == 0 and spec.step_latency(512, 100_000) == QWEN3.step_latency(512, 100_000)
+    assert spec.drafts(1, 41_000) == 8
+    # a token-step's cost model at k drafts is L_verify / tau(k), linear in K: the engine's closed form holds
+    assert spec.per_token[3].step_latency(26, 226_000) == pytest.approx(verify3 / 2.176)
+    assert spec.decode_seconds(100, 26, 226_000) == pytest.approx(
+        sum(spec.verify_latency(26, 226_000 + 26 * s, 3) / 2.176 for s in range(100)))
+    with pytest.raises(ValueError, match=r"tau\(2\) must be in \[1, 3\]"):
+        DraftVerification(QWEN3, (1.5, 3.5))
+
+
+def test_an_engine_verifying_drafts_finishes_a_lone_long_request_sooner_by_the_model() -> None:
+    """A lone 4,000-token response on a Qwen3 instance: 8 drafts per step at acceptance 0.6 (tau(8)
+    = 2.47 tokens a step). One request's 9 tokens a step stay under the memory-bound floor ``thr``,
+    so a verification costs what a plain step does and the response finishes tau(8) times sooner,
+    at the per-token model's closed form (the engine's steps stay one token each)."""
+    from staleflow.adapters.sim.speculation import DraftVerification, geometric_tau
+
+    spec = DraftVerification(QWEN3, geometric_tau(0.6, 8))
+    times = {}
+    for name, model in (("plain", QWEN3), ("spec", spec)):
+        clock = VirtualClock()
+        engine = SimEngine("i0", clock, model, 300_000)
+        engine.submit([request("a", 4000, prompt=500)])
+        done = run_to_idle(engine, clock)
+        times[name] = done["a"][1].metadata["finish_time"]
+        assert len(done["a"][1].output_ids) == 4000
+    assert times["spec"] == pytest.approx(spec.per_token[8].decode_seconds(4000, 1, 500), rel=1e-12)
+    assert times["plain"] / times["spec"] == pytest.approx(spec.tau[7], rel=1e-9) and spec.tau[7] == pytest.approx(2.4748, abs=1e-4)

@@ -175,6 +175,63 @@ def test_upper_bound_by_hand_on_fixed_lengths(tmp_path) -> None:
     assert bound.tokens_per_s == pytest.approx(min(train, 4 * per_instance))
 
 
+def test_latency_aware_bound_by_hand_on_fixed_lengths(tmp_path) -> None:
+    """Every response 1,000 tokens: the batch's longest decoded alone takes prefill(P) + 1,000 steps of
+    L(1, P + t); eta + 1 periods hold it and a training step, so a period is at least
+    (D + t_train) / (eta + 1). At eta 0 that is below the throughput bound; by eta 3 it is not."""
+    from staleflow.app.upper_bound import latency_bound
+
+    def fixed(d: dict) -> None:
+        d["response_tokens"] = {"distribution": "fixed", "tokens": 1000}
+        d["instance"].update(prefill_s_per_token=1e-4, max_running=32, kv_capacity_tokens=40_000)
+
+    workload = load_workload(write(tmp_path, fixed))
+    bound = upper_bound(workload)
+    cost = workload.build_cost_model()
+    alone = 64 * 1e-4 + sum(cost.step_latency(1, 64 + t) for t in range(1000))
+    train = 0.2 + 2e-5 * 16 * 4 * 1064  # base + per token over 16 x 4 trajectories of 64 + 1000 tokens
+    for eta in (0, 3):
+        latency = latency_bound(workload, eta, bound)
+        assert latency.longest_decode_s == pytest.approx(alone) and latency.training_s == pytest.approx(train)
+        assert latency.latency_tokens_per_s == pytest.approx(16 * 4 * 1000 * (eta + 1) / (alone + train))
+        assert latency.tokens_per_s == pytest.approx(min(bound.tokens_per_s, latency.latency_tokens_per_s))
+    assert latency_bound(workload, 0, bound).tokens_per_s < bound.tokens_per_s == latency_bound(workload, 3, bound).tokens_per_s
+    with pytest.raises(ValueError, match="eta must be >= 0"):
+        latency_bound(workload, -1, bound)
+
+
+def test_latency_aware_bound_of_the_paper_workloads() -> None:
+    """docs/simulation.md's table: on Qwen3-30B-A3B at 40,960 the latency bound binds at eta 1
+    (40,721 tokens/s against 48,894: a batch's longest response alone takes 570 s), at 20,480 it does
+    not; on Qwen2.5-32B it binds at eta 1 and 2."""
+    from staleflow.app.upper_bound import latency_bound
+
+    def figures(name: str, eta: int) -> tuple[float, float, float]:
+        workload = load_workload(name)
+        bound = upper_bound(workload)
+        latency = latency_bound(workload, eta, bound)
+        return bound.tokens_per_s, latency.latency_tokens_per_s, latency.longest_decode_s
+
+    throughput, latency, longest = figures("qwen3-30b-a3b-128gpu", 1)
+    assert (round(throughput, -1), round(latency, -1), round(longest)) == (48890, 40720, 570)
+    throughput, latency, _ = figures("qwen3-30b-a3b-128gpu-cap20k", 1)
+    assert latency > throughput
+    throughput, latency, _ = figures("qwen2.5-32b-128gpu", 2)
+    assert round(latency, -1) == 7580 < throughput
+
+
+def test_the_length_models_clip_ratio_and_icc() -> None:
+    """docs/simulation.md's table of the length model's tail: the share cut at the cap and the
+    prompt's share of the log-length variance, per paper workload."""
+    expected = {"qwen3-30b-a3b-128gpu-cap20k": (0.096, 0.39), "qwen3-30b-a3b-128gpu": (0.015, 0.39),
+                "qwen2.5-32b-128gpu": (0.008, 0.31), "deepseek-r1-distill-qwen-32b-128gpu": (0.096, 0.39),
+                "deepseek-r1-distill-qwen-14b-64gpu": (0.063, 0.39)}
+    for name, (clip, icc) in expected.items():
+        lengths = load_workload(name).response_tokens
+        assert round(load_workload(name).length_stats()["truncated"], 3) == clip, name
+        assert round(lengths.prompt_sigma**2 / lengths.sigma**2, 2) == icc, name
+
+
 def _flops_training(d: dict) -> None:
     d["training"] = {"base_s": 1.0, "active_params": 1e9, "mfu": 0.5, "gpu_tflops": 100, "attn_flops_per_token2": 1000}
     d["cluster"]["trainer_gpus"] = 2
@@ -269,6 +326,56 @@ def test_verl_async_trains_without_the_recompute_and_roll_pays_its_offload() -> 
     qwen3 = load_workload("qwen3-30b-a3b-128gpu")
     # 8 x 61.1 GB of states over 64 trainer GPUs, out and back at 25 GB/s
     assert trainer_offload_seconds(qwen3.network, qwen3.cluster.trainer_gpus) == pytest.approx(2 * 8 * 61.1 / 64 / 25)
+
+
+def test_roll_flash_as_the_paper_ran_it_pays_a_reference_forward_every_step(tmp_path) -> None:
+    """ROLL's RLVR pipeline at aa6ad590 runs the reference model's forward pass over every batch of a
+    full-parameter run: one more forward (2 FLOPs per active parameter per token, one attention
+    pass) on top of training (6) and the old log-prob recompute (2). Its later code gates it: only
+    ``roll-flash`` pays it."""
+    from staleflow.adapters.sim.trainer import SimTrainer
+    from staleflow.runtime.run.clock import VirtualClock
+    from staleflow.runtime.settings.policies import POLICIES
+    from staleflow.runtime.types import TrainingBatch, Trajectory
+
+    training = load_workload(write(tmp_path, _flops_training)).training
+    # 10 FLOPs per parameter over 1e14 FLOP/s; 5 attention passes x 1000 FLOPs per pair x c^2 / 2
+    assert training.seconds_per_token(2, reference=True) == pytest.approx(1e-4)
+    assert training.seconds_per_token2(2, reference=True) == pytest.approx(2.5e-11)
+    assert training.seconds_per_token(2, recompute=False, reference=True) == pytest.approx(8e-5)
+    clock = VirtualClock()
+    trainer = SimTrainer(clock, training, trainer_gpus=2, reference=True)
+    trainer.start_step(TrainingBatch(0, {"g": [Trajectory("r", "g", [1] * 64, [2] * 936, [0.0] * 936, [0] * 936, "stop")]}))
+    assert trainer.next_event_time() == pytest.approx(1.0 + 1e-4 * 1000 + 2.5e-11 * 1000**2)
+    # a measured per-token rate (recompute included) grows by a quarter
+    rated = load_workload("small-ci").training
+    assert rated.seconds_per_token(1, reference=True) == pytest.approx(1.25 * rated.seconds_per_token(1))
+    # the simulated run charges it: tests/test_roll_flash.py times ROLL Flash's trainer exactly
+    assert [name for name, policy in POLICIES.items() if policy.reference_forward] == ["roll-flash"]
+
+
+def test_speculation_for_every_system_and_sibling_drafts_for_staleflow() -> None:
+    """``--speculation request`` gives every system's engines drafts from the request's own tokens;
+    ``siblings`` gives StaleFlow's the group's other responses too (a higher acceptance); the system
+    that models speculation its own way keeps it. On small-ci StaleFlow with drafts is faster than
+    without, faster with sibling drafts still, and keeps the bound."""
+    from staleflow.adapters.sim.speculation import ASSUMED_ACCEPTANCE
+    from staleflow.app.simulation import simulate_system, speculation_knobs
+
+    assert speculation_knobs("staleflow", "off") == speculation_knobs("staleflow-spec", "siblings") == {}
+    assert speculation_knobs("roll-flash", "siblings") == {"draft_acceptance": ASSUMED_ACCEPTANCE["request"]}
+    assert speculation_knobs("staleflow", "request") == {"draft_acceptance": ASSUMED_ACCEPTANCE["request"]}
+    assert speculation_knobs("staleflow", "siblings") == {"draft_acceptance": ASSUMED_ACCEPTANCE["siblings"]}
+    with pytest.raises(ValueError, match="unknown speculation 'all'"):
+        speculation_knobs("staleflow", "all")
+    workload = load_workload("small-ci")
+    runs = {mode: simulate_system(workload, "staleflow", 2, 4, 0, **speculation_knobs("staleflow", mode))
+            for mode in ("off", "request", "siblings")}
+    assert runs["off"]["tokens_per_s"] < runs["request"]["tokens_per_s"] < runs["siblings"]["tokens_per_s"]
+    assert [runs[m]["draft_acceptance"] for m in ("off", "siblings")] == [0.0, ASSUMED_ACCEPTANCE["siblings"]]
+    assert all(r["max_staleness"] <= 2 and r["lost"] == r["duplicated"] == 0 for r in runs.values())
+    with pytest.raises(ValueError, match=r"draft_acceptance must be in \[0, 1\), without speculative_speedup"):
+        simulate_system(workload, "staleflow-spec", 2, 1, 0, draft_acceptance=0.5)
 
 
 def test_speculating_on_small_batches_speeds_up_the_tail_and_keeps_the_bound() -> None:

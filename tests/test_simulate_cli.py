@@ -77,6 +77,13 @@ def test_table_prints_both_comparison_bases_with_steady_state(capsys) -> None:
     assert "past eta, max lag" in out and "best of them" in out
     assert "StaleFlow over the best bound-keeping baseline (p99 staleness within eta 1):" in out
     assert "StaleFlow of the upper bound:" in out and "steady" in out
+    # the latency-aware bound beside the throughput bound, and StaleFlow's share of it
+    from staleflow.app.upper_bound import latency_bound
+
+    workload = load_workload("small-ci")
+    latency = latency_bound(workload, 1, upper_bound(workload)).tokens_per_s
+    assert f"latency-bound │ {latency:,.0f} │" in out
+    assert "StaleFlow of the latency-aware bound (each batch's longest response decoded alone within the eta + 1 step window):" in out
 
 
 def test_bad_workload_exits_2_with_the_key_named(capsys, tmp_path) -> None:
@@ -157,6 +164,19 @@ def test_redundancy_and_estimation_error_from_the_command_line(capsys) -> None:
     assert exact["estimation_error"] == 0 and exact["systems"]["staleflow"]["tokens_per_s"] != grouped["tokens_per_s"]
     assert run_cli([*base, "--estimation-error", "0.7"]) == 2
     assert "--estimation-error must be in [0, 0.5)" in capsys.readouterr().err
+
+
+def test_speculation_from_the_command_line_gives_siblings_to_staleflow_only(capsys) -> None:
+    from staleflow.adapters.sim.speculation import ASSUMED_ACCEPTANCE
+
+    base = ["--workload", "small-ci", "--eta", "2", "--steps", "2", "--json", "--systems", "staleflow", "roll-flash"]
+    assert run_cli([*base, "--speculation", "siblings"]) == 0
+    systems = json.loads(capsys.readouterr().out)["systems"]
+    assert systems["staleflow"]["draft_acceptance"] == ASSUMED_ACCEPTANCE["siblings"]
+    assert systems["roll-flash"]["draft_acceptance"] == ASSUMED_ACCEPTANCE["request"]
+    with pytest.raises(SystemExit):
+        run_cli([*base, "--speculation", "everything"])
+    assert "invalid choice: 'everything'" in capsys.readouterr().err
 
 
 def test_a_run_that_does_not_depend_on_eta_runs_once_and_matches_a_fresh_run(capsys) -> None:

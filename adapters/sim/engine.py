@@ -39,12 +39,12 @@ import bisect
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from staleflow.adapters.sim.network import WeightTransfer, prefill_seconds
-from staleflow.adapters.sim.speculation import SpeculativeDecoding
+from staleflow.adapters.sim.speculation import Decode
 from staleflow.adapters.sim.tokens import RunLengthList
 from staleflow.runtime.coordination.cost_fit import DecodeStepLog
 from staleflow.runtime.coordination.cost_model import CostModel, ProfileRecord
@@ -74,7 +74,7 @@ class SimEngine:
     Args:
         instance_id: the instance's name.
         clock: the run's clock (a :class:`~staleflow.runtime.run.clock.VirtualClock`).
-        cost_model: decode latency of this instance (a :class:`SpeculativeDecoding` if it speculates).
+        cost_model: decode latency of this instance (a speculating one if it speculates: :data:`Decode`).
         kv_capacity: KV-cache capacity in tokens.
         max_running: most requests decoding at once.
         prefill_s_per_token: stall per context token when a request is admitted.
@@ -90,7 +90,7 @@ class SimEngine:
         self,
         instance_id: str,
         clock: Clock,
-        cost_model: CostModel | SpeculativeDecoding,
+        cost_model: Decode,
         kv_capacity: int,
         *,
         max_running: int = 256,
@@ -142,15 +142,15 @@ class SimEngine:
     @classmethod
     def from_workload(
         cls, workload: Workload, instance_id: str, clock: Clock, version: int = 0, event_quantum_s: float = 0.0,
-        weight_link: WeightTransfer | None = None, speculation: tuple[float, int] | None = None,  # (speedup, max_batch)
+        weight_link: WeightTransfer | None = None, speculate: Callable[[CostModel], Decode] | None = None,
     ) -> SimEngine:
+        """An instance of ``workload``; ``speculate`` wraps its cost model in a speculating one."""
         spec, cost = workload.instance, workload.build_cost_model()
         return cls(
-            instance_id, clock, cost if speculation is None else SpeculativeDecoding(cost, *speculation),
+            instance_id, clock, cost if speculate is None else speculate(cost),
             spec.kv_capacity_tokens, max_running=spec.max_running, prefill_s_per_token=spec.prefill_s_per_token,
-            weight_load_s=spec.weight_load_s, version=version, event_quantum_s=event_quantum_s,
+            weight_load_s=spec.weight_load_s, version=version, event_quantum_s=event_quantum_s, weight_link=weight_link,
             reload_recomputes_kv=spec.reload_recomputes_kv, prefill_attn_s_per_token2=spec.prefill_attn_s_per_token2,
-            weight_link=weight_link,
         )
 
     # ------------------------------------------------------------------ the RolloutEngine seam

@@ -4,7 +4,8 @@ A simulated response of 40,000 tokens has one token id, one log-prob and a handf
 materialising three 40,000-element lists per response would cost more than the rest of the
 simulation. :class:`RunLengthList` stores ``(value, count)`` runs and behaves as a read-only list
 (``len``, indexing, slicing, iteration, ``==`` with lists, ``+``), so the runtime, which only reads
-token lists, cannot tell the difference; ``len`` is O(1).
+token lists, cannot tell the difference; ``len`` is O(1) and ``count`` O(runs) (the run loop counts
+the trajectories more than one version sampled with it, never walking their tokens).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class RunLengthList(Sequence[Any]):
     def __iter__(self) -> Iterator[Any]:
         for value, count in self.runs():
             yield from itertools.repeat(value, count)
+
+    def count(self, value: Any) -> int:
+        """How many items equal ``value``, from the runs (no item is walked)."""
+        starts = [0, *self._ends[:-1]]
+        return sum(end - start for v, start, end in zip(self._values, starts, self._ends) if v == value)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RunLengthList):

@@ -7,7 +7,7 @@ Weights are a version token (:class:`SimWeights`): the simulator moves versions,
 ``scale`` multiplies the step time (a colocated system trains on every GPU: ``trainer_gpus / gpus``);
 ``after_step_s`` keeps the trainer busy after each step (a blocking weight broadcast, ROLL's offload
 of the trainer's states); ``recompute``: the step includes the old log-prob recompute (a system that
-trains on the rollout's log-probs skips it).
+trains on the rollout's log-probs skips it); ``reference``: and a reference model's forward pass.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class SimTrainer:
 
     def __init__(
         self, clock: Clock, training: TrainingSpec, version: int = 0, scale: float = 1.0, after_step_s: float = 0.0,
-        trainer_gpus: int = 1, recompute: bool = True,
+        trainer_gpus: int = 1, recompute: bool = True, reference: bool = False,
     ) -> None:
         if scale <= 0 or after_step_s < 0:
             raise ValueError(f"need scale > 0 and after_step_s >= 0, got {scale} and {after_step_s}")
@@ -57,15 +57,16 @@ class SimTrainer:
         self._scale = scale
         self._after = after_step_s
         self._recompute = recompute
+        self._reference = reference
         self._version = version
         self._step: _Step | None = None
 
     @classmethod
     def from_workload(
         cls, workload: Workload, clock: Clock, version: int = 0, scale: float = 1.0, after_step_s: float = 0.0,
-        recompute: bool = True,
+        recompute: bool = True, reference: bool = False,
     ) -> SimTrainer:
-        return cls(clock, workload.training, version, scale, after_step_s, workload.cluster.trainer_gpus, recompute)
+        return cls(clock, workload.training, version, scale, after_step_s, workload.cluster.trainer_gpus, recompute, reference)
 
     @property
     def version(self) -> int:
@@ -87,7 +88,8 @@ class SimTrainer:
         self._step = _Step(
             version=batch.version,
             start=start,
-            end=start + self._scale * self._training.step_time(prompt + response, self._trainer_gpus, squares, self._recompute)
+            end=start + self._scale * self._training.step_time(
+                prompt + response, self._trainer_gpus, squares, self._recompute, self._reference)
             + self._after,
             tokens=prompt + response,
             response_tokens=response,

@@ -30,6 +30,7 @@ class InstanceView:
 
     __slots__ = (
         "_checked",
+        "_held",
         "_removals",
         "accepted",
         "down",
@@ -65,6 +66,9 @@ class InstanceView:
         self.accepted = 0
         self.rejected = 0
         self._removals = 0  # requests removed so far
+        #: (:attr:`starts`' first entries, their prompt tokens) of every request held, in order, as
+        #: arrays; None: to rebuild (a request came or went)
+        self._held: tuple[np.ndarray, np.ndarray] | None = None
         #: (running, waiting, removals) of the last snapshot found consistent: the same id tuples
         #: are consistent again while no request was removed (adding requests cannot contradict)
         self._checked: tuple[tuple[str, ...], tuple[str, ...], int] | None = None
@@ -109,11 +113,18 @@ class InstanceView:
         self.requests[request_id] = (tokens, group_version)
         self.starts[request_id] = (generated - self.steps, tokens - generated, group)
         self.kv_tokens += tokens
+        self._held = None
 
-    def prompts(self, request_ids: Iterable[str]) -> np.ndarray:
-        """The KV tokens these requests held before they generated anything (prompts, and partials' tokens)."""
-        starts = self.starts
-        return np.fromiter((starts[rid][1] for rid in request_ids), dtype=np.float64)
+    def progress(self) -> tuple[np.ndarray, np.ndarray]:
+        """The estimated output tokens and the prompt tokens of every request held, in the order of
+        :attr:`requests` (:meth:`generated` and :meth:`prompts` of them all, from arrays kept while no
+        request comes or goes)."""
+        if self._held is None:
+            starts = self.starts.values()
+            self._held = (np.fromiter((s[0] for s in starts), dtype=np.float64, count=len(starts)),
+                          np.fromiter((s[1] for s in starts), dtype=np.float64, count=len(starts)))
+        offsets, prompts = self._held
+        return offsets + self.steps, prompts
 
     def generated(self, request_ids: Iterable[str]) -> np.ndarray:
         """The estimated output tokens of these requests (module docstring)."""
@@ -125,6 +136,7 @@ class InstanceView:
         entry = self.requests.pop(request_id, None)
         if entry is not None:
             del self.starts[request_id]
+            self._held = None
             self._removals += 1
             self.kv_tokens = max(0, self.kv_tokens - entry[0])
             if request_id in self.waiting:
@@ -182,13 +194,35 @@ def kv_peak_growth(kv: np.ndarray, remaining: np.ndarray) -> float:
     still running hold ``kv + t`` each, so the peak is just before one of them finishes,
     ``max_k sum_{i: r_i >= r_k} (kv_i + r_k)``. Requests do not all peak together: planning for every
     request's final size at once would hold back more room than the cache ever needs."""
-    if not len(kv):
-        return 0.0
-    order = np.argsort(remaining)
-    r, held = remaining[order], kv[order]
-    alive_kv = np.cumsum(held[::-1])[::-1]  # KV of the requests finishing at r_k or later
-    alive = np.arange(len(r), 0, -1)
-    return float(max(0.0, (alive_kv + alive * r).max() - kv.sum()))
+    return float(kv_peak_growths([kv], remaining)[0])
+
+
+def kv_peak_growths(kvs: Sequence[np.ndarray], remaining: np.ndarray) -> np.ndarray:
+    """:func:`kv_peak_growth` of several sets of requests at once: ``kvs[j]`` the KV tokens of set
+    ``j``'s requests, ``remaining`` every set's remaining steps laid end to end in the same order.
+    One pass: each set's requests sorted by remaining steps (ties kept in their order), the KV of
+    those finishing at ``r_k`` or later summed from the last to finish down, row by row of a
+    zero-padded table; each set's figure comes from the same additions, in the same order, as the
+    set alone would give (its own ``kv.sum()`` included)."""
+    counts = np.fromiter(map(len, kvs), dtype=np.intp, count=len(kvs))
+    growth = np.zeros(len(counts))
+    width = int(counts.max(initial=0))
+    if width == 0:
+        return growth
+    kv = np.concatenate(kvs)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    order = np.lexsort((remaining, owner))  # by set, then by remaining steps; stable
+    position = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]  # rank by remaining steps within the set
+    from_last = counts[owner] - 1 - position  # 0: the set's last to finish
+    table = np.zeros((len(counts), width))
+    table[owner, from_last] = kv[order]
+    alive_kv = np.cumsum(table, axis=1)[owner, from_last]  # KV of the set's requests finishing at r_k or later
+    peaks = np.full((len(counts), width), -np.inf)
+    peaks[owner, position] = alive_kv + (from_last + 1) * remaining[order]
+    held = counts > 0
+    totals = np.array([k.sum() for k in kvs])  # each set's own sum (np.add.reduceat adds in another order)
+    growth[held] = np.maximum(0.0, peaks[held].max(axis=1) - totals[held])
+    return growth
 
 
 class Fleet:
@@ -269,9 +303,9 @@ class Fleet:
         lengths (one estimate over all the views' requests)."""
         if self.lengths is None or not views:
             return [0.0] * len(views)
-        generated = [view.generated(view.requests) for view in views]
-        remaining = np.split(self.lengths.expected_remaining(np.concatenate(generated)), np.cumsum([len(g) for g in generated])[:-1])
-        return [kv_peak_growth(view.prompts(view.requests) + g, r) for view, g, r in zip(views, generated, remaining)]
+        held = [view.progress() for view in views]
+        remaining = self.lengths.expected_remaining(np.concatenate([generated for generated, _ in held]))
+        return kv_peak_growths([prompts + generated for generated, prompts in held], remaining).tolist()
 
     def planned_growth(self, generated: Iterable[int]) -> float:
         """The KV growth to plan for each of some requests that generated so many tokens so far: the

@@ -93,6 +93,13 @@ def staleness_quantile(histogram: Mapping[int, int], q: float) -> int:
     return 0
 
 
+def mixed_versions(versions: Sequence[int]) -> bool:
+    """Whether more than one model version sampled these tokens: not all of them the first one's.
+    ``count`` is the sequence's own (a simulated trajectory's run-length list counts from its runs,
+    never walking a 40,000-token response)."""
+    return bool(versions) and versions.count(versions[0]) != len(versions)
+
+
 class RunStats:
     """Counts a run as it goes (see :class:`RunMetrics` for the meaning of each figure).
 
@@ -124,7 +131,7 @@ class RunStats:
         self.counters["cancelled_requests"] += cancelled
         self.staleness[consumed.version] = Counter(consumed.version - v for v in consumed.group_versions)
         self.tokens_trained += sum(len(t.output_ids) for ts in batch.groups.values() for t in ts)
-        self.counters["mixed_version_trajectories"] += sum(len(set(t.versions)) > 1 for ts in batch.groups.values() for t in ts)
+        self.counters["mixed_version_trajectories"] += sum(mixed_versions(t.versions) for ts in batch.groups.values() for t in ts)
 
     def step_finished(self, now: float, metrics: Mapping[str, float]) -> None:
         self.steps_done += 1

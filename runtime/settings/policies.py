@@ -55,6 +55,8 @@ share past ``eta``), never prevented. Each baseline follows the peer code named 
     the interrupted requests as prompt plus partial output (a full re-prefill) one at a time, each to
     the next instance in turn (``resend_round_robin``: per request, so a group's partials spread over
     the instances), before any new prompt.
+    *reference model* (``reference_forward``): ``rlvr_pipeline.py`` runs the reference model's forward
+    over every batch of a run that is not LoRA, on the trainer (later code: with ``enable_reference``).
 ``roll-flash-2026`` (ROLL ``generate_scheduler.py``, ``router.py``, ``rlvr_pipeline.py``, commit 8eb27cc2; old name ``start-version-gc``)
     Each prompt is bound to its start step (``async_generation_ratio`` = ``eta``); the batch waits
     for the oldest start-step groups and leftovers past their start step are aborted only after the
@@ -226,6 +228,9 @@ class SystemPolicy:
             forward pass over the batch (VeRL's and AReaL's default, and StaleFlow's); False trains on
             the log-probs the rollout returned (verl's fully-async recipe: ``use_rollout_log_probs``
             defaults to True). A simulated cost (:class:`~staleflow.runtime.settings.workload.TrainingSpec`).
+        reference_forward: the trainer also runs a reference model's forward pass over the batch each
+            step (ROLL Flash at aa6ad590: module docstring), 2 FLOPs per active parameter per token
+            and one attention pass. A simulated cost, as ``recomputes_logprobs``.
         plan_growth: throughput routing places a request only where the KV cache holds, besides what
             is resident, the tokens the requests there and this one are expected to add until they
             finish (from the lengths seen so far, given each one's progress:
@@ -245,6 +250,9 @@ class SystemPolicy:
             does (:mod:`~staleflow.adapters.sim.speculation`); 1.0: off. A training job sets its
             engines' speculation in ``rollout.speculation`` and gets what they measure.
         speculative_max_batch: see ``speculative_speedup``.
+        draft_acceptance: simulated engines verify up to ``max_drafts`` draft tokens a step at every
+            batch size, each accepted with this probability once the ones before it were (0: off),
+            timed by their cost model (:class:`~staleflow.adapters.sim.speculation.DraftVerification`).
     """
 
     name: str
@@ -280,12 +288,15 @@ class SystemPolicy:
     resend_round_robin: bool = False
     update_pause_s: float = 0.0
     recomputes_logprobs: bool = True
+    reference_forward: bool = False
     offloads_trainer: bool = False
     plan_growth: bool = False
     tail_hosted: int = 0
     tail_share: float = 0.25
     speculative_speedup: float = 1.0
     speculative_max_batch: int = 8
+    draft_acceptance: float = 0.0
+    max_drafts: int = 8
 
     def __post_init__(self) -> None:
         _choice("routing", self.routing, ("throughput", "least_loaded", "round_robin", "prompt_affinity", "prompt_round_robin"))
@@ -296,13 +307,15 @@ class SystemPolicy:
         _choice("outstanding", self.outstanding, ("protocol", "ratio"))
         _choice("migration_rule", self.migration_rule, ("split", "evacuate"))
         counts = ("batch_redundancy", "group_redundancy", "phi_wait", "max_running", "freshness_patience", "proactive_abort",
-                  "request_budget", "evacuate_min_requests", "tail_hosted", "speculative_max_batch")
+                  "request_budget", "evacuate_min_requests", "tail_hosted", "speculative_max_batch", "max_drafts")
         for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"policy {self.name!r}: {name} must be an int >= 0, got {value!r}")
         if not self.speculative_speedup >= 1.0:
             raise ValueError(f"policy {self.name!r}: speculative_speedup must be >= 1 (1: off), got {self.speculative_speedup!r}")
+        if not 0.0 <= self.draft_acceptance < 1.0 or (self.draft_acceptance and self.speculative_speedup > 1.0):
+            raise ValueError(f"policy {self.name!r}: draft_acceptance must be in [0, 1), without speculative_speedup")
         if self.fixed_eta is not None and (not isinstance(self.fixed_eta, int) or self.fixed_eta < 0):
             raise ValueError(f"policy {self.name!r}: fixed_eta must be None or an int >= 0")
         if self.batch_redundancy and not self.takes_redundancy:
@@ -377,7 +390,7 @@ _ROLL: dict[str, Any] = {**_BASELINE, "sync": "global_immediate", "update_pause_
 #: ROLL Flash as the paper measured it (commit aa6ad590): see the module docstring for each knob's source.
 _ROLL_AA6AD590: dict[str, Any] = {
     **_ROLL, "routing": "prompt_round_robin", "max_running": ROLL_MAX_RUNNING_REQUESTS, "outstanding": "ratio",
-    "resend_round_robin": True,
+    "resend_round_robin": True, "reference_forward": True,
 }
 
 

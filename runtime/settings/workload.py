@@ -219,9 +219,13 @@ class TrainingSpec(_Strict):
 
     The recompute is a system's choice, not the workload's: a system that trains on the rollout's
     own log-probs (verl's fully-async recipe, ``use_rollout_log_probs: True`` by default) passes
-    ``recompute=False`` and its step costs the forward and backward passes only. A ``per_token_s``
-    rate is taken to include the recompute; without it the rate is scaled by
-    ``flops_per_param / (flops_per_param + recompute_flops_per_param)``.
+    ``recompute=False`` and its step costs the forward and backward passes only. So is a reference
+    model's forward pass over the batch (``reference=True``: ROLL's RLVR pipeline at the commit the
+    paper measured computes reference log-probs every step of a full-parameter run), one more
+    forward at the recompute's cost (``recompute_flops_per_param`` per parameter per token, one
+    attention pass). A ``per_token_s`` rate is taken to include the recompute and no reference
+    pass; each forward left out or added moves it by ``recompute_flops_per_param / (flops_per_param
+    + recompute_flops_per_param)`` of itself.
     """
 
     base_s: float = Field(default=0.0, ge=0, description="fixed cost of a step (optimizer, gradient all-reduce)")
@@ -253,31 +257,36 @@ class TrainingSpec(_Strict):
         assert self.mfu is not None and self.gpu_tflops is not None
         return self.mfu * self.gpu_tflops * 1e12 * max(1, trainer_gpus)
 
-    def _flops_share(self, recompute: bool) -> float:
-        """The share of the full step's FLOPs (recompute included) a step with or without it costs."""
-        full = self.flops_per_param + self.recompute_flops_per_param
-        return 1.0 if recompute else self.flops_per_param / full
+    @staticmethod
+    def _forwards(recompute: bool, reference: bool) -> int:
+        """Forward passes over the batch besides training's own: the recompute, the reference model's."""
+        return int(recompute) + int(reference)
 
-    def seconds_per_token(self, trainer_gpus: int, recompute: bool = True) -> float:
-        """``per_token_s``, or the FLOPs model's on ``trainer_gpus`` GPUs; ``recompute``: with the old log-prob recompute."""
+    def seconds_per_token(self, trainer_gpus: int, recompute: bool = True, reference: bool = False) -> float:
+        """``per_token_s``, or the FLOPs model's on ``trainer_gpus`` GPUs; ``recompute``: with the old
+        log-prob recompute; ``reference``: with a reference model's forward pass."""
+        flops = self.flops_per_param + self.recompute_flops_per_param * self._forwards(recompute, reference)
         if self.per_token_s is not None:
-            return self.per_token_s * self._flops_share(recompute)
+            return self.per_token_s * flops / (self.flops_per_param + self.recompute_flops_per_param)
         assert self.active_params is not None
-        flops = self.flops_per_param + (self.recompute_flops_per_param if recompute else 0.0)
         return flops * self.active_params / self.flop_rate(trainer_gpus)
 
-    def seconds_per_token2(self, trainer_gpus: int, recompute: bool = True) -> float:
-        """Seconds per squared trajectory length (causal attention of training and, with ``recompute``, the recompute)."""
+    def seconds_per_token2(self, trainer_gpus: int, recompute: bool = True, reference: bool = False) -> float:
+        """Seconds per squared trajectory length: causal attention of training (forward, backward
+        twice) and of each further forward pass (``recompute``, ``reference``)."""
         if not self.attn_flops_per_token2:
             return 0.0
-        passes = 4 if recompute else 3
+        passes = 3 + self._forwards(recompute, reference)
         return passes * self.attn_flops_per_token2 / 2 / self.flop_rate(trainer_gpus)
 
-    def step_time(self, batch_tokens: int, trainer_gpus: int, sum_sq_tokens: float = 0.0, recompute: bool = True) -> float:
+    def step_time(
+        self, batch_tokens: int, trainer_gpus: int, sum_sq_tokens: float = 0.0, recompute: bool = True, reference: bool = False,
+    ) -> float:
         """Seconds of one step over ``batch_tokens`` tokens whose trajectories' squared lengths sum to
-        ``sum_sq_tokens``; ``recompute``: the trainer recomputes the old log-probs (most systems do)."""
-        return (self.base_s + self.seconds_per_token(trainer_gpus, recompute) * batch_tokens
-                + self.seconds_per_token2(trainer_gpus, recompute) * sum_sq_tokens)
+        ``sum_sq_tokens``; ``recompute``: the trainer recomputes the old log-probs (most systems do);
+        ``reference``: a reference model's forward pass over the batch too (ROLL Flash as the paper ran it)."""
+        return (self.base_s + self.seconds_per_token(trainer_gpus, recompute, reference) * batch_tokens
+                + self.seconds_per_token2(trainer_gpus, recompute, reference) * sum_sq_tokens)
 
 
 class SimulationSpec(_Strict):

@@ -1,0 +1,131 @@
+"""Tokens per speculative step, measured by replaying recorded samples: ``tau(k)`` for each draft source.
+
+With a deterministic draft ``d`` of ``k`` tokens, speculative sampling accepts its first ``j``
+tokens with the probability that the model samples ``d_1..d_j`` itself; a recorded sample was
+drawn from the model, so counting how many draft tokens equal the recorded ones while replaying it
+estimates the acceptance without bias, at the temperature the sample was drawn at.
+
+The replay walks a response ``x`` position by position. At position ``t`` the proposer takes the
+longest suffix of ``x[:t]`` (at most ``max_match`` tokens) that occurs in the text it may read and
+drafts the ``k`` tokens that followed its most recent occurrence there (fewer where that text ends);
+the step emits the ``j`` draft tokens that equal ``x[t:t+j]`` and one token of the model's own
+(``j + 1``, capped at the end of ``x``). ``tau(k)`` is tokens over steps, summed over the replayed
+responses. What the proposer may read at ``t`` (:data:`SOURCES`):
+
+* ``request``: the response's own tokens before ``t`` (vLLM's n-gram and suffix proposers);
+* ``causal``: also each sibling's first ``t`` tokens (the group's responses start together and
+  decode a token a step each: what a grouped proposer has at that moment);
+* ``finished``: also, whole, the siblings shorter than ``t`` (finished by then), but nothing of the
+  ones still running;
+* ``whole``: also every sibling whole (an upper bound: no proposer has them all).
+
+Each group's longest response is replayed (the tail the trainer waits for), its siblings the
+group's other responses. The own prefix is searched first, then the siblings in order.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+SOURCES = ("request", "causal", "finished", "whole")
+
+
+class _Index:
+    """Where each n-gram of one token sequence ends (``n <= max_match``), ascending."""
+
+    def __init__(self, tokens: Sequence[int], max_match: int) -> None:
+        self.tokens = list(tokens)
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+        for n in range(1, max_match + 1):
+            for end in range(n, len(self.tokens) + 1):
+                self.ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+
+    def continuation(self, pattern: tuple[int, ...], readable: int, k: int) -> list[int]:
+        """The up to ``k`` tokens after the last occurrence of ``pattern`` ending before ``readable``
+        (only the first ``readable`` tokens may be read); empty when there is none."""
+        ends = self.ends.get(pattern, ())
+        i = bisect.bisect_left(ends, readable) - 1
+        if i < 0:
+            return []
+        end = ends[i]
+        return self.tokens[end : min(end + k, readable)]
+
+
+def _readable(source: str, sibling_length: int, t: int) -> int:
+    """How many of a sibling's tokens the proposer may read at position ``t`` under ``source``."""
+    if source == "causal":
+        return min(t, sibling_length)
+    if source == "finished":
+        return sibling_length if sibling_length < t else 0
+    return sibling_length if source == "whole" else 0
+
+
+def draft(own: _Index, siblings: Sequence[_Index], t: int, k: int, max_match: int, source: str) -> list[int]:
+    """The proposer's ``k``-token draft at position ``t`` of ``own`` (module docstring)."""
+    for n in range(min(max_match, t), 0, -1):
+        pattern = tuple(own.tokens[t - n : t])
+        found = own.continuation(pattern, t, k)
+        if found:
+            return found
+        for sibling in siblings:
+            readable = _readable(source, len(sibling.tokens), t)
+            found = sibling.continuation(pattern, readable, k) if readable else []
+            if found:
+                return found
+    return []
+
+
+def replay(own: _Index, siblings: Sequence[_Index], k: int, max_match: int, source: str) -> tuple[int, int]:
+    """Replay ``own`` with ``k``-token drafts from ``source``: ``(tokens, verification steps)``."""
+    x, t, steps = own.tokens, 0, 0
+    while t < len(x):
+        guess = draft(own, siblings, t, k, max_match, source)
+        accepted = 0
+        while accepted < len(guess) and t + accepted < len(x) and guess[accepted] == x[t + accepted]:
+            accepted += 1
+        t = min(len(x), t + accepted + 1)
+        steps += 1
+    return len(x), steps
+
+
+@dataclass(frozen=True)
+class DraftAcceptance:
+    """``tau[source][k - 1]``: tokens per verification step with ``k`` drafts from ``source``, over
+    ``groups`` replayed responses of ``tokens`` tokens in all."""
+
+    tau: dict[str, list[float]]
+    groups: int
+    tokens: int
+
+    def acceptance(self, source: str) -> float:
+        """The per-token acceptance rate a geometric model fits to ``tau(1) = 1 + a``."""
+        return self.tau[source][0] - 1.0
+
+
+def measure(groups: Mapping[str, Sequence[Sequence[int]]], max_drafts: int = 8, max_match: int = 8,
+            sources: Sequence[str] = SOURCES) -> DraftAcceptance:
+    """:class:`DraftAcceptance` of every group with two responses or more (``groups``: id -> the
+    group's responses as token ids; a group of one has no siblings and is left out)."""
+    unknown = [s for s in sources if s not in SOURCES]
+    if unknown:
+        raise ValueError(f"unknown draft source(s) {', '.join(unknown)}; known: {', '.join(SOURCES)}")
+    if max_drafts < 1 or max_match < 1:
+        raise ValueError(f"max_drafts and max_match must be >= 1, got {max_drafts} and {max_match}")
+    replayed = []
+    for responses in groups.values():
+        if len(responses) < 2:
+            continue
+        order = sorted(range(len(responses)), key=lambda i: -len(responses[i]))
+        indexes = [_Index(responses[i], max_match) for i in order]
+        replayed.append((indexes[0], indexes[1:]))
+    if not replayed:
+        raise ValueError("no group with two responses or more to replay")
+    tau: dict[str, list[float]] = {}
+    for source in sources:
+        tau[source] = []
+        for k in range(1, max_drafts + 1):
+            done = [replay(own, siblings, k, max_match, source) for own, siblings in replayed]
+            tau[source].append(sum(t for t, _ in done) / max(1, sum(s for _, s in done)))
+    return DraftAcceptance(tau=tau, groups=len(replayed), tokens=sum(len(own.tokens) for own, _ in replayed))

@@ -1,0 +1,51 @@
+"""tau(k) measured by replaying recorded samples: what each draft source lets a proposer read."""
+
+from __future__ import annotations
+
+import pytest
+from staleflow.app.draft_replay import measure
+
+
+def test_each_source_reads_only_what_a_proposer_has_at_that_position() -> None:
+    """The longest response [5, 1, 2, 3, 4] is replayed against its sibling [1, 2, 3, 4] with 3 drafts.
+    Its own prefix never repeats: 5 tokens in 5 steps. Causally the sibling is as far as the
+    response itself: at position 2 it has read [1, 2] (draft [2] after '1', accepted), at 4 its
+    whole [1, 2, 3, 4] (draft [4] after '1 2 3', accepted): 5 tokens in 4 steps. Finished only, it
+    is still running: nothing. Whole, '1' is followed by [2, 3, 4], all accepted: 3 steps."""
+    result = measure({"g": [[1, 2, 3, 4], [5, 1, 2, 3, 4]]}, max_drafts=3)
+    assert [result.tau[s][2] for s in ("request", "causal", "finished", "whole")] == [1.0, 1.25, 1.0, 5 / 3]
+    assert (result.groups, result.tokens) == (1, 5)
+
+
+def test_the_own_prefix_drafts_repeats_and_a_finished_sibling_whole() -> None:
+    """[1, 2, 3] three times: after the first repeat of '1' the own prefix drafts [2, 3], accepted
+    twice (9 tokens in 6 steps with 2 drafts); a finished sibling [1, 2, 3] drafts from position 1
+    on in the whole-sibling bound (4 steps)."""
+    group = {"g": [[1, 2, 3] * 3, [1, 2, 3]], "alone": [[7, 7, 7]]}  # a group of one has no siblings: left out
+    result = measure(group, max_drafts=2)
+    assert result.tau["request"] == pytest.approx([9 / 7, 9 / 6])
+    assert result.tau["whole"][1] == pytest.approx(9 / 4)
+    assert result.acceptance("request") == pytest.approx(9 / 7 - 1)
+    with pytest.raises(ValueError, match="unknown draft source"):
+        measure(group, sources=["oracle"])
+    with pytest.raises(ValueError, match="no group with two responses"):
+        measure({"alone": [[1, 2]]})
+
+
+def test_the_bench_reads_a_samples_file_and_names_a_bad_line(tmp_path, capsys) -> None:
+    import argparse
+    import json
+
+    from staleflow.bench import draft_acceptance
+
+    good = tmp_path / "samples.jsonl"
+    good.write_text("".join(json.dumps({"group": "g", "tokens": t}) + "\n" for t in ([1, 2, 3, 4], [5, 1, 2, 3, 4])))
+    parser = argparse.ArgumentParser()
+    draft_acceptance.add_arguments(parser)
+    assert draft_acceptance.run(parser.parse_args(["--samples", str(good), "--max-drafts", "3", "--json"])) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["tau"]["whole"][2] == pytest.approx(5 / 3) and figures["groups"] == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"group": "g", "tokens": [1]}\n{"group": "g"}\n')
+    assert draft_acceptance.run(parser.parse_args(["--samples", str(bad)])) == 2
+    assert f"{bad}:2: expected" in capsys.readouterr().err
