@@ -1,0 +1,112 @@
+"""The trainer's attention kernel (``adapters/rlkit/causal_lm.py``): decided by where each model runs,
+and packed rows attended without a dense ``[T, T]`` mask where the device allows (issue 46, findings 1
+and 6).
+
+Before, the kernel was decided by what the process could see: with flash-attn installed beside a GPU,
+the CPU fp32 copies (the GPU check's reference model, rank 0's greedy decoder) got flash-attention too
+and failed their first forward; and a GPU trainer without flash-attn (no wheel for torch 2.13 on CUDA
+13) packed with sdpa's dense mask at the example's 16,384 tokens per micro-batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from staleflow.adapters.rlkit import causal_lm
+from staleflow.adapters.rlkit.packing import (
+    DENSE_MASK_MICRO_BATCH_TOKENS,
+    VARLEN_MICRO_BATCH_TOKENS,
+    LogProbModel,
+    PackedSequence,
+    micro_batches,
+    resolve_micro_batch_tokens,
+)
+
+
+@pytest.fixture
+def gpu_with_flash_attn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process sees a CUDA device and the ``flash_attn`` package (neither is here)."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(causal_lm.importlib.util, "find_spec",
+                        lambda name, *rest: object() if name == "flash_attn" else real_find_spec(name, *rest))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.mark.parametrize(("device", "dtype", "flex", "kernel"), [
+    ("cpu", torch.float32, True, "sdpa"),  # the GPU check's reference model, rank 0's greedy decoder
+    ("cpu", torch.bfloat16, True, "sdpa"),  # no flash-attention on a CPU, no flex backward there
+    ("cuda", torch.bfloat16, True, "flash_attention_2"),
+    ("cuda", torch.float16, True, "flash_attention_2"),
+    ("cuda", torch.float32, True, "flex_attention"),  # flash-attention has no fp32
+    ("cuda", torch.float32, False, "sdpa"),  # a model class without flex attention
+])
+def test_the_kernel_follows_the_models_device_and_dtype(gpu_with_flash_attn: None, device: str, dtype: torch.dtype, flex: bool,
+                                                         kernel: str) -> None:
+    assert causal_lm.attention_kernel(device, dtype, flex=flex) == kernel
+
+
+def test_without_flash_attn_a_gpu_trainer_gets_flex_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert importlib.util.find_spec("flash_attn") is None  # this machine: no flash-attn wheel
+    assert causal_lm.attention_kernel("cuda", torch.bfloat16) == "flex_attention"
+    assert causal_lm.attention_kernel("cpu", torch.float32) == "sdpa"
+
+
+def test_a_cpu_fp32_copy_beside_a_gpu_with_flash_attn_loads_with_sdpa(gpu_with_flash_attn: None, tiny_model: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU check's reference model and rank 0's greedy decoder are fp32 copies on the CPU: they
+    asked for flash-attention, which cannot run there, so the check's log-prob comparison failed."""
+    from transformers import AutoModelForCausalLM
+
+    asked: list[str] = []
+    real = AutoModelForCausalLM.from_pretrained
+
+    def recording(path: str, **kwargs: Any) -> Any:
+        asked.append(kwargs["attn_implementation"])
+        return real(path, **{**kwargs, "attn_implementation": "sdpa"})  # flash_attn is not really installed
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recording)
+    model = causal_lm.load_causal_lm(tiny_model)
+    assert asked == ["sdpa"] and model.dtype == torch.float32
+    causal_lm.load_causal_lm(tiny_model, "cuda", torch.bfloat16)  # a GPU rank's model
+    assert asked == ["sdpa", "flash_attention_2"]
+
+
+def test_the_auto_micro_batch_is_large_only_without_a_dense_mask() -> None:
+    def model(kernel: str) -> Any:
+        return type("M", (), {"config": type("C", (), {"_attn_implementation": kernel})()})()
+
+    assert resolve_micro_batch_tokens(model("flex_attention"), None) == VARLEN_MICRO_BATCH_TOKENS
+    assert resolve_micro_batch_tokens(model("flash_attention_2"), None) == VARLEN_MICRO_BATCH_TOKENS
+    assert resolve_micro_batch_tokens(model("sdpa"), None) == DENSE_MASK_MICRO_BATCH_TOKENS
+
+
+@pytest.mark.slow
+def test_flex_attentions_document_mask_gives_the_dense_masks_log_probs(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed row of three sequences through flex attention (the document mask transformers builds
+    from ``position_ids``) gives the log-probs of sdpa's dense block-diagonal mask, and of each sequence
+    alone. On a CPU flex attention runs forward only, uncompiled here (seconds instead of a minute's
+    compile); on a GPU transformers compiles the same call."""
+    import transformers.integrations.flex_attention as hf_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw))
+    generator = torch.Generator().manual_seed(0)
+    sequences = [PackedSequence(tuple(torch.randint(4, 250, (n,), generator=generator).tolist()), n // 2, (0.0,) * (n - n // 2),
+                                (0,) * (n - n // 2), 1.0, 1.0) for n in (37, 64, 21)]
+    (row,) = micro_batches(sequences, 10**6)
+    model = causal_lm.load_causal_lm(tiny_model).eval()
+    with torch.no_grad():
+        dense = LogProbModel(model)(row.input_ids, row.position_ids, row.targets)
+        alone = torch.cat([LogProbModel(model)(mb.input_ids, mb.position_ids, mb.targets)
+                           for seq in sequences for mb in micro_batches([seq], 10**6)])
+        model.set_attn_implementation("flex_attention")
+        packed = LogProbModel(model)(row.input_ids, row.position_ids, row.targets)
+    assert model.config._attn_implementation == "flex_attention"
+    torch.testing.assert_close(packed, dense, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    assert (packed - dense).abs().max() < 1e-5 < (dense[:37] - dense[37:74]).abs().max()  # not equal by accident
