@@ -57,7 +57,7 @@ ROLLOUT_PACKAGES = ("ray", "vllm")
 def peak_flops(gpu_name: str | None, override_tflops: float | None) -> tuple[float | None, str]:
     """The dense bf16 peak FLOP/s for MFU (``--peak-tflops``, else by the GPU's exact name; None: not
     known) and what it was taken from, or why there is none."""
-    from staleflow.runtime.settings.cost_prior import DEVICES, device_for_gpu_name
+    from staleflow.runtime.settings.devices import DEVICES, device_for_gpu_name
 
     if override_tflops is not None:
         return override_tflops * 1e12, "--peak-tflops"

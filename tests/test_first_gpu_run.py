@@ -224,7 +224,7 @@ def test_the_dry_run_decides_the_kernel_and_shows_the_engine_the_cost_model_and_
     code, out, err = _dry_run(capsys, f"model.path={_model(tmp_path, '1.5b')}")
     checks = out["checks"]
     assert (code, err) == (0, "")
-    assert checks["attention_kernel"] == "sdpa"  # flash-attn is not installed here: decided, not "where installed"
+    assert checks["attention_kernel"] == "flex_attention"  # GPU ranks without flash-attn (not installed here): no dense mask
     engine = {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": 0.85, "tensor_parallel_size": 1}
     assert checks["engine_settings"] == engine
     assert checks["cost_model"].startswith("roofline of ") and checks["cost_model"].endswith("on h100 x 1, refitted online every 10 s")
@@ -250,3 +250,51 @@ def test_the_dry_run_refuses_a_trainer_that_cannot_fit_its_gpu(tmp_path: Path, c
     code, out, err = _dry_run(capsys, f"model.path={tmp_path / 'qwen2.5-7b'}", "train.world_size=1", "rollout.instances=7")
     memory = out["checks"]["trainer_memory"]
     assert (code, memory["cpu_offload"], memory["fits"], memory["gradients_gib"], memory["optimizer_gib"]) == (0, True, True, 0, 0)
+
+
+# ------------------------------------------------------------------------------------ issue 46
+def test_the_dry_run_warns_when_dense_mask_packing_passes_its_budget(capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46, finding 6: a trainer whose attention builds a dense [T, T] mask (sdpa: CPU ranks, or
+    a model class without flex attention) took the example's 16,384-token micro-batches without a
+    word, 32x past the 512 its ``auto`` budget gives it (1,024x the mask entries)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    from staleflow.__main__ import main
+
+    cpu = ["train.gpus=0", "train.backend=fsdp", "train.world_size=1"]
+    code = main(["train", "--config", str(EXAMPLE), "--dry-run", "--json", *cpu])
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert code == 0 and report["checks"]["attention_kernel"] == "sdpa"
+    (warning,) = report["warnings"]
+    assert warning.startswith("train.micro_batch_tokens=16384 with sdpa attention: every micro-batch builds a dense 16,384 x 16,384 "
+                              "mask (1,024x the 512-token budget of train.micro_batch_tokens=auto for it)")
+    assert out.err == f"staleflow train --dry-run: warning: {warning}\n"
+    main(["train", "--config", str(EXAMPLE), "--dry-run", "--json", *cpu, "train.micro_batch_tokens=auto"])
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
+
+
+def test_the_dry_run_warns_when_the_driver_shows_gpus_that_torch_cannot_use(capsys: pytest.CaptureFixture[str],
+                                                                           monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 46, finding 2: on a driver older than the wheels' CUDA 13 runtime torch sees no GPU while
+    Ray counts them through NVML: the plan fitted and the engines failed in their own logs."""
+    import torch
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    fake_smi(tmp_path, monkeypatch, "550.54.15", gpus=8)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    code, out, err = _dry_run(capsys)
+    assert code == 0 and out["checks"]["driver"] == f"driver 550.54.15 (8 GPUs), torch {torch.__version__} built for CUDA 13.0"
+    (warning,) = out["warnings"]
+    assert warning.startswith("the NVIDIA driver on this machine shows 8 GPUs, which Ray counts, but torch")
+    assert "NVIDIA driver 550.54.15 is too old for CUDA 13.0" in warning and "R580" in warning and "cuda-compat" in warning
+    assert err == f"staleflow train --dry-run: warning: {warning}\n"
+
+
+def fake_smi(folder: Path, monkeypatch: pytest.MonkeyPatch, version: str, gpus: int) -> None:
+    """An ``nvidia-smi`` first on PATH that reports driver ``version`` for ``gpus`` GPUs."""
+    smi = folder / "bin" / "nvidia-smi"
+    smi.parent.mkdir(parents=True, exist_ok=True)
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo {version}\n" for _ in range(gpus)))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")

@@ -70,7 +70,7 @@ def test_a_backend_killed_at_its_limit_fails_and_one_failure_fails_the_check() -
 ])
 def test_the_peak_flops_for_mfu_are_the_gpu_torch_names(gpu_name: str, device: str, tflops: int) -> None:
     from gpu_smoke_trainer import peak_flops
-    from staleflow.runtime.settings.cost_prior import device_for_gpu_name
+    from staleflow.runtime.settings.devices import device_for_gpu_name
 
     assert device_for_gpu_name(gpu_name) == device
     assert peak_flops(gpu_name, None) == (tflops * 1e12, device)

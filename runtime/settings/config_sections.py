@@ -300,7 +300,7 @@ class CostModelConfig(ConfigSection):
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
-        from staleflow.runtime.settings.cost_prior import device_spec
+        from staleflow.runtime.settings.devices import device_spec
 
         if value != "auto":
             device_spec(value)  # a ValueError naming the known devices
