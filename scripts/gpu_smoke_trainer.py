@@ -11,9 +11,12 @@ checkpoint's full model converted in the driver. Prints one JSON line of figures
 tokens/s, MFU (model FLOPs, ``6 x parameters`` per token, over the GPU's dense bf16 peak), step and
 weight-gather seconds, peak GPU memory per rank, export seconds, log-prob gap.
 
-On a CPU (``--size tiny --device cpu``) the same script runs the tiny model as a self-check.
-``--dry-run`` imports what the chosen backend runs (the trainer, the export, megatron-core) and
-stops: the import path of a machine without vLLM and Ray. Neither may be imported on this path.
+On a CPU (``--size tiny --device cpu``) the same script runs the tiny model as a self-check, with a
+batch to match (:data:`BATCHES`: 2 groups x 2 responses of up to 16 tokens, not 16 x 8 of up to 1,024).
+``--dry-run`` imports what the chosen backend runs (the trainer, the export, megatron-core), says
+which attention kernel its model would run on ``--device`` and stops: the import path of a machine
+without vLLM and Ray. Neither may be imported on this path, nor pydantic or scipy (the check machine
+has only torch, transformers, safetensors and what they need).
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ def build_model(folder: Path, size: str) -> Path:
 
 #: what the trainer-only path must not need: the GPU check machine has neither
 ROLLOUT_PACKAGES = ("ray", "vllm")
+#: the synthetic batch of each model size (``--groups``, ``--group-size``, ``--max-response`` by
+#: default): a GRPO batch shaped like a real one for the 100M model on a GPU; a small one for the tiny
+#: model's CPU self-check, which must end well inside a backend's 110 s limit on a 2-core machine
+BATCHES = {"100m": {"groups": 16, "group_size": 8, "max_response": 1024}, "tiny": {"groups": 2, "group_size": 2, "max_response": 16}}
 
 
 def peak_flops(gpu_name: str | None, override_tflops: float | None) -> tuple[float | None, str]:
@@ -86,6 +93,17 @@ def import_backend(backend: str) -> None:
         raise RuntimeError(f"the trainer-only path imported {', '.join(pulled)}: the GPU check machine has neither")
 
 
+def planned_attention(backend: str, device: str) -> str:
+    """The attention kernel ``backend``'s model runs on ``device`` (in the dtype it trains in there)."""
+    if backend == "megatron":
+        return "megatron-core's own"
+    import torch
+    from staleflow.adapters.rlkit.causal_lm import choose_attention_kernel
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return f"{choose_attention_kernel(device == 'cuda', dtype, flex=True)} ({str(dtype).removeprefix('torch.')})"
+
+
 def synthetic_batch(version: int, rng: random.Random, groups: int, size: int, max_response: int, vocab: int):  # type: ignore[no-untyped-def]
     from staleflow.runtime.types import TrainingBatch, Trajectory
 
@@ -115,18 +133,22 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-response", type=int, default=1024)
+    parser.add_argument("--groups", type=int, help="default: by --size (BATCHES)")
+    parser.add_argument("--group-size", type=int, help="default: by --size (BATCHES)")
+    parser.add_argument("--max-response", type=int, help="default: by --size (BATCHES)")
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--logprob-chunk", type=int, default=2048)
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: by GPU name)")
     parser.add_argument("--dry-run", action="store_true", help="import the backend's path (no vLLM, no Ray) and stop")
     args = parser.parse_args()
+    for name, value in BATCHES[args.size].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
     import_backend(args.backend)
     if args.dry_run:
-        print(f"GPU-SMOKE-DRY-RUN {args.backend}: imports ok without {' or '.join(ROLLOUT_PACKAGES)}")
+        print(f"GPU-SMOKE-DRY-RUN {args.backend}: imports ok without {' or '.join(ROLLOUT_PACKAGES)}; "
+              f"attention kernel on {args.device}: {planned_attention(args.backend, args.device)}")
         return 0
     import torch
     from staleflow.adapters.rlkit.algorithms import token_logprobs
@@ -211,6 +233,7 @@ def main() -> int:
         "size": args.size, "backend": args.backend, "world_size": args.world_size, "device": args.device,
         "parameters": parameters, "startup_s": round(startup, 1),
         "steps": len(steps), "train_tokens_per_s": round(tokens_per_s),
+        "attention_kernel": planned_attention(args.backend, args.device),
         "gpu": gpu, "peak_tflops": round(peak / 1e12) if peak else None, "peak_from": peak_from,
         "mfu": round(6 * parameters * tokens_per_s / peak, 4) if peak else None,
         "step_s_mean": round(sum(m["train_s"] for m in timed) / len(timed), 3),
