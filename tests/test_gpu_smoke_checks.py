@@ -171,7 +171,8 @@ def test_the_preflight_refuses_a_driver_older_than_the_wheels_cuda_runtime(
         assert f"install a newer driver ({refused}+)" in out.err and f"cuda-compat-{cuda.split('.')[0]}" in out.err
 
 
-def test_without_a_driver_the_preflight_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_a_driver_the_preflight_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     import gpu_smoke_preflight
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi (nor anything else)
