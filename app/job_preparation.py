@@ -98,7 +98,7 @@ def evaluation_place(config: JobConfig) -> str:
         return "off"
     if task.prompt_file is None:
         return "the trainer's greedy decoding"
-    return "an engine of its own" if task.eval_engine == "own" else "the rollout instance holding the newest version, between steps"
+    return "an engine of its own" if task.eval_engine == "own" else "every rollout instance holding the newest version, between steps"
 
 
 def transfer_backend(config: JobConfig) -> str:

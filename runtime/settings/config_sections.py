@@ -48,8 +48,8 @@ class TaskConfig(ConfigSection):
     (``chat_template: auto``) or as their contents one per line (``none``). ``reward``: a built-in
     scorer (``repeat_letter``, ``exact_match``, ``gsm8k``, ``math``) or ``module:function``.
     ``eval_file``: a held-out set evaluated through a rollout engine (greedy or sampled).
-    ``eval_engine``: ``rollout`` evaluates on the rollout instances between two steps (the instance
-    holding the newest version; as verl and OpenRLHF do), ``own`` on an engine of its own, planned
+    ``eval_engine``: ``rollout`` evaluates on the rollout instances between two steps (every instance
+    holding the newest version, the prompts dealt out among them; as verl and OpenRLHF do), ``own`` on an engine of its own, planned
     like one more rollout instance (its GPUs are idle between evaluations).
     ``eval_timing``: ``inline`` evaluates between steps (the run loop waits, rollout instances go
     on generating); ``deferred`` only saves the weights at each evaluation step and evaluates them
