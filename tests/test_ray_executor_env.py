@@ -54,5 +54,6 @@ def test_the_engine_actor_of_a_ray_executor_instance_does_not_hide_the_gpus_from
 
 def test_only_the_ray_executor_unmasks() -> None:
     environ = {"CUDA_VISIBLE_DEVICES": ""}
-    assert unmask_devices_for_ray_executor({"distributed_executor_backend": "mp"}, environ) is None and environ == {"CUDA_VISIBLE_DEVICES": ""}
+    assert unmask_devices_for_ray_executor({"distributed_executor_backend": "mp"}, environ) is None
+    assert environ == {"CUDA_VISIBLE_DEVICES": ""}
     assert unmask_devices_for_ray_executor({"distributed_executor_backend": "ray"}, environ) == "" and environ == {}
