@@ -6,8 +6,9 @@ printed with it either way), setuptools (``megatron.core`` imports
 it; a fresh Python 3.12 venv has none) and megatron-core for this Python when Megatron is checked.
 
 Each problem is one line naming its cause and what to do; a megatron-core that is installed but does
-not import is reported by the error it raises, not as a missing wheel. Standard library only, and
-written so that an older Python can still run it far enough to say that it is too old.
+not import is reported by the error it raises, not as a missing wheel. Standard library only (the
+driver check is StaleFlow's, itself standard library only, imported once Python and torch passed),
+and written so that an older Python can still run it far enough to say that it is too old.
 Run as ``python gpu_smoke_preflight.py --backends fsdp,torch,megatron --device cuda --wheels DIR``:
 exit 0 and one ``gpu-smoke preflight: ok ...`` line, or exit 2 and one line per problem.
 """
