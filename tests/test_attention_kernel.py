@@ -17,14 +17,7 @@ from typing import Any
 import pytest
 import torch
 from staleflow.adapters.rlkit import causal_lm
-from staleflow.adapters.rlkit.packing import (
-    DENSE_MASK_MICRO_BATCH_TOKENS,
-    VARLEN_MICRO_BATCH_TOKENS,
-    LogProbModel,
-    PackedSequence,
-    micro_batches,
-    resolve_micro_batch_tokens,
-)
+from staleflow.adapters.rlkit.packing import DENSE_MASK_MICRO_BATCH_TOKENS, VARLEN_MICRO_BATCH_TOKENS, resolve_micro_batch_tokens
 
 
 @pytest.fixture
@@ -87,26 +80,23 @@ def test_the_auto_micro_batch_is_large_only_without_a_dense_mask() -> None:
 
 @pytest.mark.slow
 def test_flex_attentions_document_mask_gives_the_dense_masks_log_probs(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The packed row of three sequences through flex attention (the document mask transformers builds
-    from ``position_ids``) gives the log-probs of sdpa's dense block-diagonal mask, and of each sequence
-    alone. On a CPU flex attention runs forward only, uncompiled here (seconds instead of a minute's
-    compile); on a GPU transformers compiles the same call."""
+    """A packed row of three sequences through flex attention (the document mask transformers builds
+    from ``position_ids``) gives the log-probs of sdpa's dense block-diagonal mask: the figure the GPU
+    check reports on its GPU (``packed_attention_gap``), measured here on a CPU, where flex attention
+    runs forward only, uncompiled (seconds instead of a minute's compile; a GPU compiles the same
+    call). Without the document mask (every token attending to all before it) the log-probs of this
+    row are far apart, so the gap would show a kernel attending across sequences."""
     import transformers.integrations.flex_attention as hf_flex
+    import transformers.masking_utils as masks
     from torch.nn.attention.flex_attention import flex_attention
 
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from gpu_smoke_trainer import packed_attention_gap, packed_logprobs
+
     monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw))
-    generator = torch.Generator().manual_seed(0)
-    sequences = [PackedSequence(tuple(torch.randint(4, 250, (n,), generator=generator).tolist()), n // 2, (0.0,) * (n - n // 2),
-                                (0,) * (n - n // 2), 1.0, 1.0) for n in (37, 64, 21)]
-    (row,) = micro_batches(sequences, 10**6)
-    model = causal_lm.load_causal_lm(tiny_model).eval()
-    with torch.no_grad():
-        dense = LogProbModel(model)(row.input_ids, row.position_ids, row.targets)
-        alone = torch.cat([LogProbModel(model)(mb.input_ids, mb.position_ids, mb.targets)
-                           for seq in sequences for mb in micro_batches([seq], 10**6)])
-        model.set_attn_implementation("flex_attention")
-        packed = LogProbModel(model)(row.input_ids, row.position_ids, row.targets)
-    assert model.config._attn_implementation == "flex_attention"
-    torch.testing.assert_close(packed, dense, rtol=0, atol=1e-5)
-    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
-    assert (packed - dense).abs().max() < 1e-5 < (dense[:37] - dense[37:74]).abs().max()  # not equal by accident
+    model = causal_lm.load_causal_lm(tiny_model)
+    assert packed_attention_gap(model, "cpu", "flex_attention") < 1e-5
+    assert model.config._attn_implementation == "sdpa"  # the last one it ran
+    masked = packed_logprobs(model, "cpu", "sdpa")
+    monkeypatch.setattr(masks, "find_packed_sequence_indices", lambda position_ids: None)  # no document mask
+    assert (packed_logprobs(model, "cpu", "sdpa") - masked).abs().max() > 1e-2  # this row tells the two apart
