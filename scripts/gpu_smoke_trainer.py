@@ -77,9 +77,12 @@ def peak_flops(gpu_name: str | None, override_tflops: float | None) -> tuple[flo
 
 
 def import_backend(backend: str) -> None:
-    """Import what ``backend``'s run needs; raise if that pulled in vLLM or Ray."""
+    """Import what ``backend``'s run needs, the MFU's figures included (a run that trained and
+    exported then failed on their import, issue 46); raise if that pulled in vLLM or Ray."""
     import staleflow.adapters.rlkit.causal_lm  # noqa: F401
     import staleflow.app.export  # noqa: F401
+
+    peak_flops(None, None)
 
     if backend == "fsdp":
         import staleflow.adapters.fsdp.trainer  # noqa: F401
