@@ -64,11 +64,13 @@ def attention_kernel_for(config: JobConfig) -> str:
     """The kernel the trainer ranks will load (:func:`~staleflow.adapters.rlkit.causal_lm.choose_attention_kernel`
     for their device and dtype; flash-attn as installed in this environment: ranks on other nodes
     need the same). Flex attention where the model's class supports it (assumed for a model whose
-    config this machine does not hold)."""
+    config this machine does not hold); ``train.attention`` when it names one."""
     import torch
     from staleflow.adapters.rlkit.causal_lm import choose_attention_kernel
 
     train = config.train
+    if train.attention != "auto":
+        return train.attention
     on_gpu = train.gpus > 0
     dtype = torch.float32 if train.dtype == "fp32" or (train.dtype == "auto" and not on_gpu) else torch.bfloat16
     return choose_attention_kernel(on_gpu, dtype, flex=_supports_flex(config))

@@ -42,6 +42,18 @@ def test_the_kernel_follows_the_models_device_and_dtype(gpu_with_flash_attn: Non
     assert causal_lm.attention_kernel(device, dtype, flex=flex) == kernel
 
 
+def test_a_kernel_named_in_the_config_is_used_as_named(gpu_with_flash_attn: None, tiny_model: Path) -> None:
+    """``train.attention`` (should flex attention fail on a GPU: sdpa's dense mask back)."""
+    from staleflow.adapters.rlkit.settings import TrainerSettings
+    from staleflow.runtime.settings.config import load_config
+
+    assert causal_lm.attention_kernel("cuda", torch.bfloat16, requested="sdpa") == "sdpa"
+    assert causal_lm.attention_kernel("cuda", torch.bfloat16, requested="auto") == "flash_attention_2"
+    settings = TrainerSettings.from_config(load_config(overrides=["train.attention=sdpa"]))
+    assert settings.attention == "sdpa" and TrainerSettings().attention == "auto"
+    assert causal_lm.empty_causal_lm(tiny_model, "cuda", torch.bfloat16, settings.attention).config._attn_implementation == "sdpa"
+
+
 def test_without_flash_attn_a_gpu_trainer_gets_flex_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert importlib.util.find_spec("flash_attn") is None  # this machine: no flash-attn wheel

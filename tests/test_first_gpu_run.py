@@ -300,6 +300,9 @@ def test_the_dry_run_warns_when_dense_mask_packing_passes_its_budget(capsys: pyt
     assert out.err == f"staleflow train --dry-run: warning: {warning}\n"
     main(["train", "--config", str(EXAMPLE), "--dry-run", "--json", *cpu, "train.micro_batch_tokens=auto"])
     assert json.loads(capsys.readouterr().out)["warnings"] == []
+    code, gpu, _ = _dry_run(capsys, "train.attention=sdpa")  # GPU ranks told to use sdpa: the same warning
+    assert code == 0 and gpu["checks"]["attention_kernel"] == "sdpa" and gpu["warnings"] == [warning]
+    assert _dry_run(capsys)[1]["warnings"] == []  # GPU ranks, auto: flex attention, no dense mask
 
 
 def test_the_dry_run_warns_when_the_driver_shows_gpus_that_torch_cannot_use(capsys: pytest.CaptureFixture[str],

@@ -92,7 +92,7 @@ class FSDPRank:
         # shards it, and then receives its shards from rank 0.
         dtype = settings.compute_dtype(self.device)
         loaded = load_causal_lm(model_path) if rank == 0 else None  # the weights' source only: never run
-        model = empty_causal_lm(model_path, self.device, dtype)
+        model = empty_causal_lm(model_path, self.device, dtype, settings.attention)
         model.eval()  # no dropout (as the torch trainer)
         if settings.activation_checkpointing:
             enable_activation_checkpointing(model)

@@ -16,7 +16,8 @@ from staleflow.adapters.rlkit.hf_folder import check_model_folder
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def attention_kernel(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *, flex: bool = True) -> str:
+def attention_kernel(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *, flex: bool = True,
+                     requested: str = "auto") -> str:
     """The attention implementation for a model that runs on ``device`` computing in ``dtype``,
     decided by where the model runs, not by what the process can see (a rank's CPU reference copy
     or greedy decoder in fp32 beside a GPU gets sdpa). Best first, for packed rows:
@@ -27,7 +28,11 @@ def attention_kernel(device: str | torch.device = "cpu", dtype: torch.dtype = to
       transformers builds from ``position_ids``: block-sparse, no ``[T, T]`` tensor; no extra wheel).
       ``flex``: the model's class supports it. Not on a CPU: torch 2.13 has no flex backward there;
     * ``sdpa``: a dense block-diagonal ``[T, T]`` mask, ``T^2`` per micro-batch (the ``auto``
-      micro-batch budget is then 512 tokens, :mod:`~staleflow.adapters.rlkit.packing`)."""
+      micro-batch budget is then 512 tokens, :mod:`~staleflow.adapters.rlkit.packing`).
+
+    ``requested`` (``train.attention``): a kernel's name is used as named; ``auto`` decides as above."""
+    if requested != "auto":
+        return requested
     return choose_attention_kernel(torch.device(device).type == "cuda" and torch.cuda.is_available(), dtype, flex=flex)
 
 
@@ -49,10 +54,12 @@ def supports_flex_attention(hf_config: Any) -> bool:
     return bool(getattr(model_class, "_supports_flex_attn", False))
 
 
-def load_causal_lm(path: str | os.PathLike[str], device: str | torch.device = "cpu", compute_dtype: torch.dtype = torch.float32) -> Any:
+def load_causal_lm(path: str | os.PathLike[str], device: str | torch.device = "cpu", compute_dtype: torch.dtype = torch.float32,
+                   attention: str = "auto") -> Any:
     """A local Hugging Face causal LM in float32 (never the hub: a missing folder is an error), with
     the attention kernel for where it will run: on ``device``, computing in ``compute_dtype``
-    (:func:`attention_kernel`; the weights stay float32 and on the CPU until the caller moves them).
+    (:func:`attention_kernel`, or ``attention`` when it names one; the weights stay float32 and on
+    the CPU until the caller moves them).
 
     Single-file or sharded safetensors (``model.safetensors.index.json``), tied embeddings or not;
     the folder is checked first (:func:`~staleflow.adapters.rlkit.hf_folder.check_model_folder`).
@@ -61,20 +68,22 @@ def load_causal_lm(path: str | os.PathLike[str], device: str | torch.device = "c
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kernel = attention_kernel(device, compute_dtype, flex=supports_flex_attention(AutoConfig.from_pretrained(str(folder))))
+    config = AutoConfig.from_pretrained(str(folder))
+    kernel = attention_kernel(device, compute_dtype, flex=supports_flex_attention(config), requested=attention)
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation=kernel)
 
 
-def empty_causal_lm(path: str | os.PathLike[str], device: str | torch.device = "cpu", compute_dtype: torch.dtype = torch.float32) -> Any:
+def empty_causal_lm(path: str | os.PathLike[str], device: str | torch.device = "cpu", compute_dtype: torch.dtype = torch.float32,
+                    attention: str = "auto") -> Any:
     """The causal LM of a local Hugging Face folder on the meta device, in float32: its modules and
     shapes without memory (only ``config.json`` is read); the weights come later. ``device`` and
-    ``compute_dtype``: where it will run, for its attention kernel (:func:`load_causal_lm`)."""
+    ``compute_dtype``: where it will run, for its attention kernel; ``attention``: as :func:`load_causal_lm`."""
     folder = check_model_folder(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(folder))
-    kernel = attention_kernel(device, compute_dtype, flex=supports_flex_attention(config))
+    kernel = attention_kernel(device, compute_dtype, flex=supports_flex_attention(config), requested=attention)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=kernel)
 

@@ -354,8 +354,13 @@ class TrainConfig(ConfigSection):
     scale_advantages: StrictBool = True
     threads: StrictInt = Field(1, ge=1, le=1024)  # torch intra-op threads of the trainer
     world_size: StrictInt = Field(1, ge=1, le=4096)  # trainer processes (fsdp: one per GPU, or gloo ranks on CPU)
-    # packed tokens per forward/backward; auto: 8,192 with flash-attention, 512 where attention builds a
-    # dense [T, T] mask (sdpa/eager, so on CPU), whose cost grows with the square of the budget
+    attention: Literal["auto", "flash_attention_2", "flex_attention", "sdpa"] = "auto"
+    """The trainer's attention kernel for packed rows; ``auto``: flash-attention on GPUs in bf16 where
+    ``flash_attn`` is installed, else flex attention on GPUs, sdpa on CPUs
+    (:func:`~staleflow.adapters.rlkit.causal_lm.attention_kernel`). A kernel named here is used as
+    named (``sdpa`` on GPUs: the dense ``[T, T]`` mask, should flex attention fail there)."""
+    # packed tokens per forward/backward; auto: 8,192 with flash-attention or flex attention, 512 where
+    # attention builds a dense [T, T] mask (sdpa, so on CPU), whose cost grows with the square of the budget
     micro_batch_tokens: Literal["auto"] | Annotated[int, Field(strict=True, ge=16, le=10_000_000)] = "auto"
     logprob_chunk: StrictInt = Field(1024, ge=1, le=1_000_000)  # positions per [chunk, vocab] log-softmax
     activation_checkpointing: StrictBool = False
