@@ -186,3 +186,18 @@ def test_a_pause_recorded_as_a_step_does_not_bend_the_fit(steps_in_bin: int) -> 
         for k in (50, 200, 400):
             assert fit.model.step_latency(n, n * k) == pytest.approx(TRUE_MODEL.step_latency(n, n * k), rel=0.01)
     assert (fit.model.thr - fit.model.o_b) / fit.model.o_k == pytest.approx(TRUE_MODEL.thr / TRUE_MODEL.o_k, rel=0.01)
+
+
+
+def test_only_the_engines_points_are_set_aside_the_priors_stay() -> None:
+    """The outliers set aside are the engines' points only: the prior's points beyond the sizes run
+    stay in the fit even 5x off what the engines measured (a prior of another device, say)."""
+    from staleflow.runtime.coordination.cost_fit import fit_without_outliers
+    from staleflow.runtime.coordination.cost_model import fit_cost_model
+
+    steps = [ProfileRecord(n, n * k, TRUE_MODEL.step_latency(n, n * k)) for n in (1, 2, 8, 16, 32, 64) for k in (50, 200, 400)]
+    prior = [ProfileRecord(n, n * 217, 5 * TRUE_MODEL.step_latency(n, n * 217)) for n in (128, 256)]
+    pause = ProfileRecord(40, 40 * 300, 1.0)
+    first, _ = fit_cost_model([*steps, pause, *prior])
+    assert all(first.step_latency(p.n, p.kv_tokens) < p.latency / 3 for p in prior)  # as far off as the pause
+    assert fit_without_outliers([*steps, pause], prior) == fit_cost_model([*steps, *prior])[0]

@@ -10,8 +10,8 @@ the same device) and, every ``refit_s`` seconds of the run's clock, refits
 * steps are pooled per ``(n, K)`` bin (``n`` exact, ``K`` in quarter octaves) into one point at the
   bin's mean ``K`` with the lower quartile of its latencies (a step slowed by another process can
   only be slower: the profiler's rule, ``app/profile.py``);
-* a pooled point :data:`OUTLIER_RATIO` times off the first fit, either way, is set aside and the
-  fit made again without it: bins are by exact ``n``, so one step that was no decode step (a pause
+* an engines' pooled point :data:`OUTLIER_RATIO` times off the first fit, either way, is set aside
+  and the fit made again without it (the prior's points below stay): bins are by exact ``n``, so one step that was no decode step (a pause
   the meter could not tell from one) is a bin's point on its own, and a least-squares fit bends its
   knee towards it;
 * batch sizes beyond those the engines have run (the powers of two up to ``max_n`` above 1.5 times
@@ -130,7 +130,7 @@ class OnlineCostModel:
         self._new = 0
         changed = False
         if self.online and len(points) >= 2:
-            self.model = fit_without_outliers(points + self._prior_points(points))
+            self.model = fit_without_outliers(points, self._prior_points(points))
             self._refits += 1
             changed = True
         self._errors = None  # measured when :meth:`figures` asks (refits are many, reports few)
@@ -168,14 +168,15 @@ class OnlineCostModel:
         }
 
 
-def fit_without_outliers(points: Sequence[ProfileRecord]) -> CostModel:
-    """The cost model fitted to ``points``, fitted again without those :data:`OUTLIER_RATIO` times
-    off the first fit (when enough are left to fit)."""
-    model, _ = fit_cost_model(points)
+def fit_without_outliers(points: Sequence[ProfileRecord], prior: Sequence[ProfileRecord] = ()) -> CostModel:
+    """The cost model fitted to ``points`` and the ``prior``'s, fitted again without the ``points``
+    :data:`OUTLIER_RATIO` times off the first fit (when enough are left to fit; the prior's are kept:
+    they stand where the engines have not run)."""
+    model, _ = fit_cost_model([*points, *prior])
     kept = [p for p in points if p.latency / OUTLIER_RATIO <= model.step_latency(p.n, p.kv_tokens) <= p.latency * OUTLIER_RATIO]
-    if len(kept) == len(points) or len(kept) < len(COEFFICIENTS):
+    if len(kept) == len(points) or len(kept) + len(prior) < len(COEFFICIENTS):
         return model
-    return fit_cost_model(kept)[0]
+    return fit_cost_model([*kept, *prior])[0]
 
 
 def quantile(ordered: Sequence[float], q: float) -> float:
