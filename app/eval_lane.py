@@ -11,10 +11,12 @@ evaluation's.
   submit to it: what the evaluation submitted comes back only through its :class:`EvaluationLane`,
   everything else only through the loop's :meth:`SharedEngine.collect`. It also remembers the version
   last loaded through it (the loop's Pulls and the job's loads), so choosing an instance asks no engine.
-* :class:`RolloutEvaluation` picks the instance holding the newest version and evaluates there as it
-  is (during the run: the figures carry the version the tokens were sampled with, which may trail the
-  trainer's); after the run loop (every request interrupted, no Pull can follow) the final version is
-  loaded into that instance when it does not hold it yet, so the last evaluation is of the trained model.
+* :class:`RolloutEvaluation` evaluates the newest version any instance holds, on every instance
+  holding it, as they are, the prompts dealt out among them as verl and OpenRLHF spread validation
+  over every engine (during the run: the figures carry the version the tokens were sampled with,
+  which may trail the trainer's); after the run loop (every request interrupted, no Pull can follow)
+  the final version is loaded into every instance that does not hold it yet, so the last evaluation
+  is of the trained model, on all of them.
 """
 
 from __future__ import annotations
@@ -146,22 +148,27 @@ class RolloutEvaluation:
         result: int = self._evaluator.prompts
         return result
 
-    def newest(self) -> SharedEngine:
-        """The instance holding the newest version (the first of them)."""
-        return max(self._engines, key=lambda e: e.version)
+    def newest(self) -> list[SharedEngine]:
+        """Every instance holding the newest version any of them holds."""
+        version = max(e.version for e in self._engines)
+        return [e for e in self._engines if e.version == version]
 
     def run_between_steps(self) -> dict[str, Any]:
-        """Evaluate on the newest instance as it is: the run loop is between two steps."""
-        engine = self.newest()
-        return {**self._evaluator.run_loaded(engine.lane(), engine.version), "eval_instance": engine.instance_id}
+        """Evaluate the newest version on every instance holding it, as they are: the run loop is between two steps."""
+        engines = self.newest()
+        return self._run(engines, engines[0].version)
 
     def run_after_loop(self, version: int, weights: Callable[[], Any]) -> dict[str, Any]:
-        """Evaluate ``version`` once the run loop is over: loaded (``weights()``: what a Pull of it gets)
-        into the newest instance unless that instance holds it already."""
-        engine = self.newest()
-        if engine.version != version:
-            engine.load_weights(version, weights())
-        return {**self._evaluator.run_loaded(engine.lane(), version), "eval_instance": engine.instance_id}
+        """Evaluate ``version`` once the run loop is over, on every instance: loaded (``weights()``: what
+        a Pull of it gets) into each that does not hold it already."""
+        for engine in self._engines:
+            if engine.version != version:
+                engine.load_weights(version, weights())
+        return self._run(self._engines, version)
+
+    def _run(self, engines: list[SharedEngine], version: int) -> dict[str, Any]:
+        figures = self._evaluator.run_loaded([e.lane() for e in engines], version)
+        return {**figures, "eval_instances": [e.instance_id for e in engines]}
 
     def close(self) -> None:
         self._evaluator.close()

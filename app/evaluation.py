@@ -103,11 +103,13 @@ class EngineEvaluator:
         figures["eval_s"] = time.perf_counter() - begin
         return figures
 
-    def run_loaded(self, engine: Any, version: int) -> dict[str, Any]:
-        """Evaluate on ``engine`` as it is, holding model ``version`` (its own engine, or a rollout
-        instance's :class:`~staleflow.app.eval_lane.EvaluationLane`)."""
+    def run_loaded(self, engines: Any, version: int) -> dict[str, Any]:
+        """Evaluate on ``engines`` as they are, each holding model ``version``: its own engine, or the
+        :class:`~staleflow.app.eval_lane.EvaluationLane` of every rollout instance holding it (a
+        sequence: the requests are dealt out among them)."""
         begin = time.perf_counter()
-        trajectories = self._generate(engine, next(self._rounds), max(version, 0))
+        spread = list(engines) if isinstance(engines, Sequence) else [engines]
+        trajectories = self._generate(spread, next(self._rounds), max(version, 0))
         by_group: dict[str, list[Trajectory]] = {g.group_id: [] for g in self._groups}
         for trajectory in trajectories:
             by_group[trajectory.group_id].append(trajectory)
@@ -138,7 +140,9 @@ class EngineEvaluator:
             "eval_s": time.perf_counter() - begin,
         }
 
-    def _generate(self, engine: Any, round_no: int, version: int) -> list[Trajectory]:
+    def _generate(self, engines: list[Any], round_no: int, version: int) -> list[Trajectory]:
+        """Every eval request, dealt out in turn among ``engines``, until all are back (or the timeout:
+        each engine's missing ones are aborted)."""
         requests = [
             RolloutRequest(
                 request_id=f"eval{round_no}-{group.group_id}-{k}",
@@ -151,15 +155,20 @@ class EngineEvaluator:
             for group in self._groups
             for k in range(self._samples)
         ]
-        engine.submit(requests)
+        shares = [requests[i :: len(engines)] for i in range(len(engines))]
+        for engine, share in zip(engines, shares):
+            if share:
+                engine.submit(share)
         done: dict[str, Trajectory] = {}
         deadline = time.monotonic() + self._timeout
         while len(done) < len(requests):
-            for trajectory in engine.collect():
-                done[trajectory.request_id] = trajectory
+            for engine in engines:
+                for trajectory in engine.collect():
+                    done[trajectory.request_id] = trajectory
             if len(done) < len(requests):
                 if time.monotonic() > deadline:
-                    engine.abort([r.request_id for r in requests if r.request_id not in done])
+                    for engine, share in zip(engines, shares):
+                        engine.abort([r.request_id for r in share if r.request_id not in done])
                     missing = len(requests) - len(done)
                     raise TimeoutError(f"evaluation: {missing} of {len(requests)} responses not back after {self._timeout} s")
                 time.sleep(0.01)

@@ -16,7 +16,8 @@ from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
 from staleflow.runtime.coordination.cost_fit import OnlineCostModel
 from staleflow.runtime.coordination.cost_model import CostModel
 from staleflow.runtime.settings.config_sections import default_tiny_model_dir
-from staleflow.runtime.settings.cost_prior import ModelShape, device_spec
+from staleflow.runtime.settings.cost_prior import ModelShape
+from staleflow.runtime.settings.devices import device_spec
 from staleflow.runtime.settings.placement_plan import trainer_rank_gpus
 from staleflow.runtime.tasks import Prompt, cycle_prompts, plain_render, read_prompt_file, repeat_letter_prompts
 

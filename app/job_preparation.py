@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.app.checkpoints import CHECKPOINTS, latest_checkpoint
-from staleflow.app.dry_run import check_plan
+from staleflow.app.dry_run import DryRun, check_plan
 from staleflow.runtime.settings.config import ConfigError, JobConfig, dump_config, load_config
 from staleflow.runtime.settings.placement_plan import plan_placement
 
@@ -98,7 +98,7 @@ def evaluation_place(config: JobConfig) -> str:
         return "off"
     if task.prompt_file is None:
         return "the trainer's greedy decoding"
-    return "an engine of its own" if task.eval_engine == "own" else "the rollout instance holding the newest version, between steps"
+    return "an engine of its own" if task.eval_engine == "own" else "every rollout instance holding the newest version, between steps"
 
 
 def transfer_backend(config: JobConfig) -> str:
@@ -108,21 +108,22 @@ def transfer_backend(config: JobConfig) -> str:
     return "nccl" if config.parameter_server_needs_gpu else "gloo"
 
 
-def dry_run(config: JobConfig, as_json: bool) -> tuple[str, list[str]]:
+def dry_run(config: JobConfig, as_json: bool) -> tuple[str, DryRun]:
     """The resolved config, the placement plan, the run's decisions (:func:`run_decisions`) and the
-    dry run's checks (:mod:`~staleflow.app.dry_run`), as text or JSON; and the problems that refuse it."""
+    dry run's checks (:mod:`~staleflow.app.dry_run`), as text or JSON; and the checks (their
+    problems refuse the run, their warnings do not)."""
     plan = plan_placement(config, os.environ.get("RAY_ADDRESS") if config.cluster.address is None else None)
     decisions = run_decisions(config)
     checks = check_plan(config, plan)
     if as_json:
         out = {"config": config.model_dump(mode="json"), "placement": plan.to_dict(), "run": decisions,
-               "checks": checks.report, "problems": checks.problems}
-        return json.dumps(out, indent=1), checks.problems
+               "checks": checks.report, "problems": checks.problems, "warnings": checks.warnings}
+        return json.dumps(out, indent=1), checks
     report = dict(checks.report)
     memory = report.pop("trainer_memory")
     report["trainer_memory"] = memory["text"] if isinstance(memory, dict) else memory
     lines = "\n".join(f"  {key}: {value}" for key, value in {**decisions, **report}.items())
-    return f"{dump_config(config)}\n# placement plan\n{plan.describe()}\n# run\n{lines}", checks.problems
+    return f"{dump_config(config)}\n# placement plan\n{plan.describe()}\n# run\n{lines}", checks
 
 
 def check_installed(config: JobConfig) -> None:

@@ -56,11 +56,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         job = job_preparation.prepare_job(args.config, overrides, run_dir=args.run_dir, resume=args.resume)
         if args.dry_run:
-            text, problems = job_preparation.dry_run(job.config, as_json=args.json)
+            text, checks = job_preparation.dry_run(job.config, as_json=args.json)
             print(text)
-            for problem in problems:
+            for warning in checks.warnings:
+                print(f"staleflow train --dry-run: warning: {warning}", file=sys.stderr)
+            for problem in checks.problems:
                 print(f"staleflow train --dry-run: {problem}", file=sys.stderr)
-            return 2 if problems else 0
+            return 2 if checks.problems else 0
         job_preparation.check_installed(job.config)
     except job_preparation.PREPARATION_ERRORS as err:
         print(f"staleflow train: {err}", file=sys.stderr)

@@ -10,8 +10,10 @@
 #                                    prints GPU-SMOKE-RUN {json} (tokens/s, seconds per weight sync)
 #   scripts/gpu-smoke.sh --plan   on any machine: the whole run's resolved config and placement plan
 #   scripts/gpu-smoke.sh --trainer-only   the trainer check for one GPU without vLLM or Ray (under 6 minutes):
-#                                 a preflight (Python >= 3.11, torch and CUDA, transformers >= 5, setuptools,
-#                                 megatron-core for this Python) that stops in seconds naming what is missing;
+#                                 a preflight (Python >= 3.11, torch and CUDA, an NVIDIA driver new enough for the
+#                                 CUDA runtime torch was built for: R580+ for CUDA 13, else a newer driver or
+#                                 cuda-compat; transformers >= 5, setuptools, megatron-core for this Python) that
+#                                 prints the driver and the CUDA runtime and stops in seconds naming what is missing;
 #                                 then bf16 FSDP world size 1, the plain torch backend, Megatron world size 1,
 #                                 SMOKE_STEPS (12) steps each, each backend and its ranks ended at its time
 #                                 limit (SMOKE_BACKEND_LIMIT_S 110, all SMOKE_TOTAL_S 330); one GPU-SMOKE-TRAINER
@@ -20,8 +22,11 @@
 #                                 published = the checkpoint's, converted); the verdict read from those lines:
 #                                 a `gpu-smoke verdict:` line per backend, GPU-SMOKE-VERDICT {json}; exit 0 ok,
 #                                 1 a backend failed, 2 the preflight refused
-#   scripts/gpu-smoke.sh --trainer-only --dry-run   the same three import paths only (any machine)
-#   scripts/gpu-smoke.sh --trainer-only --device cpu --size tiny --steps 2   the three on a CPU (Megatron: imports)
+#   scripts/gpu-smoke.sh --trainer-only --dry-run   the same three import paths only (any machine), each with the
+#                                 attention kernel its model runs on the GPU
+#   scripts/gpu-smoke.sh --trainer-only --device cpu --size tiny --steps 2   the three on a CPU (Megatron: imports),
+#                                 the tiny model on a batch of 2 groups x 2 responses of up to 16 tokens (its default);
+#                                 about 3 minutes on 2 busy cores. Add --backend torch for the fastest (under a minute)
 #   scripts/gpu-smoke.sh --trainer-only --backend megatron [--world-size 2 --tensor-parallel 2]   one backend only
 #
 # Without vLLM and Ray: on a machine where `import staleflow` fails, the repository is put on the path
@@ -31,7 +36,8 @@
 #   pip download --no-deps -d wheels megatron-core==0.16.1    # 2.6 MB; needs numpy, packaging, setuptools
 # (add --only-binary=:all: --python-version 3.12 for a Python other than the downloading one's).
 # The rest of the path needs torch, transformers >= 5 (with its tokenizers, numpy, pyyaml) and
-# safetensors: the check machine's, used as they are. Without the wheel the preflight stops, naming
+# safetensors: the check machine's, used as they are (no pydantic, scipy, Ray or vLLM: the CPU self-check
+# runs in CI on a Python without them, tests/test_gpu_smoke_script.py). Without the wheel the preflight stops, naming
 # it (exit 2); `--backend fsdp` (or torch) checks one backend without Megatron.
 set -euo pipefail
 cd "$(dirname "$0")/.."

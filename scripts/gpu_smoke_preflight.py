@@ -1,11 +1,14 @@
 """What the trainer-only GPU check needs, checked in seconds before it trains (``scripts/gpu-smoke.sh
 --trainer-only``): Python >= 3.11, torch (and a CUDA device when the check runs on one), transformers
->= 5 (the loader and the export write its checkpoint layout), setuptools (``megatron.core`` imports
+>= 5 (the loader and the export write its checkpoint layout), an NVIDIA driver new enough for the CUDA
+runtime torch was built for (R580+ for the CUDA 13 wheels; :mod:`staleflow.adapters.rlkit.cuda_driver`,
+printed with it either way), setuptools (``megatron.core`` imports
 it; a fresh Python 3.12 venv has none) and megatron-core for this Python when Megatron is checked.
 
 Each problem is one line naming its cause and what to do; a megatron-core that is installed but does
-not import is reported by the error it raises, not as a missing wheel. Standard library only, and
-written so that an older Python can still run it far enough to say that it is too old.
+not import is reported by the error it raises, not as a missing wheel. Standard library only (the
+driver check is StaleFlow's, itself standard library only, imported once Python and torch passed),
+and written so that an older Python can still run it far enough to say that it is too old.
 Run as ``python gpu_smoke_preflight.py --backends fsdp,torch,megatron --device cuda --wheels DIR``:
 exit 0 and one ``gpu-smoke preflight: ok ...`` line, or exit 2 and one line per problem.
 """
@@ -108,12 +111,28 @@ def check_megatron(wheels: Path) -> list[str]:
             f"pip download --no-deps --only-binary=:all: --python-version {_version()} -d wheels {MEGATRON_WHEEL}"]
 
 
-def problems(backends: list[str], device: str, wheels: Path) -> list[str]:
-    """Every reason the check cannot run here, one line each; [] when it can."""
-    found = check_python() + check_torch(device) + check_transformers()
+def check_driver() -> tuple[list[str], str]:
+    """The NVIDIA driver against the CUDA runtime torch was built for (``torch.version.cuda``): a
+    driver too old for it is refused, naming the fix; and one line saying both."""
+    from staleflow.adapters.rlkit.cuda_driver import driver_problem, query_driver
+
+    driver = query_driver()
+    runtime = sys.modules["torch"].version.cuda
+    said = f"driver {driver.describe()}, CUDA runtime of torch {runtime or 'none (a CPU build of torch)'}"
+    problem = driver_problem(driver, runtime)
+    return ([problem] if problem else []), said
+
+
+def problems(backends: list[str], device: str, wheels: Path) -> tuple[list[str], str]:
+    """Every reason the check cannot run here, one line each ([] when it can); and what the driver
+    and the CUDA runtime are (empty when Python or torch stopped the check before)."""
+    python = check_python()
+    found = python + check_torch(device)
+    driver, said = check_driver() if not python and "torch" in sys.modules else ([], "")  # torch imported
+    found += driver + check_transformers()
     if "megatron" in backends:
         found += check_setuptools() + check_megatron(wheels)
-    return found
+    return found, said
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--wheels", type=Path, default=Path("wheels"))
     args = parser.parse_args(argv)
-    found = problems(args.backends.split(","), args.device, args.wheels)
+    found, driver = problems(args.backends.split(","), args.device, args.wheels)
+    if driver:
+        print(f"gpu-smoke preflight: {driver}")
     if found:
         print(f"gpu-smoke preflight FAILED ({len(found)}):", file=sys.stderr)
         for line in found:

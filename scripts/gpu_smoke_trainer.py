@@ -11,9 +11,12 @@ checkpoint's full model converted in the driver. Prints one JSON line of figures
 tokens/s, MFU (model FLOPs, ``6 x parameters`` per token, over the GPU's dense bf16 peak), step and
 weight-gather seconds, peak GPU memory per rank, export seconds, log-prob gap.
 
-On a CPU (``--size tiny --device cpu``) the same script runs the tiny model as a self-check.
-``--dry-run`` imports what the chosen backend runs (the trainer, the export, megatron-core) and
-stops: the import path of a machine without vLLM and Ray. Neither may be imported on this path.
+On a CPU (``--size tiny --device cpu``) the same script runs the tiny model as a self-check, with a
+batch to match (:data:`BATCHES`: 2 groups x 2 responses of up to 16 tokens, not 16 x 8 of up to 1,024).
+``--dry-run`` imports what the chosen backend runs (the trainer, the export, megatron-core), says
+which attention kernel its model would run on ``--device`` and stops: the import path of a machine
+without vLLM and Ray. Neither may be imported on this path, nor pydantic or scipy (the check machine
+has only torch, transformers, safetensors and what they need).
 """
 
 from __future__ import annotations
@@ -52,12 +55,16 @@ def build_model(folder: Path, size: str) -> Path:
 
 #: what the trainer-only path must not need: the GPU check machine has neither
 ROLLOUT_PACKAGES = ("ray", "vllm")
+#: the synthetic batch of each model size (``--groups``, ``--group-size``, ``--max-response`` by
+#: default): a GRPO batch shaped like a real one for the 100M model on a GPU; a small one for the tiny
+#: model's CPU self-check, which must end well inside a backend's 110 s limit on a 2-core machine
+BATCHES = {"100m": {"groups": 16, "group_size": 8, "max_response": 1024}, "tiny": {"groups": 2, "group_size": 2, "max_response": 16}}
 
 
 def peak_flops(gpu_name: str | None, override_tflops: float | None) -> tuple[float | None, str]:
     """The dense bf16 peak FLOP/s for MFU (``--peak-tflops``, else by the GPU's exact name; None: not
     known) and what it was taken from, or why there is none."""
-    from staleflow.runtime.settings.cost_prior import DEVICES, device_for_gpu_name
+    from staleflow.runtime.settings.devices import DEVICES, device_for_gpu_name
 
     if override_tflops is not None:
         return override_tflops * 1e12, "--peak-tflops"
@@ -70,9 +77,12 @@ def peak_flops(gpu_name: str | None, override_tflops: float | None) -> tuple[flo
 
 
 def import_backend(backend: str) -> None:
-    """Import what ``backend``'s run needs; raise if that pulled in vLLM or Ray."""
+    """Import what ``backend``'s run needs, the MFU's figures included (a run that trained and
+    exported then failed on their import, issue 46); raise if that pulled in vLLM or Ray."""
     import staleflow.adapters.rlkit.causal_lm  # noqa: F401
     import staleflow.app.export  # noqa: F401
+
+    peak_flops(None, None)
 
     if backend == "fsdp":
         import staleflow.adapters.fsdp.trainer  # noqa: F401
@@ -84,6 +94,41 @@ def import_backend(backend: str) -> None:
     pulled = [name for name in ROLLOUT_PACKAGES if name in sys.modules]
     if pulled:
         raise RuntimeError(f"the trainer-only path imported {', '.join(pulled)}: the GPU check machine has neither")
+
+
+def planned_attention(backend: str, device: str) -> str:
+    """The attention kernel ``backend``'s model runs on ``device``, in the dtype it trains in there."""
+    if backend == "megatron":
+        return "megatron-core's own"
+    import torch
+    from staleflow.adapters.rlkit.causal_lm import choose_attention_kernel
+
+    return choose_attention_kernel(device == "cuda", torch.bfloat16 if device == "cuda" else torch.float32, flex=True)
+
+
+def packed_logprobs(model: Any, device: str, kernel: str) -> Any:
+    """``model``'s log-probs of one packed row of three sequences through attention ``kernel``, on
+    ``device``, in float32 (flash-attention, which has none, in bfloat16)."""
+    import torch
+    from staleflow.adapters.rlkit.packing import LogProbModel, PackedSequence, micro_batches
+
+    generator = torch.Generator().manual_seed(0)
+    sequences = [PackedSequence(tuple(torch.randint(4, 250, (n,), generator=generator).tolist()), n // 2, (0.0,) * (n - n // 2),
+                                (0,) * (n - n // 2), 0.0, 0.0) for n in (37, 64, 21)]
+    (row,) = micro_batches(sequences, 10**6)
+    dtype = torch.bfloat16 if kernel == "flash_attention_2" else torch.float32
+    row, model = row.to(torch.device(device)), model.to(device=device, dtype=dtype).eval()
+    model.set_attn_implementation(kernel)
+    with torch.no_grad():
+        return LogProbModel(model)(row.input_ids, row.position_ids, row.targets).float()
+
+
+def packed_attention_gap(model: Any, device: str, kernel: str) -> float:
+    """The largest log-prob gap (nats) between ``kernel`` and sdpa's dense block-diagonal mask on the
+    packed row of :func:`packed_logprobs`, ``model`` holding the trained weights: the packed kernel
+    the GPU ranks train with against the mask it stands in for. Reported, not judged: no GPU has
+    measured its size yet."""
+    return float((packed_logprobs(model, device, kernel) - packed_logprobs(model, device, "sdpa")).abs().max())
 
 
 def synthetic_batch(version: int, rng: random.Random, groups: int, size: int, max_response: int, vocab: int):  # type: ignore[no-untyped-def]
@@ -115,23 +160,27 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-response", type=int, default=1024)
+    parser.add_argument("--groups", type=int, help="default: by --size (BATCHES)")
+    parser.add_argument("--group-size", type=int, help="default: by --size (BATCHES)")
+    parser.add_argument("--max-response", type=int, help="default: by --size (BATCHES)")
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--logprob-chunk", type=int, default=2048)
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: by GPU name)")
     parser.add_argument("--dry-run", action="store_true", help="import the backend's path (no vLLM, no Ray) and stop")
     args = parser.parse_args()
+    for name, value in BATCHES[args.size].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
     import_backend(args.backend)
     if args.dry_run:
-        print(f"GPU-SMOKE-DRY-RUN {args.backend}: imports ok without {' or '.join(ROLLOUT_PACKAGES)}")
+        print(f"GPU-SMOKE-DRY-RUN {args.backend}: imports ok without {' or '.join(ROLLOUT_PACKAGES)}; "
+              f"attention kernel on {args.device}: {planned_attention(args.backend, args.device)}")
         return 0
     import torch
     from staleflow.adapters.rlkit.algorithms import token_logprobs
     from staleflow.adapters.rlkit.causal_lm import load_causal_lm
-    from staleflow.adapters.rlkit.packing import LogProbModel, batch_sequences, micro_batches
+    from staleflow.adapters.rlkit.packing import PACKED_KERNELS, LogProbModel, batch_sequences, micro_batches
     from staleflow.adapters.rlkit.settings import TrainerSettings
     from staleflow.adapters.torch.trainer import TorchTrainer
     from staleflow.app.export import export
@@ -201,6 +250,8 @@ def main() -> int:
     with torch.no_grad():
         want = LogProbModel(reference)(mb.input_ids, mb.position_ids, mb.targets)[:-1]
         got = token_logprobs(exported(input_ids=mb.input_ids).logits, mb.input_ids)[0]
+    kernel = planned_attention(args.backend, args.device)
+    packed_gap = packed_attention_gap(reference, args.device, kernel) if kernel in PACKED_KERNELS else None
     timed = steps[1:] or steps  # the first step includes warm-up (kernels, allocator)
     parameters = sum(p.numel() for p in reference.parameters())
     tokens_per_s = sum(m["packed_tokens"] for m in timed) / sum(m["train_s"] for m in timed)
@@ -211,6 +262,7 @@ def main() -> int:
         "size": args.size, "backend": args.backend, "world_size": args.world_size, "device": args.device,
         "parameters": parameters, "startup_s": round(startup, 1),
         "steps": len(steps), "train_tokens_per_s": round(tokens_per_s),
+        "attention_kernel": kernel, "packed_attention_gap": packed_gap,
         "gpu": gpu, "peak_tflops": round(peak / 1e12) if peak else None, "peak_from": peak_from,
         "mfu": round(6 * parameters * tokens_per_s / peak, 4) if peak else None,
         "step_s_mean": round(sum(m["train_s"] for m in timed) / len(timed), 3),

@@ -94,6 +94,8 @@ def describe(judgement: Judgement) -> str:
             said.append(f"MFU {figures['mfu']:.3f} of {figures.get('peak_tflops')} TFLOP/s "
                         f"({figures.get('gpu')}: {figures.get('peak_from')})")
         said.append(f"export gap {figures.get('export_logprob_gap_bf16', float('nan')):.1e} nats")
+        if figures.get("packed_attention_gap") is not None:
+            said.append(f"{figures.get('attention_kernel')} vs dense mask {figures['packed_attention_gap']:.1e} nats")
     details = judgement.reasons + said
     return f"gpu-smoke verdict: {judgement.backend} {judgement.status.upper()}" + (": " + "; ".join(details) if details else "")
 

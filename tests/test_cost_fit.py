@@ -17,7 +17,8 @@ from staleflow.runtime.coordination.fleet import FleetArrays
 from staleflow.runtime.coordination.routing import make_router
 from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.settings.config import load_config
-from staleflow.runtime.settings.cost_prior import DEVICES, ModelShape
+from staleflow.runtime.settings.cost_prior import ModelShape
+from staleflow.runtime.settings.devices import DEVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_8GPU = ROOT / "runtime" / "settings" / "configs" / "examples" / "qwen2.5-1.5b-gsm8k-8gpu.yaml"
@@ -167,3 +168,36 @@ def test_the_online_fit_on_a_vllm_cpu_engine_matches_an_offline_profile(tmp_path
     print(f"online vs offline fit: {difference:.1%} (the prior: {prior_difference:.1%}); online fit error "
           f"{figures['cost_fit_error']:.1%}; prior error {figures['cost_prior_error']:.1%}")
     assert difference < 0.35
+
+
+@pytest.mark.parametrize("steps_in_bin", [1, 2])
+def test_a_pause_recorded_as_a_step_does_not_bend_the_fit(steps_in_bin: int) -> None:
+    """Issue 46, finding 4: bins are by exact n, so one pause the meter took for a decode step (1 s
+    beside 10-20 ms steps) was a bin's point on its own (or pulled its lower quartile with one more
+    step), and the least-squares fit on relative error bent towards it: 25% off the true latency,
+    knee at 65 requests instead of 40. It is now set aside and the fit made again without it."""
+    sizes = (1, 2, 8, 16, 32, 48, 64)
+    steps = [ProfileRecord(n, n * k, TRUE_MODEL.step_latency(n, n * k)) for n in sizes for k in (50, 200, 400) for _ in range(3)]
+    pause = [ProfileRecord(40, 40 * 300, 1.0 + TRUE_MODEL.step_latency(40, 40 * 300))]
+    beside = [ProfileRecord(40, 40 * 300, TRUE_MODEL.step_latency(40, 40 * 300))] * (steps_in_bin - 1)
+    fit = OnlineCostModel(TRUE_MODEL, "test prior", refit_s=1.0, max_n=64)  # max_n 64: no prior points, the data alone
+    assert fit.refit(1.0, steps + pause + beside)
+    for n in sizes:
+        for k in (50, 200, 400):
+            assert fit.model.step_latency(n, n * k) == pytest.approx(TRUE_MODEL.step_latency(n, n * k), rel=0.01)
+    assert (fit.model.thr - fit.model.o_b) / fit.model.o_k == pytest.approx(TRUE_MODEL.thr / TRUE_MODEL.o_k, rel=0.01)
+
+
+
+def test_only_the_engines_points_are_set_aside_the_priors_stay() -> None:
+    """The outliers set aside are the engines' points only: the prior's points beyond the sizes run
+    stay in the fit even 5x off what the engines measured (a prior of another device, say)."""
+    from staleflow.runtime.coordination.cost_fit import fit_without_outliers
+    from staleflow.runtime.coordination.cost_model import fit_cost_model
+
+    steps = [ProfileRecord(n, n * k, TRUE_MODEL.step_latency(n, n * k)) for n in (1, 2, 8, 16, 32, 64) for k in (50, 200, 400)]
+    prior = [ProfileRecord(n, n * 217, 5 * TRUE_MODEL.step_latency(n, n * 217)) for n in (128, 256)]
+    pause = ProfileRecord(40, 40 * 300, 1.0)
+    first, _ = fit_cost_model([*steps, pause, *prior])
+    assert all(first.step_latency(p.n, p.kv_tokens) < p.latency / 3 for p in prior)  # as far off as the pause
+    assert fit_without_outliers([*steps, pause], prior) == fit_cost_model([*steps, *prior])[0]

@@ -58,7 +58,7 @@ def test_both_8_gpu_layouts_of_the_example_job_with_prompt_and_eval_files_plan_e
     code, out, err = _dry_run(capsys, *overrides)
     assert (code, err) == (0, "")
     assert out["placement"]["total_gpus"] == 8 and out["checks"]["capacity"]["gpus_configured"] == 8
-    assert out["run"]["evaluation"] == "the rollout instance holding the newest version, between steps"
+    assert out["run"]["evaluation"] == "every rollout instance holding the newest version, between steps"
     own = plan_placement(load_config(EXAMPLE, [*overrides, "task.eval_engine=own"]))
     assert own.total_gpus == 8 + config.rollout.gpus_per_instance  # its own engine only when asked
 
@@ -68,11 +68,13 @@ class _Engine:
 
     def __init__(self) -> None:
         self.pending: list[RolloutRequest] = []
+        self.submitted: list[str] = []
         self.loaded: list[int] = []
         self.temperatures: dict[str, float | None] = {}
 
     def submit(self, requests: list[RolloutRequest]) -> None:
         self.pending += requests
+        self.submitted += [r.request_id for r in requests]
         self.temperatures.update({r.request_id: r.metadata.get("temperature") for r in requests})
 
     def collect(self) -> list[Trajectory]:
@@ -87,11 +89,11 @@ class _Engine:
         pass
 
 
-def _evaluator() -> Any:
+def _evaluator(prompts: int = 3) -> Any:
     from staleflow.app.evaluation import EngineEvaluator
     from staleflow.runtime.tasks import Prompt
 
-    return EngineEvaluator(None, [Prompt(text=f"q{i}", answer="a") for i in range(3)], encode=lambda text: [7, 8],
+    return EngineEvaluator(None, [Prompt(text=f"q{i}", answer="a") for i in range(prompts)], encode=lambda text: [7, 8],
                            reward=lambda trajectory, metadata: 1.0, reward_timeout_s=10.0, max_new_tokens=4, temperature=0.0)
 
 
@@ -107,7 +109,7 @@ def test_the_evaluation_borrows_the_newest_rollout_instance_between_steps_and_le
     evaluation = RolloutEvaluation(_evaluator(), shared)
     try:
         figures = evaluation.run_between_steps()
-        assert (figures["eval_instance"], figures["eval_version"], figures["eval_reward"]) == ("rollout-1", 3, 1.0)
+        assert (figures["eval_instances"], figures["eval_version"], figures["eval_reward"]) == (["rollout-1"], 3, 1.0)
         assert engines[1].loaded == [3] and engines[0].pending == []  # nothing loaded for it: the instance as it is
         assert {rid: t for rid, t in engines[1].temperatures.items() if rid.startswith("eval")} == {
             f"eval0-eval-{i}-0": 0.0 for i in range(3)}  # greedy requests on an instance that samples
@@ -115,8 +117,34 @@ def test_the_evaluation_borrows_the_newest_rollout_instance_between_steps_and_le
         assert shared[1].collect() == []
         final = evaluation.run_after_loop(5, lambda: "weights-5")  # after the loop: the final version is loaded
         assert (final["eval_version"], engines[1].loaded, shared[1].version) == (5, [3, 5], 5)
+        assert (engines[0].loaded, final["eval_instances"]) == ([5], ["rollout-0", "rollout-1"])  # into every instance
         again = evaluation.run_after_loop(5, lambda: pytest.fail("no second load"))
         assert again["eval_version"] == 5 and shared[1].collect() == []
+    finally:
+        evaluation.close()
+
+
+def test_the_evaluation_is_spread_over_every_instance_holding_the_evaluated_version() -> None:
+    """Issue 46, finding 5: every held-out prompt went to the one instance with the newest version
+    (the first of them) while the loop waited: 1,319 GSM8K prompts per evaluation on one of six
+    instances. verl and OpenRLHF spread validation over every engine; so does StaleFlow now."""
+    from staleflow.app.eval_lane import RolloutEvaluation, SharedEngine
+
+    engines = [_Engine() for _ in range(4)]
+    shared = [SharedEngine(e, f"rollout-{i}") for i, e in enumerate(engines)]
+    for instance in shared[:3]:
+        instance.load_weights(2, "weights-2")
+    shared[3].load_weights(1, "weights-1")  # one version behind: not the version evaluated
+    evaluation = RolloutEvaluation(_evaluator(prompts=12), shared)
+    try:
+        figures = evaluation.run_between_steps()
+        assert [len(e.submitted) for e in engines] == [4, 4, 4, 0]
+        assert (figures["eval_version"], figures["eval_reward"]) == (2, 1.0)
+        assert figures["eval_instances"] == ["rollout-0", "rollout-1", "rollout-2"]
+        assert sorted(sum((e.submitted for e in engines), [])) == sorted(f"eval0-eval-{i}-0" for i in range(12))  # each prompt once
+        final = evaluation.run_after_loop(3, lambda: "weights-3")
+        assert [e.loaded[-1] for e in engines] == [3, 3, 3, 3] and [len(e.submitted) for e in engines] == [7, 7, 7, 3]
+        assert final["eval_instances"] == [f"rollout-{i}" for i in range(4)] and final["eval_version"] == 3
     finally:
         evaluation.close()
 
@@ -224,7 +252,7 @@ def test_the_dry_run_decides_the_kernel_and_shows_the_engine_the_cost_model_and_
     code, out, err = _dry_run(capsys, f"model.path={_model(tmp_path, '1.5b')}")
     checks = out["checks"]
     assert (code, err) == (0, "")
-    assert checks["attention_kernel"] == "sdpa"  # flash-attn is not installed here: decided, not "where installed"
+    assert checks["attention_kernel"] == "flex_attention"  # GPU ranks without flash-attn (not installed here): no dense mask
     engine = {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": 0.85, "tensor_parallel_size": 1}
     assert checks["engine_settings"] == engine
     assert checks["cost_model"].startswith("roofline of ") and checks["cost_model"].endswith("on h100 x 1, refitted online every 10 s")
@@ -250,3 +278,54 @@ def test_the_dry_run_refuses_a_trainer_that_cannot_fit_its_gpu(tmp_path: Path, c
     code, out, err = _dry_run(capsys, f"model.path={tmp_path / 'qwen2.5-7b'}", "train.world_size=1", "rollout.instances=7")
     memory = out["checks"]["trainer_memory"]
     assert (code, memory["cpu_offload"], memory["fits"], memory["gradients_gib"], memory["optimizer_gib"]) == (0, True, True, 0, 0)
+
+
+# ------------------------------------------------------------------------------------ issue 46
+def test_the_dry_run_warns_when_dense_mask_packing_passes_its_budget(capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46, finding 6: a trainer whose attention builds a dense [T, T] mask (sdpa: CPU ranks, or
+    a model class without flex attention) took the example's 16,384-token micro-batches without a
+    word, 32x past the 512 its ``auto`` budget gives it (1,024x the mask entries)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    from staleflow.__main__ import main
+
+    cpu = ["train.gpus=0", "train.backend=fsdp", "train.world_size=1"]
+    code = main(["train", "--config", str(EXAMPLE), "--dry-run", "--json", *cpu])
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert code == 0 and report["checks"]["attention_kernel"] == "sdpa"
+    (warning,) = report["warnings"]
+    assert warning.startswith("train.micro_batch_tokens=16384 with sdpa attention: every micro-batch builds a dense 16,384 x 16,384 "
+                              "mask (1,024x the 512-token budget of train.micro_batch_tokens=auto for it)")
+    assert out.err == f"staleflow train --dry-run: warning: {warning}\n"
+    main(["train", "--config", str(EXAMPLE), "--dry-run", "--json", *cpu, "train.micro_batch_tokens=auto"])
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
+    code, gpu, _ = _dry_run(capsys, "train.attention=sdpa")  # GPU ranks told to use sdpa: the same warning
+    assert code == 0 and gpu["checks"]["attention_kernel"] == "sdpa" and gpu["warnings"] == [warning]
+    assert _dry_run(capsys)[1]["warnings"] == []  # GPU ranks, auto: flex attention, no dense mask
+
+
+def test_the_dry_run_warns_when_the_driver_shows_gpus_that_torch_cannot_use(capsys: pytest.CaptureFixture[str],
+                                                                           monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 46, finding 2: on a driver older than the wheels' CUDA 13 runtime torch sees no GPU while
+    Ray counts them through NVML: the plan fitted and the engines failed in their own logs."""
+    import torch
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    fake_smi(tmp_path, monkeypatch, "550.54.15", gpus=8)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    code, out, err = _dry_run(capsys)
+    assert code == 0 and out["checks"]["driver"] == f"driver 550.54.15 (8 GPUs), torch {torch.__version__} built for CUDA 13.0"
+    (warning,) = out["warnings"]
+    assert warning.startswith("the NVIDIA driver on this machine shows 8 GPUs, which Ray counts, but torch")
+    assert "NVIDIA driver 550.54.15 is too old for CUDA 13.0" in warning and "R580" in warning and "cuda-compat" in warning
+    assert err == f"staleflow train --dry-run: warning: {warning}\n"
+
+
+def fake_smi(folder: Path, monkeypatch: pytest.MonkeyPatch, version: str, gpus: int) -> None:
+    """An ``nvidia-smi`` first on PATH that reports driver ``version`` for ``gpus`` GPUs."""
+    smi = folder / "bin" / "nvidia-smi"
+    smi.parent.mkdir(parents=True, exist_ok=True)
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo {version}\n" for _ in range(gpus)))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")

@@ -70,7 +70,7 @@ def test_a_backend_killed_at_its_limit_fails_and_one_failure_fails_the_check() -
 ])
 def test_the_peak_flops_for_mfu_are_the_gpu_torch_names(gpu_name: str, device: str, tflops: int) -> None:
     from gpu_smoke_trainer import peak_flops
-    from staleflow.runtime.settings.cost_prior import device_for_gpu_name
+    from staleflow.runtime.settings.devices import device_for_gpu_name
 
     assert device_for_gpu_name(gpu_name) == device
     assert peak_flops(gpu_name, None) == (tflops * 1e12, device)
@@ -130,3 +130,51 @@ def test_a_backend_and_every_process_it_started_end_at_its_time_limit(tmp_path: 
     finally:
         if alive(child):
             os.kill(child, 9)
+
+
+def _fake_driver(folder: Path, monkeypatch: pytest.MonkeyPatch, version: str, gpus: int = 1) -> None:
+    """``nvidia-smi`` first on PATH, reporting driver ``version`` on ``gpus`` GPUs."""
+    smi = folder / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + f"echo {version}\n" * gpus)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize(("driver", "cuda", "refused"), [
+    ("550.54.15", "13.0", "R580"),  # the CUDA 13 wheels of torch 2.13 / vLLM 0.32 on an R550 driver
+    ("575.57.08", "13.0", "R580"),
+    ("580.65.06", "13.0", None),
+    ("550.54.15", "12.8", None),  # a CUDA 12 build runs from R525 on
+    ("470.256.02", "12.8", "R525"),
+    ("550.54.15", None, None),  # a CPU build of torch: nothing to check
+])
+def test_the_preflight_refuses_a_driver_older_than_the_wheels_cuda_runtime(
+    driver: str, cuda: str | None, refused: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 46, finding 2: on an older driver torch sees no GPU while Ray counts the GPUs through
+    NVML, and nothing said why. The preflight prints the driver and the CUDA runtime and refuses a
+    driver too old for it, naming the fix (a newer driver, or cuda-compat)."""
+    import gpu_smoke_preflight
+    import torch
+
+    _fake_driver(tmp_path, monkeypatch, driver, gpus=8)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    code = gpu_smoke_preflight.main(["--backends", "fsdp,torch", "--device", "cpu", "--wheels", str(tmp_path)])
+    out = capsys.readouterr()
+    assert f"gpu-smoke preflight: driver {driver} (8 GPUs), CUDA runtime of torch {cuda or 'none (a CPU build of torch)'}" in out.out
+    if refused is None:
+        assert code == 0 and "preflight: ok" in out.out
+    else:
+        assert code == 2
+        assert f"NVIDIA driver {driver} is too old for CUDA {cuda}" in out.err
+        assert f"install a newer driver ({refused}+)" in out.err and f"cuda-compat-{cuda.split('.')[0]}" in out.err
+
+
+def test_without_a_driver_the_preflight_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import gpu_smoke_preflight
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi (nor anything else)
+    assert gpu_smoke_preflight.main(["--backends", "torch", "--device", "cpu", "--wheels", str(tmp_path)]) == 0
+    assert "gpu-smoke preflight: driver none found (no nvidia-smi answered)" in capsys.readouterr().out

@@ -15,15 +15,33 @@ from skips import needs
 pytestmark = [pytest.mark.slow,
               needs("megatron.core", "megatron")]
 
+#: what the GPU check machine lacks: the trainer-only path may import none of them
+NOT_ON_THE_CHECK_MACHINE = ("pydantic", "scipy", "ray", "vllm")
+
+
+def nvidia_smi(folder: Path, version: str, gpus: int) -> str:
+    """A folder for the front of PATH holding an ``nvidia-smi`` that reports driver ``version`` on ``gpus`` GPUs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "nvidia-smi").write_text("#!/bin/sh\n" + f"echo {version}\n" * gpus)
+    (folder / "nvidia-smi").chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
+
 
 def test_the_trainer_only_check_imports_its_three_backends_without_vllm_or_ray(tmp_path: Path) -> None:
+    """... nor pydantic or scipy (on a Python without the four, as the check machine is), and names the
+    driver, the CUDA runtime torch was built for, and each backend's attention kernel (issue 46)."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHON": sys.executable, "STALEFLOW_SMOKE_DIR": str(tmp_path), "WHEELS": str(tmp_path / "none")}
+    python = venv_without(tmp_path, *NOT_ON_THE_CHECK_MACHINE)
+    env = {**os.environ, "PYTHON": str(python), "STALEFLOW_SMOKE_DIR": str(tmp_path), "WHEELS": str(tmp_path / "none"),
+           "PATH": nvidia_smi(tmp_path / "bin", "580.65.06", 2)}
     done = subprocess.run(["bash", "scripts/gpu-smoke.sh", "--trainer-only", "--dry-run"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("GPU-SMOKE-DRY-RUN")]
-    assert lines == [f"GPU-SMOKE-DRY-RUN {b}: imports ok without ray or vllm" for b in ("fsdp", "torch", "megatron")]
+    kernels = {"fsdp": "flex_attention", "torch": "flex_attention", "megatron": "megatron-core's own"}
+    assert lines == [f"GPU-SMOKE-DRY-RUN {b}: imports ok without ray or vllm; attention kernel on cuda: {kernels[b]}"
+                     for b in ("fsdp", "torch", "megatron")]  # no flash-attn here: flex attention's document mask on a GPU
+    assert "gpu-smoke preflight: driver 580.65.06 (2 GPUs), CUDA runtime of torch none (a CPU build of torch)" in done.stdout
 
 
 SITECUSTOMIZE_PYTHON_3_10 = "import sys\nsys.version_info = (3, 10, 14, 'final', 0)\n"
@@ -144,11 +162,16 @@ def test_a_wheel_folder_for_several_pythons_installs_the_one_for_this_python(tmp
 def test_the_cpu_self_check_trains_exports_and_passes_its_own_verdict(tmp_path: Path) -> None:
     """``scripts/gpu-smoke.sh --trainer-only --backend torch --device cpu --size tiny``: the real run of
     the GPU check's trainer path (the tiny model trained two steps, checkpointed, exported in bf16 and
-    reloaded by transformers with the trainer's log-probs), judged by the runner from its own line."""
+    reloaded by transformers with the trainer's log-probs), judged by the runner from its own line, on
+    a Python that lacks pydantic, scipy, Ray and vLLM, as the check machine does. Issue 46, finding 1:
+    the MFU's peak FLOP/s came through pydantic, so each backend trained, exported, then stopped."""
     import json
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHON": sys.executable, "STALEFLOW_SMOKE_DIR": str(tmp_path), "WHEELS": str(tmp_path / "none")}
+    python = venv_without(tmp_path, *NOT_ON_THE_CHECK_MACHINE)
+    for package in NOT_ON_THE_CHECK_MACHINE:
+        assert subprocess.run([str(python), "-c", f"import {package}"], capture_output=True).returncode == 1
+    env = {**os.environ, "PYTHON": str(python), "STALEFLOW_SMOKE_DIR": str(tmp_path), "WHEELS": str(tmp_path / "none")}
     done = subprocess.run(["bash", "scripts/gpu-smoke.sh", "--trainer-only", "--backend", "torch", "--device", "cpu", "--steps", "2",
                            "--size", "tiny", "--groups", "2", "--group-size", "2", "--max-response", "16"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -156,6 +179,7 @@ def test_the_cpu_self_check_trains_exports_and_passes_its_own_verdict(tmp_path: 
     (figures,) = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("GPU-SMOKE-TRAINER ")]
     assert figures | {"losses": None, "export_logprob_gap_bf16": None} == figures | {
         "size": "tiny", "backend": "torch", "device": "cpu", "steps": 2, "gpu": None, "mfu": None, "peak_from": "no GPU: MFU is for GPUs",
+        "attention_kernel": "sdpa", "packed_attention_gap": None,
         "published_dtypes": ["float32"], "published_matches_checkpoint": None, "losses": None, "export_logprob_gap_bf16": None}
     assert len(figures["losses"]) == 2 and 0 <= figures["export_logprob_gap_bf16"] <= 1e-4
     (verdict,) = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("GPU-SMOKE-VERDICT ")]

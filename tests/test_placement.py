@@ -347,22 +347,6 @@ def test_the_dry_run_shows_every_bundle_its_user_and_the_runs_transfer_dtypes_an
     assert (run["rollout_dtype"], run["rollout_executor"], run["train_dtype"], run["train_device"]) == ("bfloat16", "ray", "bf16", "cuda")
 
 
-def test_the_trainer_picks_flash_attentions_varlen_path_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Finding 9 (issue 24): no attn_implementation was set, so training attention was sdpa with a
-    dense [T, T] mask even where flash-attention was installed."""
-    import importlib.util
-
-    import torch
-    from staleflow.adapters.rlkit import causal_lm
-
-    assert causal_lm.attention_kernel() == "sdpa"  # this machine: no CUDA
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(causal_lm.importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else real_find_spec(name))
-    assert causal_lm.attention_kernel() == "sdpa"  # flash-attn without a GPU
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert causal_lm.attention_kernel() == "flash_attention_2"
-
-
 def test_the_trainers_device_follows_the_config_and_each_rank_checks_its_own_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Finding 5 (issue 24): the driver decided the trainer's device from its own torch.cuda, so
     train.gpus=0 on a GPU box asked Ray for GPUs outside the placement group (waiting forever), and a

@@ -90,13 +90,13 @@ class FSDPRank:
         torch.manual_seed(seed)
         # Only rank 0 reads the checkpoint (on CPU); every rank builds the model on the meta device,
         # shards it, and then receives its shards from rank 0.
-        loaded = load_causal_lm(model_path) if rank == 0 else None
-        model = empty_causal_lm(model_path)
+        dtype = settings.compute_dtype(self.device)
+        loaded = load_causal_lm(model_path) if rank == 0 else None  # the weights' source only: never run
+        model = empty_causal_lm(model_path, self.device, dtype, settings.attention)
         model.eval()  # no dropout (as the torch trainer)
         if settings.activation_checkpointing:
             enable_activation_checkpointing(model)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        dtype = settings.compute_dtype(self.device)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else MixedPrecisionPolicy()
         self.model = LogProbModel(model, chunk=settings.logprob_chunk, temperature=settings.temperature)
         self.micro_batch_tokens = resolve_micro_batch_tokens(model, settings.micro_batch_tokens)

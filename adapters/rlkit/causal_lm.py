@@ -12,40 +12,80 @@ from typing import Any
 import torch
 from staleflow.adapters.rlkit.hf_folder import check_model_folder
 
+#: the dtypes flash-attention computes in (an fp32 model on it fails at its first forward)
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
-def attention_kernel() -> str:
-    """The attention implementation the trainer's model uses in this process: flash-attention's
-    variable-length path (``flash_attention_2``) where the ``flash_attn`` package is installed and a
-    CUDA device is visible, so packed rows need no dense ``[T, T]`` mask; else ``sdpa``, whose packed
-    mask is dense and costs T^2 (the micro-batch budget ``auto`` is then 512 tokens, rlkit.packing)."""
-    if importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available():
+
+def attention_kernel(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *, flex: bool = True,
+                     requested: str = "auto") -> str:
+    """The attention implementation for a model that runs on ``device`` computing in ``dtype``,
+    decided by where the model runs, not by what the process can see (a rank's CPU reference copy
+    or greedy decoder in fp32 beside a GPU gets sdpa). Best first, for packed rows:
+
+    * ``flash_attention_2``: on CUDA in fp16/bf16 where the ``flash_attn`` package is installed
+      (variable-length path from ``position_ids``, no mask at all);
+    * ``flex_attention``: on CUDA otherwise (torch's flex attention with the document mask
+      transformers builds from ``position_ids``: block-sparse, no ``[T, T]`` tensor; no extra wheel).
+      ``flex``: the model's class supports it. Not on a CPU: torch 2.13 has no flex backward there;
+    * ``sdpa``: a dense block-diagonal ``[T, T]`` mask, ``T^2`` per micro-batch (the ``auto``
+      micro-batch budget is then 512 tokens, :mod:`~staleflow.adapters.rlkit.packing`).
+
+    ``requested`` (``train.attention``): a kernel's name is used as named; ``auto`` decides as above."""
+    if requested != "auto":
+        return requested
+    return choose_attention_kernel(torch.device(device).type == "cuda" and torch.cuda.is_available(), dtype, flex=flex)
+
+
+def choose_attention_kernel(on_cuda: bool, dtype: torch.dtype, *, flex: bool) -> str:
+    """:func:`attention_kernel` for a model on a CUDA device (``on_cuda``) or not: the dry run's
+    decision for ranks elsewhere (flash-attn as installed in this environment)."""
+    if on_cuda and dtype in FLASH_DTYPES and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if on_cuda and flex:
+        return "flex_attention"
     return "sdpa"
 
 
-def load_causal_lm(path: str | os.PathLike[str]) -> Any:
-    """A local Hugging Face causal LM in float32 (never the hub: a missing folder is an error).
+def supports_flex_attention(hf_config: Any) -> bool:
+    """Whether the causal LM class of a Hugging Face ``hf_config`` runs flex attention."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    return bool(getattr(model_class, "_supports_flex_attn", False))
+
+
+def load_causal_lm(path: str | os.PathLike[str], device: str | torch.device = "cpu", compute_dtype: torch.dtype = torch.float32,
+                   attention: str = "auto") -> Any:
+    """A local Hugging Face causal LM in float32 (never the hub: a missing folder is an error), with
+    the attention kernel for where it will run: on ``device``, computing in ``compute_dtype``
+    (:func:`attention_kernel`, or ``attention`` when it names one; the weights stay float32 and on
+    the CPU until the caller moves them).
 
     Single-file or sharded safetensors (``model.safetensors.index.json``), tied embeddings or not;
     the folder is checked first (:func:`~staleflow.adapters.rlkit.hf_folder.check_model_folder`).
     """
     folder = check_model_folder(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation=attention_kernel())
+    config = AutoConfig.from_pretrained(str(folder))
+    kernel = attention_kernel(device, compute_dtype, flex=supports_flex_attention(config), requested=attention)
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation=kernel)
 
 
-def empty_causal_lm(path: str | os.PathLike[str]) -> Any:
+def empty_causal_lm(path: str | os.PathLike[str], device: str | torch.device = "cpu", compute_dtype: torch.dtype = torch.float32,
+                    attention: str = "auto") -> Any:
     """The causal LM of a local Hugging Face folder on the meta device, in float32: its modules and
-    shapes without memory (only ``config.json`` is read); the weights come later."""
+    shapes without memory (only ``config.json`` is read); the weights come later. ``device`` and
+    ``compute_dtype``: where it will run, for its attention kernel; ``attention``: as :func:`load_causal_lm`."""
     folder = check_model_folder(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(folder))
+    kernel = attention_kernel(device, compute_dtype, flex=supports_flex_attention(config), requested=attention)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention_kernel())
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=kernel)
 
 
 def checkpoint_layout(weights: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

@@ -5,10 +5,10 @@ then as **micro-batches**: runs of whole sequences concatenated into one row of 
 ``max_tokens`` tokens (first-fit decreasing; a sequence longer than the budget gets a micro-batch of
 its own). Each sequence's ``position_ids`` restart at 0, which is how Hugging Face models see packed
 sequences: with ``attention_mask=None`` they build a block-diagonal causal mask from the position
-ids (sdpa/eager), and flash-attention uses them as variable-length boundaries, so no token attends
-across sequences and no compute is spent on padding. The dense mask makes attention cost ``T^2`` per
-micro-batch of ``T`` tokens, so the default budget depends on the kernel
-(:func:`resolve_micro_batch_tokens`).
+ids (dense for sdpa/eager, a block-sparse document mask for flex attention), and flash-attention
+uses them as variable-length boundaries, so no token attends across sequences and no compute is
+spent on padding. The dense mask makes attention cost ``T^2`` per micro-batch of ``T`` tokens, so
+the default budget depends on the kernel (:func:`resolve_micro_batch_tokens`).
 
 :func:`chunked_logprobs` turns the model's last hidden states into next-token log-probs ``chunk``
 positions at a time: the ``[chunk, vocabulary]`` logits (upcast to float32) exist for one chunk at a
@@ -170,8 +170,11 @@ def pack_micro_batch(sequences: Sequence[PackedSequence]) -> MicroBatch:
     )
 
 
-#: Default micro-batch budget when the attention kernel takes ``position_ids`` as variable-length
-#: boundaries (flash-attention): its cost is linear in the budget, so large micro-batches are cheap.
+#: The attention kernels that attend within each packed sequence without a dense ``[T, T]`` mask:
+#: flash-attention's variable-length path, flex attention's block-sparse document mask.
+PACKED_KERNELS = ("flash_attention_2", "flex_attention")
+#: Default micro-batch budget when the attention kernel needs no dense mask (:data:`PACKED_KERNELS`):
+#: its cost is linear in the budget, so large micro-batches are cheap.
 VARLEN_MICRO_BATCH_TOKENS = 8192
 #: Default budget when attention builds a dense block-diagonal ``[T, T]`` mask (sdpa, eager: what
 #: Hugging Face models run on a CPU): every micro-batch costs ``T^2``. On the arithmetic job a step
@@ -179,14 +182,18 @@ VARLEN_MICRO_BATCH_TOKENS = 8192
 DENSE_MASK_MICRO_BATCH_TOKENS = 512
 
 
+def auto_micro_batch_tokens(kernel: str) -> int:
+    """``train.micro_batch_tokens=auto`` for attention ``kernel``: :data:`VARLEN_MICRO_BATCH_TOKENS`
+    for one of :data:`PACKED_KERNELS`, else :data:`DENSE_MASK_MICRO_BATCH_TOKENS`."""
+    return VARLEN_MICRO_BATCH_TOKENS if kernel in PACKED_KERNELS else DENSE_MASK_MICRO_BATCH_TOKENS
+
+
 def resolve_micro_batch_tokens(causal_lm: Any, requested: int | None) -> int:
     """The micro-batch token budget: ``requested`` when set (``train.micro_batch_tokens``), else
-    ``auto``: :data:`VARLEN_MICRO_BATCH_TOKENS` for a flash-attention model and
-    :data:`DENSE_MASK_MICRO_BATCH_TOKENS` for one whose attention builds a dense mask."""
+    ``auto`` for the model's attention kernel (:func:`auto_micro_batch_tokens`)."""
     if requested is not None:
         return requested
-    kernel = str(getattr(causal_lm.config, "_attn_implementation", None) or "eager")
-    return VARLEN_MICRO_BATCH_TOKENS if "flash" in kernel else DENSE_MASK_MICRO_BATCH_TOKENS
+    return auto_micro_batch_tokens(str(getattr(causal_lm.config, "_attn_implementation", None) or "eager"))
 
 
 def micro_batches(sequences: Sequence[PackedSequence], max_tokens: int) -> list[MicroBatch]:

@@ -25,6 +25,7 @@ class TrainerSettings:
     scale_advantages: bool = True
     temperature: float = 1.0
     micro_batch_tokens: int | None = None  # None: auto (resolve_micro_batch_tokens)
+    attention: str = "auto"  # the attention kernel: auto (causal_lm.attention_kernel decides) or its name
     logprob_chunk: int = 1024
     activation_checkpointing: bool = False
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: the compute dtype
@@ -46,6 +47,7 @@ class TrainerSettings:
             scale_advantages=t.scale_advantages,
             temperature=job.rollout.temperature,
             micro_batch_tokens=None if t.micro_batch_tokens == "auto" else t.micro_batch_tokens,
+            attention=t.attention,
             logprob_chunk=t.logprob_chunk,
             activation_checkpointing=t.activation_checkpointing,
             dtype=t.dtype,

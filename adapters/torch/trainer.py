@@ -66,9 +66,9 @@ class TorchTrainer(BackgroundStepTrainer):
         self._settings = settings
         self._pad_id = pad_id
         self._device = torch.device(device)
-        self._model = load_causal_lm(model_path).to(self._device)
-        self._model.eval()  # no dropout: see the module docstring
         self._dtype = settings.compute_dtype(self._device)
+        self._model = load_causal_lm(model_path, self._device, self._dtype, settings.attention).to(self._device)
+        self._model.eval()  # no dropout: see the module docstring
         self._micro_batch_tokens = resolve_micro_batch_tokens(self._model, settings.micro_batch_tokens)
         if settings.activation_checkpointing:
             enable_activation_checkpointing(self._model)

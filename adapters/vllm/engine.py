@@ -36,6 +36,7 @@ from staleflow.adapters.rlkit.weight_checksum import WeightChecksumMismatch
 from staleflow.adapters.rlkit.weight_sender import TransferWeights, UpdateLeftOpenError
 from staleflow.adapters.vllm.llm import check_request, default_weights_dir, kv_tokens, make_llm_engine, weights_file
 from staleflow.adapters.vllm.pause import reload_weights_file
+from staleflow.adapters.vllm.request_ids import RequestIds
 from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaults
 from staleflow.adapters.vllm.step_meter import StepMeter
 from staleflow.adapters.vllm.weight_checksum import engine_checksums, verify_loaded
@@ -133,7 +134,7 @@ class VLLMEngine:
         self._published = _Published()
         self._window = _Window()
         self._live: dict[str, RolloutRequest] = {}  # engine thread only
-        self._internal_ids: dict[str, str] = {}  # vLLM's internal id -> our id; engine thread only
+        self._ids = RequestIds()  # vLLM's internal ids and ours; engine thread only
         self._finished: list[Trajectory] = []  # under the lock
         self._meter = StepMeter(DecodeStepLog())
         self._failure: BaseException | None = None
@@ -303,6 +304,7 @@ class VLLMEngine:
             item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             return
+        self._meter.paused()
         while True:
             command, done = item
             try:
@@ -353,7 +355,7 @@ class VLLMEngine:
         logprobs = completion.logprobs or []
         if len(logprobs) != len(new_ids):
             raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(new_ids)} tokens")
-        versions = token_versions(self._llm, output, self._internal_ids, len(new_ids))
+        versions = token_versions(self._llm, output, self._ids.internal(request.request_id), len(new_ids))
         for token, candidates, version in zip(new_ids, logprobs, versions):
             request.output_ids.append(token)
             request.logprobs.append(float(candidates[token].logprob))
@@ -361,7 +363,7 @@ class VLLMEngine:
         if output.finished:
             del self._live[request.request_id]
             self._meter.produced(request.request_id)
-            self._forget_internal(request.request_id)
+            self._ids.forget(request.request_id)
             self._finish(request, completion.finish_reason or "stop")
         return len(new_ids)
 
@@ -417,7 +419,7 @@ class VLLMEngine:
             # rendered as vLLM asks (a raw prompt dict is deprecated in LLMEngine.add_request)
             (prompt,) = self._llm.renderer.render_cmpl([{"prompt_token_ids": request.prompt_ids + request.output_ids}])
             internal = self._llm.add_request(request.request_id, prompt, params)
-            self._internal_ids[internal] = request.request_id
+            self._ids.add(internal, request.request_id)
             self._live[request.request_id] = request
             self._meter.submitted([request.request_id])
 
@@ -428,7 +430,7 @@ class VLLMEngine:
         if stopped:
             self._llm.abort_request([r.request_id for r in stopped])
             for request in stopped:
-                self._forget_internal(request.request_id)
+                self._ids.forget(request.request_id)
         return stopped
 
     def _do_load(self, version: int, source: Path | TransferWeights, update: Mapping[str, Any] | None = None) -> None:
@@ -452,10 +454,6 @@ class VLLMEngine:
         to compare with a version's weights by :func:`~staleflow.adapters.rlkit.weight_checksum.mismatches`."""
         return self._call(lambda: engine_checksums(self._llm, seed))
 
-    def _forget_internal(self, request_id: str) -> None:
-        for internal in [i for i, rid in self._internal_ids.items() if rid == request_id]:
-            del self._internal_ids[internal]
-
     def _scheduler(self) -> Any:
         """vLLM's scheduler when the engine core runs in this process (else None)."""
         core = getattr(self._llm.engine_core, "engine_core", None)
@@ -464,8 +462,8 @@ class VLLMEngine:
     def _publish(self) -> None:
         scheduler = self._scheduler()
         if scheduler is not None:
-            running = tuple(self._internal_ids.get(r.request_id, r.request_id) for r in scheduler.running)
-            waiting = tuple(self._internal_ids.get(r.request_id, r.request_id) for r in scheduler.waiting)
+            running = tuple(self._ids.ours(r.request_id) for r in scheduler.running)
+            waiting = tuple(self._ids.ours(r.request_id) for r in scheduler.waiting)
             kv = kv_tokens(scheduler)
         else:  # engine core in another process: all our live requests count as running
             running, waiting = tuple(self._live), ()

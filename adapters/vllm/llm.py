@@ -15,10 +15,25 @@ from staleflow.runtime.types import RolloutRequest
 
 def make_llm_engine(engine_args: dict[str, Any]) -> Any:
     set_vllm_env_defaults()
+    unmask_devices_for_ray_executor(engine_args)
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     return LLMEngine.from_engine_args(EngineArgs(**engine_args))
+
+
+def unmask_devices_for_ray_executor(engine_args: Mapping[str, Any], environ: Any = os.environ) -> str | None:
+    """With vLLM's Ray executor (a tensor-parallel GPU instance) the engine actor holds no GPU of its
+    own (``num_gpus=0``: its Ray workers take one per bundle), and Ray may hide every GPU from it by
+    setting ``CUDA_VISIBLE_DEVICES`` empty (older Ray releases did so for every actor without GPUs;
+    Ray 2.60 does where ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1``). The engine core started from this
+    process would inherit the empty mask and find no CUDA device. Remove the mask before vLLM starts,
+    as OpenRLHF's engine actor does; each worker gets its own from Ray. Returns the value removed
+    (None: nothing to do)."""
+    if engine_args.get("distributed_executor_backend") != "ray":
+        return None
+    removed: str | None = environ.pop("CUDA_VISIBLE_DEVICES", None)
+    return removed
 
 
 def pure_decode(scheduler: Any) -> bool:

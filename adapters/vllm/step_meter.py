@@ -7,7 +7,9 @@ process of its own (tensor parallelism, and every GPU instance, :mod:`staleflow.
 there is no scheduler to read: the engine's own requests stand for it (a step is pure decode when
 every live request has had a token since it was submitted, so none is prefilling), and since that core
 steps by itself, a step's time is the interval between two outputs received, counted only when the
-step before was pure decode too (the interval then spans one decode step of the core).
+step before was pure decode too (the interval then spans one decode step of the core) and nothing ran
+in between (:meth:`StepMeter.paused`): a weight load pauses the core, and a command delays the
+thread that reads the outputs, so the interval after either is a pause, not a step.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class StepMeter:
     def produced(self, request_id: str) -> None:
         """``request_id`` got a token (or left the engine): it is past its prefill."""
         self._prefilling.discard(request_id)
+
+    def paused(self) -> None:
+        """Something ran between two steps (a weight load, a command): the next interval is no step."""
+        self._last_decode_end = None
 
     def before(self, scheduler: Any, live: Mapping[str, RolloutRequest]) -> None:
         """Call right before ``LLMEngine.step()``; ``scheduler``: vLLM's, or None (core elsewhere)."""

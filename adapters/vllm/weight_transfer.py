@@ -150,17 +150,16 @@ class InstanceWeightSync:
             self.pauses.append(time.monotonic() - started)
 
 
-def token_versions(llm_engine: Any, output: Any, internal_ids: Mapping[str, str], count: int) -> list[int]:
+def token_versions(llm_engine: Any, output: Any, internal_id: str, count: int) -> list[int]:
     """The weight versions of the last ``count`` output tokens of ``output``, from the spans vLLM
     keeps per request: the finished output's ``weight_versions``, else the output processor's record
-    of the running request (found by its internal id: ``internal_ids`` maps internal -> ours)."""
+    of the running request (kept under vLLM's ``internal_id`` of it: one lookup)."""
     spans = output.outputs[0].weight_versions
     if spans is not None:
         starts = [(span.version, span.start) for span in spans]
         total = spans[-1].end if spans else 0
     else:
-        internal = next((i for i, rid in internal_ids.items() if rid == output.request_id), output.request_id)
-        state = llm_engine.output_processor.request_states.get(internal)
+        state = llm_engine.output_processor.request_states.get(internal_id)
         if state is None or state.detokenizer is None:
             raise RuntimeError(f"vLLM keeps no weight versions for request {output.request_id!r}")
         starts, total = list(state.weight_version_starts), state.detokenizer.num_output_tokens()

@@ -10,6 +10,10 @@ the same device) and, every ``refit_s`` seconds of the run's clock, refits
 * steps are pooled per ``(n, K)`` bin (``n`` exact, ``K`` in quarter octaves) into one point at the
   bin's mean ``K`` with the lower quartile of its latencies (a step slowed by another process can
   only be slower: the profiler's rule, ``app/profile.py``);
+* an engines' pooled point :data:`OUTLIER_RATIO` times off the first fit, either way, is set aside
+  and the fit made again without it (the prior's points below stay): bins are by exact ``n``, so one step that was no decode step (a pause
+  the meter could not tell from one) is a bin's point on its own, and a least-squares fit bends its
+  knee towards it;
 * batch sizes beyond those the engines have run (the powers of two up to ``max_n`` above 1.5 times
   the largest observed ``n``) keep the prior's latency, at the observed KV per request: a run that
   only ever holds 40 requests does not tell the fit where compute binds, so the prior still does
@@ -28,12 +32,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from staleflow.runtime.coordination.cost_model import CostModel, ProfileRecord, fit_cost_model
+from staleflow.runtime.coordination.cost_model import COEFFICIENTS, CostModel, ProfileRecord, fit_cost_model
 
 #: latencies kept per bin (the lower quartile of the latest ones is the bin's point)
 BIN_STEPS = 32
 #: bins kept (the least recently seen one goes first)
 MAX_BINS = 512
+#: a pooled point more than this many times slower or faster than the first fit is set aside
+OUTLIER_RATIO = 3.0
 
 
 class DecodeStepLog:
@@ -124,7 +130,7 @@ class OnlineCostModel:
         self._new = 0
         changed = False
         if self.online and len(points) >= 2:
-            self.model, _ = fit_cost_model(points + self._prior_points(points))
+            self.model = fit_without_outliers(points, self._prior_points(points))
             self._refits += 1
             changed = True
         self._errors = None  # measured when :meth:`figures` asks (refits are many, reports few)
@@ -160,6 +166,17 @@ class OnlineCostModel:
             "cost_model": self.model.to_dict(),
             "cost_prior": self.source,
         }
+
+
+def fit_without_outliers(points: Sequence[ProfileRecord], prior: Sequence[ProfileRecord] = ()) -> CostModel:
+    """The cost model fitted to ``points`` and the ``prior``'s, fitted again without the ``points``
+    :data:`OUTLIER_RATIO` times off the first fit (when enough are left to fit; the prior's are kept:
+    they stand where the engines have not run)."""
+    model, _ = fit_cost_model([*points, *prior])
+    kept = [p for p in points if p.latency / OUTLIER_RATIO <= model.step_latency(p.n, p.kv_tokens) <= p.latency * OUTLIER_RATIO]
+    if len(kept) == len(points) or len(kept) + len(prior) < len(COEFFICIENTS):
+        return model
+    return fit_cost_model([*kept, *prior])[0]
 
 
 def quantile(ordered: Sequence[float], q: float) -> float:

@@ -48,8 +48,8 @@ class TaskConfig(ConfigSection):
     (``chat_template: auto``) or as their contents one per line (``none``). ``reward``: a built-in
     scorer (``repeat_letter``, ``exact_match``, ``gsm8k``, ``math``) or ``module:function``.
     ``eval_file``: a held-out set evaluated through a rollout engine (greedy or sampled).
-    ``eval_engine``: ``rollout`` evaluates on the rollout instances between two steps (the instance
-    holding the newest version; as verl and OpenRLHF do), ``own`` on an engine of its own, planned
+    ``eval_engine``: ``rollout`` evaluates on the rollout instances between two steps (every instance
+    holding the newest version, the prompts dealt out among them; as verl and OpenRLHF do), ``own`` on an engine of its own, planned
     like one more rollout instance (its GPUs are idle between evaluations).
     ``eval_timing``: ``inline`` evaluates between steps (the run loop waits, rollout instances go
     on generating); ``deferred`` only saves the weights at each evaluation step and evaluates them
@@ -307,7 +307,7 @@ class CostModelConfig(ConfigSection):
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
-        from staleflow.runtime.settings.cost_prior import device_spec
+        from staleflow.runtime.settings.devices import device_spec
 
         if value != "auto":
             device_spec(value)  # a ValueError naming the known devices
@@ -361,8 +361,13 @@ class TrainConfig(ConfigSection):
     scale_advantages: StrictBool = True
     threads: StrictInt = Field(1, ge=1, le=1024)  # torch intra-op threads of the trainer
     world_size: StrictInt = Field(1, ge=1, le=4096)  # trainer processes (fsdp: one per GPU, or gloo ranks on CPU)
-    # packed tokens per forward/backward; auto: 8,192 with flash-attention, 512 where attention builds a
-    # dense [T, T] mask (sdpa/eager, so on CPU), whose cost grows with the square of the budget
+    attention: Literal["auto", "flash_attention_2", "flex_attention", "sdpa"] = "auto"
+    """The trainer's attention kernel for packed rows; ``auto``: flash-attention on GPUs in bf16 where
+    ``flash_attn`` is installed, else flex attention on GPUs, sdpa on CPUs
+    (:func:`~staleflow.adapters.rlkit.causal_lm.attention_kernel`). A kernel named here is used as
+    named (``sdpa`` on GPUs: the dense ``[T, T]`` mask, should flex attention fail there)."""
+    # packed tokens per forward/backward; auto: 8,192 with flash-attention or flex attention, 512 where
+    # attention builds a dense [T, T] mask (sdpa, so on CPU), whose cost grows with the square of the budget
     micro_batch_tokens: Literal["auto"] | Annotated[int, Field(strict=True, ge=16, le=10_000_000)] = "auto"
     logprob_chunk: StrictInt = Field(1024, ge=1, le=1_000_000)  # positions per [chunk, vocab] log-softmax
     activation_checkpointing: StrictBool = False
