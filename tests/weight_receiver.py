@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from staleflow.adapters.rlkit.weight_sender import receive_gloo, received_specs
+from staleflow.adapters.rlkit.wire_receive import receive_gloo, received_specs
 
 
 class GlooReceiver:

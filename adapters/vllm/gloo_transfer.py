@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from staleflow.adapters.rlkit.weight_sender import receive_gloo, received_specs
+from staleflow.adapters.rlkit.wire_receive import receive_gloo, received_specs
 from staleflow.adapters.vllm.weight_transfer import refresh_cpu_output_layer
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 

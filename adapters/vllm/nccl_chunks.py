@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from staleflow.adapters.rlkit.weight_sender import received_specs, wait_until
+from staleflow.adapters.rlkit.weight_sender import wait_until
 from staleflow.adapters.rlkit.wire_chunks import receive_chunks
+from staleflow.adapters.rlkit.wire_receive import received_specs
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
 
 
