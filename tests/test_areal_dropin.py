@@ -269,7 +269,9 @@ def test_areal_real_ppo_trainer_on_cpu_recovers_mid_run(areal_python: tuple[Path
     assert len(loads) == 7 and loads[3] == loads[2] and len(set(loads)) == 6 and result["initial_weights"] not in loads
 
 
-@pytest.mark.nightly  # 56-74 s of CI's 15 minutes on 2 cores; the idle rank's recovery stays in CI (test_areal_guards_bypasses_and_a_non_head_rank_recovers)
+# 56-74 s of CI's 15 minutes on 2 cores; the idle rank's recovery stays in CI:
+# test_areal_guards_bypasses_and_a_non_head_rank_recovers
+@pytest.mark.nightly
 def test_areal_real_ppo_trainer_tensor_parallel_recovers_on_a_rank_that_never_consumes(
         areal_python: tuple[Path, float], tmp_path: Path) -> None:
     """The real ``PPOTrainer`` as above with ``actor.backend="fsdp:d1t2"``: tensor parallelism over the two
