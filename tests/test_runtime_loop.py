@@ -14,7 +14,7 @@ from staleflow.runtime.run.loop import RunParts, RunStalledError
 from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.servers.parameter_server import ParameterServer
 from staleflow.runtime.settings.policies import POLICIES, make_policy
-from staleflow.runtime.types import PromptGroup
+from staleflow.runtime.types import PromptGroup, RolloutRequest
 
 MODEL = CostModel(thr=0.0064, o_b=0.0027, o_k=1.231e-4, a_b=0.0028, a_k=3.35e-8)
 
@@ -305,6 +305,45 @@ def test_real_clock_run_with_polling_engines():
     loop.close()
     assert trainer.version == 3 and metrics.audit_ok and metrics.max_staleness <= 1
     assert loop.ps.latest_version() == 3
+
+
+class FinishesAfterSnapshot(FakeEngine):
+    """A fake engine that keeps decoding while the audit asks it what it holds, as a real one does:
+    once ``racing``, every request it holds at a snapshot has finished by its next collect."""
+
+    racing = False
+    _asked = False
+
+    def snapshot(self):
+        self._asked = self.racing
+        return super().snapshot()
+
+    def collect(self):
+        if self._asked:
+            self.clock.sleep_until(self.clock.now() + 1000.0)
+        return super().collect()
+
+
+def test_the_audit_counts_no_request_that_finished_while_it_was_asking_as_orphaned():
+    """Engines decode on between the audit's snapshot and its last collect (a real clock, real
+    engines): a request held at the snapshot and finished just after has left the trajectory server,
+    and is not an orphan. A request an engine holds that was never placed there still is."""
+    clock = VirtualClock()
+    engines = [FinishesAfterSnapshot(f"i{k}", clock, max_running=4) for k in range(2)]
+    loop, _, _, _ = build("staleflow", eta=1, batch=2, n_samples=2, clock=clock, engines=engines,
+                          prompts=prompt_groups(2, lengths=(300, 400, 500)))
+    loop.run(2)
+    held_before = {iid: engine.held() for iid, engine in loop.instances.engines.items()}
+    assert any(held_before.values())
+    for engine in engines:
+        engine.racing = True
+    report = loop.audit()
+    assert report.ok and report.orphaned == () and report.lost == (), report
+    assert not any(engine.held() for engine in engines)
+    for engine in engines:
+        engine.racing = engine._asked = False
+    engines[0].submit([RolloutRequest("stray/0", "stray", [1, 2], max_new_tokens=10_000, group_version=0)])
+    assert loop.audit().orphaned == ("stray/0",)
 
 
 def test_on_step_reports_each_finished_step_once():

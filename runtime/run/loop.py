@@ -8,10 +8,9 @@ called back: what the driver observed and what GroupLife cancelled is stepped in
 commands its ``ready()`` hands out are carried out by the driver. Each iteration, at ``now``:
 
 1. **collect** finished trajectories from the instances with events due (all of them when they do
-   not announce event times: real engines): GroupLife keeps them, and hands over each group that is
-   complete to the reward runner (:mod:`~staleflow.runtime.run.rewarding`); the coordinator is told
-   the requests left and gets the instance's snapshot, and aborts the siblings a complete group no
-   longer needs;
+   not announce event times: real engines): GroupLife keeps them and hands each complete group to
+   the reward runner (:mod:`~staleflow.runtime.run.rewarding`); the coordinator is told the requests
+   left, gets the snapshot, and aborts the siblings a complete group no longer needs;
 2. **reward**: rewarded groups Occupy their protocol entry, a failed reward aborts the group
    (:mod:`~staleflow.runtime.run.group_life`, the one owner of a group's life);
 3. **train**: a finished step's weights are published (:mod:`~staleflow.runtime.run.weight_sync`:
@@ -71,8 +70,9 @@ from staleflow.runtime.run.run_spec import RunSpec
 from staleflow.runtime.run.run_state import STATE_FORMAT, check_run_state
 from staleflow.runtime.run.run_stats import RunMetrics, RunStats
 from staleflow.runtime.run.weight_sync import WeightPublisher
+from staleflow.runtime.servers.audit import AuditReport, held_at_last_collect
 from staleflow.runtime.servers.parameter_server import ParameterServer
-from staleflow.runtime.servers.trajectory_server import AuditReport, TrajectoryServer
+from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 from staleflow.runtime.types import Cancellations, PromptGroup
 
 __all__ = ["RunLoop", "RunMetrics", "RunParts", "RunStalledError"]
@@ -111,8 +111,7 @@ class RunLoop:
 
     Args:
         parts: what it drives (:class:`RunParts`).
-        spec: what is asked of it: the system's policy, the bound, the batch...
-            (:class:`~staleflow.runtime.run.run_spec.RunSpec`).
+        spec: the system's policy, the bound, the batch... (:class:`~staleflow.runtime.run.run_spec.RunSpec`).
         event_hooks: protocol event hooks (metrics, checkers).
         trace_path: write the protocol trace here (JSONL, checkable by ``staleflow verify``); a
             resumed run appends a new segment that starts from the restored protocol state.
@@ -174,10 +173,8 @@ class RunLoop:
     # ----------------------------------------------------------------- the loop
     def run(self, steps: int, on_step: Callable[[], None] | None = None) -> RunMetrics:
         """Run until ``steps`` more training steps have finished; returns the metrics of the run so far.
-
         ``on_step`` is called after each finished step (progress reports); the metrics, whose audit
-        walks every request of the run, are computed once at the end.
-        """
+        walks every request of the run, are computed once at the end."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         if not self._started:
@@ -381,15 +378,17 @@ class RunLoop:
 
     # ----------------------------------------------------------------- results
     def audit(self) -> AuditReport:
-        """Collect from every engine, then check that the TS and the engines agree on every request."""
+        """Collect from every engine, then check that the TS and the engines agree on every request
+        (:func:`~staleflow.runtime.servers.audit.held_at_last_collect`: engines decode on while asked)."""
         self._attach_trace()
         for iid in self.instances.engines:
             self._collect_from(iid)
         held, lost = self.instances.held_requests()
         self._observe(lost)
+        placed = self.ts.running_on()
         for iid in self.instances.engines:
             self._collect_from(iid)
-        return self.ts.audit(held)
+        return self.ts.audit(held_at_last_collect(held, placed, self.ts.running_on(), self.instances.down))
 
     def metrics(self) -> RunMetrics:
         now = self.clock.now()

@@ -3,7 +3,7 @@ engines say they hold (:meth:`~staleflow.runtime.servers.trajectory_server.Traje
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -48,3 +48,16 @@ def placement_mismatches(
         lost.extend(sorted(r for r in rids if held.get(r) != instance_id))
     orphaned = [rid for rid, instance_id in held.items() if rid not in placed_sets.get(instance_id, ())]
     return tuple(lost), tuple(sorted(orphaned)), tuple(held_twice)
+
+
+def held_at_last_collect(
+    held: Mapping[str, set[str]], placed_at_snapshot: Mapping[str, set[str]], placed_now: Mapping[str, set[str]],
+    down: Collection[str] = (),
+) -> dict[str, set[str]]:
+    """What each instance still up (not in ``down``) holds, as of the audit's last collect. Engines
+    decode on while they are asked: a request held at the snapshot (``held``) that the trajectory
+    server placed there then and no longer places (finished, or cancelled as its group's extra, by
+    the collect after the snapshot) was held rightly, and is not an orphan. A request never placed
+    there still is."""
+    return {iid: rids - (placed_at_snapshot.get(iid, set()) - placed_now.get(iid, set()))
+            for iid, rids in held.items() if iid not in down}
