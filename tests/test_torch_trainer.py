@@ -14,7 +14,9 @@ from staleflow.adapters.torch.trainer import TorchTrainer
 from staleflow.app.tiny_model import (
     EOS_ID,
     PAD_ID,
+    TinyModelSpec,
     build_tokenizer,
+    ensure_tiny_model,
 )
 from staleflow.app.warmup import warm_up
 from staleflow.runtime.tasks import repeat_letter_prompts
@@ -157,6 +159,38 @@ def test_checkpoint_round_trip_continues_identically(model_dir: Path, tmp_path: 
         assert all(torch.allclose(v, second.weights()[k], atol=1e-7) for k, v in first.weights().items())
         with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
             second.load_checkpoint(tmp_path)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_tied_output_layer_is_published_and_checkpointed_once_and_stays_tied(tmp_path: Path) -> None:
+    """A model whose output layer is its embedding (Qwen2.5 up to 3B, Llama 3.2) publishes each
+    weight once, as Hugging Face saves it: ``lm_head.weight`` is not sent again beside
+    ``model.embed_tokens.weight`` (the receiver ties it; vLLM's loaders skip it). Its checkpoint
+    loads back tied, and so does one written with the output layer spelled out."""
+    model_dir = ensure_tiny_model(tmp_path / "tied", TinyModelSpec(tie_word_embeddings=True))
+    first = TorchTrainer(model_dir, pad_id=PAD_ID, seed=3)
+    second = TorchTrainer(model_dir, pad_id=PAD_ID, seed=4)
+    try:
+        unique = {p.data_ptr(): p for p in first._model.parameters()}
+        published = first.weights()
+        assert "lm_head.weight" not in published and "model.embed_tokens.weight" in published
+        assert sum(t.nbytes for t in published.values()) == sum(p.nbytes for p in unique.values())
+        first.start_step(_batch(model_dir, 0))
+        first.wait(timeout=120)
+        first.save_checkpoint(tmp_path / "ckpt")
+        assert second.load_checkpoint(tmp_path / "ckpt") == 1
+        model = second._model
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        assert torch.equal(model.lm_head.weight, first.weights()["model.embed_tokens.weight"])
+        from safetensors.torch import load_file, save_file
+
+        spelled_out = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+        spelled_out["lm_head.weight"] = spelled_out["model.embed_tokens.weight"].clone()
+        save_file(spelled_out, str(tmp_path / "ckpt" / "model.safetensors"))
+        assert second.load_checkpoint(tmp_path / "ckpt") == 1
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     finally:
         first.close()
         second.close()

@@ -12,7 +12,7 @@ reads them with :func:`read_checkpoint_file` and :func:`check_weights_match`.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +22,20 @@ CHECKPOINT_MODEL = "model.safetensors"
 CHECKPOINT_STATE = "trainer_state.pt"
 
 
-def read_trainer_checkpoint(source: Path, expected: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
+def read_trainer_checkpoint(source: Path, expected: Mapping[str, Any], tied: Collection[str] = ()) -> tuple[dict[str, torch.Tensor], Any]:
     """The weights and the training state of a trainer checkpoint folder, read, the weights checked
     against ``expected`` (name -> tensor of the model's shape; meta tensors do): a missing file is a
     FileNotFoundError, a damaged one or weights of another model a ValueError, each naming the file.
-    The state is not checked yet (its format is the trainer's own)."""
+    ``tied``: names that are another weight (a tied ``lm_head.weight``), dropped where a checkpoint
+    written before they were left out holds them. The state is not checked yet (its format is the
+    trainer's own)."""
     from safetensors.torch import load_file
 
     for name in (CHECKPOINT_MODEL, CHECKPOINT_STATE):
         if not (source / name).is_file():
             raise FileNotFoundError(f"checkpoint {source} has no {name}")
     weights = read_checkpoint_file(source / CHECKPOINT_MODEL, lambda path: load_file(str(path)))
+    weights = {name: tensor for name, tensor in weights.items() if name not in tied}
     state = read_checkpoint_file(source / CHECKPOINT_STATE, lambda path: torch.load(path, weights_only=False))
     check_weights_match(weights, expected, source / CHECKPOINT_MODEL)
     return weights, state

@@ -30,6 +30,7 @@ from staleflow.adapters.rlkit.checkpoint import CHECKPOINT_MODEL, CHECKPOINT_STA
 from staleflow.adapters.rlkit.packed_step import batch_metrics, split_groups, train_minibatches
 from staleflow.adapters.rlkit.packing import LogProbModel, batch_sequences, enable_activation_checkpointing, resolve_micro_batch_tokens
 from staleflow.adapters.rlkit.settings import TrainerSettings
+from staleflow.adapters.rlkit.staged_version import unique_tensors
 from staleflow.adapters.rlkit.step_thread import BackgroundStepTrainer
 from staleflow.runtime.types import TrainingBatch, TrainResult
 
@@ -110,7 +111,9 @@ class TorchTrainer(BackgroundStepTrainer):
         """Restore what :meth:`save_checkpoint` wrote; returns the restored version."""
         source = self._restore_folder(folder)
         # Read and check everything before touching the model: a refused load changes nothing.
-        weights, state = read_trainer_checkpoint(source, self._model.state_dict())
+        model_state = self._model.state_dict()
+        expected = dict(unique_tensors(model_state.items()))
+        weights, state = read_trainer_checkpoint(source, expected, tied=set(model_state) - set(expected))
         if not isinstance(state, dict) or state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"checkpoint file {source / CHECKPOINT_STATE} is not a torch trainer state ({CHECKPOINT_FORMAT}): {found}")
@@ -118,7 +121,7 @@ class TorchTrainer(BackgroundStepTrainer):
         shapes = dict(enumerate(tuple(p.shape) for p in self._model.parameters()))
         check_trainer_state(state, source / CHECKPOINT_STATE, groups, shapes)
         with self._lock:
-            self._model.load_state_dict(weights, strict=True)
+            self._model.load_state_dict(weights, strict=False)  # checked above: only the tied names are left out
             self._optimizer.load_state_dict(state["optimizer"])
             self._scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["torch_rng"])
@@ -171,4 +174,6 @@ class TorchTrainer(BackgroundStepTrainer):
         return torch.autocast(device_type=self._device.type, dtype=self._dtype)
 
     def _copy_weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self._model.state_dict().items()}
+        """A copy of every weight, a tied one (``lm_head.weight`` of a model whose output layer is its
+        embedding) once, under its first name, as Hugging Face saves it and receivers expect."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in unique_tensors(self._model.state_dict().items())}
