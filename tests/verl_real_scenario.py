@@ -331,7 +331,9 @@ async def run_dropin(out: Path, seed: int, steps: int = 25) -> dict[str, Any]:
     rollouter's staleness. After ``steps`` steps the trainer checkpoints (the queue first), the run
     stops, and a new queue, rollouter and trainer resume from verl's latest folder for ``steps`` more."""
     assemble_batches_as_lists()
-    engine = ReservingEngine(seed, slow_turns=2000)  # a tail long enough that dropped samples are still generating
+    # a tail long enough that dropped samples are still generating when dropped (2,000 turns: as few as 0 of
+    # the 48 dropped under load, a flaky test; 8,000: 16 in every run measured, the run no longer)
+    engine = ReservingEngine(seed, slow_turns=8000)
     config = OmegaConf.create({
         "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": REQUIRED}},
         "async_training": {"require_batches": 1, "trigger_parameter_sync_step": 1, "staleness_threshold": ETA,
