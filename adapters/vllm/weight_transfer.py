@@ -129,25 +129,27 @@ class InstanceWeightSync:
         self.receivers = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
         self.backend = backend
         self.pauses: list[float] = []
-        self._connected = False
+        self._held: dict[str, object] = {}  # the groups the workers hold, by channel (``weights.channel``)
 
     def receive(self, weights: TransferWeights, update: Mapping[str, Any] | None = None) -> int:
         """Receive the version ``weights`` refers to (``update``: what ``weights.prepare()`` returned;
-        None: prepared here), the engine core's scheduling paused if it runs in another process
-        (:mod:`~staleflow.adapters.vllm.pause`) for the transfer alone; returns the bytes sent."""
-        if not self._connected:
-            weights.connect(self.instance_id, self.receivers, self.client, self.backend)
-            self._connected = True
-        prepared = weights.prepare() if update is None else update
-        started = time.monotonic()
+        None: prepared here) on the group its channel names (the instance's own, or a collective of
+        several instances: :mod:`~staleflow.adapters.rlkit.collective`), the engine core's scheduling
+        paused if it runs in another process (:mod:`~staleflow.adapters.vllm.pause`) for the transfer
+        alone; returns the bytes sent. After a failure every group is made again."""
         try:
-            with scheduling_paused(self._llm):
-                return weights.deliver(self.instance_id, self.client, prepared)
+            held = self._held.get(weights.channel)
+            group = self._held[weights.channel] = weights.connect(self.instance_id, self.receivers, self.client, self.backend, held)
+            prepared = weights.prepare() if update is None else update
+            started = time.monotonic()
+            try:
+                with scheduling_paused(self._llm):
+                    return weights.deliver(self.instance_id, self.client, prepared, group)
+            finally:
+                self.pauses.append(time.monotonic() - started)
         except Exception:
-            self._connected = False
+            self._held.clear()
             raise
-        finally:
-            self.pauses.append(time.monotonic() - started)
 
 
 def token_versions(llm_engine: Any, output: Any, internal_id: str, count: int) -> list[int]:
