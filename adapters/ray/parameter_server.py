@@ -50,7 +50,7 @@ class RemoteWeights:
 class RemoteParameterServer:
     """The parameter-server interface over a :class:`ParameterServer` placed as a Ray actor.
 
-    ``broadcast``: the server is a :class:`~staleflow.adapters.rlkit.weight_sender.TransferParameterServer`
+    ``broadcast``: the server is a :class:`~staleflow.adapters.rlkit.collective.CollectiveParameterServer`
     with these transfer settings (``backend``, ``host``, ``wire_dtype``, ``bucket_bytes``), and pulls
     hand out :class:`~staleflow.adapters.rlkit.weight_sender.TransferWeights` (vLLM's weight-transfer
     API over a long-lived group per instance); None: pulls hand out :class:`RemoteWeights`.
@@ -68,9 +68,9 @@ class RemoteParameterServer:
         factory: Any = ParameterServer
         kwargs: dict[str, Any] = {"keep": keep, "copy_weights": _keep_as_is}
         if broadcast is not None:
-            from staleflow.adapters.rlkit.weight_sender import TransferParameterServer
+            from staleflow.adapters.rlkit.collective import CollectiveParameterServer
 
-            factory = TransferParameterServer
+            factory = CollectiveParameterServer  # per-instance groups, and collectives of several instances
             kwargs["transfer"] = broadcast
         if name is None:
             return cls(placement.place(factory, threads=SERVER_THREADS, **kwargs), broadcast)

@@ -3,11 +3,11 @@
 the worker process only).
 
 The lifecycle is that of vLLM's ``nccl`` engine: ``init_transfer_engine`` joins the sender's
-long-lived group once (per channel: the instance's own group, and a collective of several instances'
-workers, :mod:`staleflow.adapters.rlkit.collective`, kept beside it); ``start_weight_update`` / ``finish_weight_update`` run vLLM's layerwise reload
-around the model's ``load_weights`` (checkpoint names fused into vLLM's parameters, the CPU backend's
-repacked weights prepared again); ``receive_weights`` takes the chunks the sender broadcasts
-(:mod:`staleflow.adapters.rlkit.wire_chunks`).
+long-lived group once per channel (the instance's own group, and a collective of several instances'
+workers kept beside it, :mod:`staleflow.adapters.rlkit.collective`); ``start_weight_update`` /
+``finish_weight_update`` run vLLM's layerwise reload around the model's ``load_weights`` (checkpoint
+names fused into vLLM's parameters, the CPU backend's repacked weights prepared again);
+``receive_weights`` takes the chunks the sender broadcasts (:mod:`staleflow.adapters.rlkit.wire_chunks`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             pass
 
     def _received(self, info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
-        return receive_gloo(self.groups[info.channel], received_specs(info.names, info.dtype_names, info.shapes), self.bucket_bytes, info.timeout_s)
+        specs = received_specs(info.names, info.dtype_names, info.shapes)
+        return receive_gloo(self.groups[info.channel], specs, self.bucket_bytes, info.timeout_s)
 
     def shutdown(self) -> None:
         self.groups = {}

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from staleflow.runtime.coordination.commands import Abort, Command, Interrupt, Pull, Route
 from staleflow.runtime.coordination.cost_model import ProfileRecord
 from staleflow.runtime.coordination.observations import InstanceBack, InstanceLost
-from staleflow.runtime.interfaces import INSTANCE_FAILURES, Clock, RolloutEngine
+from staleflow.runtime.interfaces import INSTANCE_FAILURES, Clock, CollectiveReference, RolloutEngine
 from staleflow.runtime.run.instance_health import first_snapshot, probe
 from staleflow.runtime.servers.parameter_server import ParameterServer
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
@@ -181,6 +181,7 @@ class InstanceDriver:
         failing instance is marked down (and returned) and its later commands skipped."""
         lost: list[InstanceLost] = []
         pulls: dict[str, Future[None]] = {}
+        together = self._broadcast_sets(commands)
         try:
             for command in commands:
                 iid = command.instance_id
@@ -189,7 +190,7 @@ class InstanceDriver:
                 if iid in self.down:
                     continue  # its requests were re-queued; requests routed to it are still queued
                 if isinstance(command, Pull) and self._pulls is not None:
-                    pulls[iid] = self._pulls.submit(self._load, command)
+                    pulls[iid] = self._pulls.submit(self._load, command, together.get(command.version, ()))
                     continue
                 try:
                     self._execute_one(command)
@@ -229,13 +230,27 @@ class InstanceDriver:
             raise TypeError(f"unknown command {command!r}")
         self._executed(command.instance_id, type(command).__name__)
 
-    def _load(self, command: Pull) -> None:
-        """The engine's side of a Pull: the version from the parameter server into the instance."""
+    def _broadcast_sets(self, commands: Sequence[Command]) -> dict[int, tuple[str, ...]]:
+        """The up instances of each version's broadcast Pulls among ``commands`` (real clock only:
+        a collective needs its members' loads at once)."""
+        sets: dict[int, tuple[str, ...]] = {}
+        for command in commands:
+            if isinstance(command, Pull) and command.broadcast and command.instance_id not in self.down and self._pulls is not None:
+                sets[command.version] = (*sets.get(command.version, ()), command.instance_id)
+        return sets
+
+    def _load(self, command: Pull, together: Sequence[str] = ()) -> None:
+        """The engine's side of a Pull: the version from the parameter server into the instance. A
+        broadcast's load with other instances (``together``: every up instance the broadcast goes
+        to) gets the version in one collective for all of them where the server's reference can
+        (:class:`~staleflow.runtime.interfaces.CollectiveReference`), else as a pull."""
         version, weights = self.ps.pull(command.version)
-        if command.broadcast:
-            self.engines[command.instance_id].load_weights(version, weights, broadcast=True)
-        else:
+        if not command.broadcast:
             self.engines[command.instance_id].load_weights(version, weights)
+            return
+        if len(together) > 1 and isinstance(weights, CollectiveReference):
+            weights = weights.in_collective(together)
+        self.engines[command.instance_id].load_weights(version, weights, broadcast=True)
 
     def _executed(self, iid: str, kind: str) -> None:
         """Bookkeeping after a command of ``kind`` on ``iid`` (in the loop's thread)."""
