@@ -39,13 +39,16 @@ class _Engine:
 class _Weights:
     """Stands in for ``TransferWeights``: the calls vLLM's trainer-side engines make for one version."""
 
-    def connect(self, instance_id: str, receivers: int, client: Any, backend: str) -> None:
+    channel = "instance"
+
+    def connect(self, instance_id: str, receivers: int, client: Any, backend: str, held: object = None) -> object:
         client.init_weight_transfer_engine({"receivers": receivers})
+        return instance_id
 
     def prepare(self) -> dict[str, Any]:
         return {"deadline_s": 1.0}
 
-    def deliver(self, instance_id: str, client: Any, update: Any = None) -> int:
+    def deliver(self, instance_id: str, client: Any, update: Any = None, group: object = None) -> int:
         client.start_weight_update()
         client.update_weights({})
         client.finish_weight_update(weight_version="3")
@@ -77,7 +80,7 @@ def test_an_update_into_an_in_process_engine_core_needs_no_pause() -> None:
 
 def test_a_failed_update_resumes_scheduling() -> None:
     class Failing(_Weights):
-        def deliver(self, instance_id: str, client: Any, update: Any = None) -> int:
+        def deliver(self, instance_id: str, client: Any, update: Any = None, group: object = None) -> int:
             client.start_weight_update()
             raise ConnectionError("sender gone")
 
@@ -105,9 +108,9 @@ def test_the_chunked_nccl_engine_is_what_vllms_factory_builds_for_its_name_and_r
     engine_class = WeightTransferEngineFactory._registry[name]()
     assert engine_class.__name__ == "ChunkedNCCLWeightTransferEngine" and issubclass(engine_class, NCCLWeightTransferEngine)
     engine = engine_class.__new__(engine_class)
-    engine.model_update_group = None
-    with pytest.raises(RuntimeError, match="the NCCL weight transfer is not initialised: call init_weight_transfer_engine first"):
-        engine.receive_weights(None)
+    engine.model_update_group, engine.groups = None, {}
+    with pytest.raises(RuntimeError, match="the NCCL weight transfer has no instance group: call init_weight_transfer_engine first"):
+        engine.receive_weights(engine_class.update_info_cls(names=[], dtype_names=[], shapes=[]))
 
 
 def test_the_chunked_nccl_engine_gives_up_a_broadcast_at_its_deadline_and_aborts_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,9 +152,10 @@ def test_the_chunked_nccl_engine_gives_up_a_broadcast_at_its_deadline_and_aborts
     engine = ChunkedNCCLWeightTransferEngine.__new__(ChunkedNCCLWeightTransferEngine)
     group = Group()
     engine.model_update_group, engine.packed_buffer_size_bytes, engine.device, engine.model = group, 1 << 10, "cpu", Model()
+    engine.groups = {"instance": group}
     info = ChunkedNCCLUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[64]], timeout_s=0.2)
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="NCCL broadcast did not complete before its deadline"):
         engine.receive_weights(info)
     assert time.monotonic() - started >= 0.2  # it waited until the deadline, then gave up
-    assert group.destroyed and engine.model_update_group is None
+    assert group.destroyed and engine.model_update_group is None and engine.groups == {}

@@ -18,6 +18,7 @@ down; the others still finish and are recorded. With a virtual clock they run in
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,6 +32,8 @@ from staleflow.runtime.run.instance_health import first_snapshot, probe
 from staleflow.runtime.servers.parameter_server import ParameterServer
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 from staleflow.runtime.types import InstanceSnapshot, Trajectory
+
+log = logging.getLogger(__name__)
 
 #: What the driver observes of the instances, for the coordinator.
 InstanceObservation = InstanceSnapshot | InstanceLost | InstanceBack
@@ -67,6 +70,8 @@ class InstanceDriver:
         self.touched: set[str] = set()
         self._observed_at: dict[str, float] = {}
         self._pulls = None if clock.simulated else ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="pull")
+        #: Why a broadcast's loads go one by one now (a collective failed: logged), None while they may share one.
+        self.collective_off: str | None = None
 
     def first_snapshots(self) -> list[InstanceSnapshot]:
         """One snapshot per instance, to start the coordinator with; instances that do not answer
@@ -234,6 +239,8 @@ class InstanceDriver:
         """The up instances of each version's broadcast Pulls among ``commands`` (real clock only:
         a collective needs its members' loads at once)."""
         sets: dict[int, tuple[str, ...]] = {}
+        if self.collective_off is not None:
+            return sets
         for command in commands:
             if isinstance(command, Pull) and command.broadcast and command.instance_id not in self.down and self._pulls is not None:
                 sets[command.version] = (*sets.get(command.version, ()), command.instance_id)
@@ -249,8 +256,21 @@ class InstanceDriver:
             self.engines[command.instance_id].load_weights(version, weights)
             return
         if len(together) > 1 and isinstance(weights, CollectiveReference):
-            weights = weights.in_collective(together)
+            try:
+                self.engines[command.instance_id].load_weights(version, weights.in_collective(together), broadcast=True)
+            except INSTANCE_FAILURES as error:
+                self._collective_failed(together, version, error)
+                raise
+            return
         self.engines[command.instance_id].load_weights(version, weights, broadcast=True)
+
+    def _collective_failed(self, together: Sequence[str], version: int, error: Exception) -> None:
+        """A member's load of a collective failed (its instance is lost; the other members', whose
+        collective it is too, fail by its deadline): later broadcasts go one load per instance, and why is logged."""
+        if self.collective_off is None:
+            self.collective_off = f"the collective of version {version} to {list(together)} failed ({error}): broadcasts go per instance"
+            self.counters["collective_failures"] += 1
+            log.warning(self.collective_off)
 
     def _executed(self, iid: str, kind: str) -> None:
         """Bookkeeping after a command of ``kind`` on ``iid`` (in the loop's thread)."""
