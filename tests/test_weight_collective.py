@@ -18,26 +18,16 @@ import torch
 from runtime_fakes import FakeTrainer, prompt_groups
 from staleflow.adapters.rlkit import bounded_calls
 from staleflow.adapters.rlkit.collective import CollectiveParameterServer
-from staleflow.adapters.rlkit.weight_sender import WeightChannel
 from staleflow.runtime.coordination.commands import Pull
 from staleflow.runtime.run.clock import RealClock
 from staleflow.runtime.run.instance_driver import InstanceDriver
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
-from weight_receiver import ReceivingEngine, TransferringServer
+from weight_receiver import ReceivingEngine, TransferringServer, counted_sends
 
 
 @pytest.fixture
 def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The world size of the group of every send the parameter server makes (1 + the workers it reaches)."""
-    sizes: list[int] = []
-    send = WeightChannel.send
-
-    def counted(self: WeightChannel, staged: Any, deadline_s: float) -> int:
-        sizes.append(self.world_size)
-        return send(self, staged, deadline_s)
-
-    monkeypatch.setattr(WeightChannel, "send", counted)
-    return sizes
+    return counted_sends(monkeypatch)
 
 
 def _fleet(count: int, clock: RealClock, **kwargs: Any) -> list[Any]:

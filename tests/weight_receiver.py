@@ -259,3 +259,19 @@ class TransferringServer:
 
     def state_dict(self) -> dict[str, Any]:
         return self.server.state_dict()  # type: ignore[no-any-return]
+
+
+def counted_sends(monkeypatch: Any) -> list[int]:
+    """The world size of the group of every send the parameter server makes from now on (1 + the
+    workers it reaches), recorded as ``WeightChannel.send`` runs."""
+    from staleflow.adapters.rlkit.weight_sender import WeightChannel
+
+    sizes: list[int] = []
+    send = WeightChannel.send
+
+    def counted(self: WeightChannel, staged: Any, deadline_s: float) -> int:
+        sizes.append(self.world_size)
+        return send(self, staged, deadline_s)
+
+    monkeypatch.setattr(WeightChannel, "send", counted)
+    return sizes
