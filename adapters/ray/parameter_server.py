@@ -100,6 +100,10 @@ class RemoteParameterServer:
             return version, TransferWeights(self._server, version)
         return version, RemoteWeights(self._server, version)
 
+    def bytes_sent(self) -> int:
+        """The weight bytes the server has sent through transfers so far (a collective's once); 0 for reference pulls."""
+        return int(self._server.sent_bytes()) if self._broadcast is not None else 0
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = self._server.state_dict()
         return state

@@ -106,6 +106,10 @@ class CollectiveParameterServer(TransferParameterServer):
         self._answers: dict[tuple[tuple[str, ...], int], dict[str, dict[str, Any]]] = {}
         self._collective_lock = threading.Lock()
 
+    def sent_bytes(self) -> int:
+        """The weight bytes sent so far by every transfer (a collective's once, whatever its members)."""
+        return self.bytes_sent
+
     def seat(self, members: Sequence[str], version: int, instance_id: str, receivers: int, held: int | None) -> dict[str, Any] | None:
         """``instance_id`` (``receivers`` workers, holding collective generation ``held`` or None)
         takes its seat for ``version``'s broadcast to ``members``; None until every member has, then

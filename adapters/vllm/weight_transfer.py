@@ -17,6 +17,7 @@ runs the GPU code path but for the group; the sender's half is :mod:`staleflow.a
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -79,6 +80,14 @@ def weight_transfer_args(backend: str) -> dict[str, Any]:
     return {"weight_transfer_config": {"backend": ENGINES[backend][0]}}
 
 
+#: vLLM keeps "the current config" in a process-wide global (``set_current_vllm_config``), which a
+#: worker sets around the start and the finish of an update; engines whose workers share a process
+#: (several in-process engines: the bench, tests) take turns at those two calls, or one engine's
+#: finish could run under another's config, or none. (The receive in between cannot take turns: a
+#: collective needs every member's at once.)
+SHARED_PROCESS_TURNS = threading.Lock()
+
+
 class EngineWeightSyncClient:
     """vLLM's ``VLLMWeightSyncClient`` protocol over an ``LLMEngine`` in this process: each call goes
     to every worker (``collective_rpc``); ``finish_weight_update(weight_version)`` also sets the
@@ -95,13 +104,15 @@ class EngineWeightSyncClient:
         self._rpc("init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self._rpc("start_weight_update")
+        with SHARED_PROCESS_TURNS:
+            self._rpc("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._rpc("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._rpc("finish_weight_update")
+        with SHARED_PROCESS_TURNS:
+            self._rpc("finish_weight_update")
         if weight_version is not None:
             self._llm.set_weight_version(weight_version)
 
