@@ -17,6 +17,7 @@ runs the GPU code path but for the group; the sender's half is :mod:`staleflow.a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Mapping
@@ -81,11 +82,11 @@ def weight_transfer_args(backend: str) -> dict[str, Any]:
 
 
 #: vLLM keeps "the current config" in a process-wide global (``set_current_vllm_config``), which a
-#: worker sets around the start and the finish of an update; engines whose workers share a process
-#: (several in-process engines: the bench, tests) take turns at those two calls, or one engine's
-#: finish could run under another's config, or none. (The receive in between cannot take turns: a
-#: collective needs every member's at once.)
-SHARED_PROCESS_TURNS = threading.Lock()
+#: worker sets around the start and the finish of an update; engines whose workers run in this
+#: process (in-process engine cores: the bench's, tests') take turns at those two calls, or one
+#: engine's finish could run under another's config, or none. (The receive in between cannot take
+#: turns: a collective needs every member's at once.)
+IN_PROCESS_TURNS = threading.Lock()
 
 
 class EngineWeightSyncClient:
@@ -99,19 +100,21 @@ class EngineWeightSyncClient:
     def __init__(self, llm_engine: Any) -> None:
         self._llm = llm_engine
         self.calls: list[str] = []
+        in_process = not hasattr(llm_engine.engine_core, "call_utility")  # else its workers run elsewhere
+        self._turns: Any = IN_PROCESS_TURNS if in_process else contextlib.nullcontext()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._rpc("init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        with SHARED_PROCESS_TURNS:
+        with self._turns:
             self._rpc("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._rpc("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        with SHARED_PROCESS_TURNS:
+        with self._turns:
             self._rpc("finish_weight_update")
         if weight_version is not None:
             self._llm.set_weight_version(weight_version)
