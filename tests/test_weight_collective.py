@@ -168,3 +168,50 @@ def test_the_adaptive_sync_of_a_job_takes_one_collective_where_the_bytes_sent_on
     assert RunSpec.from_job(load_config(overrides=keys[:1] + keys[2:]), weights_gb=3.1).transfer is None  # reference pulls
     slower = RunSpec.from_job(load_config(overrides=[*keys, "servers.collective_gb_s=0.1"]), weights_gb=3.1)
     assert plan_sync("adaptive", views, 1, _trained_once(eta=0), 0.1, costs=slower.transfer) == PullPlan([])  # a slow collective
+
+
+def test_a_collective_waits_for_every_seat_within_a_control_call_and_a_new_set_replaces_the_groups_it_overlaps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seats: a member that never arrives fails the others' seat within ``CONTROL_CALL_S``, before
+    any update began (an instance failure that leaves the weights as they were); a set that differs
+    from the one a group was made for makes a new group, and the old one is no longer open. The
+    collective's deadline is that of the set's size (``TransferSettings.deadline_s``)."""
+    import threading
+
+    from staleflow.adapters.rlkit.collective import CollectiveWeights
+    from staleflow.adapters.rlkit.weight_sender import TransferSettings, TransferWeights, UpdateLeftOpenError
+    from staleflow.runtime.interfaces import TransferFailedError
+    from weight_receiver import GlooReceiver
+
+    monkeypatch.setattr(bounded_calls, "CONTROL_CALL_S", 0.5)
+    server = CollectiveParameterServer(transfer={"backend": "gloo", "link_gb_s": 1e-9}, copy_weights=lambda w: w)
+    server.push(1, {"w": torch.randn(8, 8)})
+    alone = TransferWeights(server, 1).in_collective(["i0", "i1"])
+    started = time.monotonic()
+    with pytest.raises(TransferFailedError, match="not every member took its seat") as failed:
+        alone.connect("i0", 1, GlooReceiver(), "gloo")
+    assert not isinstance(failed.value, UpdateLeftOpenError) and time.monotonic() - started < 2.0
+    nbytes = 8 * 8 * 2
+    assert alone.prepare()["deadline_s"] == TransferSettings(link_gb_s=1e-9).deadline_s(nbytes, 2)  # two receive at once
+
+    def load(reference: CollectiveWeights, members: dict[str, GlooReceiver], held: dict[str, object]) -> None:
+        def one(iid: str) -> None:
+            held[iid] = group = reference.connect(iid, 1, members[iid], "gloo", held.get(iid))
+            reference.deliver(iid, members[iid], reference.prepare(), group)
+
+        threads = [threading.Thread(target=one, args=(iid,)) for iid in members]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+
+    receivers = {f"i{k}": GlooReceiver() for k in range(3)}
+    held: dict[str, object] = {}
+    load(TransferWeights(server, 1).in_collective(list(receivers)), receivers, held)
+    fleet_group = held["i0"]
+    pair = {k: receivers[k] for k in ("i0", "i1")}
+    load(TransferWeights(server, 1).in_collective(list(pair)), pair, held)
+    assert server.collectives_made == 2 and held["i0"] != fleet_group
+    with pytest.raises(TransferFailedError, match="is no longer open"):
+        server.send_collective(list(receivers), fleet_group, 1, 1.0)
+    assert all(r.version == "1" for r in receivers.values())
