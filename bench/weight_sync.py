@@ -227,7 +227,7 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
         placement.close()
     return {
         "model": name, "instances": instances, "backend": backend, "wire_dtype": wire_dtype,
-        "mode": "one-collective" if one_collective else "side-by-side", "server_bytes": server_bytes,
+        "mode": "one-collective" if collective else "side-by-side", "server_bytes": server_bytes,
         "pauses_s": pauses, "pause_ratio": max(pauses) / min(pauses), "total_s": total, "one_instance_s": solo,
         "total_to_one_instance": total / solo, "bytes_sent": sent, "unique_bytes": unique,
     }

@@ -20,6 +20,9 @@ pytestmark = [
 
 
 def test_a_broadcast_reaches_every_engines_workers_once_and_passes_each_engines_weight_check(tiny_model, monkeypatch, caplog):
+    """Two engines pull version 1 in a broadcast: one send to 1 + 2 ranks, each engine's check passes;
+    one engine alone takes version 2 over its own group, and version 3 reaches both over the
+    collective kept beside it (the workers hold both groups)."""
     import logging
 
     from safetensors.torch import load_file
@@ -47,5 +50,13 @@ def test_a_broadcast_reaches_every_engines_workers_once_and_passes_each_engines_
         verified = [r.getMessage() for r in caplog.records if "weights verified: version 1" in r.getMessage()]
         assert sorted(m.split(":")[0] for m in verified) == ["rollout-0", "rollout-1"], verified  # each engine's check ran and passed
         assert all(e.weight_sync.client.calls[-3:] == ["start_weight_update", "update_weights", "finish_weight_update"] for e in engines)
+        # one instance alone over its own group, then the pair again over the collective kept beside it
+        server.push(2, {name: tensor + 2e-3 for name, tensor in weights.items()})
+        assert driver.execute([Pull("rollout-0", 2)]) == [] and engines[0].version == 2
+        server.push(3, {name: tensor + 3e-3 for name, tensor in weights.items()})
+        assert driver.execute([Pull(e.instance_id, 3, broadcast=True) for e in engines]) == []
+        assert sends == [3, 2, 3] and server.collectives_made == 1 and [e.version for e in engines] == [3, 3]
+        verified = [r.getMessage() for r in caplog.records if "weights verified: version 3" in r.getMessage()]
+        assert len(verified) == 2, verified
     finally:
         driver.close()

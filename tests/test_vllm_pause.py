@@ -159,3 +159,43 @@ def test_the_chunked_nccl_engine_gives_up_a_broadcast_at_its_deadline_and_aborts
         engine.receive_weights(info)
     assert time.monotonic() - started >= 0.2  # it waited until the deadline, then gave up
     assert group.destroyed and engine.model_update_group is None and engine.groups == {}
+
+
+def test_the_chunked_nccl_engine_keeps_a_communicator_per_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collective's ``init_weight_transfer_engine`` (``channel="collective"``) makes a second
+    communicator beside the instance's own; a new one for a channel replaces (destroys) only that
+    channel's; an update is refused on a channel the worker has not joined. (vLLM's group set-up
+    stood in for: it needs CUDA.)"""
+    from skips import require
+
+    require("vllm", "cpu-infer")
+    from staleflow.adapters.vllm.nccl_chunks import ChunkedNCCLInitInfo, ChunkedNCCLUpdateInfo, ChunkedNCCLWeightTransferEngine
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    class Group:
+        def __init__(self) -> None:
+            self.destroyed = False
+
+        def destroy(self) -> None:
+            self.destroyed = True
+
+    def made(self: Any, init_info: Any) -> None:
+        self.model_update_group = Group()
+
+    monkeypatch.setattr(NCCLWeightTransferEngine, "init_transfer_engine", made)
+    engine = ChunkedNCCLWeightTransferEngine.__new__(ChunkedNCCLWeightTransferEngine)
+    engine.groups, engine.model_update_group = {}, None
+
+    def info(channel: str) -> ChunkedNCCLInitInfo:
+        return ChunkedNCCLInitInfo(master_address="10.0.0.1", master_port=1, rank_offset=1, world_size=3, channel=channel)
+
+    engine.init_transfer_engine(info("instance"))
+    own = engine.groups["instance"]
+    engine.init_transfer_engine(info("collective"))
+    first = engine.groups["collective"]
+    engine.init_transfer_engine(info("collective"))
+    assert engine.groups["instance"] is own and not own.destroyed and first.destroyed and engine.groups["collective"] is not first
+    with pytest.raises(RuntimeError, match="no elsewhere group"):
+        engine.receive_weights(ChunkedNCCLUpdateInfo(names=[], dtype_names=[], shapes=[], channel="elsewhere"))
+    engine.shutdown()
+    assert own.destroyed and engine.groups == {}
