@@ -178,15 +178,15 @@ def test_a_collective_waits_for_every_seat_within_a_control_call_and_a_new_set_r
     collective's deadline is that of the set's size (``TransferSettings.deadline_s``)."""
     import threading
 
-    from staleflow.adapters.rlkit.collective import CollectiveWeights
-    from staleflow.adapters.rlkit.weight_sender import TransferSettings, TransferWeights, UpdateLeftOpenError
+    from staleflow.adapters.rlkit.collective import BroadcastWeights, CollectiveWeights
+    from staleflow.adapters.rlkit.weight_sender import TransferSettings, UpdateLeftOpenError
     from staleflow.runtime.interfaces import TransferFailedError
     from weight_receiver import GlooReceiver
 
     monkeypatch.setattr(bounded_calls, "CONTROL_CALL_S", 0.5)
     server = CollectiveParameterServer(transfer={"backend": "gloo", "link_gb_s": 1e-9}, copy_weights=lambda w: w)
     server.push(1, {"w": torch.randn(8, 8)})
-    alone = TransferWeights(server, 1).in_collective(["i0", "i1"])
+    alone = BroadcastWeights(server, 1).in_collective(["i0", "i1"])
     started = time.monotonic()
     with pytest.raises(TransferFailedError, match="not every member took its seat") as failed:
         alone.connect("i0", 1, GlooReceiver(), "gloo")
@@ -207,10 +207,10 @@ def test_a_collective_waits_for_every_seat_within_a_control_call_and_a_new_set_r
 
     receivers = {f"i{k}": GlooReceiver() for k in range(3)}
     held: dict[str, object] = {}
-    load(TransferWeights(server, 1).in_collective(list(receivers)), receivers, held)
+    load(BroadcastWeights(server, 1).in_collective(list(receivers)), receivers, held)
     fleet_group = held["i0"]
     pair = {k: receivers[k] for k in ("i0", "i1")}
-    load(TransferWeights(server, 1).in_collective(list(pair)), pair, held)
+    load(BroadcastWeights(server, 1).in_collective(list(pair)), pair, held)
     assert server.collectives_made == 2 and held["i0"] != fleet_group
     with pytest.raises(TransferFailedError, match="is no longer open"):
         server.send_collective(list(receivers), fleet_group, 1, 1.0)

@@ -252,10 +252,10 @@ class TransferringServer:
         return self.server.versions()  # type: ignore[no-any-return]
 
     def pull(self, version: int | None = None) -> tuple[int, Any]:
-        from staleflow.adapters.rlkit.weight_sender import TransferWeights
+        from staleflow.adapters.rlkit.collective import BroadcastWeights
 
         version = self.server.pull(version)[0]
-        return version, TransferWeights(self.server, version)
+        return version, BroadcastWeights(self.server, version)
 
     def state_dict(self) -> dict[str, Any]:
         return self.server.state_dict()  # type: ignore[no-any-return]

@@ -52,8 +52,9 @@ class RemoteParameterServer:
 
     ``broadcast``: the server is a :class:`~staleflow.adapters.rlkit.collective.CollectiveParameterServer`
     with these transfer settings (``backend``, ``host``, ``wire_dtype``, ``bucket_bytes``), and pulls
-    hand out :class:`~staleflow.adapters.rlkit.weight_sender.TransferWeights` (vLLM's weight-transfer
-    API over a long-lived group per instance); None: pulls hand out :class:`RemoteWeights`.
+    hand out :class:`~staleflow.adapters.rlkit.collective.BroadcastWeights` (vLLM's weight-transfer
+    API over a long-lived group per instance, or one collective for a global broadcast's loads);
+    None: pulls hand out :class:`RemoteWeights`.
     """
 
     def __init__(self, server: ActorProxy, broadcast: dict[str, Any] | None = None) -> None:
@@ -95,9 +96,9 @@ class RemoteParameterServer:
         if version is None or version not in held:
             raise VersionNotAvailableError(f"version {version} is not on the parameter server (it holds {list(held)})")
         if self._broadcast is not None:
-            from staleflow.adapters.rlkit.weight_sender import TransferWeights
+            from staleflow.adapters.rlkit.collective import BroadcastWeights
 
-            return version, TransferWeights(self._server, version)
+            return version, BroadcastWeights(self._server, version)
         return version, RemoteWeights(self._server, version)
 
     def bytes_sent(self) -> int:

@@ -182,6 +182,16 @@ class CollectiveParameterServer(TransferParameterServer):
                                           f"it was torn down: {error}") from error
 
 
+class BroadcastWeights(TransferWeights):
+    """What a broadcasting parameter server's pull hands out: a version sent to one instance over
+    its own group, or (:meth:`in_collective`, a
+    :class:`~staleflow.runtime.interfaces.CollectiveReference`) to several in one collective."""
+
+    def in_collective(self, members: Sequence[str]) -> CollectiveWeights:
+        """This version sent once, in one collective, to the workers of every instance of ``members``."""
+        return CollectiveWeights(self._server, self.version, tuple(members))
+
+
 class CollectiveWeights(TransferWeights):
     """A version that reaches the workers of every instance of ``members`` in one collective
     (:class:`CollectiveParameterServer`); each member loads it as it would a

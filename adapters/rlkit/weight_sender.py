@@ -425,13 +425,6 @@ class TransferWeights:
         self._server = server
         self.version = version
 
-    def in_collective(self, members: Sequence[str]) -> TransferWeights:
-        """This version sent once, in one collective, to the workers of every instance of ``members``
-        (:class:`~staleflow.adapters.rlkit.collective.CollectiveWeights`)."""
-        from staleflow.adapters.rlkit.collective import CollectiveWeights
-
-        return CollectiveWeights(self._server, self.version, tuple(members))
-
     def fetch(self) -> Any:
         try:
             return self._server.pull(self.version)[1]
