@@ -199,3 +199,34 @@ def test_the_chunked_nccl_engine_keeps_a_communicator_per_channel(monkeypatch: p
         engine.receive_weights(ChunkedNCCLUpdateInfo(names=[], dtype_names=[], shapes=[], channel="elsewhere"))
     engine.shutdown()
     assert own.destroyed and engine.groups == {}
+
+
+@pytest.mark.parametrize(("core_type", "overlap"), [(_InProcessCore, False), (_SubprocessCore, True)])
+def test_engines_whose_workers_share_this_process_take_turns_at_an_updates_finish(core_type: type, overlap: bool) -> None:
+    """vLLM's current config is process-wide and a worker sets it around an update's start and
+    finish: engines whose workers run in this process (in-process engine cores) take turns at them,
+    so one engine's finish never runs under another's config. Workers in other processes (an engine
+    core in a subprocess) do not wait for each other."""
+    import threading
+    import time
+
+    from staleflow.adapters.vllm.weight_transfer import EngineWeightSyncClient
+
+    inside: list[int] = []
+    most: list[int] = [0]
+
+    class Slow(_Engine):
+        def collective_rpc(self, method: str, **kwargs: Any) -> list[None]:
+            inside.append(1)
+            most[0] = max(most[0], len(inside))
+            time.sleep(0.2)
+            inside.pop()
+            return [None]
+
+    clients = [EngineWeightSyncClient(Slow(core_type)) for _ in range(2)]
+    threads = [threading.Thread(target=client.finish_weight_update) for client in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    assert (most[0] == 2) is overlap

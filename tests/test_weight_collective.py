@@ -64,6 +64,9 @@ def test_a_broadcast_decision_sends_its_version_once_to_every_instance_over_a_gr
         server.push(3, weights(3))
         assert driver.execute([Pull("i0", 3)]) == [] and engines[0].version == 3
         assert sends == [4, 4, 2]  # over i0's own group
+        server.push(4, weights(4))
+        assert driver.execute([Pull("i1", 4, broadcast=True)]) == [] and engines[1].version == 4
+        assert sends == [4, 4, 2, 2]  # a broadcast to one instance: its own group too
     finally:
         driver.close()
 
