@@ -14,6 +14,11 @@ instance's pull, and all of them have ended when :meth:`InstanceDriver.execute` 
 hold the loop up for about one transfer rather than N. A pull that fails marks only its own instance
 down; the others still finish and are recorded. With a virtual clock they run inline, in order
 (simulated transfers depend on the order they start in).
+
+The Pulls of a global broadcast (marked ``broadcast``) to several up instances get, where the
+parameter server's reference allows (:class:`~staleflow.runtime.interfaces.CollectiveReference`),
+the version in one collective for all of them, sent once; they start together as above. After a
+collective fails (its members lost) later broadcasts go one load per instance, and why is logged.
 """
 
 from __future__ import annotations
