@@ -49,7 +49,8 @@ def test_a_broadcast_decision_sends_its_version_once_to_every_instance_over_a_gr
     server = CollectiveParameterServer(transfer={"backend": "gloo", "timeout_s": 60.0}, copy_weights=lambda w: w)
     clock = RealClock()
     engines = _fleet(3, clock)
-    driver = InstanceDriver(engines, TrajectoryServer(), TransferringServer(server), clock, Counter())
+    counters: Counter[str] = Counter()
+    driver = InstanceDriver(engines, TrajectoryServer(), TransferringServer(server), clock, counters)
     try:
         for version in (1, 2):
             server.push(version, weights(version))
@@ -58,7 +59,7 @@ def test_a_broadcast_decision_sends_its_version_once_to_every_instance_over_a_gr
                 assert engine.version == version
                 assert sorted(engine.weights) == ["model.embed_tokens.weight", "model.layers.0.mlp.weight"]
                 assert torch.equal(engine.weights["model.embed_tokens.weight"], (embed + version).to(torch.bfloat16))
-        assert sends == [4, 4]  # one send a version, reaching 1 + 3 ranks
+        assert sends == [4, 4] and counters["collective_loads"] == 6  # one send a version, reaching 1 + 3 ranks
         assert server.bytes_sent == 2 * unique and server.collectives_made == 1
         assert [e.worker.groups_joined for e in engines] == [1, 1, 1]
         server.push(3, weights(3))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -77,6 +78,7 @@ class InstanceDriver:
         self._pulls = None if clock.simulated else ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="pull")
         #: Why a broadcast's loads go one by one now (a collective failed: logged), None while they may share one.
         self.collective_off: str | None = None
+        self._collective_lock = threading.Lock()  # the pulls' threads count collective loads and failures
 
     def first_snapshots(self) -> list[InstanceSnapshot]:
         """One snapshot per instance, to start the coordinator with; instances that do not answer
@@ -266,16 +268,20 @@ class InstanceDriver:
             except INSTANCE_FAILURES as error:
                 self._collective_failed(together, version, error)
                 raise
+            with self._collective_lock:
+                self.counters["collective_loads"] += 1
             return
         self.engines[command.instance_id].load_weights(version, weights, broadcast=True)
 
     def _collective_failed(self, together: Sequence[str], version: int, error: Exception) -> None:
         """A member's load of a collective failed (its instance is lost; the other members', whose
         collective it is too, fail by its deadline): later broadcasts go one load per instance, and why is logged."""
-        if self.collective_off is None:
+        with self._collective_lock:
+            if self.collective_off is not None:
+                return
             self.collective_off = f"the collective of version {version} to {list(together)} failed ({error}): broadcasts go per instance"
             self.counters["collective_failures"] += 1
-            log.warning(self.collective_off)
+        log.warning(self.collective_off)
 
     def _executed(self, iid: str, kind: str) -> None:
         """Bookkeeping after a command of ``kind`` on ``iid`` (in the loop's thread)."""
