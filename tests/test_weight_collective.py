@@ -219,3 +219,32 @@ def test_a_collective_waits_for_every_seat_within_a_control_call_and_a_new_set_r
     with pytest.raises(TransferFailedError, match="is no longer open"):
         server.send_collective(list(receivers), fleet_group, 1, 1.0)
     assert all(r.version == "1" for r in receivers.values())
+
+
+def test_an_instance_lost_before_its_broadcast_pull_is_left_out_of_the_collective(
+        sends: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decision interrupts each instance and then pulls it in a broadcast; one instance's
+    interrupt fails (it is lost). The collective goes to the other two alone, who load the version
+    (before: the set was fixed when the batch began, so the two waited for a seat that never came
+    and were lost too)."""
+    from staleflow.runtime.coordination.commands import Interrupt
+
+    monkeypatch.setattr(bounded_calls, "CONTROL_CALL_S", 2.0)  # a seat's wait, should one be left empty
+    server = CollectiveParameterServer(transfer={"backend": "gloo", "timeout_s": 60.0}, copy_weights=lambda w: w)
+    clock = RealClock()
+    engines = _fleet(3, clock)
+
+    def unreachable(request_ids: Any) -> Any:
+        raise ConnectionError("i1 is gone")
+
+    engines[1].interrupt = unreachable
+    driver = InstanceDriver(engines, TrajectoryServer(), TransferringServer(server), clock, Counter())
+    try:
+        server.push(1, {"w": torch.randn(16, 16)})
+        commands = [c for e in engines for c in (Interrupt(e.instance_id, ()), Pull(e.instance_id, 1, broadcast=True))]
+        lost = driver.execute(commands)
+        assert [x.instance_id for x in lost] == ["i1"], lost
+        assert [e.version for e in engines] == [1, 0, 1] and server.collectives_made == 1 and sends == [3]
+        assert driver.collective_off is None and server.bytes_sent == 16 * 16 * 2  # sent once, to the two
+    finally:
+        driver.close()

@@ -17,8 +17,10 @@ down; the others still finish and are recorded. With a virtual clock they run in
 
 The Pulls of a global broadcast (marked ``broadcast``) to several up instances get, where the
 parameter server's reference allows (:class:`~staleflow.runtime.interfaces.CollectiveReference`),
-the version in one collective for all of them, sent once; they start together as above. After a
-collective fails (its members lost) later broadcasts go one load per instance, and why is logged.
+the version in one collective for all of them, sent once: they are held until the batch's last one
+of that version (or a later command to a member) and then start together, for the members still up
+(one lost by an earlier command of the batch is left out). After a collective fails (its members
+lost) later broadcasts go one load per instance, and why is logged.
 """
 
 from __future__ import annotations
@@ -193,24 +195,50 @@ class InstanceDriver:
         failing instance is marked down (and returned) and its later commands skipped."""
         lost: list[InstanceLost] = []
         pulls: dict[str, Future[None]] = {}
-        together = self._broadcast_sets(commands)
+        last = self._last_broadcast_pulls(commands)
+        held: dict[int, list[Pull]] = {}  # a version's broadcast Pulls, held until its last one (one collective)
         try:
-            for command in commands:
+            for index, command in enumerate(commands):
                 iid = command.instance_id
+                for version in [v for v, members in held.items() if any(p.instance_id == iid for p in members)]:
+                    self._start_together(held.pop(version), pulls)  # a later command to a member: its set starts now
                 if iid in pulls:  # the instance's pull ends before its next command
                     self._await_pulls({iid: pulls.pop(iid)}, lost)
                 if iid in self.down:
                     continue  # its requests were re-queued; requests routed to it are still queued
+                if isinstance(command, Pull) and command.version in last:
+                    held.setdefault(command.version, []).append(command)
+                    if index == last[command.version]:
+                        self._start_together(held.pop(command.version), pulls)
+                    continue
                 if isinstance(command, Pull) and self._pulls is not None:
-                    pulls[iid] = self._pulls.submit(self._load, command, together.get(command.version, ()))
+                    pulls[iid] = self._pulls.submit(self._load, command)
                     continue
                 try:
                     self._execute_one(command)
                 except INSTANCE_FAILURES:
                     lost.append(self.failed(iid))
         finally:
+            for members in held.values():
+                self._start_together(members, pulls)
             self._await_pulls(pulls, lost)
         return lost
+
+    def _last_broadcast_pulls(self, commands: Sequence[Command]) -> dict[int, int]:
+        """The index of each version's last broadcast Pull among ``commands``, where a collective may
+        carry them (a real clock: its members load at once; none failed before)."""
+        if self._pulls is None or self.collective_off is not None:
+            return {}
+        return {c.version: i for i, c in enumerate(commands) if isinstance(c, Pull) and c.broadcast}
+
+    def _start_together(self, members: Sequence[Pull], pulls: dict[str, Future[None]]) -> None:
+        """Start the held broadcast Pulls of one version at once, in one collective for those of
+        their instances still up (an instance lost by an earlier command of the batch is left out)."""
+        assert self._pulls is not None
+        together = tuple(p.instance_id for p in members if p.instance_id not in self.down)
+        for pull in members:
+            if pull.instance_id in together:
+                pulls[pull.instance_id] = self._pulls.submit(self._load, pull, together)
 
     def _await_pulls(self, pulls: Mapping[str, Future[None]], lost: list[InstanceLost]) -> None:
         """Wait for every pull of ``pulls``, then record each: done, or its instance lost (added to
@@ -241,17 +269,6 @@ class InstanceDriver:
         else:
             raise TypeError(f"unknown command {command!r}")
         self._executed(command.instance_id, type(command).__name__)
-
-    def _broadcast_sets(self, commands: Sequence[Command]) -> dict[int, tuple[str, ...]]:
-        """The up instances of each version's broadcast Pulls among ``commands`` (real clock only:
-        a collective needs its members' loads at once)."""
-        sets: dict[int, tuple[str, ...]] = {}
-        if self.collective_off is not None:
-            return sets
-        for command in commands:
-            if isinstance(command, Pull) and command.broadcast and command.instance_id not in self.down and self._pulls is not None:
-                sets[command.version] = (*sets.get(command.version, ()), command.instance_id)
-        return sets
 
     def _load(self, command: Pull, together: Sequence[str] = ()) -> None:
         """The engine's side of a Pull: the version from the parameter server into the instance. A
