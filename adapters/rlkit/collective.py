@@ -124,9 +124,11 @@ class CollectiveParameterServer(TransferParameterServer):
                 return None
             if (key, version) not in self._answers:
                 self._answers[(key, version)] = self._decide(key, seats)
-                for old in list(self._answers)[:-ROUNDS_KEPT]:
-                    del self._answers[old], self._rounds[old]
-            return self._answers[(key, version)][instance_id]
+            answer = self._answers[(key, version)][instance_id]
+            for old in list(self._rounds)[:-ROUNDS_KEPT]:  # rounds answered long ago, or never completed
+                del self._rounds[old]
+                self._answers.pop(old, None)
+            return answer
 
     def _decide(self, key: tuple[str, ...], seats: dict[str, tuple[int, int | None]]) -> dict[str, dict[str, Any]]:
         """The answers of a full round (under the lock): the collective every member holds, or a new one."""
