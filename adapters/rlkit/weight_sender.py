@@ -18,7 +18,8 @@ the version staged once in the server's process (:mod:`~staleflow.adapters.rlkit
 the host buffer itself; the worker engines of :mod:`staleflow.adapters.vllm.weight_transfer`
 receive them. Sends to different instances run side by side (the server is thread-safe, each
 channel under its own lock); an instance has the version staged (:meth:`TransferWeights.prepare`)
-before it pauses, so it pauses for its own transfer only.
+before it pauses, so it pauses for its own transfer only. A global broadcast's loads may instead
+share one collective, the version sent once (:mod:`~staleflow.adapters.rlkit.collective`).
 
 A failed or stuck transfer: both ends give up by the transfer's deadline
 (:meth:`TransferSettings.deadline_s`: ``servers.transfer_timeout_s``, or from the version's bytes);
