@@ -213,3 +213,11 @@ def job_cost_model(config: JobConfig, model_dir: Path) -> OnlineCostModel:
         shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")), dtype_bytes)
         prior, source = shape.cost_model(device_spec(device), rollout.tensor_parallel_size), f"roofline of {model_dir.name} on {device}"
     return OnlineCostModel(prior, source, online=settings.online, refit_s=settings.refit_s, max_n=rollout.max_num_seqs)
+
+
+def wire_weights_gb(config: JobConfig, model_dir: Path) -> float:
+    """A version's bytes on the wire of a broadcast, GB: the parameters of the model's shape (its
+    ``config.json``; a tied embedding once) in ``servers.wire_dtype``, which the ``adaptive`` sync's
+    transfer costs take (:func:`~staleflow.runtime.run.run_spec.job_transfer_costs`)."""
+    wire_bytes = 4 if config.servers.wire_dtype == "float32" else 2
+    return ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")), wire_bytes).weights_gb

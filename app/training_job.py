@@ -36,7 +36,16 @@ from staleflow.adapters.vllm.settings import SamplingConfig, set_vllm_env_defaul
 from staleflow.app.checkpoints import LOOP_STATE, restore_trainer, save_checkpoint
 from staleflow.app.eval_lane import RolloutEvaluation, SharedEngine
 from staleflow.app.evaluation import DeferredEvaluation, EngineEvaluator, Evaluator, make_evaluator
-from staleflow.app.job_parts import TaskData, Tokens, base_model, job_cost_model, make_trainer, start_engines, warm_start
+from staleflow.app.job_parts import (
+    TaskData,
+    Tokens,
+    base_model,
+    job_cost_model,
+    make_trainer,
+    start_engines,
+    warm_start,
+    wire_weights_gb,
+)
 from staleflow.app.metrics import EngineLedger, MetricsLog, TrackedEngine
 from staleflow.app.report import write_report
 from staleflow.app.rewards import ScorerCheckError, check_scorer, pooled_reward
@@ -252,7 +261,7 @@ class TrainingJob:
             clock=clock,
             reward_fn=pooled_reward(config, self.tokens, self._reward_s),
         )
-        return assemble_run(RunSpec.from_job(config), parts, trace_path=self.trace_path)
+        return assemble_run(RunSpec.from_job(config, wire_weights_gb(config, base)), parts, trace_path=self.trace_path)
 
     def _groups(self) -> Iterator[Any]:
         """The GRPO groups of the prompt stream; a resumed run continues where the checkpointed one had drawn to."""

@@ -21,6 +21,12 @@ scheduling held: its own transfer, the version staged before), the version's tot
 bytes sent to each instance and the model's unique bytes in the wire dtype, and the two ratios the
 goals bound (longest / shortest pause, total / one instance's transfer: both at most 1.5).
 
+``--one-collective`` (with ``--instances N``): the version goes to all N in one collective instead
+of N sends side by side (:mod:`staleflow.adapters.rlkit.collective`, what a global broadcast of the
+``adaptive`` sync takes); a version to all N first makes the collective's group, so the measured
+one is the steady state. ``server_bytes``: what the parameter server sent for the measured version
+(the unique bytes once with the collective, N times side by side).
+
 Both ends of one NCCL group cannot share a GPU (NCCL refuses: "Duplicate GPU detected"), and the
 bench's engines and its sender would: where the transport would be NCCL it refuses, naming the way
 out (``--backend gloo``, or ``staleflow train`` on a job whose instances have GPUs of their own).
@@ -55,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--instances", type=int, metavar="N",
                         help="N instances pulling one version at once (transfers side by side; first model of --models)")
+    parser.add_argument("--one-collective", action="store_true",
+                        help="with --instances: the version to all N in one collective, not N sends side by side")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                         help="broadcast transport (auto: nccl where this process sees a GPU, which the bench refuses)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
@@ -103,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         if args.instances < 1:
             print(f"error: --instances must be >= 1, got {args.instances}", file=sys.stderr)
             return 2
-        row = measure_side_by_side(args.models[0], args.instances, args.wire_dtype, args.bucket_mb << 20, engine_kwargs, backend)
+        row = measure_side_by_side(args.models[0], args.instances, args.wire_dtype, args.bucket_mb << 20, engine_kwargs, backend,
+                                   args.one_collective)
         print_side_by_side(row, command, args.json)
         return 0
     rows = [measure(name, args.syncs, args.wire_dtype, args.bucket_mb << 20, engine_kwargs) for name in args.models]
@@ -162,9 +171,9 @@ def measure(name: str, syncs: int, wire_dtype: str, bucket_bytes: int, engine_kw
 
 
 def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_bytes: int, engine_kwargs: dict[str, Any] | None,
-                         backend: str) -> dict[str, Any]:
+                         backend: str, one_collective: bool = False) -> dict[str, Any]:
     """Pauses, bytes and times of ``instances`` engines of model ``name`` pulling one version at once
-    from a Ray-placed parameter server (module docstring)."""
+    from a Ray-placed parameter server, side by side or in ``one_collective`` (module docstring)."""
     import threading
 
     from safetensors.torch import load_file
@@ -187,9 +196,11 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
                                              broadcast={"backend": backend, "wire_dtype": wire_dtype, "bucket_bytes": bucket_bytes})
         engines = [VLLMEngine(f"bench-{name}-{i}", model, max_model_len=256, engine_kwargs=engine_kwargs) for i in range(instances)]
 
-        def pull(version: int, chosen: list[Any]) -> float:
+        def pull(version: int, chosen: list[Any], collective: bool = False) -> float:
             server.push(version, {k: v + 1e-3 * version for k, v in weights.items()})
             reference = server.pull(version)[1]
+            if collective:
+                reference = reference.in_collective([engine.instance_id for engine in chosen])
             threads = [threading.Thread(target=engine.load_weights, args=(version, reference)) for engine in chosen]
             started = time.perf_counter()
             for thread in threads:
@@ -201,9 +212,13 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
             return time.perf_counter() - started
 
         pull(1, engines)  # every instance's group made
-        solo = pull(2, engines[:1])
-        before = [engine.bytes_received for engine in engines]
-        total = pull(3, engines)
+        collective = one_collective and instances > 1
+        if collective:
+            pull(2, engines, collective)  # the collective's group made
+        solo = pull(3, engines[:1])
+        before, sent_before = [engine.bytes_received for engine in engines], server.bytes_sent()
+        total = pull(4, engines, collective)
+        server_bytes = server.bytes_sent() - sent_before
         pauses = [engine.weight_sync.pauses[-1] for engine in engines]
         sent = [engine.bytes_received - b for engine, b in zip(engines, before)]
     finally:
@@ -212,6 +227,7 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
         placement.close()
     return {
         "model": name, "instances": instances, "backend": backend, "wire_dtype": wire_dtype,
+        "mode": "one-collective" if collective else "side-by-side", "server_bytes": server_bytes,
         "pauses_s": pauses, "pause_ratio": max(pauses) / min(pauses), "total_s": total, "one_instance_s": solo,
         "total_to_one_instance": total / solo, "bytes_sent": sent, "unique_bytes": unique,
     }
@@ -221,12 +237,14 @@ def print_side_by_side(row: dict[str, Any], command: str, as_json: bool) -> None
     if as_json:
         print(json.dumps({**row, "command": command}, indent=1))
         return
-    print(f"model {row['model']}, {row['instances']} instances pulling one version at once ({row['backend']}, {row['wire_dtype']})")
+    print(f"model {row['model']}, {row['instances']} instances pulling one version at once, {row['mode']} "
+          f"({row['backend']}, {row['wire_dtype']})")
     print("| instance | pause | bytes sent |")
     print("|---|---|---|")
     for i, (pause, sent) in enumerate(zip(row["pauses_s"], row["bytes_sent"])):
         print(f"| {i} | {pause:.3f} s | {sent / 1e6:.2f} MB |")
-    print(f"\nunique bytes of the model (wire dtype): {row['unique_bytes'] / 1e6:.2f} MB")
+    print(f"\nunique bytes of the model (wire dtype): {row['unique_bytes'] / 1e6:.2f} MB; "
+          f"sent by the parameter server for the version: {row['server_bytes'] / 1e6:.2f} MB")
     print(f"longest / shortest pause: {row['pause_ratio']:.2f} (goal <= 1.5)")
     print(f"version to all: {row['total_s']:.3f} s; one instance alone: {row['one_instance_s']:.3f} s; "
           f"ratio {row['total_to_one_instance']:.2f} (goal <= 1.5)")

@@ -67,6 +67,15 @@ class WeightsReference(Protocol):
     def fetch(self) -> Any: ...
 
 
+@runtime_checkable
+class CollectiveReference(Protocol):
+    """A reference whose version can reach several instances in one collective, sent once for all
+    of them (a global broadcast's loads): ``in_collective(members)`` is the reference each member
+    loads then; every member must load it at the same time."""
+
+    def in_collective(self, members: Sequence[str]) -> Any: ...
+
+
 def resolve_weights(weights: Any) -> Any:
     """``weights`` itself, or, for a :class:`WeightsReference`, what it refers to, fetched into this
     process (a parameter server in another process may hold a reference to the trainer's copy)."""

@@ -59,6 +59,7 @@ def test_side_by_side_prints_each_instances_pause_and_bytes_the_models_unique_by
     report = json.loads(capsys.readouterr().out)
     assert report["instances"] == 1 and report["backend"] == "gloo" and len(report["pauses_s"]) == 1
     assert report["unique_bytes"] == 377_984 * 2 and report["bytes_sent"] == [report["unique_bytes"]]  # bf16
+    assert report["mode"] == "side-by-side" and report["server_bytes"] == report["unique_bytes"]  # what the server sent for it
     assert report["pauses_s"][0] > 0 and report["pause_ratio"] == 1.0
     assert report["total_s"] > 0 and report["one_instance_s"] > 0
     assert report["command"].startswith("staleflow bench weight-sync")

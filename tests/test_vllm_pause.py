@@ -39,13 +39,16 @@ class _Engine:
 class _Weights:
     """Stands in for ``TransferWeights``: the calls vLLM's trainer-side engines make for one version."""
 
-    def connect(self, instance_id: str, receivers: int, client: Any, backend: str) -> None:
+    channel = "instance"
+
+    def connect(self, instance_id: str, receivers: int, client: Any, backend: str, held: object = None) -> object:
         client.init_weight_transfer_engine({"receivers": receivers})
+        return instance_id
 
     def prepare(self) -> dict[str, Any]:
         return {"deadline_s": 1.0}
 
-    def deliver(self, instance_id: str, client: Any, update: Any = None) -> int:
+    def deliver(self, instance_id: str, client: Any, update: Any = None, group: object = None) -> int:
         client.start_weight_update()
         client.update_weights({})
         client.finish_weight_update(weight_version="3")
@@ -77,7 +80,7 @@ def test_an_update_into_an_in_process_engine_core_needs_no_pause() -> None:
 
 def test_a_failed_update_resumes_scheduling() -> None:
     class Failing(_Weights):
-        def deliver(self, instance_id: str, client: Any, update: Any = None) -> int:
+        def deliver(self, instance_id: str, client: Any, update: Any = None, group: object = None) -> int:
             client.start_weight_update()
             raise ConnectionError("sender gone")
 
@@ -105,9 +108,9 @@ def test_the_chunked_nccl_engine_is_what_vllms_factory_builds_for_its_name_and_r
     engine_class = WeightTransferEngineFactory._registry[name]()
     assert engine_class.__name__ == "ChunkedNCCLWeightTransferEngine" and issubclass(engine_class, NCCLWeightTransferEngine)
     engine = engine_class.__new__(engine_class)
-    engine.model_update_group = None
-    with pytest.raises(RuntimeError, match="the NCCL weight transfer is not initialised: call init_weight_transfer_engine first"):
-        engine.receive_weights(None)
+    engine.model_update_group, engine.groups = None, {}
+    with pytest.raises(RuntimeError, match="the NCCL weight transfer has no instance group: call init_weight_transfer_engine first"):
+        engine.receive_weights(engine_class.update_info_cls(names=[], dtype_names=[], shapes=[]))
 
 
 def test_the_chunked_nccl_engine_gives_up_a_broadcast_at_its_deadline_and_aborts_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,9 +152,81 @@ def test_the_chunked_nccl_engine_gives_up_a_broadcast_at_its_deadline_and_aborts
     engine = ChunkedNCCLWeightTransferEngine.__new__(ChunkedNCCLWeightTransferEngine)
     group = Group()
     engine.model_update_group, engine.packed_buffer_size_bytes, engine.device, engine.model = group, 1 << 10, "cpu", Model()
+    engine.groups = {"instance": group}
     info = ChunkedNCCLUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[64]], timeout_s=0.2)
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="NCCL broadcast did not complete before its deadline"):
         engine.receive_weights(info)
     assert time.monotonic() - started >= 0.2  # it waited until the deadline, then gave up
-    assert group.destroyed and engine.model_update_group is None
+    assert group.destroyed and engine.model_update_group is None and engine.groups == {}
+
+
+def test_the_chunked_nccl_engine_keeps_a_communicator_per_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collective's ``init_weight_transfer_engine`` (``channel="collective"``) makes a second
+    communicator beside the instance's own; a new one for a channel replaces (destroys) only that
+    channel's; an update is refused on a channel the worker has not joined. (vLLM's group set-up
+    stood in for: it needs CUDA.)"""
+    from skips import require
+
+    require("vllm", "cpu-infer")
+    from staleflow.adapters.vllm.nccl_chunks import ChunkedNCCLInitInfo, ChunkedNCCLUpdateInfo, ChunkedNCCLWeightTransferEngine
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    class Group:
+        def __init__(self) -> None:
+            self.destroyed = False
+
+        def destroy(self) -> None:
+            self.destroyed = True
+
+    def made(self: Any, init_info: Any) -> None:
+        self.model_update_group = Group()
+
+    monkeypatch.setattr(NCCLWeightTransferEngine, "init_transfer_engine", made)
+    engine = ChunkedNCCLWeightTransferEngine.__new__(ChunkedNCCLWeightTransferEngine)
+    engine.groups, engine.model_update_group = {}, None
+
+    def info(channel: str) -> ChunkedNCCLInitInfo:
+        return ChunkedNCCLInitInfo(master_address="10.0.0.1", master_port=1, rank_offset=1, world_size=3, channel=channel)
+
+    engine.init_transfer_engine(info("instance"))
+    own = engine.groups["instance"]
+    engine.init_transfer_engine(info("collective"))
+    first = engine.groups["collective"]
+    engine.init_transfer_engine(info("collective"))
+    assert engine.groups["instance"] is own and not own.destroyed and first.destroyed and engine.groups["collective"] is not first
+    with pytest.raises(RuntimeError, match="no elsewhere group"):
+        engine.receive_weights(ChunkedNCCLUpdateInfo(names=[], dtype_names=[], shapes=[], channel="elsewhere"))
+    engine.shutdown()
+    assert own.destroyed and engine.groups == {}
+
+
+@pytest.mark.parametrize(("core_type", "overlap"), [(_InProcessCore, False), (_SubprocessCore, True)])
+def test_engines_whose_workers_share_this_process_take_turns_at_an_updates_finish(core_type: type, overlap: bool) -> None:
+    """vLLM's current config is process-wide and a worker sets it around an update's start and
+    finish: engines whose workers run in this process (in-process engine cores) take turns at them,
+    so one engine's finish never runs under another's config. Workers in other processes (an engine
+    core in a subprocess) do not wait for each other."""
+    import threading
+    import time
+
+    from staleflow.adapters.vllm.weight_transfer import EngineWeightSyncClient
+
+    inside: list[int] = []
+    most: list[int] = [0]
+
+    class Slow(_Engine):
+        def collective_rpc(self, method: str, **kwargs: Any) -> list[None]:
+            inside.append(1)
+            most[0] = max(most[0], len(inside))
+            time.sleep(0.2)
+            inside.pop()
+            return [None]
+
+    clients = [EngineWeightSyncClient(Slow(core_type)) for _ in range(2)]
+    threads = [threading.Thread(target=client.finish_weight_update) for client in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    assert (most[0] == 2) is overlap

@@ -13,38 +13,13 @@ from typing import Any
 
 import pytest
 from skips import needs
+from weight_receiver import TransferringServer
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     needs("vllm", "cpu-infer"),
 ]
-
-
-class TransferringServer:
-    """A parameter server in this process whose pulls hand out transfer references (as a Ray-placed
-    one does), so a vLLM engine receives every version through vLLM's weight-transfer API."""
-
-    def __init__(self, server: Any) -> None:
-        self.server = server
-
-    def push(self, version: int, weights: Any) -> None:
-        self.server.push(version, weights)
-
-    def latest_version(self) -> int | None:
-        return self.server.latest_version()  # type: ignore[no-any-return]
-
-    def versions(self) -> tuple[int, ...]:
-        return self.server.versions()  # type: ignore[no-any-return]
-
-    def pull(self, version: int | None = None) -> tuple[int, Any]:
-        from staleflow.adapters.rlkit.weight_sender import TransferWeights
-
-        version = self.server.pull(version)[0]
-        return version, TransferWeights(self.server, version)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.server.state_dict()  # type: ignore[no-any-return]
 
 
 def test_a_vllm_worker_blocked_in_its_receive_costs_the_run_one_instance_within_deadline_and_margin(tiny_model, monkeypatch):

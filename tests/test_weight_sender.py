@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from staleflow.adapters.rlkit.rendezvous import node_ip_address, transfer_host
 from staleflow.adapters.rlkit.weight_sender import (
     TransferBackendError,
     TransferParameterServer,
     TransferSettings,
     TransferWeights,
     WeightChannel,
-    node_ip_address,
-    transfer_host,
 )
 from staleflow.adapters.rlkit.wire_chunks import receive_chunks, send_chunks
 from staleflow.runtime.interfaces import TransferFailedError

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from runtime_fakes import FakeEngine
 from staleflow.adapters.rlkit.wire_receive import receive_gloo, received_specs
 
 
@@ -191,3 +192,86 @@ class SubprocessCoreEngine:
             name, kwargs = args
             return [getattr(self.worker, name)(**kwargs)]
         return None
+
+
+
+class ReceivingEngine(FakeEngine):
+    """A fake rollout instance whose loads arrive as a vLLM engine's do: through
+    :class:`~staleflow.adapters.vllm.weight_transfer.InstanceWeightSync` into a :class:`VLLMLikeWorker`
+    behind an engine core in "another process" (:class:`SubprocessCoreEngine`). A load that leaves
+    the update open fails the instance, as it fails a vLLM engine; :meth:`restart` gives it a new
+    worker (what restarting the engine would)."""
+
+    def __init__(self, instance_id: str, clock: Any, **kwargs: Any) -> None:
+        super().__init__(instance_id, clock, **kwargs)
+        self.restart()
+
+    def restart(self) -> None:
+        from staleflow.adapters.vllm.weight_transfer import InstanceWeightSync
+
+        self.worker = VLLMLikeWorker()
+        self.sync = InstanceWeightSync(SubprocessCoreEngine(self.worker), self.instance_id, {}, "gloo", self.version)
+        self.dead = False
+
+    def load_weights(self, version: int, weights: Any, broadcast: bool = False) -> None:
+        from staleflow.adapters.rlkit.weight_sender import UpdateLeftOpenError
+
+        self._alive()
+        try:
+            self.sync.receive(weights, weights.prepare())
+        except UpdateLeftOpenError:
+            self.dead = True
+            raise
+        super().load_weights(version, dict(self.worker.received))
+
+    def snapshot(self) -> Any:
+        self._alive()
+        return super().snapshot()
+
+    def _alive(self) -> None:
+        from staleflow.runtime.interfaces import InstanceLostError
+
+        if self.dead:
+            raise InstanceLostError(f"{self.instance_id}: its weight update was left open")
+
+
+class TransferringServer:
+    """A parameter server in this process whose pulls hand out transfer references (as a Ray-placed
+    one does), so a vLLM engine receives every version through vLLM's weight-transfer API."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def push(self, version: int, weights: Any) -> None:
+        self.server.push(version, weights)
+
+    def latest_version(self) -> int | None:
+        return self.server.latest_version()  # type: ignore[no-any-return]
+
+    def versions(self) -> tuple[int, ...]:
+        return self.server.versions()  # type: ignore[no-any-return]
+
+    def pull(self, version: int | None = None) -> tuple[int, Any]:
+        from staleflow.adapters.rlkit.collective import BroadcastWeights
+
+        version = self.server.pull(version)[0]
+        return version, BroadcastWeights(self.server, version)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.server.state_dict()  # type: ignore[no-any-return]
+
+
+def counted_sends(monkeypatch: Any) -> list[int]:
+    """The world size of the group of every send the parameter server makes from now on (1 + the
+    workers it reaches), recorded as ``WeightChannel.send`` runs."""
+    from staleflow.adapters.rlkit.weight_sender import WeightChannel
+
+    sizes: list[int] = []
+    send = WeightChannel.send
+
+    def counted(self: WeightChannel, staged: Any, deadline_s: float) -> int:
+        sizes.append(self.world_size)
+        return send(self, staged, deadline_s)
+
+    monkeypatch.setattr(WeightChannel, "send", counted)
+    return sizes

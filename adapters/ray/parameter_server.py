@@ -50,10 +50,11 @@ class RemoteWeights:
 class RemoteParameterServer:
     """The parameter-server interface over a :class:`ParameterServer` placed as a Ray actor.
 
-    ``broadcast``: the server is a :class:`~staleflow.adapters.rlkit.weight_sender.TransferParameterServer`
+    ``broadcast``: the server is a :class:`~staleflow.adapters.rlkit.collective.CollectiveParameterServer`
     with these transfer settings (``backend``, ``host``, ``wire_dtype``, ``bucket_bytes``), and pulls
-    hand out :class:`~staleflow.adapters.rlkit.weight_sender.TransferWeights` (vLLM's weight-transfer
-    API over a long-lived group per instance); None: pulls hand out :class:`RemoteWeights`.
+    hand out :class:`~staleflow.adapters.rlkit.collective.BroadcastWeights` (vLLM's weight-transfer
+    API over a long-lived group per instance, or one collective for a global broadcast's loads);
+    None: pulls hand out :class:`RemoteWeights`.
     """
 
     def __init__(self, server: ActorProxy, broadcast: dict[str, Any] | None = None) -> None:
@@ -68,9 +69,9 @@ class RemoteParameterServer:
         factory: Any = ParameterServer
         kwargs: dict[str, Any] = {"keep": keep, "copy_weights": _keep_as_is}
         if broadcast is not None:
-            from staleflow.adapters.rlkit.weight_sender import TransferParameterServer
+            from staleflow.adapters.rlkit.collective import CollectiveParameterServer
 
-            factory = TransferParameterServer
+            factory = CollectiveParameterServer  # per-instance groups, and collectives of several instances
             kwargs["transfer"] = broadcast
         if name is None:
             return cls(placement.place(factory, threads=SERVER_THREADS, **kwargs), broadcast)
@@ -95,10 +96,14 @@ class RemoteParameterServer:
         if version is None or version not in held:
             raise VersionNotAvailableError(f"version {version} is not on the parameter server (it holds {list(held)})")
         if self._broadcast is not None:
-            from staleflow.adapters.rlkit.weight_sender import TransferWeights
+            from staleflow.adapters.rlkit.collective import BroadcastWeights
 
-            return version, TransferWeights(self._server, version)
+            return version, BroadcastWeights(self._server, version)
         return version, RemoteWeights(self._server, version)
+
+    def bytes_sent(self) -> int:
+        """The weight bytes the server has sent through transfers so far (a collective's once); 0 for reference pulls."""
+        return int(self._server.sent_bytes()) if self._broadcast is not None else 0
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = self._server.state_dict()

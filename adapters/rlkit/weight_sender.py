@@ -18,7 +18,8 @@ the version staged once in the server's process (:mod:`~staleflow.adapters.rlkit
 the host buffer itself; the worker engines of :mod:`staleflow.adapters.vllm.weight_transfer`
 receive them. Sends to different instances run side by side (the server is thread-safe, each
 channel under its own lock); an instance has the version staged (:meth:`TransferWeights.prepare`)
-before it pauses, so it pauses for its own transfer only.
+before it pauses, so it pauses for its own transfer only. A global broadcast's loads may instead
+share one collective, the version sent once (:mod:`~staleflow.adapters.rlkit.collective`).
 
 A failed or stuck transfer: both ends give up by the transfer's deadline
 (:meth:`TransferSettings.deadline_s`: ``servers.transfer_timeout_s``, or from the version's bytes);
@@ -42,6 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from staleflow.adapters.rlkit import bounded_calls
+from staleflow.adapters.rlkit.rendezvous import transfer_host
 from staleflow.adapters.rlkit.staged_version import StagedVersion, stage
 from staleflow.adapters.rlkit.weight_checksum import VersionReferences
 from staleflow.adapters.rlkit.wire_chunks import send_chunks
@@ -100,31 +102,6 @@ class TransferSettings:
                 "sees none: give the parameter server a GPU, or use gloo (CPU memory and TCP)"
             )
         return self.backend
-
-
-def node_ip_address() -> str:
-    """This node's address as other nodes reach it: Ray's node IP inside a Ray process, else the
-    address of the interface that routes outwards (no packet is sent), else the loopback address."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return str(ray.util.get_node_ip_address())
-    except ImportError:
-        pass
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("10.255.255.255", 1))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
-
-
-def transfer_host(configured: str | None, node_ip: str | None = None) -> str:
-    """The rendezvous host of a sender: ``configured`` if given, else its node's IP."""
-    if configured:
-        return configured
-    return node_ip if node_ip is not None else node_ip_address()
 
 
 # ------------------------------------------------------------------------------------ the wire
@@ -283,6 +260,7 @@ class TransferParameterServer(ParameterServer):
         self.backend = self.transfer.resolved_backend()  # a bad combination fails when the server starts
         wire_dtype(self.transfer.wire_dtype)
         self.channels_opened = 0
+        self.bytes_sent = 0  # by every transfer, to any instance or collective
         self._channels: dict[str, WeightChannel] = {}
         self._channels_lock = threading.Lock()
         self._staged: dict[int, StagedVersion] = {}
@@ -320,14 +298,14 @@ class TransferParameterServer(ParameterServer):
     def join_channel(self, instance_id: str) -> None:
         self._guarded(instance_id, "joining the group", lambda channel: channel.join())
 
-    def stage(self, version: int) -> dict[str, Any]:
+    def stage(self, version: int, transfers: int | None = None) -> dict[str, Any]:
         """Stage ``version`` here if it is not yet (the sender ready: an instance calls this before
         it pauses), and what every worker's ``update_weights`` takes for it (names, dtypes, shapes),
         with ``deadline_s``: how long its transfer may take (:meth:`TransferSettings.deadline_s` of
-        its bytes, every open channel sending at once)."""
+        its bytes, ``transfers`` sending at once; None: every open channel)."""
         staged = self._staged_version(version)
         with self._channels_lock:
-            transfers = len(self._channels)
+            transfers = len(self._channels) if transfers is None else transfers
         return {**staged.update_info(), "deadline_s": self.transfer.deadline_s(staged.nbytes, transfers)}
 
     def send(self, instance_id: str, version: int, deadline_s: float | None = None) -> int:
@@ -336,7 +314,12 @@ class TransferParameterServer(ParameterServer):
         deadline tears the group down and raises :class:`TransferFailedError`."""
         staged = self._staged_version(version)
         deadline = self.stage(version)["deadline_s"] if deadline_s is None else deadline_s
-        return int(self._guarded(instance_id, f"sending version {version}", lambda channel: channel.send(staged, deadline)))
+        return self._counted(self._guarded(instance_id, f"sending version {version}", lambda channel: channel.send(staged, deadline)))
+
+    def _counted(self, sent: int) -> int:
+        with self._channels_lock:
+            self.bytes_sent += sent
+        return int(sent)
 
     def _staged_version(self, version: int) -> StagedVersion:
         with self._staging_lock:
@@ -418,6 +401,15 @@ class WeightSyncClient(Protocol):
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
+def check_backend(sending: str, receiving: str, instance_id: str) -> None:
+    """:class:`TransferBackendError` unless the server sends by the transport the instance's workers receive by."""
+    if sending != receiving:
+        raise TransferBackendError(
+            f"the parameter server sends by {sending} but instance {instance_id}'s vLLM workers receive by {receiving} "
+            "(servers.transfer_backend must match the instances' devices: nccl for GPU instances, gloo for CPU ones)"
+        )
+
+
 class UpdateLeftOpenError(TransferFailedError):
     """A transfer failed after the instance's weight update began: its weights are part old, part new."""
 
@@ -426,6 +418,9 @@ class TransferWeights:
     """A reference to a version that moves through vLLM's weight-transfer API into the instance that
     loads it. ``server`` is a :class:`TransferParameterServer` or a proxy of one in another process.
     :meth:`fetch` gives the whole state dict instead, for engines that cannot receive a transfer."""
+
+    #: The worker-side group its transfers arrive on (the instance's own; a collective's: ``collective``).
+    channel = "instance"
 
     def __init__(self, server: Any, version: int) -> None:
         self._server = server
@@ -437,20 +432,22 @@ class TransferWeights:
         except ConnectionError as error:
             raise TransferFailedError(f"pull of version {self.version}: {error}") from error
 
-    def connect(self, instance_id: str, receivers: int, client: WeightSyncClient, backend: str) -> None:
-        """Make ``instance_id``'s long-lived group: the server opens it, the instance's ``receivers``
-        workers join it (``init_weight_transfer_engine``). ``backend``: the one the instance's vLLM
-        workers were built with; a different one on the server is refused."""
-        info = self._server.open_channel(instance_id, receivers)
-        sending = info.pop("backend")
-        if sending != backend:
-            raise TransferBackendError(
-                f"the parameter server sends by {sending} but instance {instance_id}'s vLLM workers receive by {backend} "
-                "(servers.transfer_backend must match the instances' devices: nccl for GPU instances, gloo for CPU ones)"
-            )
+    def connect(self, instance_id: str, receivers: int, client: WeightSyncClient, backend: str, held: object = None) -> object:
+        """Make ``instance_id``'s long-lived group, unless it holds one (``held``: what the last call
+        returned): the server opens it, the instance's ``receivers`` workers join it
+        (``init_weight_transfer_engine``). ``backend``: the one the instance's vLLM workers were built
+        with (:func:`check_backend`). Returns what the instance holds now."""
+        if held is not None:
+            return held
+        info = dict(self._server.open_channel(instance_id, receivers))
+        check_backend(info.pop("backend"), backend, instance_id)
         deadline = info.pop("deadline_s")
         bounded_calls.together(lambda: self._server.join_channel(instance_id), lambda: client.init_weight_transfer_engine(info),
-                  f"joining the weight channel of {instance_id}", deadline)
+                               f"joining the weight channel of {instance_id}", deadline)
+        return instance_id
+
+    def _send(self, instance_id: str, deadline_s: float, group: object = None) -> int:
+        return int(self._server.send(instance_id, self.version, deadline_s))
 
     def prepare(self) -> dict[str, Any]:
         """Have the sender stage this version (:meth:`TransferParameterServer.stage`), before the
@@ -460,9 +457,9 @@ class TransferWeights:
         except ConnectionError as error:
             raise TransferFailedError(f"staging version {self.version}: {error}") from error
 
-    def deliver(self, instance_id: str, client: WeightSyncClient, update: Mapping[str, Any] | None = None) -> int:
-        """Send this version over ``instance_id``'s group (made by :meth:`connect`) and finish the
-        update with it as the weight version; returns the bytes sent. ``update``: what
+    def deliver(self, instance_id: str, client: WeightSyncClient, update: Mapping[str, Any] | None = None, group: object = None) -> int:
+        """Send this version over ``instance_id``'s group (``group``: what :meth:`connect` returned)
+        and finish the update with it as the weight version; returns the bytes sent. ``update``: what
         :meth:`prepare` returned (None: prepared here). Each step is bounded
         (:mod:`~staleflow.adapters.rlkit.bounded_calls`): the transfer by its deadline and a grace,
         the update's start and finish as control calls;
@@ -472,7 +469,7 @@ class TransferWeights:
         info["timeout_s"] = deadline  # the workers' receive is bounded by it too
         bounded_calls.bounded(client.start_weight_update, f"starting the weight update of {instance_id}", bounded_calls.CONTROL_CALL_S)
         try:
-            sent = bounded_calls.together(lambda: self._server.send(instance_id, self.version, deadline),
+            sent = bounded_calls.together(lambda: self._send(instance_id, deadline, group),
                                           lambda: client.update_weights(info), f"sending version {self.version} to {instance_id}", deadline)
             bounded_calls.bounded(lambda: client.finish_weight_update(weight_version=str(self.version)),
                                   f"finishing the weight update of {instance_id}", bounded_calls.CONTROL_CALL_S)

@@ -3,10 +3,11 @@
 the worker process only).
 
 The lifecycle is that of vLLM's ``nccl`` engine: ``init_transfer_engine`` joins the sender's
-long-lived group once; ``start_weight_update`` / ``finish_weight_update`` run vLLM's layerwise reload
-around the model's ``load_weights`` (checkpoint names fused into vLLM's parameters, the CPU backend's
-repacked weights prepared again); ``receive_weights`` takes the chunks the sender broadcasts
-(:mod:`staleflow.adapters.rlkit.wire_chunks`).
+long-lived group once per channel (the instance's own group, and a collective of several instances'
+workers kept beside it, :mod:`staleflow.adapters.rlkit.collective`); ``start_weight_update`` /
+``finish_weight_update`` run vLLM's layerwise reload around the model's ``load_weights`` (checkpoint
+names fused into vLLM's parameters, the CPU backend's repacked weights prepared again);
+``receive_weights`` takes the chunks the sender broadcasts (:mod:`staleflow.adapters.rlkit.wire_chunks`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class GlooInitInfo(WeightTransferInitInfo):
     rank_offset: int = 1
     timeout_s: float = 120.0
     bucket_bytes: int = 64 << 20
+    channel: str = "instance"
+    """Which of the worker's groups this is: ``instance`` (its own) or ``collective``."""
 
 
 @dataclass
@@ -45,6 +48,8 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     shapes: list[list[int]]
     timeout_s: float | None = None
     """The transfer's deadline: the receive gives up after it (None: the group's timeout)."""
+    channel: str = "instance"
+    """The group the chunks arrive on."""
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -55,7 +60,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.group: Any = None
+        self.groups: dict[str, Any] = {}  # by channel
         self.bucket_bytes = 0
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
@@ -63,7 +68,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, False, timeout=timeout)
-        self.group = dist.ProcessGroupGloo(store, rank, init_info.world_size, timeout)
+        self.groups[init_info.channel] = dist.ProcessGroupGloo(store, rank, init_info.world_size, timeout)
         self.bucket_bytes = init_info.bucket_bytes
 
     def start_weight_update(self) -> None:
@@ -78,15 +83,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         refresh_cpu_output_layer(self.model)
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if self.group is None:
-            raise RuntimeError("the gloo weight transfer is not initialised: call init_weight_transfer_engine first")
+        if update_info.channel not in self.groups:
+            raise RuntimeError(f"the gloo weight transfer has no {update_info.channel} group: call init_weight_transfer_engine first")
         stream = self._received(update_info)
         self.model.load_weights(stream)
         for _ in stream:  # what the loader left: the broadcast runs to its end on every rank
             pass
 
     def _received(self, info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
-        return receive_gloo(self.group, received_specs(info.names, info.dtype_names, info.shapes), self.bucket_bytes, info.timeout_s)
+        specs = received_specs(info.names, info.dtype_names, info.shapes)
+        return receive_gloo(self.groups[info.channel], specs, self.bucket_bytes, info.timeout_s)
 
     def shutdown(self) -> None:
-        self.group = None
+        self.groups = {}

@@ -7,26 +7,38 @@ its sender needs a GPU buffer of at least the largest tensor (twice, with two in
 keeps vLLM's group, lifecycle and loading (layerwise reload around the model's ``load_weights``) and
 receives the chunks of :mod:`staleflow.adapters.rlkit.wire_chunks` instead, which the gloo engine
 receives too: the sender's staging buffer is bounded by the bucket size
-(``packed_buffer_size_bytes`` of the init info), whatever the largest tensor.
+(``packed_buffer_size_bytes`` of the init info), whatever the largest tensor. A worker keeps one
+communicator per channel: its instance's own, and a collective's of several instances' workers
+(:mod:`staleflow.adapters.rlkit.collective`), made by a second ``init_weight_transfer_engine``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from staleflow.adapters.rlkit.weight_sender import wait_until
 from staleflow.adapters.rlkit.wire_chunks import receive_chunks
 from staleflow.adapters.rlkit.wire_receive import received_specs
+from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
+
+
+@dataclass(kw_only=True)
+class ChunkedNCCLInitInfo(NCCLWeightTransferInitInfo):
+    """vLLM's NCCL init info, and which of the worker's groups it makes (``instance`` or ``collective``)."""
+
+    channel: str = "instance"
 
 
 @dataclass
 class ChunkedNCCLUpdateInfo(NCCLWeightTransferUpdateInfo):
-    """vLLM's NCCL update info, and the transfer's deadline (None: no deadline)."""
+    """vLLM's NCCL update info, the transfer's deadline (None: no deadline) and the group it arrives on."""
 
     timeout_s: float | None = None
+    channel: str = "instance"
 
 
 class ChunkedNCCLWeightTransferEngine(NCCLWeightTransferEngine):
@@ -35,12 +47,30 @@ class ChunkedNCCLWeightTransferEngine(NCCLWeightTransferEngine):
     ends the broadcast in flight) and dropped, the update fails (vLLM ends its update state), and
     the next ``init_weight_transfer_engine`` makes a new group."""
 
+    init_info_cls = ChunkedNCCLInitInfo
     update_info_cls = ChunkedNCCLUpdateInfo
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.groups: dict[str, Any] = {}  # the worker's communicators by channel
+
+    def init_transfer_engine(self, init_info: ChunkedNCCLInitInfo) -> None:  # type: ignore[override]
+        old = self.groups.pop(init_info.channel, None)
+        if old is not None:
+            old.destroy()
+        super().init_transfer_engine(init_info)
+        self.groups[init_info.channel] = self.model_update_group
+
+    def shutdown(self) -> None:
+        for group in self.groups.values():
+            group.destroy()
+        self.groups = {}
+        self.model_update_group = None
+
     def receive_weights(self, update_info: ChunkedNCCLUpdateInfo) -> None:  # type: ignore[override]
-        group = self.model_update_group
+        group = self.groups.get(update_info.channel)
         if group is None:
-            raise RuntimeError("the NCCL weight transfer is not initialised: call init_weight_transfer_engine first")
+            raise RuntimeError(f"the NCCL weight transfer has no {update_info.channel} group: call init_weight_transfer_engine first")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         deadline = None if update_info.timeout_s is None else time.monotonic() + update_info.timeout_s
@@ -54,7 +84,9 @@ class ChunkedNCCLWeightTransferEngine(NCCLWeightTransferEngine):
             try:
                 wait_until(done.query, deadline, "the weight transfer's NCCL broadcast")
             except TimeoutError:
-                self.model_update_group = None
+                self.groups.pop(update_info.channel, None)
+                if self.model_update_group is group:
+                    self.model_update_group = None
                 group.destroy()  # ncclCommAbort: the broadcast in flight ends
                 raise
 

@@ -15,12 +15,14 @@ steps it and runs the update between two steps: there is nothing to pause.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from staleflow.adapters.rlkit import bounded_calls
+from staleflow.runtime.interfaces import TransferFailedError
 
 
 @contextmanager
@@ -38,8 +40,12 @@ def scheduling_paused(llm_engine: Any) -> Iterator[bool]:
     bounded_calls.bounded(lambda: core.call_utility("pause_scheduler", "keep", False), "pausing the scheduler", bound)
     try:
         yield True
-    finally:
-        bounded_calls.bounded(lambda: core.call_utility("resume_scheduler"), "resuming the scheduler", bound)
+    except BaseException:
+        # the body's error stands (an update left open: the instance is lost), not a resume stuck behind the same worker
+        with contextlib.suppress(TransferFailedError):
+            bounded_calls.bounded(lambda: core.call_utility("resume_scheduler"), "resuming the scheduler", bound)
+        raise
+    bounded_calls.bounded(lambda: core.call_utility("resume_scheduler"), "resuming the scheduler", bound)
 
 
 def reload_weights_file(llm_engine: Any, path: Path, version: int) -> None:

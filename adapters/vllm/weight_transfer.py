@@ -17,6 +17,8 @@ runs the GPU code path but for the group; the sender's half is :mod:`staleflow.a
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -79,6 +81,14 @@ def weight_transfer_args(backend: str) -> dict[str, Any]:
     return {"weight_transfer_config": {"backend": ENGINES[backend][0]}}
 
 
+#: vLLM keeps "the current config" in a process-wide global (``set_current_vllm_config``), which a
+#: worker sets around the start and the finish of an update; engines whose workers run in this
+#: process (in-process engine cores: the bench's, tests') take turns at those two calls, or one
+#: engine's finish could run under another's config, or none. (The receive in between cannot take
+#: turns: a collective needs every member's at once.)
+IN_PROCESS_TURNS = threading.Lock()
+
+
 class EngineWeightSyncClient:
     """vLLM's ``VLLMWeightSyncClient`` protocol over an ``LLMEngine`` in this process: each call goes
     to every worker (``collective_rpc``); ``finish_weight_update(weight_version)`` also sets the
@@ -90,18 +100,22 @@ class EngineWeightSyncClient:
     def __init__(self, llm_engine: Any) -> None:
         self._llm = llm_engine
         self.calls: list[str] = []
+        in_process = not hasattr(llm_engine.engine_core, "call_utility")  # else its workers run elsewhere
+        self._turns: Any = IN_PROCESS_TURNS if in_process else contextlib.nullcontext()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._rpc("init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self._rpc("start_weight_update")
+        with self._turns:
+            self._rpc("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._rpc("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._rpc("finish_weight_update")
+        with self._turns:
+            self._rpc("finish_weight_update")
         if weight_version is not None:
             self._llm.set_weight_version(weight_version)
 
@@ -129,25 +143,27 @@ class InstanceWeightSync:
         self.receivers = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
         self.backend = backend
         self.pauses: list[float] = []
-        self._connected = False
+        self._held: dict[str, object] = {}  # the groups the workers hold, by channel (``weights.channel``)
 
     def receive(self, weights: TransferWeights, update: Mapping[str, Any] | None = None) -> int:
         """Receive the version ``weights`` refers to (``update``: what ``weights.prepare()`` returned;
-        None: prepared here), the engine core's scheduling paused if it runs in another process
-        (:mod:`~staleflow.adapters.vllm.pause`) for the transfer alone; returns the bytes sent."""
-        if not self._connected:
-            weights.connect(self.instance_id, self.receivers, self.client, self.backend)
-            self._connected = True
-        prepared = weights.prepare() if update is None else update
-        started = time.monotonic()
+        None: prepared here) on the group its channel names (the instance's own, or a collective of
+        several instances: :mod:`~staleflow.adapters.rlkit.collective`), the engine core's scheduling
+        paused if it runs in another process (:mod:`~staleflow.adapters.vllm.pause`) for the transfer
+        alone; returns the bytes sent. After a failure every group is made again."""
         try:
-            with scheduling_paused(self._llm):
-                return weights.deliver(self.instance_id, self.client, prepared)
+            held = self._held.get(weights.channel)
+            group = self._held[weights.channel] = weights.connect(self.instance_id, self.receivers, self.client, self.backend, held)
+            prepared = weights.prepare() if update is None else update
+            started = time.monotonic()
+            try:
+                with scheduling_paused(self._llm):
+                    return weights.deliver(self.instance_id, self.client, prepared, group)
+            finally:
+                self.pauses.append(time.monotonic() - started)
         except Exception:
-            self._connected = False
+            self._held.clear()
             raise
-        finally:
-            self.pauses.append(time.monotonic() - started)
 
 
 def token_versions(llm_engine: Any, output: Any, internal_id: str, count: int) -> list[int]:

@@ -14,11 +14,20 @@ instance's pull, and all of them have ended when :meth:`InstanceDriver.execute` 
 hold the loop up for about one transfer rather than N. A pull that fails marks only its own instance
 down; the others still finish and are recorded. With a virtual clock they run inline, in order
 (simulated transfers depend on the order they start in).
+
+The Pulls of a global broadcast (marked ``broadcast``) to several up instances get, where the
+parameter server's reference allows (:class:`~staleflow.runtime.interfaces.CollectiveReference`),
+the version in one collective for all of them, sent once: they are held until the batch's last one
+of that version (or a later command to a member) and then start together, for the members still up
+(one lost by an earlier command of the batch is left out). After a collective fails (its members
+lost) later broadcasts go one load per instance, and why is logged.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -26,11 +35,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from staleflow.runtime.coordination.commands import Abort, Command, Interrupt, Pull, Route
 from staleflow.runtime.coordination.cost_model import ProfileRecord
 from staleflow.runtime.coordination.observations import InstanceBack, InstanceLost
-from staleflow.runtime.interfaces import INSTANCE_FAILURES, Clock, RolloutEngine
+from staleflow.runtime.interfaces import INSTANCE_FAILURES, Clock, CollectiveReference, RolloutEngine
 from staleflow.runtime.run.instance_health import first_snapshot, probe
 from staleflow.runtime.servers.parameter_server import ParameterServer
 from staleflow.runtime.servers.trajectory_server import TrajectoryServer
 from staleflow.runtime.types import InstanceSnapshot, Trajectory
+
+log = logging.getLogger(__name__)
 
 #: What the driver observes of the instances, for the coordinator.
 InstanceObservation = InstanceSnapshot | InstanceLost | InstanceBack
@@ -67,6 +78,9 @@ class InstanceDriver:
         self.touched: set[str] = set()
         self._observed_at: dict[str, float] = {}
         self._pulls = None if clock.simulated else ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="pull")
+        #: Why a broadcast's loads go one by one now (a collective failed: logged), None while they may share one.
+        self.collective_off: str | None = None
+        self._collective_lock = threading.Lock()  # the pulls' threads count collective loads and failures
 
     def first_snapshots(self) -> list[InstanceSnapshot]:
         """One snapshot per instance, to start the coordinator with; instances that do not answer
@@ -181,13 +195,22 @@ class InstanceDriver:
         failing instance is marked down (and returned) and its later commands skipped."""
         lost: list[InstanceLost] = []
         pulls: dict[str, Future[None]] = {}
+        last = self._last_broadcast_pulls(commands)
+        held: dict[int, list[Pull]] = {}  # a version's broadcast Pulls, held until its last one (one collective)
         try:
-            for command in commands:
+            for index, command in enumerate(commands):
                 iid = command.instance_id
+                for version in [v for v, members in held.items() if any(p.instance_id == iid for p in members)]:
+                    self._start_together(held.pop(version), pulls)  # a later command to a member: its set starts now
                 if iid in pulls:  # the instance's pull ends before its next command
                     self._await_pulls({iid: pulls.pop(iid)}, lost)
                 if iid in self.down:
                     continue  # its requests were re-queued; requests routed to it are still queued
+                if isinstance(command, Pull) and command.version in last:
+                    held.setdefault(command.version, []).append(command)
+                    if index == last[command.version]:
+                        self._start_together(held.pop(command.version), pulls)
+                    continue
                 if isinstance(command, Pull) and self._pulls is not None:
                     pulls[iid] = self._pulls.submit(self._load, command)
                     continue
@@ -196,8 +219,26 @@ class InstanceDriver:
                 except INSTANCE_FAILURES:
                     lost.append(self.failed(iid))
         finally:
+            for members in held.values():
+                self._start_together(members, pulls)
             self._await_pulls(pulls, lost)
         return lost
+
+    def _last_broadcast_pulls(self, commands: Sequence[Command]) -> dict[int, int]:
+        """The index of each version's last broadcast Pull among ``commands``, where a collective may
+        carry them (a real clock: its members load at once; none failed before)."""
+        if self._pulls is None or self.collective_off is not None:
+            return {}
+        return {c.version: i for i, c in enumerate(commands) if isinstance(c, Pull) and c.broadcast}
+
+    def _start_together(self, members: Sequence[Pull], pulls: dict[str, Future[None]]) -> None:
+        """Start the held broadcast Pulls of one version at once, in one collective for those of
+        their instances still up (an instance lost by an earlier command of the batch is left out)."""
+        assert self._pulls is not None
+        together = tuple(p.instance_id for p in members if p.instance_id not in self.down)
+        for pull in members:
+            if pull.instance_id in together:
+                pulls[pull.instance_id] = self._pulls.submit(self._load, pull, together)
 
     def _await_pulls(self, pulls: Mapping[str, Future[None]], lost: list[InstanceLost]) -> None:
         """Wait for every pull of ``pulls``, then record each: done, or its instance lost (added to
@@ -229,13 +270,35 @@ class InstanceDriver:
             raise TypeError(f"unknown command {command!r}")
         self._executed(command.instance_id, type(command).__name__)
 
-    def _load(self, command: Pull) -> None:
-        """The engine's side of a Pull: the version from the parameter server into the instance."""
+    def _load(self, command: Pull, together: Sequence[str] = ()) -> None:
+        """The engine's side of a Pull: the version from the parameter server into the instance. A
+        broadcast's load with other instances (``together``: every up instance the broadcast goes
+        to) gets the version in one collective for all of them where the server's reference can
+        (:class:`~staleflow.runtime.interfaces.CollectiveReference`), else as a pull."""
         version, weights = self.ps.pull(command.version)
-        if command.broadcast:
-            self.engines[command.instance_id].load_weights(version, weights, broadcast=True)
-        else:
+        if not command.broadcast:
             self.engines[command.instance_id].load_weights(version, weights)
+            return
+        if len(together) > 1 and isinstance(weights, CollectiveReference):
+            try:
+                self.engines[command.instance_id].load_weights(version, weights.in_collective(together), broadcast=True)
+            except INSTANCE_FAILURES as error:
+                self._collective_failed(together, version, error)
+                raise
+            with self._collective_lock:
+                self.counters["collective_loads"] += 1
+            return
+        self.engines[command.instance_id].load_weights(version, weights, broadcast=True)
+
+    def _collective_failed(self, together: Sequence[str], version: int, error: Exception) -> None:
+        """A member's load of a collective failed (its instance is lost; the other members', whose
+        collective it is too, fail by its deadline): later broadcasts go one load per instance, and why is logged."""
+        with self._collective_lock:
+            if self.collective_off is not None:
+                return
+            self.collective_off = f"the collective of version {version} to {list(together)} failed ({error}): broadcasts go per instance"
+            self.counters["collective_failures"] += 1
+        log.warning(self.collective_off)
 
     def _executed(self, iid: str, kind: str) -> None:
         """Bookkeeping after a command of ``kind`` on ``iid`` (in the loop's thread)."""

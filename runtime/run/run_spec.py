@@ -48,8 +48,10 @@ class RunSpec:
             raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
 
     @classmethod
-    def from_job(cls, config: JobConfig) -> RunSpec:
-        """A training job's run: its system with the knobs the config sets."""
+    def from_job(cls, config: JobConfig, weights_gb: float | None = None) -> RunSpec:
+        """A training job's run: its system with the knobs the config sets. ``weights_gb``: a version's
+        bytes on the wire (GB); with ``servers.weight_transfer=broadcast`` they give the transfer costs
+        the ``adaptive`` sync compares (:func:`job_transfer_costs`)."""
         policy = make_policy(
             config.system,
             batch_redundancy=config.protocol.redundancy,
@@ -62,6 +64,7 @@ class RunSpec:
             batch_size=config.protocol.batch_groups,
             tick_s=config.coordinator.tick_s,
             reward_timeout_s=config.task.reward_timeout_s,
+            transfer=job_transfer_costs(config, weights_gb),
         )
 
     @classmethod
@@ -89,3 +92,16 @@ def engine_bound(policy: SystemPolicy, max_num_seqs: int) -> SystemPolicy:
     if policy.routing != "throughput" or policy.max_running <= max_num_seqs:
         return policy
     return replace(policy, max_running=max_num_seqs)
+
+
+def job_transfer_costs(config: JobConfig, weights_gb: float | None) -> TransferCosts | None:
+    """What moving a version of ``weights_gb`` costs a job whose parameter server sends it
+    (``servers.weight_transfer=broadcast``; None otherwise, or without the bytes): per-instance sends
+    share the server's link (``servers.transfer_link_gb_s``), while one collective to every instance
+    behind sends the bytes once (``servers.collective_gb_s``, by default the same link), so the
+    ``adaptive`` sync takes the collective once two or more instances would pull together."""
+    servers = config.servers
+    if weights_gb is None or servers.weight_transfer != "broadcast":
+        return None
+    collective = servers.collective_gb_s or servers.transfer_link_gb_s
+    return TransferCosts(weights_gb, ps_gb_per_s=servers.transfer_link_gb_s, broadcast_gb_per_s=collective)

@@ -204,7 +204,7 @@ class RunStats:
             duplicated=len(audit.duplicated),
             audit_ok=audit.ok,
             mixed_version_trajectories=counters["mixed_version_trajectories"],
-            coordinator={**coordinator, **{k: float(v) for k, v in counters.items() if k.startswith("command_")}},
+            coordinator={**coordinator, **{k: float(v) for k, v in counters.items() if k.startswith(("command_", "collective_"))}},
             train_metrics=list(self.train_metrics),
         )
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from staleflow.runtime.settings.policies import DEFAULT_ETA
 
 #: the coordinator knobs a config may set for the system's policy (null: the policy's own value)
-POLICY_KNOBS = ("mu", "phi_wait", "phi_throughput", "sync_kv_fraction")
+POLICY_KNOBS = ("mu", "phi_wait", "phi_throughput", "sync_kv_fraction", "sync")
 
 
 class ConfigSection(BaseModel):
@@ -241,6 +241,10 @@ class ServersConfig(ConfigSection):
     transfer_link_gb_s: StrictFloat = Field(1.0, gt=0)
     """Expected rate of the parameter server's link, GB/s (shared by the broadcasts it runs at once),
     from which the default deadline follows."""
+    collective_gb_s: StrictFloat | None = Field(None, gt=0)
+    """Expected rate of one collective from the parameter server to the workers of every instance a
+    global broadcast goes to, GB/s (the ``adaptive`` sync weighs it against per-instance sends); null:
+    ``transfer_link_gb_s`` (the version leaves the server once, whatever the instances)."""
 
     @model_validator(mode="after")
     def _broadcast_needs_ray(self) -> ServersConfig:
@@ -335,10 +339,14 @@ class CoordinatorConfig(ConfigSection):
     phi_wait: StrictInt | None = Field(None, ge=0, le=1_000_000)
     phi_throughput: StrictFloat | None = Field(None, ge=0, le=1000)
     sync_kv_fraction: StrictFloat | None = Field(None, ge=0, le=1)
+    sync: Literal["per_instance", "global_immediate", "global_drained", "adaptive"] | None = None
+    """How instances move to a new version (null: the system's): ``adaptive`` sends it to every
+    instance behind in one collective where the transfer costs make that cheaper than per-instance
+    sends (with ``servers.weight_transfer=broadcast``; :mod:`~staleflow.runtime.coordination.sync`)."""
     tick_s: StrictFloat = Field(0.05, gt=0, le=60)
     cost_model: CostModelConfig = CostModelConfig()
 
-    def policy_knobs(self) -> dict[str, float | int]:
+    def policy_knobs(self) -> dict[str, float | int | str]:
         """The knobs this config sets (the others keep the system's values)."""
         return {name: value for name in POLICY_KNOBS if (value := getattr(self, name)) is not None}
 
