@@ -164,7 +164,7 @@ def test_the_kv_peaks_of_many_instances_in_one_pass_are_each_instance_alone_to_t
     sizes = [0, 1, 7, 9, 130, 0, 513, 40]
     kvs = [rng.integers(100, 5000, n) + rng.random(n) for n in sizes]
     remaining = [rng.choice([0.0, 17.25, 900.5, 4000.0], n) if i % 2 else rng.random(n) * 3000 for i, n in enumerate(sizes)]
-    together = kv_peak_growths(kvs, np.concatenate(remaining))
+    together = kv_peak_growths(np.concatenate(kvs), np.array([len(kv) for kv in kvs]), np.concatenate(remaining))
     alone = [kv_peak_growth(kv, r) for kv, r in zip(kvs, remaining)]
     assert together.tolist() == alone and together[0] == together[5] == 0.0 and together.max() > 0
     # the one-set form is the reference formula of the test above: max_k sum_{r_i >= r_k} (kv_i + r_k) - sum kv

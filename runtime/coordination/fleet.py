@@ -117,14 +117,18 @@ class InstanceView:
 
     def progress(self) -> tuple[np.ndarray, np.ndarray]:
         """The estimated output tokens and the prompt tokens of every request held, in the order of
-        :attr:`requests` (:meth:`generated` and :meth:`prompts` of them all, from arrays kept while no
-        request comes or goes)."""
+        :attr:`requests` (:meth:`generated` of them all, from :meth:`held`)."""
+        offsets, prompts = self.held()
+        return offsets + self.steps, prompts
+
+    def held(self) -> tuple[np.ndarray, np.ndarray]:
+        """:attr:`starts`' first entries (output tokens less :attr:`steps`) and the prompt tokens of
+        every request held, in the order of :attr:`requests`: arrays kept while no request comes or goes."""
         if self._held is None:
             starts = self.starts.values()
             self._held = (np.fromiter((s[0] for s in starts), dtype=np.float64, count=len(starts)),
                           np.fromiter((s[1] for s in starts), dtype=np.float64, count=len(starts)))
-        offsets, prompts = self._held
-        return offsets + self.steps, prompts
+        return self._held
 
     def generated(self, request_ids: Iterable[str]) -> np.ndarray:
         """The estimated output tokens of these requests (module docstring)."""
@@ -194,34 +198,35 @@ def kv_peak_growth(kv: np.ndarray, remaining: np.ndarray) -> float:
     still running hold ``kv + t`` each, so the peak is just before one of them finishes,
     ``max_k sum_{i: r_i >= r_k} (kv_i + r_k)``. Requests do not all peak together: planning for every
     request's final size at once would hold back more room than the cache ever needs."""
-    return float(kv_peak_growths([kv], remaining)[0])
+    return float(kv_peak_growths(kv, np.array([len(kv)]), remaining)[0])
 
 
-def kv_peak_growths(kvs: Sequence[np.ndarray], remaining: np.ndarray) -> np.ndarray:
-    """:func:`kv_peak_growth` of several sets of requests at once: ``kvs[j]`` the KV tokens of set
-    ``j``'s requests, ``remaining`` every set's remaining steps laid end to end in the same order.
-    One pass: each set's requests sorted by remaining steps (ties kept in their order), the KV of
-    those finishing at ``r_k`` or later summed from the last to finish down, row by row of a
-    zero-padded table; each set's figure comes from the same additions, in the same order, as the
-    set alone would give (its own ``kv.sum()`` included)."""
-    counts = np.fromiter(map(len, kvs), dtype=np.intp, count=len(kvs))
+def kv_peak_growths(kv: np.ndarray, counts: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+    """:func:`kv_peak_growth` of several sets of requests at once, laid end to end: set ``j`` the next
+    ``counts[j]`` entries of ``kv`` (KV tokens) and ``remaining`` (remaining steps). One pass: each
+    set's requests sorted by remaining steps (ties kept in their order), the KV of those finishing at
+    ``r_k`` or later summed from the last to finish down, row by row of a zero-padded table; each
+    set's figure comes from the same additions, in the same order, as the set alone would give (its
+    own ``kv.sum()`` included)."""
     growth = np.zeros(len(counts))
     width = int(counts.max(initial=0))
     if width == 0:
         return growth
-    kv = np.concatenate(kvs)
+    ends = np.cumsum(counts)
+    starts = ends - counts
     owner = np.repeat(np.arange(len(counts)), counts)
     order = np.lexsort((remaining, owner))  # by set, then by remaining steps; stable
-    position = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]  # rank by remaining steps within the set
+    position = np.arange(len(owner)) - starts[owner]  # rank by remaining steps within the set
     from_last = counts[owner] - 1 - position  # 0: the set's last to finish
     table = np.zeros((len(counts), width))
     table[owner, from_last] = kv[order]
     alive_kv = np.cumsum(table, axis=1)[owner, from_last]  # KV of the set's requests finishing at r_k or later
     peaks = np.full((len(counts), width), -np.inf)
     peaks[owner, position] = alive_kv + (from_last + 1) * remaining[order]
-    held = counts > 0
-    totals = np.array([k.sum() for k in kvs])  # each set's own sum (np.add.reduceat adds in another order)
-    growth[held] = np.maximum(0.0, peaks[held].max(axis=1) - totals[held])
+    held = np.flatnonzero(counts)
+    # each set's own sum, a slice at a time (np.add.reduceat adds in another order)
+    totals = np.array([kv[start:end].sum() for start, end in zip(starts[held].tolist(), ends[held].tolist())])
+    growth[held] = np.maximum(0.0, peaks[held].max(axis=1) - totals)
     return growth
 
 
@@ -300,12 +305,16 @@ class Fleet:
     def _growths(self, views: Sequence[InstanceView]) -> list[float]:
         """How far above its KV in use now each view's KV is expected to peak before its requests are
         done (0 without ``lengths``): :func:`kv_peak_growth` of its requests' expected remaining
-        lengths (one estimate over all the views' requests)."""
+        lengths, for all the views' requests in one pass (their :meth:`InstanceView.progress`, laid
+        end to end: the same additions as view by view)."""
         if self.lengths is None or not views:
             return [0.0] * len(views)
-        held = [view.progress() for view in views]
-        remaining = self.lengths.expected_remaining(np.concatenate([generated for generated, _ in held]))
-        return kv_peak_growths([prompts + generated for generated, prompts in held], remaining).tolist()
+        held = [view.held() for view in views]
+        counts = np.fromiter((len(offsets) for offsets, _ in held), dtype=np.intp, count=len(held))
+        steps = np.fromiter((view.steps for view in views), dtype=np.float64, count=len(views))
+        generated = np.concatenate([offsets for offsets, _ in held]) + np.repeat(steps, counts)
+        remaining = self.lengths.expected_remaining(generated)
+        return kv_peak_growths(np.concatenate([prompts for _, prompts in held]) + generated, counts, remaining).tolist()
 
     def planned_growth(self, generated: Iterable[int]) -> float:
         """The KV growth to plan for each of some requests that generated so many tokens so far: the
