@@ -34,14 +34,16 @@ class InstanceView:
         "_removals",
         "accepted",
         "down",
+        "groups",
         "instance_id",
         "kv_capacity",
         "kv_tokens",
         "loading",
+        "offsets",
+        "prompts",
         "rejected",
         "requests",
         "seen_at",
-        "starts",
         "steps",
         "tokens_per_s",
         "version",
@@ -58,16 +60,17 @@ class InstanceView:
         self.down = False  # lost (:meth:`Fleet.lose`) until it is back
         #: request id -> (tokens in KV when routed, group version)
         self.requests: dict[str, tuple[int, int]] = {}
-        #: request id -> (output tokens when routed less :attr:`steps` then, prompt tokens, its group)
-        self.starts: dict[str, tuple[float, int, GroupId]] = {}
+        #: request id -> output tokens when routed less :attr:`steps` then; its prompt tokens; its group
+        self.offsets: dict[str, float] = {}
+        self.prompts: dict[str, int] = {}
+        self.groups: dict[str, GroupId] = {}
         self.steps = 0.0  # decode steps estimated since the view started (module docstring)
         self.seen_at = snapshot.time  # the time of the last snapshot taken
         self.waiting: tuple[str, ...] = snapshot.waiting
         self.accepted = 0
         self.rejected = 0
         self._removals = 0  # requests removed so far
-        #: (:attr:`starts`' first entries, their prompt tokens) of every request held, in order, as
-        #: arrays; None: to rebuild (a request came or went)
+        #: (:attr:`offsets`, :attr:`prompts`) of every request held, in order, as arrays; None: to rebuild (a request came or went)
         self._held: tuple[np.ndarray, np.ndarray] | None = None
         #: (running, waiting, removals) of the last snapshot found consistent: the same id tuples
         #: are consistent again while no request was removed (adding requests cannot contradict)
@@ -111,7 +114,9 @@ class InstanceView:
     def add(self, request_id: str, tokens: int, group_version: int, generated: int = 0, group: GroupId = "") -> None:
         """A request routed here with ``tokens`` in KV, ``generated`` of them output, of ``group``."""
         self.requests[request_id] = (tokens, group_version)
-        self.starts[request_id] = (generated - self.steps, tokens - generated, group)
+        self.offsets[request_id] = generated - self.steps
+        self.prompts[request_id] = tokens - generated
+        self.groups[request_id] = group
         self.kv_tokens += tokens
         self._held = None
 
@@ -122,24 +127,24 @@ class InstanceView:
         return offsets + self.steps, prompts
 
     def held(self) -> tuple[np.ndarray, np.ndarray]:
-        """:attr:`starts`' first entries (output tokens less :attr:`steps`) and the prompt tokens of
-        every request held, in the order of :attr:`requests`: arrays kept while no request comes or goes."""
+        """:attr:`offsets` and :attr:`prompts` of every request held, in the order of :attr:`requests`:
+        arrays kept while no request comes or goes."""
         if self._held is None:
-            starts = self.starts.values()
-            self._held = (np.fromiter((s[0] for s in starts), dtype=np.float64, count=len(starts)),
-                          np.fromiter((s[1] for s in starts), dtype=np.float64, count=len(starts)))
+            count = len(self.offsets)
+            self._held = (np.fromiter(self.offsets.values(), dtype=np.float64, count=count),
+                          np.fromiter(self.prompts.values(), dtype=np.float64, count=count))
         return self._held
 
     def generated(self, request_ids: Iterable[str]) -> np.ndarray:
         """The estimated output tokens of these requests (module docstring)."""
-        starts = self.starts
-        return np.fromiter((starts[rid][0] for rid in request_ids), dtype=np.float64) + self.steps
+        offsets = self.offsets
+        return np.fromiter((offsets[rid] for rid in request_ids), dtype=np.float64) + self.steps
 
     def remove(self, request_id: str) -> None:
         """The request left (finished, interrupted or aborted); unknown ids are ignored."""
         entry = self.requests.pop(request_id, None)
         if entry is not None:
-            del self.starts[request_id]
+            del self.offsets[request_id], self.prompts[request_id], self.groups[request_id]
             self._held = None
             self._removals += 1
             self.kv_tokens = max(0, self.kv_tokens - entry[0])
