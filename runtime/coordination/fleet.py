@@ -208,11 +208,11 @@ def kv_peak_growth(kv: np.ndarray, remaining: np.ndarray) -> float:
 
 def kv_peak_growths(kv: np.ndarray, counts: np.ndarray, remaining: np.ndarray) -> np.ndarray:
     """:func:`kv_peak_growth` of several sets of requests at once, laid end to end: set ``j`` the next
-    ``counts[j]`` entries of ``kv`` (KV tokens) and ``remaining`` (remaining steps). One pass: each
-    set's requests sorted by remaining steps (ties kept in their order), the KV of those finishing at
-    ``r_k`` or later summed from the last to finish down, row by row of a zero-padded table; each
-    set's figure comes from the same additions, in the same order, as the set alone would give (its
-    own ``kv.sum()`` included)."""
+    ``counts[j]`` entries of ``kv`` (KV tokens) and ``remaining`` (remaining steps). One pass over a
+    table of a row per set (padded past its requests): each row sorted by remaining steps (ties kept
+    in their order), the KV of the requests finishing at ``r_k`` or later summed from the last to
+    finish down; each set's figure comes from the same additions, in the same order, as the set alone
+    would give (its own ``kv.sum()`` included)."""
     growth = np.zeros(len(counts))
     width = int(counts.max(initial=0))
     if width == 0:
@@ -220,14 +220,20 @@ def kv_peak_growths(kv: np.ndarray, counts: np.ndarray, remaining: np.ndarray) -
     ends = np.cumsum(counts)
     starts = ends - counts
     owner = np.repeat(np.arange(len(counts)), counts)
-    order = np.lexsort((remaining, owner))  # by set, then by remaining steps; stable
-    position = np.arange(len(owner)) - starts[owner]  # rank by remaining steps within the set
-    from_last = counts[owner] - 1 - position  # 0: the set's last to finish
-    table = np.zeros((len(counts), width))
-    table[owner, from_last] = kv[order]
-    alive_kv = np.cumsum(table, axis=1)[owner, from_last]  # KV of the set's requests finishing at r_k or later
-    peaks = np.full((len(counts), width), -np.inf)
-    peaks[owner, position] = alive_kv + (from_last + 1) * remaining[order]
+    column = np.arange(len(owner)) - starts[owner]
+    steps = np.full((len(counts), width), np.inf)  # the padding sorts last
+    steps[owner, column] = remaining
+    rows = np.arange(len(counts))[:, None]
+    order = np.argsort(steps, axis=1, kind="stable")
+    held_kv = np.zeros((len(counts), width))
+    held_kv[owner, column] = kv
+    steps, held_kv = steps[rows, order], held_kv[rows, order]
+    # KV of the requests finishing at r_k or later (the padding's zeros come first: they change no sum)
+    alive_kv = np.cumsum(held_kv[:, ::-1], axis=1)[:, ::-1]
+    alive = counts[:, None] - np.arange(width)  # requests finishing at r_k or later
+    real = alive > 0
+    steps[~real] = 0.0
+    peaks = np.where(real, alive_kv + alive * steps, -np.inf)
     held = np.flatnonzero(counts)
     # each set's own sum, a slice at a time (np.add.reduceat adds in another order)
     totals = np.array([kv[start:end].sum() for start, end in zip(starts[held].tolist(), ends[held].tolist())])
