@@ -171,3 +171,23 @@ def test_the_kv_peaks_of_many_instances_in_one_pass_are_each_instance_alone_to_t
     kv, r = kvs[4], remaining[4]
     reference = max(sum(kv[i] + r[k] for i in range(len(kv)) if r[i] >= r[k]) for k in range(len(kv))) - kv.sum()
     assert np.isclose(alone[4], max(0.0, reference), rtol=1e-12)
+
+
+def test_the_kv_table_adds_each_row_as_numpy_adds_it_alone():
+    """Growth planning sums each instance's KV from its row of a padded table (`row_sums`), all rows
+    at once: every row's sum equals numpy's own sum of that row alone, bit for bit, for rows of every
+    length to 300 (numpy's pairwise summation: one after the other below 8 entries, eight running sums
+    to 128, halves beyond), and for a few rows (summed one by one). Adding a row from left to right
+    differs in many rows: the order of additions shows."""
+    from staleflow.runtime.coordination.fleet import row_sums
+
+    rng = np.random.default_rng(3)
+    for counts in (np.arange(301), np.array([0, 7, 300])):
+        table = np.zeros((len(counts), 304))
+        for j, n in enumerate(counts.tolist()):
+            table[j, :n] = rng.random(n) * 10.0 ** rng.uniform(0, 6, n)  # magnitudes far apart
+        alone = [table[j, :n].copy().sum() for j, n in enumerate(counts.tolist())]
+        assert row_sums(table, counts).tolist() == alone
+        if len(counts) > 3:
+            left_to_right = np.cumsum(table, axis=1)[:, -1].tolist()
+            assert sum(a != b for a, b in zip(left_to_right, alone)) > 50

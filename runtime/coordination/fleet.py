@@ -217,16 +217,16 @@ def kv_peak_growths(kv: np.ndarray, counts: np.ndarray, remaining: np.ndarray) -
     width = int(counts.max(initial=0))
     if width == 0:
         return growth
-    ends = np.cumsum(counts)
-    starts = ends - counts
     owner = np.repeat(np.arange(len(counts)), counts)
-    column = np.arange(len(owner)) - starts[owner]
+    column = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
+    width = -(-max(width, 8) // 8) * 8  # whole blocks of eight (:func:`row_sums`)
     steps = np.full((len(counts), width), np.inf)  # the padding sorts last
     steps[owner, column] = remaining
     rows = np.arange(len(counts))[:, None]
     order = np.argsort(steps, axis=1, kind="stable")
     held_kv = np.zeros((len(counts), width))
     held_kv[owner, column] = kv
+    totals = row_sums(held_kv, counts)  # each set's own ``kv.sum()``
     steps, held_kv = steps[rows, order], held_kv[rows, order]
     # KV of the requests finishing at r_k or later (the padding's zeros come first: they change no sum)
     alive_kv = np.cumsum(held_kv[:, ::-1], axis=1)[:, ::-1]
@@ -235,10 +235,38 @@ def kv_peak_growths(kv: np.ndarray, counts: np.ndarray, remaining: np.ndarray) -
     steps[~real] = 0.0
     peaks = np.where(real, alive_kv + alive * steps, -np.inf)
     held = np.flatnonzero(counts)
-    # each set's own sum, a slice at a time (np.add.reduceat adds in another order)
-    totals = np.array([kv[start:end].sum() for start, end in zip(starts[held].tolist(), ends[held].tolist())])
-    growth[held] = np.maximum(0.0, peaks[held].max(axis=1) - totals)
+    growth[held] = np.maximum(0.0, peaks[held].max(axis=1) - totals[held])
     return growth
+
+
+#: numpy adds a 1-D float array of up to this many entries in eight running sums (longer ones are halved first)
+PAIRWISE_BLOCK = 128
+
+
+def row_sums(table: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``table[j, :counts[j]].sum()`` for every row, bit for bit: the entries past ``counts[j]`` are
+    zeros and the width whole blocks of eight. Many rows are added at once, each in numpy's own
+    order for a 1-D array of its length (its pairwise sum: under eight entries one after the other;
+    up to :data:`PAIRWISE_BLOCK`, eight running sums over whole blocks of eight, combined in pairs,
+    then the rest one after the other; a longer row, which numpy halves first, alone);
+    ``tests/test_growth_and_tail.py`` checks them against numpy on rows of every length to 300."""
+    if len(counts) < 16:  # a few rows: numpy itself, a row at a time, costs less
+        return np.array([table[j, :n].sum() for j, n in enumerate(counts.tolist())])
+    blocked = counts - counts % 8  # the entries in whole blocks of eight
+    short = 0.0 + table[:, 0]  # under eight entries: one after the other (the zeros past them change nothing)
+    for j in range(1, 8):
+        short += table[:, j]
+    lanes = table[:, :8].copy()
+    for start in range(8, min(table.shape[1], PAIRWISE_BLOCK), 8):
+        lanes += np.where((blocked > start)[:, None], table[:, start:start + 8], 0.0)
+    pairs = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + ((lanes[:, 4] + lanes[:, 5]) + (lanes[:, 6] + lanes[:, 7]))
+    rows = np.arange(len(counts))
+    for j in range(int((counts % 8).max())):
+        pairs += np.where(counts % 8 > j, table[rows, np.minimum(blocked + j, table.shape[1] - 1)], 0.0)
+    sums = 0.0 + np.where(counts < 8, short, pairs)
+    for j in np.flatnonzero(counts > PAIRWISE_BLOCK).tolist():
+        sums[j] = table[j, : counts[j]].sum()
+    return sums
 
 
 class Fleet:
