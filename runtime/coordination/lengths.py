@@ -39,13 +39,11 @@ class LengthModel:
 
     def observe(self, lengths: Iterable[int]) -> None:
         """Responses finished with these output lengths."""
-        lengths = list(lengths)
-        if lengths:
-            window = len(self._seen)
-            kept = lengths[-window:]
-            at = (self.observed + len(lengths) - len(kept) + np.arange(len(kept))) % window
-            self._seen[at] = kept
-            self.observed += len(lengths)
+        seen, window, before = self._seen, len(self._seen), self.observed
+        for length in lengths:
+            seen[self.observed % window] = length
+            self.observed += 1
+        if self.observed > before:
             if self._sorted is None or self.observed - self._sorted_at >= RESORT_EVERY:
                 self._sorted = None
 
