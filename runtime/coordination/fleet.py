@@ -217,17 +217,16 @@ def kv_peak_growths(kv: np.ndarray, counts: np.ndarray, remaining: np.ndarray) -
     width = int(counts.max(initial=0))
     if width == 0:
         return growth
-    owner = np.repeat(np.arange(len(counts)), counts)
-    column = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
     width = -(-max(width, 8) // 8) * 8  # whole blocks of eight (:func:`row_sums`)
+    # each request's place in the table (row-major): its set's row, its rank within the set
+    place = np.arange(len(kv)) + np.repeat(np.arange(len(counts)) * width - (np.cumsum(counts) - counts), counts)
     steps = np.full((len(counts), width), np.inf)  # the padding sorts last
-    steps[owner, column] = remaining
-    rows = np.arange(len(counts))[:, None]
-    order = np.argsort(steps, axis=1, kind="stable")
+    steps.flat[place] = remaining
     held_kv = np.zeros((len(counts), width))
-    held_kv[owner, column] = kv
+    held_kv.flat[place] = kv
     totals = row_sums(held_kv, counts)  # each set's own ``kv.sum()``
-    steps, held_kv = steps[rows, order], held_kv[rows, order]
+    order = (np.argsort(steps, axis=1, kind="stable") + np.arange(0, steps.size, width)[:, None]).ravel()
+    steps, held_kv = steps.ravel()[order].reshape(steps.shape), held_kv.ravel()[order].reshape(steps.shape)
     # KV of the requests finishing at r_k or later (the padding's zeros come first: they change no sum)
     alive_kv = np.cumsum(held_kv[:, ::-1], axis=1)[:, ::-1]
     alive = counts[:, None] - np.arange(width)  # requests finishing at r_k or later
@@ -252,18 +251,20 @@ def row_sums(table: np.ndarray, counts: np.ndarray) -> np.ndarray:
     ``tests/test_growth_and_tail.py`` checks them against numpy on rows of every length to 300."""
     if len(counts) < 16:  # a few rows: numpy itself, a row at a time, costs less
         return np.array([table[j, :n].sum() for j, n in enumerate(counts.tolist())])
-    blocked = counts - counts % 8  # the entries in whole blocks of eight
-    short = 0.0 + table[:, 0]  # under eight entries: one after the other (the zeros past them change nothing)
-    for j in range(1, 8):
-        short += table[:, j]
-    lanes = table[:, :8].copy()
-    for start in range(8, min(table.shape[1], PAIRWISE_BLOCK), 8):
-        lanes += np.where((blocked > start)[:, None], table[:, start:start + 8], 0.0)
-    pairs = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + ((lanes[:, 4] + lanes[:, 5]) + (lanes[:, 6] + lanes[:, 7]))
-    rows = np.arange(len(counts))
-    for j in range(int((counts % 8).max())):
-        pairs += np.where(counts % 8 > j, table[rows, np.minimum(blocked + j, table.shape[1] - 1)], 0.0)
-    sums = 0.0 + np.where(counts < 8, short, pairs)
+    rows, width = table.shape
+    blocked = counts - counts % 8  # each row's entries in whole blocks of eight (none under eight)
+    upto = min(width, PAIRWISE_BLOCK)
+    blocks = np.where(np.arange(upto) < blocked[:, None], table[:, :upto], 0.0).reshape(rows, upto // 8, 8)
+    lanes = blocks[:, 0].copy()  # the eight running sums
+    for block in range(1, upto // 8):
+        lanes += blocks[:, block]  # (adding the zeros past a row's blocks changes nothing)
+    sums = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + ((lanes[:, 4] + lanes[:, 5]) + (lanes[:, 6] + lanes[:, 7]))
+    # the rest one after the other (a row under eight entries: all of them, from 0)
+    rest = table[np.arange(rows)[:, None], np.minimum(blocked[:, None] + np.arange(7), width - 1)]
+    rest = np.where(np.arange(7) < (counts % 8)[:, None], rest, 0.0)
+    for j in range(7):
+        sums += rest[:, j]
+    sums = 0.0 + sums
     for j in np.flatnonzero(counts > PAIRWISE_BLOCK).tolist():
         sums[j] = table[j, : counts[j]].sum()
     return sums
