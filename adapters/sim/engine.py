@@ -207,10 +207,8 @@ class SimEngine:
     def snapshot(self) -> InstanceSnapshot:
         now = self._clock.now()
         self._advance(now)
-        kv, tokens = self._kv, self._tokens
-        if self._running and self._busy_until <= self._t < now:  # mid-segment: count the steps done
-            done = len(self._running) * self._steps_done_in_segment(now)
-            kv, tokens = kv + done, tokens + done
+        done = len(self._running) * self._steps_done_in_segment(now)  # mid-segment: count the steps done
+        kv, tokens = self._kv + done, self._tokens + done
         last_time, last_tokens = self._last_snapshot
         if now > last_time:
             self._last_rate = (tokens - last_tokens) / (now - last_time)
