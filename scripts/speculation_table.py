@@ -2,7 +2,7 @@
 
 Each argument is a ``results.json`` of ``staleflow simulate --speculation MODE --out DIR`` (one
 workload, one seed, one mode, one or more ``eta``; StaleFlow and the bound-keeping baselines it is
-compared with). For each workload, ``eta`` and mode: StaleFlow's trained tokens/s (whole run and
+compared with). For each workload (in the order the arguments first name it), ``eta`` and mode: StaleFlow's trained tokens/s (whole run and
 steady state: the first ``eta + 2`` steps left out), its share of the upper bound and of the
 latency-aware bound (both computed without drafts), the fastest baseline whose p99 staleness is
 within ``eta``, and StaleFlow's ratio over it. A cell is the median over seeds with the range in
@@ -55,7 +55,8 @@ def rows(paths: list[str]) -> list[str]:
     lines = ["| setting | steps | eta | speculation | seeds | StaleFlow tokens/s, whole / steady | of upper bound, whole / steady "
              "| of latency-aware bound (steady) | best bound-keeping (steady) | over best, whole / steady | goal (steady) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (workload, mode, eta), seeds in sorted(runs.items(), key=lambda item: (item[0][0], item[0][2], item[0][1])):
+    order = list(steps)  # workloads in the order of the arguments
+    for (workload, mode, eta), seeds in sorted(runs.items(), key=lambda item: (order.index(item[0][0]), item[0][2], item[0][1])):
         figures = list(seeds.values())
         flow = [f["systems"]["staleflow"] for f in figures]
         share = {key: [s[key] / f["bound"] for s, f in zip(flow, figures)] for key in (WHOLE, STEADY)}
