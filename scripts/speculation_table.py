@@ -8,7 +8,7 @@ latency-aware bound (both computed without drafts), the fastest baseline whose p
 within ``eta``, and StaleFlow's ratio over it. A cell is the median over seeds with the range in
 brackets; a ratio or share is the median of the per-seed figures. With ``siblings``, StaleFlow drafts
 from the group's other responses and every baseline from the request's own tokens (``request``).
-The goal column (runs with drafts) reads the issue's targets on the steady state: a share of the
+The goal column (StaleFlow with sibling drafts) reads the issue's targets on the steady state: a share of the
 upper bound of at least 0.75 / 0.90 / 0.95 at ``eta`` 1 / 2 / 3 and 1.15x the best bound-keeping
 baseline, both.
 
@@ -69,7 +69,7 @@ def rows(paths: list[str]) -> list[str]:
             f"| {spread([s[WHOLE] for s in flow], ',.0f')} / {spread([s[STEADY] for s in flow], ',.0f')} "
             f"| {spread(share[WHOLE], '.2f')} / {spread(share[STEADY], '.2f')} | {spread(latency, '.2f') if latency else '-'} "
             f"| {', '.join(names)} | {spread(over[WHOLE], '.2f')}x / {spread(over[STEADY], '.2f')}x "
-            f"| {'-' if mode == 'off' else 'met' if met else 'not met'} |")
+            f"| {('met' if met else 'not met') if mode == 'siblings' else '-'} |")
     return lines
 
 
