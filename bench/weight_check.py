@@ -21,12 +21,13 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from staleflow.adapters.rlkit.weight_checksum import ExpectedResponses, Needs, layer_probe
+# torch (and the checksum module built on it) is imported where a figure is computed: the command
+# line that lists this benchmark among others (every ``staleflow`` command) does not load it
+if TYPE_CHECKING:
+    import torch
 
-DTYPE = torch.bfloat16
 SCALE = 0.02  # the weights' deviation
 LM_HEAD_ROWS = 151_936  # Qwen2.5's vocabulary
 QWEN_ROWS = 900_000  # rows of every layer of Qwen2.5-1.5B (embedding, 28 x (q, k, v, o, gate, up, down))
@@ -75,27 +76,37 @@ def measure(seeds: int, hidden: int, shifts: int) -> dict[str, Any]:
 
 def random_rows(rows: int, width: int, seed: int) -> torch.Tensor:
     """Normal weights of deviation :data:`SCALE`, in float32 (cast to bfloat16 to serve them)."""
+    import torch
+
     return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * SCALE
 
 
 def served(matrix: torch.Tensor, seed: int) -> torch.Tensor:
     """What a rank's kernel computes of ``matrix`` (bfloat16) on the probe of ``seed``."""
-    x = layer_probe({"kind": "rows", "in": matrix.shape[1], "parts": []}, seed).to(DTYPE)
+    import torch
+    from staleflow.adapters.rlkit.weight_checksum import layer_probe
+
+    x = layer_probe({"kind": "rows", "in": matrix.shape[1], "parts": []}, seed).to(torch.bfloat16)
     return torch.nn.functional.linear(x.unsqueeze(0), matrix)[0].to(torch.float64)
 
 
 def expected(matrix: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's responses of ``matrix``'s rows to the probe of ``seed``, and their tolerances."""
-    reference = ExpectedResponses.compute([("w", matrix)], seed, DTYPE, Needs(rows=frozenset({"w"})))
+    import torch
+    from staleflow.adapters.rlkit.weight_checksum import ExpectedResponses, Needs
+
+    reference = ExpectedResponses.compute([("w", matrix)], seed, torch.bfloat16, Needs(rows=frozenset({"w"})))
     return reference.reference({"kind": "rows", "parts": [("w", 0, matrix.shape[0])]})
 
 
 def false_alarms(shapes: list[tuple[int, int]], seeds: int) -> dict[str, Any]:
     """Correct loads of each ``(rows, K)`` shape, probed with each seed: rows flagged, largest error/tolerance."""
+    import torch
+
     flagged = rows = 0
     worst = 0.0
     for rows_, width in shapes:
-        matrix = random_rows(rows_, width, width).to(DTYPE)
+        matrix = random_rows(rows_, width, width).to(torch.bfloat16)
         for seed in range(seeds):
             want, tol = expected(matrix, seed)
             ratio = (served(matrix, seed) - want).abs() / tol
@@ -107,7 +118,9 @@ def false_alarms(shapes: list[tuple[int, int]], seeds: int) -> dict[str, Any]:
 
 def wrong_rows(rows: int, width: int, seeds: int) -> dict[str, float]:
     """The share of rows that pass when a rank holds other rows (unrelated, of the same deviation)."""
-    right, wrong = random_rows(rows, width, 1).to(DTYPE), random_rows(rows, width, 2).to(DTYPE)
+    import torch
+
+    right, wrong = random_rows(rows, width, 1).to(torch.bfloat16), random_rows(rows, width, 2).to(torch.bfloat16)
     passing = 0
     for seed in range(seeds):
         want, tol = expected(right, seed)
@@ -121,7 +134,9 @@ def lm_head_shards(hidden: int, seeds: int, shifts: int) -> dict[str, Any]:
     rank), the swapped shards and the shards shifted by 1..``shifts`` rows either way (a trial
     each, detected when some row of either rank fails). A shifted rank's kernel output is the
     correct output shifted: each output row is one row's dot product with the probe."""
-    matrix = random_rows(LM_HEAD_ROWS, hidden, 3).to(DTYPE)
+    import torch
+
+    matrix = random_rows(LM_HEAD_ROWS, hidden, 3).to(torch.bfloat16)
     half = LM_HEAD_ROWS // 2
     trials = detected = flagged = correct = 0
     computing = 0.0
@@ -154,9 +169,11 @@ def lm_head_shards(hidden: int, seeds: int, shifts: int) -> dict[str, Any]:
 def version_rows(rows: int, width: int, delta: float, seeds: int) -> dict[str, float]:
     """The share of rows that pass when a rank holds another version: every weight moved by
     ``delta`` times the weights' deviation (in float32, then cast to bfloat16)."""
+    import torch
+
     master = random_rows(rows, width, 4)
     update = torch.randn(rows, width, generator=torch.Generator().manual_seed(5)) * SCALE * delta
-    right, other = master.to(DTYPE), (master + update).to(DTYPE)
+    right, other = master.to(torch.bfloat16), (master + update).to(torch.bfloat16)
     passing = 0
     for seed in range(seeds):
         want, tol = expected(right, seed)

@@ -164,10 +164,30 @@ def test_the_kv_peaks_of_many_instances_in_one_pass_are_each_instance_alone_to_t
     sizes = [0, 1, 7, 9, 130, 0, 513, 40]
     kvs = [rng.integers(100, 5000, n) + rng.random(n) for n in sizes]
     remaining = [rng.choice([0.0, 17.25, 900.5, 4000.0], n) if i % 2 else rng.random(n) * 3000 for i, n in enumerate(sizes)]
-    together = kv_peak_growths(kvs, np.concatenate(remaining))
+    together = kv_peak_growths(np.concatenate(kvs), np.array([len(kv) for kv in kvs]), np.concatenate(remaining))
     alone = [kv_peak_growth(kv, r) for kv, r in zip(kvs, remaining)]
     assert together.tolist() == alone and together[0] == together[5] == 0.0 and together.max() > 0
     # the one-set form is the reference formula of the test above: max_k sum_{r_i >= r_k} (kv_i + r_k) - sum kv
     kv, r = kvs[4], remaining[4]
     reference = max(sum(kv[i] + r[k] for i in range(len(kv)) if r[i] >= r[k]) for k in range(len(kv))) - kv.sum()
     assert np.isclose(alone[4], max(0.0, reference), rtol=1e-12)
+
+
+def test_the_kv_table_adds_each_row_as_numpy_adds_it_alone():
+    """Growth planning sums each instance's KV from its row of a padded table (`row_sums`), all rows
+    at once: every row's sum equals numpy's own sum of that row alone, bit for bit, for rows of every
+    length to 300 (numpy's pairwise summation: one after the other below 8 entries, eight running sums
+    to 128, halves beyond), and for a few rows (summed one by one). Adding a row from left to right
+    differs in many rows: the order of additions shows."""
+    from staleflow.runtime.coordination.fleet import row_sums
+
+    rng = np.random.default_rng(3)
+    for counts in (np.arange(301), np.array([0, 7, 300])):
+        table = np.zeros((len(counts), 304))
+        for j, n in enumerate(counts.tolist()):
+            table[j, :n] = rng.random(n) * 10.0 ** rng.uniform(0, 6, n)  # magnitudes far apart
+        alone = [table[j, :n].copy().sum() for j, n in enumerate(counts.tolist())]
+        assert row_sums(table, counts).tolist() == alone
+        if len(counts) > 3:
+            left_to_right = np.cumsum(table, axis=1)[:, -1].tolist()
+            assert sum(a != b for a, b in zip(left_to_right, alone)) > 50

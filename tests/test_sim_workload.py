@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from staleflow.app.upper_bound import upper_bound
@@ -24,12 +26,38 @@ PAPER = [
 #: the cap and the split come from (the authors' scripts, psrl commit 968b836; Fig. 25 for Qwen3's cap).
 PAPER_SETTINGS = {
     "deepseek-r1-distill-qwen-14b-64gpu": ((64, 32, 128, 16, 20480), ("14b_ours.sh", "line 59", "line 53", "line 36")),
-    "deepseek-r1-distill-qwen-32b-128gpu": ((128, 64, 64, 16, 20480), ("32b_greedy.sh", "line 62", "line 56", "lines 36-44")),
-    "deepseek-r1-distill-qwen-32b-128gpu-b32": ((128, 64, 32, 16, 20480), ("setup.txt", "line 62", "line 56", "lines 36-44")),
-    "qwen2.5-32b-128gpu": ((128, 64, 32, 16, 20480), ("setup.txt", "line 62", "line 56", "lines 36-44")),
+    "deepseek-r1-distill-qwen-32b-128gpu": ((128, 64, 128, 16, 20480), ("32b_greedy.sh", "line 62", "line 56", "lines 36-44")),
+    "deepseek-r1-distill-qwen-32b-128gpu-b32": ((128, 64, 64, 16, 20480), ("setup.txt", "line 62", "line 56", "lines 36-44")),
+    "qwen2.5-32b-128gpu": ((128, 64, 64, 16, 20480), ("setup.txt", "line 62", "line 56", "lines 36-44")),
     "qwen3-30b-a3b-128gpu": ((128, 64, 128, 16, 40960), ("moe_ours.sh", "lines 61, 63", "Fig. 25", "lines 35-43")),
     "qwen3-30b-a3b-128gpu-cap20k": ((128, 64, 128, 16, 20480), ("moe_ours.sh", "line 55")),
 }
+
+#: The authors' script each paper workload is drawn from (psrl 968b836): its GPUs and its prompts per
+#: step (``train_prompt_bsz``; 16 responses each), for the shipped workloads and the held-out ones
+#: that run a script as it is (docs/workloads/).
+SCRIPT_BATCHES = {
+    "deepseek-r1-distill-qwen-14b-64gpu": (64, 128),  # 14b_ours.sh
+    "deepseek-r1-distill-qwen-32b-128gpu": (64, 64),  # 32b_greedy.sh
+    "deepseek-r1-distill-qwen-32b-128gpu-b32": (64, 32),  # background/rl_workload/setup.txt
+    "qwen2.5-32b-128gpu": (64, 32),  # setup.txt, its Qwen2.5-32B alternative
+    "qwen3-30b-a3b-128gpu": (64, 64),  # moe_ours.sh
+    "qwen3-30b-a3b-128gpu-cap20k": (64, 64),  # moe_ours.sh
+    "docs/workloads/qwen3-30b-a3b-64gpu.yaml": (64, 64),  # moe_ours.sh
+    "docs/workloads/deepseek-r1-distill-qwen-32b-64gpu.yaml": (64, 64),  # 32b_greedy.sh
+}
+
+
+def test_every_paper_workload_keeps_its_scripts_prompts_per_gpu() -> None:
+    """One batch-scaling rule for every paper workload (docs/simulation.md): the batch of the script
+    it is drawn from, scaled by its GPUs over the script's (Qwen3 and R1-Distill-32B alike run twice
+    the script's prompts on 128 GPUs), with the script's 16 responses a prompt."""
+    root = Path(__file__).resolve().parents[1]
+    for name, (script_gpus, script_prompts) in SCRIPT_BATCHES.items():
+        workload = load_workload(root / name if name.endswith(".yaml") else name)
+        assert workload.batch.groups_per_step * script_gpus == script_prompts * workload.gpus, name
+        assert workload.batch.group_size == 16, name
+    assert set(PAPER_SETTINGS) <= set(SCRIPT_BATCHES)
 
 
 def test_shipped_workloads_load_with_their_gpu_counts() -> None:
@@ -203,7 +231,7 @@ def test_latency_aware_bound_by_hand_on_fixed_lengths(tmp_path) -> None:
 def test_latency_aware_bound_of_the_paper_workloads() -> None:
     """docs/simulation.md's table: on Qwen3-30B-A3B at 40,960 the latency bound binds at eta 1
     (40,721 tokens/s against 48,894: a batch's longest response alone takes 570 s), at 20,480 it does
-    not; on Qwen2.5-32B it binds at eta 1 and 2."""
+    not; on Qwen2.5-32B (64 x 16) it binds at eta 1 only."""
     from staleflow.app.upper_bound import latency_bound
 
     def figures(name: str, eta: int) -> tuple[float, float, float]:
@@ -216,8 +244,10 @@ def test_latency_aware_bound_of_the_paper_workloads() -> None:
     assert (round(throughput, -1), round(latency, -1), round(longest)) == (48890, 40720, 570)
     throughput, latency, _ = figures("qwen3-30b-a3b-128gpu-cap20k", 1)
     assert latency > throughput
+    throughput, latency, _ = figures("qwen2.5-32b-128gpu", 1)
+    assert round(latency, -1) == 8110 < throughput
     throughput, latency, _ = figures("qwen2.5-32b-128gpu", 2)
-    assert round(latency, -1) == 7580 < throughput
+    assert latency > throughput
 
 
 def test_the_length_models_clip_ratio_and_icc() -> None:

@@ -22,9 +22,33 @@ class RunLengthList(Sequence[Any]):
     __slots__ = ("_ends", "_values")
 
     def __init__(self, runs: Iterable[tuple[Any, int]] = ()) -> None:
-        values: list[Any] = []
-        ends: list[int] = []
-        total = 0
+        self._values: list[Any] = []
+        self._ends: list[int] = []
+        self._append(runs)
+
+    @classmethod
+    def of(cls, items: Sequence[Any]) -> RunLengthList:
+        """The runs of an ordinary sequence (a no-op for a :class:`RunLengthList`)."""
+        if type(items) is RunLengthList:
+            return items
+        return cls((value, len(list(group))) for value, group in itertools.groupby(items))
+
+    @classmethod
+    def extended(cls, prefix: Sequence[Any], runs: Iterable[tuple[Any, int]]) -> RunLengthList:
+        """``prefix`` followed by ``runs`` (cheap when ``prefix`` is empty or run-length already:
+        its runs are taken as they are, the new ones appended to copies of them)."""
+        if not prefix:
+            return cls(runs)
+        base = cls.of(prefix)
+        new = cls.__new__(cls)
+        new._values, new._ends = list(base._values), list(base._ends)
+        new._append(runs)
+        return new
+
+    def _append(self, runs: Iterable[tuple[Any, int]]) -> None:
+        """Add ``runs`` at the end (building only: the list is immutable once made)."""
+        values, ends = self._values, self._ends
+        total = ends[-1] if ends else 0
         for value, count in runs:
             if count < 0:
                 raise ValueError(f"run length must be >= 0, got {count}")
@@ -36,24 +60,6 @@ class RunLengthList(Sequence[Any]):
             else:
                 values.append(value)
                 ends.append(total)
-        self._values = values
-        self._ends = ends
-
-    @classmethod
-    def of(cls, items: Sequence[Any]) -> RunLengthList:
-        """The runs of an ordinary sequence (a no-op for a :class:`RunLengthList`)."""
-        if type(items) is RunLengthList:
-            return items
-        return cls((value, len(list(group))) for value, group in itertools.groupby(items))
-
-    @classmethod
-    def extended(cls, prefix: Sequence[Any], runs: Iterable[tuple[Any, int]]) -> RunLengthList:
-        """``prefix`` followed by ``runs`` (cheap when ``prefix`` is empty or run-length already)."""
-        if type(prefix) is RunLengthList:
-            return cls([*prefix.runs(), *runs])
-        if not prefix:
-            return cls(runs)
-        return cls([*cls.of(prefix).runs(), *runs])
 
     def runs(self) -> list[tuple[Any, int]]:
         starts = [0, *self._ends[:-1]]

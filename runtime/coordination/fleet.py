@@ -34,14 +34,16 @@ class InstanceView:
         "_removals",
         "accepted",
         "down",
+        "groups",
         "instance_id",
         "kv_capacity",
         "kv_tokens",
         "loading",
+        "offsets",
+        "prompts",
         "rejected",
         "requests",
         "seen_at",
-        "starts",
         "steps",
         "tokens_per_s",
         "version",
@@ -58,16 +60,17 @@ class InstanceView:
         self.down = False  # lost (:meth:`Fleet.lose`) until it is back
         #: request id -> (tokens in KV when routed, group version)
         self.requests: dict[str, tuple[int, int]] = {}
-        #: request id -> (output tokens when routed less :attr:`steps` then, prompt tokens, its group)
-        self.starts: dict[str, tuple[float, int, GroupId]] = {}
+        #: request id -> output tokens when routed less :attr:`steps` then; its prompt tokens; its group
+        self.offsets: dict[str, float] = {}
+        self.prompts: dict[str, int] = {}
+        self.groups: dict[str, GroupId] = {}
         self.steps = 0.0  # decode steps estimated since the view started (module docstring)
         self.seen_at = snapshot.time  # the time of the last snapshot taken
         self.waiting: tuple[str, ...] = snapshot.waiting
         self.accepted = 0
         self.rejected = 0
         self._removals = 0  # requests removed so far
-        #: (:attr:`starts`' first entries, their prompt tokens) of every request held, in order, as
-        #: arrays; None: to rebuild (a request came or went)
+        #: (:attr:`offsets`, :attr:`prompts`) of every request held, in order, as arrays; None: to rebuild (a request came or went)
         self._held: tuple[np.ndarray, np.ndarray] | None = None
         #: (running, waiting, removals) of the last snapshot found consistent: the same id tuples
         #: are consistent again while no request was removed (adding requests cannot contradict)
@@ -111,31 +114,37 @@ class InstanceView:
     def add(self, request_id: str, tokens: int, group_version: int, generated: int = 0, group: GroupId = "") -> None:
         """A request routed here with ``tokens`` in KV, ``generated`` of them output, of ``group``."""
         self.requests[request_id] = (tokens, group_version)
-        self.starts[request_id] = (generated - self.steps, tokens - generated, group)
+        self.offsets[request_id] = generated - self.steps
+        self.prompts[request_id] = tokens - generated
+        self.groups[request_id] = group
         self.kv_tokens += tokens
         self._held = None
 
     def progress(self) -> tuple[np.ndarray, np.ndarray]:
         """The estimated output tokens and the prompt tokens of every request held, in the order of
-        :attr:`requests` (:meth:`generated` and :meth:`prompts` of them all, from arrays kept while no
-        request comes or goes)."""
-        if self._held is None:
-            starts = self.starts.values()
-            self._held = (np.fromiter((s[0] for s in starts), dtype=np.float64, count=len(starts)),
-                          np.fromiter((s[1] for s in starts), dtype=np.float64, count=len(starts)))
-        offsets, prompts = self._held
+        :attr:`requests` (:meth:`generated` of them all, from :meth:`held`)."""
+        offsets, prompts = self.held()
         return offsets + self.steps, prompts
+
+    def held(self) -> tuple[np.ndarray, np.ndarray]:
+        """:attr:`offsets` and :attr:`prompts` of every request held, in the order of :attr:`requests`:
+        arrays kept while no request comes or goes."""
+        if self._held is None:
+            count = len(self.offsets)
+            self._held = (np.fromiter(self.offsets.values(), dtype=np.float64, count=count),
+                          np.fromiter(self.prompts.values(), dtype=np.float64, count=count))
+        return self._held
 
     def generated(self, request_ids: Iterable[str]) -> np.ndarray:
         """The estimated output tokens of these requests (module docstring)."""
-        starts = self.starts
-        return np.fromiter((starts[rid][0] for rid in request_ids), dtype=np.float64) + self.steps
+        offsets = self.offsets
+        return np.fromiter((offsets[rid] for rid in request_ids), dtype=np.float64) + self.steps
 
     def remove(self, request_id: str) -> None:
         """The request left (finished, interrupted or aborted); unknown ids are ignored."""
         entry = self.requests.pop(request_id, None)
         if entry is not None:
-            del self.starts[request_id]
+            del self.offsets[request_id], self.prompts[request_id], self.groups[request_id]
             self._held = None
             self._removals += 1
             self.kv_tokens = max(0, self.kv_tokens - entry[0])
@@ -194,35 +203,71 @@ def kv_peak_growth(kv: np.ndarray, remaining: np.ndarray) -> float:
     still running hold ``kv + t`` each, so the peak is just before one of them finishes,
     ``max_k sum_{i: r_i >= r_k} (kv_i + r_k)``. Requests do not all peak together: planning for every
     request's final size at once would hold back more room than the cache ever needs."""
-    return float(kv_peak_growths([kv], remaining)[0])
+    return float(kv_peak_growths(kv, np.array([len(kv)]), remaining)[0])
 
 
-def kv_peak_growths(kvs: Sequence[np.ndarray], remaining: np.ndarray) -> np.ndarray:
-    """:func:`kv_peak_growth` of several sets of requests at once: ``kvs[j]`` the KV tokens of set
-    ``j``'s requests, ``remaining`` every set's remaining steps laid end to end in the same order.
-    One pass: each set's requests sorted by remaining steps (ties kept in their order), the KV of
-    those finishing at ``r_k`` or later summed from the last to finish down, row by row of a
-    zero-padded table; each set's figure comes from the same additions, in the same order, as the
-    set alone would give (its own ``kv.sum()`` included)."""
-    counts = np.fromiter(map(len, kvs), dtype=np.intp, count=len(kvs))
+def kv_peak_growths(kv: np.ndarray, counts: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+    """:func:`kv_peak_growth` of several sets of requests at once, laid end to end: set ``j`` the next
+    ``counts[j]`` entries of ``kv`` (KV tokens) and ``remaining`` (remaining steps). One pass over a
+    table of a row per set (padded past its requests): each row sorted by remaining steps (ties kept
+    in their order), the KV of the requests finishing at ``r_k`` or later summed from the last to
+    finish down; each set's figure comes from the same additions, in the same order, as the set alone
+    would give (its own ``kv.sum()`` included)."""
     growth = np.zeros(len(counts))
     width = int(counts.max(initial=0))
     if width == 0:
         return growth
-    kv = np.concatenate(kvs)
-    owner = np.repeat(np.arange(len(counts)), counts)
-    order = np.lexsort((remaining, owner))  # by set, then by remaining steps; stable
-    position = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]  # rank by remaining steps within the set
-    from_last = counts[owner] - 1 - position  # 0: the set's last to finish
-    table = np.zeros((len(counts), width))
-    table[owner, from_last] = kv[order]
-    alive_kv = np.cumsum(table, axis=1)[owner, from_last]  # KV of the set's requests finishing at r_k or later
-    peaks = np.full((len(counts), width), -np.inf)
-    peaks[owner, position] = alive_kv + (from_last + 1) * remaining[order]
-    held = counts > 0
-    totals = np.array([k.sum() for k in kvs])  # each set's own sum (np.add.reduceat adds in another order)
+    width = -(-max(width, 8) // 8) * 8  # whole blocks of eight (:func:`row_sums`)
+    # each request's place in the table (row-major): its set's row, its rank within the set
+    place = np.arange(len(kv)) + np.repeat(np.arange(len(counts)) * width - (np.cumsum(counts) - counts), counts)
+    steps = np.full((len(counts), width), np.inf)  # the padding sorts last
+    steps.flat[place] = remaining
+    held_kv = np.zeros((len(counts), width))
+    held_kv.flat[place] = kv
+    totals = row_sums(held_kv, counts)  # each set's own ``kv.sum()``
+    order = (np.argsort(steps, axis=1, kind="stable") + np.arange(0, steps.size, width)[:, None]).ravel()
+    steps, held_kv = steps.ravel()[order].reshape(steps.shape), held_kv.ravel()[order].reshape(steps.shape)
+    # KV of the requests finishing at r_k or later (the padding's zeros come first: they change no sum)
+    alive_kv = np.cumsum(held_kv[:, ::-1], axis=1)[:, ::-1]
+    alive = counts[:, None] - np.arange(width)  # requests finishing at r_k or later
+    real = alive > 0
+    steps[~real] = 0.0
+    peaks = np.where(real, alive_kv + alive * steps, -np.inf)
+    held = np.flatnonzero(counts)
     growth[held] = np.maximum(0.0, peaks[held].max(axis=1) - totals[held])
     return growth
+
+
+#: numpy adds a 1-D float array of up to this many entries in eight running sums (longer ones are halved first)
+PAIRWISE_BLOCK = 128
+
+
+def row_sums(table: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``table[j, :counts[j]].sum()`` for every row, bit for bit: the entries past ``counts[j]`` are
+    zeros and the width whole blocks of eight. Many rows are added at once, each in numpy's own
+    order for a 1-D array of its length (its pairwise sum: under eight entries one after the other;
+    up to :data:`PAIRWISE_BLOCK`, eight running sums over whole blocks of eight, combined in pairs,
+    then the rest one after the other; a longer row, which numpy halves first, alone);
+    ``tests/test_growth_and_tail.py`` checks them against numpy on rows of every length to 300."""
+    if len(counts) < 16:  # a few rows: numpy itself, a row at a time, costs less
+        return np.array([table[j, :n].sum() for j, n in enumerate(counts.tolist())])
+    rows, width = table.shape
+    blocked = counts - counts % 8  # each row's entries in whole blocks of eight (none under eight)
+    upto = min(width, PAIRWISE_BLOCK)
+    blocks = np.where(np.arange(upto) < blocked[:, None], table[:, :upto], 0.0).reshape(rows, upto // 8, 8)
+    lanes = blocks[:, 0].copy()  # the eight running sums
+    for block in range(1, upto // 8):
+        lanes += blocks[:, block]  # (adding the zeros past a row's blocks changes nothing)
+    sums = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + ((lanes[:, 4] + lanes[:, 5]) + (lanes[:, 6] + lanes[:, 7]))
+    # the rest one after the other (a row under eight entries: all of them, from 0)
+    rest = table[np.arange(rows)[:, None], np.minimum(blocked[:, None] + np.arange(7), width - 1)]
+    rest = np.where(np.arange(7) < (counts % 8)[:, None], rest, 0.0)
+    for j in range(7):
+        sums += rest[:, j]
+    sums = 0.0 + sums
+    for j in np.flatnonzero(counts > PAIRWISE_BLOCK).tolist():
+        sums[j] = table[j, : counts[j]].sum()
+    return sums
 
 
 class Fleet:
@@ -300,12 +345,16 @@ class Fleet:
     def _growths(self, views: Sequence[InstanceView]) -> list[float]:
         """How far above its KV in use now each view's KV is expected to peak before its requests are
         done (0 without ``lengths``): :func:`kv_peak_growth` of its requests' expected remaining
-        lengths (one estimate over all the views' requests)."""
+        lengths, for all the views' requests in one pass (their :meth:`InstanceView.progress`, laid
+        end to end: the same additions as view by view)."""
         if self.lengths is None or not views:
             return [0.0] * len(views)
-        held = [view.progress() for view in views]
-        remaining = self.lengths.expected_remaining(np.concatenate([generated for generated, _ in held]))
-        return kv_peak_growths([prompts + generated for generated, prompts in held], remaining).tolist()
+        held = [view.held() for view in views]
+        counts = np.fromiter((len(offsets) for offsets, _ in held), dtype=np.intp, count=len(held))
+        steps = np.fromiter((view.steps for view in views), dtype=np.float64, count=len(views))
+        generated = np.concatenate([offsets for offsets, _ in held]) + np.repeat(steps, counts)
+        remaining = self.lengths.expected_remaining(generated)
+        return kv_peak_growths(np.concatenate([prompts for _, prompts in held]) + generated, counts, remaining).tolist()
 
     def planned_growth(self, generated: Iterable[int]) -> float:
         """The KV growth to plan for each of some requests that generated so many tokens so far: the

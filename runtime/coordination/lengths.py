@@ -15,7 +15,6 @@ not :attr:`~LengthModel.ready` and nothing plans with it.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 
 import numpy as np
@@ -30,7 +29,7 @@ class LengthModel:
     def __init__(self, window: int = 4096, tail_samples: int = 16, warmup: int = 32) -> None:
         if tail_samples < 1 or warmup < tail_samples or window < warmup:
             raise ValueError("need 1 <= tail_samples <= warmup <= window")
-        self._seen: deque[int] = deque(maxlen=window)
+        self._seen = np.zeros(window)  # a ring: length ``i`` seen is at ``i % window``
         self.observed = 0  # lengths seen in all (the window keeps the last ``window``)
         self._tail = tail_samples
         self._warmup = warmup
@@ -40,17 +39,18 @@ class LengthModel:
 
     def observe(self, lengths: Iterable[int]) -> None:
         """Responses finished with these output lengths."""
-        lengths = list(lengths)
-        if lengths:
-            self._seen.extend(lengths)
-            self.observed += len(lengths)
+        seen, window, before = self._seen, len(self._seen), self.observed
+        for length in lengths:
+            seen[self.observed % window] = length
+            self.observed += 1
+        if self.observed > before:
             if self._sorted is None or self.observed - self._sorted_at >= RESORT_EVERY:
                 self._sorted = None
 
     @property
     def ready(self) -> bool:
         """Whether enough lengths were seen to plan with (``warmup``)."""
-        return len(self._seen) >= self._warmup
+        return min(self.observed, len(self._seen)) >= self._warmup
 
     def expected_remaining(self, generated: np.ndarray) -> np.ndarray:
         """``E[L - g | L > g]`` for each ``g`` of ``generated`` (module docstring); 0 where not :attr:`ready`."""
@@ -65,7 +65,7 @@ class LengthModel:
 
     def _lengths(self) -> np.ndarray:
         if self._sorted is None:
-            self._sorted = np.sort(np.fromiter(self._seen, dtype=np.float64, count=len(self._seen)))
+            self._sorted = np.sort(self._seen[: min(self.observed, len(self._seen))])
             self._sorted_at = self.observed
             self._suffix = np.concatenate([np.cumsum(self._sorted[::-1])[::-1], [0.0]])
         return self._sorted

@@ -136,6 +136,9 @@ class ThroughputRouter(Router):
         self.cost_model = cost_model
         self.mu = mu
         self.max_running = max_running
+        #: :func:`gain_threshold` by (tokens, the candidates' capacities) for ``_threshold_model``
+        self._thresholds: dict[tuple[int, bytes], np.ndarray] = {}
+        self._threshold_model = cost_model
 
     def choose(
         self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, count: int = 1, oldest_first: bool = False,
@@ -144,13 +147,12 @@ class ThroughputRouter(Router):
         """Instances for up to ``count`` requests of ``tokens`` tokens each, one decision per request
         (the fleet is updated after each); stops at the first request that stays queued.
         ``oldest_first``: the waterfall goes from the oldest version tier up (reserved groups)."""
-        candidates, score = self._scores(fleet, tokens, eligible, growth)
+        candidates, score, threshold = self._scores(fleet, tokens, eligible, growth)
         if candidates.size == 0:
             return []
         model = self.cost_model
         n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
         planned = kv + fleet.growth[candidates]  # the KV each holds once its requests are done
-        threshold = gain_threshold(model, self.mu, tokens, cap, self.max_running)
         versions = fleet.version[candidates]
         order = sorted(set(versions.tolist()), reverse=not oldest_first)
         tiers = [np.flatnonzero(versions == v) for v in order] if len(order) > 1 else None
@@ -173,19 +175,33 @@ class ThroughputRouter(Router):
 
     def has_room(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray) -> bool:
         """Whether :meth:`choose` would place one request of ``tokens`` tokens now (the fleet is not changed)."""
-        candidates, score = self._scores(fleet, tokens, eligible)
+        candidates, score, _ = self._scores(fleet, tokens, eligible)
         return bool(candidates.size) and bool(np.any(score > -np.inf))
 
-    def _scores(self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, growth: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        """The candidate instances and each one's score: the marginal gain where it qualifies (mu, KV
-        room for the request and the growth planned), else -inf."""
+    def _scores(
+        self, fleet: FleetArrays, tokens: int, eligible: np.ndarray, growth: float = 0.0
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The candidate instances, each one's score (the marginal gain where it qualifies: mu, KV
+        room for the request and the growth planned; else -inf) and its gain threshold."""
         candidates = np.flatnonzero(eligible & ~fleet.loading & (fleet.waiting == 0))
         n, kv, cap = fleet.n[candidates], fleet.kv[candidates], fleet.cap[candidates]
         model = self.cost_model
         gain = fleet_throughput(model, n + 1, kv + tokens) - fleet_throughput(model, n, kv)
-        threshold = gain_threshold(model, self.mu, tokens, cap, self.max_running)
+        threshold = self._threshold(tokens, cap)
         fits = (gain >= threshold) & (kv + fleet.growth[candidates] + tokens + growth <= cap) & (n < self.max_running)
-        return candidates, np.where(fits, gain, -np.inf)
+        return candidates, np.where(fits, gain, -np.inf), threshold
+
+    def _threshold(self, tokens: int, cap: np.ndarray) -> np.ndarray:
+        """:func:`gain_threshold` of the model in use, kept for each request size and set of
+        capacities met (read-only; forgotten when the model changes, or when many were kept)."""
+        if self._threshold_model is not self.cost_model or len(self._thresholds) >= 4096:
+            self._thresholds, self._threshold_model = {}, self.cost_model
+        key = (tokens, cap.tobytes())
+        threshold = self._thresholds.get(key)
+        if threshold is None:
+            threshold = self._thresholds[key] = gain_threshold(self.cost_model, self.mu, tokens, cap, self.max_running)
+            threshold.flags.writeable = False
+        return threshold
 
     @staticmethod
     def _best(score: np.ndarray, tiers: list[np.ndarray] | None) -> int | None:

@@ -90,11 +90,11 @@ class TailMoves:
         hosted = np.bincount(list(self.moved.values()), minlength=len(views))
         candidates = []  # (expected remaining tokens, source, request id, context)
         for i, view in enumerate(views):
-            tail = [rid for rid, (_, _, group) in view.starts.items() if group in due and rid not in self.moved]
+            tail = [rid for rid, group in view.groups.items() if group in due and rid not in self.moved]
             if tail and up[i]:
                 generated = view.generated(tail)
                 remaining = self.lengths.expected_remaining(generated)
-                contexts = [view.starts[rid][1] + int(g) for rid, g in zip(tail, generated)]
+                contexts = [view.prompts[rid] + int(g) for rid, g in zip(tail, generated)]
                 candidates += zip(remaining.tolist(), [i] * len(tail), tail, contexts)
         plan: dict[int, list[str]] = {}
         for remaining, source, rid, context in sorted(candidates, reverse=True):
