@@ -129,7 +129,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
         tiers[item.nodeid] = tier
     # The longest tests first (end to end, then integration, then unit; file order within a tier): the
-    # two workers (pyproject: -n 2 --dist loadfile --no-loadscope-reorder) take whole files in this
+    # three workers (pyproject: -n 3 --dist loadfile --no-loadscope-reorder) take whole files in this
     # order, so the run ends on short unit files instead of one worker finishing a training run.
     items.sort(key=lambda item: _ORDER.index(tiers[item.nodeid]), reverse=True)
 
