@@ -16,10 +16,16 @@ rollout settings of a job (``--config`` and ``KEY=VALUE`` overrides; default the
 ``--instances N``: transfers side by side instead. N engines in this process receive from one
 parameter server placed as a Ray actor (as a job with ``servers.weight_transfer=broadcast`` places
 it): after a first version (each instance's group made), version 2 goes to instance 0 alone (one
-instance's transfer) and version 3 to all N at once. It prints each instance's pause (its
-scheduling held: its own transfer, the version staged before), the version's total time, the
-bytes sent to each instance and the model's unique bytes in the wire dtype, and the two ratios the
-goals bound (longest / shortest pause, total / one instance's transfer: both at most 1.5).
+instance's transfer) and the next to all N at once, ``--repeats`` times in turn (both under the
+same load). It prints each instance's pause (its scheduling held: its own transfer, the version
+staged before), the version's total time, the bytes sent to each instance and the model's unique
+bytes in the wire dtype, and the two ratios the goals bound (longest / shortest pause, total / one
+instance's transfer: both at most 1.5), as medians over the repeats with every repeat's figure.
+``cpu_s``: the CPU seconds each version cost (this process, its engines, the Ray daemons it
+started and the parameter server's actor); ``least_ratio_on_these_cores``: the version to all's
+CPU spread perfectly over this machine's cores, over one instance's time: no schedule of that work
+on these cores could reach a smaller total / one instance ratio (on 2 cores, 4 instances that each
+spend a core copying a version cannot load it in the time one does).
 
 ``--one-collective`` (with ``--instances N``): the version goes to all N in one collective instead
 of N sends side by side (:mod:`staleflow.adapters.rlkit.collective`, what a global broadcast of the
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -63,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="N instances pulling one version at once (transfers side by side; first model of --models)")
     parser.add_argument("--one-collective", action="store_true",
                         help="with --instances: the version to all N in one collective, not N sends side by side")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="with --instances: versions to one instance and to all, alternately, this many times each (default: 3)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                         help="broadcast transport (auto: nccl where this process sees a GPU, which the bench refuses)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
@@ -111,8 +120,11 @@ def run(args: argparse.Namespace) -> int:
         if args.instances < 1:
             print(f"error: --instances must be >= 1, got {args.instances}", file=sys.stderr)
             return 2
+        if args.repeats < 1:
+            print(f"error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+            return 2
         row = measure_side_by_side(args.models[0], args.instances, args.wire_dtype, args.bucket_mb << 20, engine_kwargs, backend,
-                                   args.one_collective)
+                                   args.one_collective, args.repeats)
         print_side_by_side(row, command, args.json)
         return 0
     rows = [measure(name, args.syncs, args.wire_dtype, args.bucket_mb << 20, engine_kwargs) for name in args.models]
@@ -171,9 +183,11 @@ def measure(name: str, syncs: int, wire_dtype: str, bucket_bytes: int, engine_kw
 
 
 def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_bytes: int, engine_kwargs: dict[str, Any] | None,
-                         backend: str, one_collective: bool = False) -> dict[str, Any]:
-    """Pauses, bytes and times of ``instances`` engines of model ``name`` pulling one version at once
-    from a Ray-placed parameter server, side by side or in ``one_collective`` (module docstring)."""
+                         backend: str, one_collective: bool = False, repeats: int = 1) -> dict[str, Any]:
+    """Pauses, bytes, times and CPU seconds of ``instances`` engines of model ``name`` pulling one
+    version at once from a Ray-placed parameter server, side by side or in ``one_collective``
+    (module docstring), ``repeats`` times: each repeat a version to instance 0 alone, then one to
+    all, so both see the same load on the machine; the figures are the repeats' medians."""
     import threading
 
     from safetensors.torch import load_file
@@ -184,6 +198,8 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
     from staleflow.adapters.vllm.engine import VLLMEngine
     from staleflow.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     folder = Path(tempfile.gettempdir()) / f"staleflow-bench-model-{name}"
     model = ensure_tiny_model(folder, TinyModelSpec(**MODELS[name]))
     weights = load_file(str(model / "model.safetensors"))
@@ -191,46 +207,82 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
     unique = sum(t.numel() * (wire.itemsize if t.is_floating_point() else t.element_size()) for _, t in unique_tensors(weights.items()))
     placement = RayPlacement(num_cpus=2, include_dashboard=False)
     engines: list[Any] = []
+    solo: list[tuple[float, float]] = []  # (seconds, CPU seconds) of each repeat
+    together: list[tuple[float, float]] = []
+    pauses: list[list[float]] = []
     try:
         server = RemoteParameterServer.place(placement, keep=2,
                                              broadcast={"backend": backend, "wire_dtype": wire_dtype, "bucket_bytes": bucket_bytes})
         engines = [VLLMEngine(f"bench-{name}-{i}", model, max_model_len=256, engine_kwargs=engine_kwargs) for i in range(instances)]
+        version = 0
 
-        def pull(version: int, chosen: list[Any], collective: bool = False) -> float:
+        def pull(chosen: list[Any], collective: bool = False) -> tuple[float, float]:
+            nonlocal version
+            version += 1
             server.push(version, {k: v + 1e-3 * version for k, v in weights.items()})
             reference = server.pull(version)[1]
             if collective:
                 reference = reference.in_collective([engine.instance_id for engine in chosen])
             threads = [threading.Thread(target=engine.load_weights, args=(version, reference)) for engine in chosen]
-            started = time.perf_counter()
+            cpu_before, started = bench_cpu_s(), time.perf_counter()
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join()
+            seconds, cpu = time.perf_counter() - started, bench_cpu_s() - cpu_before
             if any(engine.version != version for engine in chosen):
                 raise RuntimeError(f"version {version} did not load into every instance")
-            return time.perf_counter() - started
+            return seconds, cpu
 
-        pull(1, engines)  # every instance's group made
+        pull(engines)  # every instance's group made
         collective = one_collective and instances > 1
         if collective:
-            pull(2, engines, collective)  # the collective's group made
-        solo = pull(3, engines[:1])
-        before, sent_before = [engine.bytes_received for engine in engines], server.bytes_sent()
-        total = pull(4, engines, collective)
-        server_bytes = server.bytes_sent() - sent_before
-        pauses = [engine.weight_sync.pauses[-1] for engine in engines]
-        sent = [engine.bytes_received - b for engine, b in zip(engines, before)]
+            pull(engines, collective)  # the collective's group made
+        for _ in range(repeats):
+            solo.append(pull(engines[:1]))
+            before, sent_before = [engine.bytes_received for engine in engines], server.bytes_sent()
+            together.append(pull(engines, collective))
+            server_bytes = server.bytes_sent() - sent_before
+            pauses.append([engine.weight_sync.pauses[-1] for engine in engines])
+            sent = [engine.bytes_received - b for engine, b in zip(engines, before)]
     finally:
         for engine in engines:
             engine.close()
         placement.close()
+    total, one = statistics.median(s for s, _ in together), statistics.median(s for s, _ in solo)
+    cores = len(os.sched_getaffinity(0))
+    cpu_together = statistics.median(c for _, c in together)
     return {
         "model": name, "instances": instances, "backend": backend, "wire_dtype": wire_dtype,
-        "mode": "one-collective" if collective else "side-by-side", "server_bytes": server_bytes,
-        "pauses_s": pauses, "pause_ratio": max(pauses) / min(pauses), "total_s": total, "one_instance_s": solo,
-        "total_to_one_instance": total / solo, "bytes_sent": sent, "unique_bytes": unique,
+        "mode": "one-collective" if collective else "side-by-side", "server_bytes": server_bytes, "repeats": repeats,
+        "pauses_s": [statistics.median(p[i] for p in pauses) for i in range(instances)],
+        "pause_ratio": statistics.median(max(p) / min(p) for p in pauses), "pause_ratios": [max(p) / min(p) for p in pauses],
+        "total_s": total, "one_instance_s": one, "total_to_one_instance": total / one,
+        "totals_s": [s for s, _ in together], "one_instance_runs_s": [s for s, _ in solo],
+        "cpu_s": {"version_to_all": cpu_together, "one_instance": statistics.median(c for _, c in solo)}, "cores": cores,
+        "least_ratio_on_these_cores": cpu_together / cores / one,
+        "bytes_sent": sent, "unique_bytes": unique,
     }
+
+
+def bench_cpu_s() -> float:
+    """CPU seconds used so far by the bench: this process (its engines' workers run in it, or in its
+    children), the Ray daemons it started and the parameter server's Ray actor process."""
+    import psutil
+
+    me = psutil.Process()
+    processes = {p.pid: p for p in [me, *me.children(recursive=True)]}  # Ray's daemons too, where this process started them
+    for process in psutil.process_iter(["cmdline"]):
+        if any(part.startswith("ray::_Host") for part in process.info["cmdline"] or []):
+            processes[process.pid] = process
+    total = 0.0
+    for process in processes.values():
+        try:
+            times = process.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
 
 
 def print_side_by_side(row: dict[str, Any], command: str, as_json: bool) -> None:
@@ -247,5 +299,7 @@ def print_side_by_side(row: dict[str, Any], command: str, as_json: bool) -> None
           f"sent by the parameter server for the version: {row['server_bytes'] / 1e6:.2f} MB")
     print(f"longest / shortest pause: {row['pause_ratio']:.2f} (goal <= 1.5)")
     print(f"version to all: {row['total_s']:.3f} s; one instance alone: {row['one_instance_s']:.3f} s; "
-          f"ratio {row['total_to_one_instance']:.2f} (goal <= 1.5)")
+          f"ratio {row['total_to_one_instance']:.2f} (goal <= 1.5); medians of {row['repeats']} repeats")
+    print(f"CPU seconds: {row['cpu_s']['version_to_all']:.2f} for the version to all, {row['cpu_s']['one_instance']:.2f} to one; "
+          f"on {row['cores']} cores no schedule reaches a ratio below {row['least_ratio_on_these_cores']:.2f}")
     print(f"\nreproduce: {command}")

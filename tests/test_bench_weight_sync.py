@@ -4,6 +4,8 @@ broadcast moves half the bytes of the fp32 file."""
 from __future__ import annotations
 
 import json
+import os
+import statistics
 
 import pytest
 from skips import needs
@@ -55,14 +57,50 @@ def test_side_by_side_prints_each_instances_pause_and_bytes_the_models_unique_by
     and the figures the goals bound come with the command that reproduces them."""
     from staleflow.__main__ import main
 
-    assert main(["bench", "weight-sync", "--models", "tiny", "--instances", "1", "--backend", "gloo", "--json"]) == 0
+    assert main(["bench", "weight-sync", "--models", "tiny", "--instances", "1", "--backend", "gloo", "--repeats", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["instances"] == 1 and report["backend"] == "gloo" and len(report["pauses_s"]) == 1
     assert report["unique_bytes"] == 377_984 * 2 and report["bytes_sent"] == [report["unique_bytes"]]  # bf16
     assert report["mode"] == "side-by-side" and report["server_bytes"] == report["unique_bytes"]  # what the server sent for it
-    assert report["pauses_s"][0] > 0 and report["pause_ratio"] == 1.0
-    assert report["total_s"] > 0 and report["one_instance_s"] > 0
+    assert report["pauses_s"][0] > 0 and report["pause_ratio"] == 1.0 and report["pause_ratios"] == [1.0, 1.0]
+    assert_medians_of_the_repeats(report, 2)
     assert report["command"].startswith("staleflow bench weight-sync")
+
+
+def assert_medians_of_the_repeats(report: dict, repeats: int) -> None:
+    """Each ratio is of the medians of ``repeats`` alternating runs, each run's figure beside it, and
+    the version's CPU seconds bound the ratio no schedule on these cores could beat."""
+    assert report["repeats"] == repeats and len(report["totals_s"]) == len(report["one_instance_runs_s"]) == repeats
+    assert report["total_s"] == statistics.median(report["totals_s"]) > 0
+    assert report["one_instance_s"] == statistics.median(report["one_instance_runs_s"]) > 0
+    assert report["total_to_one_instance"] == pytest.approx(report["total_s"] / report["one_instance_s"])
+    assert report["cpu_s"]["version_to_all"] > 0 and report["cpu_s"]["one_instance"] > 0
+    assert report["cores"] == len(os.sched_getaffinity(0))
+    least = report["cpu_s"]["version_to_all"] / report["cores"] / report["one_instance_s"]
+    assert report["least_ratio_on_these_cores"] == pytest.approx(least)
+
+
+def test_one_collective_sends_the_version_once_for_every_instance(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--instances 2 --one-collective``: two vLLM-CPU instances receive each measured version in one
+    collective; each instance got the model's unique bytes while the parameter server sent them once
+    (side by side it sends them once per instance)."""
+    from staleflow.__main__ import main
+
+    assert main(["bench", "weight-sync", "--models", "tiny", "--instances", "2", "--backend", "gloo", "--one-collective",
+                 "--repeats", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    unique = 377_984 * 2
+    assert report["mode"] == "one-collective" and report["instances"] == 2 and len(report["pauses_s"]) == 2
+    assert report["bytes_sent"] == [unique, unique] and report["server_bytes"] == unique
+    assert len(report["pause_ratios"]) == 2 and all(r >= 1.0 for r in report["pause_ratios"])
+    assert_medians_of_the_repeats(report, 2)
+
+
+def test_repeats_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from staleflow.__main__ import main
+
+    assert main(["bench", "weight-sync", "--models", "tiny", "--instances", "2", "--backend", "gloo", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("devices", [1, 8])
