@@ -167,7 +167,7 @@ def _trainer_memory(config: JobConfig, kernel: str, problems: list[str]) -> dict
     if not hf_config_file.is_file():
         return f"not estimated: no config.json at {hf_config_file.parent} on this machine"
     hf_config = json.loads(hf_config_file.read_text(encoding="utf-8"))
-    shape = TrainerShape.from_hf_config(hf_config, ModelShape.from_hf_config(hf_config).params)
+    shape = TrainerShape.from_hf_config(hf_config, ModelShape.from_hf_config(hf_config).stored_params)
     shards = train.world_size if train.backend == "fsdp" else train.tensor_parallel * train.pipeline_parallel
     from staleflow.adapters.rlkit.packing import auto_micro_batch_tokens
 

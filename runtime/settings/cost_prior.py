@@ -16,6 +16,12 @@ Tensor parallelism divides bytes and FLOPs over the instance's GPUs. The KV capa
 simulator workloads' rule (:class:`~staleflow.runtime.settings.workload.MemorySpec`). The device
 figures are datasheet peaks (dense bf16), ``cpu`` a rough single-thread figure: the prior only has
 to be of the right shape until the fit takes over.
+
+A mixture-of-experts decoder (Qwen2/3-MoE's ``num_experts``, Mixtral's ``num_local_experts``)
+stores every expert but sends a token through
+``num_experts_per_tok`` of them: ``params`` counts those a token goes through (the FLOPs of a step),
+``stored_params`` every one (a version's bytes on the wire, the weights' memory). Qwen3-30B-A3B:
+3.3B and 30.5B, 61 GB a version in bf16.
 """
 
 from __future__ import annotations
@@ -32,32 +38,36 @@ from staleflow.runtime.settings.workload import MemorySpec
 @dataclass(frozen=True)
 class ModelShape:
     """What the cost of a decode step depends on: parameters (those a token goes through), bytes per
-    weight, and KV-cache bytes per token (keys and values of every layer)."""
+    weight, and KV-cache bytes per token (keys and values of every layer); and ``stored_params``, every
+    parameter stored (a mixture of experts' experts all counted; a dense model's are ``params``)."""
 
     params: float
     bytes_per_param: int
     kv_bytes_per_token: int
+    stored_params: float
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], bytes_per_param: int = 2) -> ModelShape:
-        """From a Hugging Face ``config.json`` of a dense decoder (hidden size, layers, attention and
-        KV heads, MLP width, vocabulary; tied embeddings counted once)."""
+        """From a Hugging Face ``config.json`` of a decoder, dense or a mixture of experts (hidden size,
+        layers, attention and KV heads, MLP or expert widths, vocabulary; tied embeddings counted once)."""
         hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or hidden // heads)
         attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-        mlp = 3 * hidden * int(config["intermediate_size"])
         embeddings = int(config["vocab_size"]) * hidden * (1 if config.get("tie_word_embeddings") else 2)
+        active, stored = _mlp_params(config, hidden, layers)
         return cls(
-            params=float(layers * (attention + mlp) + embeddings),
+            params=float(layers * attention + active + embeddings),
             bytes_per_param=bytes_per_param,
             kv_bytes_per_token=2 * layers * kv_heads * head_dim * bytes_per_param,
+            stored_params=float(layers * attention + stored + embeddings),
         )
 
     @property
     def weights_gb(self) -> float:
-        return self.params * self.bytes_per_param / 1e9
+        """Every stored weight's bytes: a version on the wire, or in an instance's memory."""
+        return self.stored_params * self.bytes_per_param / 1e9
 
     def cost_model(self, device: DeviceSpec, gpus: int = 1) -> CostModel:
         """The roofline prior on ``gpus`` devices of ``device`` (module docstring)."""
@@ -77,3 +87,24 @@ class ModelShape:
             kv_bytes_per_token=self.kv_bytes_per_token,
         )
         return memory.kv_tokens(gpus)
+
+
+def _mlp_params(config: Mapping[str, Any], hidden: int, layers: int) -> tuple[int, int]:
+    """The MLP parameters of every layer: those a token goes through, and those stored. A layer is
+    sparse (routed experts, a router, Qwen2-MoE's gated shared expert) unless Qwen's ``mlp_only_layers``
+    or ``decoder_sparse_step`` make it dense; a dense layer is ``intermediate_size`` wide."""
+    dense = 3 * hidden * int(config["intermediate_size"])
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if experts == 0:
+        return layers * dense, layers * dense
+    width = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+    top_k = int(config["num_experts_per_tok"])
+    shared_width = int(config.get("shared_expert_intermediate_size") or 0)
+    shared = 3 * hidden * shared_width + (hidden if shared_width else 0)  # and its gate
+    dense_layers = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step") or 1)
+    sparse = sum(1 for i in range(layers) if i not in dense_layers and (i + 1) % step == 0)
+    router = hidden * experts
+    active = sparse * (3 * hidden * width * top_k + router + shared) + (layers - sparse) * dense
+    stored = sparse * (3 * hidden * width * experts + router + shared) + (layers - sparse) * dense
+    return active, stored
