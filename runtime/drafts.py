@@ -91,11 +91,11 @@ class _Group:
 
 @dataclass(eq=False)
 class _Sequence:
-    """One request's sequence: ``length`` tokens in all; ``response`` indexes its response after the
-    prompt's last ``max_match - 1`` tokens (so a suffix across the prompt's end matches too)."""
+    """One request's sequence: ``response`` indexes its response after the prompt's last
+    ``max_match - 1`` tokens (so a suffix across the prompt's end matches too); ``key`` is its length
+    and last :data:`TAIL` tokens, by which its row is recognised at the next step."""
 
     group: _Group
-    length: int
     response: SuffixIndex
     key: tuple[int, tuple[int, ...]] = (0, ())
 
@@ -136,12 +136,11 @@ class SiblingDrafts:
     def _track(self, row: Sequence[int], claimed: set[int]) -> _Sequence:
         """The sequence ``row`` continues, grown to the row's length; a new one when none is."""
         length = len(row)
-        for before in range(length, max(0, length - self.lookback) - 1, -1):
+        for before in [*range(length - 1, max(0, length - self.lookback) - 1, -1), length]:  # grown by one first
             for sequence in self._by_key.get(_key(row, before), ()):
                 if id(sequence) not in claimed:
                     claimed.add(id(sequence))
                     sequence.response.extend(list(row[before:length]))
-                    sequence.length = length
                     self._rekey(sequence, _key(row, length))
                     return sequence
         prompt = tuple(row[: length - 1])
@@ -149,7 +148,7 @@ class SiblingDrafts:
         if group is None:
             group = self._groups[prompt] = _Group(prompt, SuffixIndex(prompt, self.max_match))
         boundary = max(0, length - self.max_match)
-        sequence = _Sequence(group, length, SuffixIndex(list(row[boundary:length]), self.max_match))
+        sequence = _Sequence(group, SuffixIndex(list(row[boundary:length]), self.max_match))
         group.members.append(sequence)
         claimed.add(id(sequence))
         self._rekey(sequence, _key(row, length))
