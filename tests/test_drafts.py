@@ -54,6 +54,16 @@ def test_identical_siblings_in_one_step_are_two_requests() -> None:
     assert drafts.from_siblings > 0
 
 
+def test_a_request_resubmitted_with_its_partial_response_is_the_same_sequence() -> None:
+    """An interrupted request comes back (to the same engine) with its partial response in its prompt:
+    its first row then holds one token more than when it left, and it is still its group's."""
+    drafts = SiblingDrafts(lookback=10, capacity=16)
+    _grow(drafts, PROMPT, RESPONSE)
+    _grow(drafts, PROMPT, RESPONSE[:5])
+    drafts.propose([OTHER_PROMPT + [1]], 4)  # a step without it
+    assert drafts.propose([PROMPT + RESPONSE[:6]], 4) == [RESPONSE[6:10]]
+
+
 def test_nothing_is_drafted_from_another_prompts_responses() -> None:
     drafts = SiblingDrafts(lookback=10, capacity=16)
     _grow(drafts, PROMPT, RESPONSE)

