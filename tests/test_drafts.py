@@ -5,6 +5,7 @@ prompt's responses, and the own response and prompt as the fallback."""
 from __future__ import annotations
 
 import pytest
+from skips import needs
 from staleflow.runtime.drafts import SiblingDrafts, SuffixIndex
 from staleflow.runtime.settings.config_sections import SIBLING_PROPOSER, RolloutConfig
 
@@ -129,3 +130,36 @@ def test_the_siblings_method_is_vllms_custom_class_with_our_proposer() -> None:
     assert callable(getattr(__import__(module, fromlist=[name]), name).propose)
     with pytest.raises(ValidationError, match="'ngram', 'suffix' or 'siblings'"):
         RolloutConfig(speculation={"method": "sibling"})
+
+
+
+@needs("vllm", "cpu-infer")
+def test_the_vllm_proposer_follows_the_batch_size_schedule_and_the_model_length() -> None:
+    """vLLM tells a custom proposer neither how many drafts a step takes nor anything but the token
+    array and lengths: ours looks the batch's size up in ``num_speculative_tokens_per_batch_size``
+    (no drafts for a batch of 9 above ``max_batch`` 8) and drafts no token past ``max_model_len``."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from staleflow.adapters.vllm.sibling_drafts import SiblingProposer
+
+    spec = RolloutConfig(max_num_seqs=16, speculation={"method": "siblings", "max_batch": 8}).engine_settings()["speculative_config"]
+    proposer = SiblingProposer(SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=4,
+                                           num_speculative_tokens_per_batch_size=spec["num_speculative_tokens_per_batch_size"]),
+        scheduler_config=SimpleNamespace(max_num_seqs=16), model_config=SimpleNamespace(max_model_len=20)))
+    tokens = np.zeros((16, 20), dtype=np.int32)
+
+    def step(rows: list[list[int]]) -> list[list[int]]:
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)] = row
+        return proposer.propose([[row[-1]] for row in rows], np.array([len(row) for row in rows]), tokens)
+
+    for t in range(1, 9):
+        step([PROMPT + RESPONSE[:t]])  # one response of 8 tokens, alone
+    assert step([PROMPT + RESPONSE[:1]] * 9) == [[]] * 9  # nine siblings start: above max_batch, no drafts
+    assert step([PROMPT + RESPONSE[:2]] * 2)[0] == RESPONSE[2:6]  # two of them go on: 4 drafts from the first
+    looping = [30, 31, 32, 33, 34, 30, 31, 32]
+    for t in range(1, len(looping)):
+        step([OTHER_PROMPT + looping[:t]])
+    assert step([OTHER_PROMPT + looping]) == [[33, 34]]  # its own repeat has [33, 34, 30, 31]: 18 + 2 = max_model_len
