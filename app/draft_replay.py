@@ -22,7 +22,8 @@ responses. What the proposer may read at ``t`` (:data:`SOURCES`):
 Each group's longest response is replayed (the tail the trainer waits for), its siblings the
 group's other responses. The own prefix is searched first, then the siblings in order. The
 matching is :func:`staleflow.runtime.drafts.longest_match`, which a vLLM engine's sibling proposer
-runs too (``rollout.speculation.method: siblings``; it reads the siblings first).
+runs too (``rollout.speculation.method: siblings``), reading the siblings first and, in each, the
+occurrence nearest the row's own position rather than the last one.
 """
 
 from __future__ import annotations
