@@ -20,37 +20,20 @@ responses. What the proposer may read at ``t`` (:data:`SOURCES`):
 * ``whole``: also every sibling whole (an upper bound: no proposer has them all).
 
 Each group's longest response is replayed (the tail the trainer waits for), its siblings the
-group's other responses. The own prefix is searched first, then the siblings in order.
+group's other responses. The own prefix is searched first, then the siblings in order. The
+matching is :func:`staleflow.runtime.drafts.longest_match`, which a vLLM engine's sibling proposer
+runs too (``rollout.speculation.method: siblings``), reading the siblings first and, in each, the
+occurrence nearest the row's own position rather than the last one.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from staleflow.runtime.drafts import SuffixIndex, longest_match
+
 SOURCES = ("request", "causal", "finished", "whole")
-
-
-class _Index:
-    """Where each n-gram of one token sequence ends (``n <= max_match``), ascending."""
-
-    def __init__(self, tokens: Sequence[int], max_match: int) -> None:
-        self.tokens = list(tokens)
-        self.ends: dict[tuple[int, ...], list[int]] = {}
-        for n in range(1, max_match + 1):
-            for end in range(n, len(self.tokens) + 1):
-                self.ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
-
-    def continuation(self, pattern: tuple[int, ...], readable: int, k: int) -> list[int]:
-        """The up to ``k`` tokens after the last occurrence of ``pattern`` ending before ``readable``
-        (only the first ``readable`` tokens may be read); empty when there is none."""
-        ends = self.ends.get(pattern, ())
-        i = bisect.bisect_left(ends, readable) - 1
-        if i < 0:
-            return []
-        end = ends[i]
-        return self.tokens[end : min(end + k, readable)]
 
 
 def _readable(source: str, sibling_length: int, t: int) -> int:
@@ -62,22 +45,13 @@ def _readable(source: str, sibling_length: int, t: int) -> int:
     return sibling_length if source == "whole" else 0
 
 
-def draft(own: _Index, siblings: Sequence[_Index], t: int, k: int, max_match: int, source: str) -> list[int]:
+def draft(own: SuffixIndex, siblings: Sequence[SuffixIndex], t: int, k: int, max_match: int, source: str) -> list[int]:
     """The proposer's ``k``-token draft at position ``t`` of ``own`` (module docstring)."""
-    for n in range(min(max_match, t), 0, -1):
-        pattern = tuple(own.tokens[t - n : t])
-        found = own.continuation(pattern, t, k)
-        if found:
-            return found
-        for sibling in siblings:
-            readable = _readable(source, len(sibling.tokens), t)
-            found = sibling.continuation(pattern, readable, k) if readable else []
-            if found:
-                return found
-    return []
+    sources = [(own, t, None)] + [(sibling, _readable(source, len(sibling.tokens), t), None) for sibling in siblings]
+    return longest_match(own.tokens[max(0, t - max_match) : t], sources, k, max_match)[0]
 
 
-def replay(own: _Index, siblings: Sequence[_Index], k: int, max_match: int, source: str) -> tuple[int, int]:
+def replay(own: SuffixIndex, siblings: Sequence[SuffixIndex], k: int, max_match: int, source: str) -> tuple[int, int]:
     """Replay ``own`` with ``k``-token drafts from ``source``: ``(tokens, verification steps)``."""
     x, t, steps = own.tokens, 0, 0
     while t < len(x):
@@ -118,7 +92,7 @@ def measure(groups: Mapping[str, Sequence[Sequence[int]]], max_drafts: int = 8, 
         if len(responses) < 2:
             continue
         order = sorted(range(len(responses)), key=lambda i: -len(responses[i]))
-        indexes = [_Index(responses[i], max_match) for i in order]
+        indexes = [SuffixIndex(responses[i], max_match) for i in order]
         replayed.append((indexes[0], indexes[1:]))
     if not replayed:
         raise ValueError("no group with two responses or more to replay")

@@ -107,14 +107,20 @@ class WarmupConfig(ConfigSection):
     when: Literal["auto", "always", "never"] = "auto"
 
 
+#: The vLLM proposer of ``rollout.speculation.method: siblings`` (vLLM's ``custom_class`` method).
+SIBLING_PROPOSER = "staleflow.adapters.vllm.sibling_drafts.SiblingProposer"
+
+
 class SpeculationConfig(ConfigSection):
     """Speculative decoding of the tail: vLLM drafts ``tokens`` tokens per request with a proposer that
-    needs no draft model (``ngram``: the request's own context; ``suffix``: also earlier responses),
-    only while an instance runs at most ``max_batch`` requests (vLLM's dynamic speculative decoding,
+    needs no draft model (``ngram``: the request's own context; ``suffix``: also earlier responses;
+    ``siblings``: also the other responses of the request's prompt, running or finished, by
+    StaleFlow's proposer through vLLM's ``custom_class`` interface), only while an instance runs at
+    most ``max_batch`` requests (vLLM's dynamic speculative decoding,
     ``num_speculative_tokens_per_batch_size``): the long tail of a rollout, where a step is
     memory-bound and verifying drafts costs little. Sampling stays exact (rejection sampling)."""
 
-    method: Literal["ngram", "suffix"] = "ngram"
+    method: Literal["ngram", "suffix", "siblings"] = "ngram"
     tokens: StrictInt = Field(4, ge=1, le=32)
     max_batch: StrictInt = Field(8, ge=1, le=65536)
 
@@ -123,7 +129,8 @@ class SpeculationConfig(ConfigSection):
         schedule = [[1, min(self.max_batch, max_num_seqs), self.tokens]]
         if self.max_batch < max_num_seqs:
             schedule.append([self.max_batch + 1, max_num_seqs, 0])
-        return {"method": self.method, "num_speculative_tokens": self.tokens, "num_speculative_tokens_per_batch_size": schedule}
+        method = {"method": "custom_class", "model": SIBLING_PROPOSER} if self.method == "siblings" else {"method": self.method}
+        return {**method, "num_speculative_tokens": self.tokens, "num_speculative_tokens_per_batch_size": schedule}
 
 
 class RolloutConfig(ConfigSection):
