@@ -25,7 +25,10 @@ instance's transfer: both at most 1.5), as medians over the repeats with every r
 started and the parameter server's actor); ``least_ratio_on_these_cores``: the version to all's
 CPU spread perfectly over this machine's cores, over one instance's time: no schedule of that work
 on these cores could reach a smaller total / one instance ratio (on 2 cores, 4 instances that each
-spend a core copying a version cannot load it in the time one does).
+spend a core copying a version cannot load it in the time one does). ``receive_cpu_s``: each
+instance's CPU seconds in its receive (``one_instance_receive_cpu_s``: alone) (the copies and the layerwise reload in its worker, which
+the engines in this process run in the receiving thread), and ``least_ratio_from_receives`` the
+same bound from those alone: work that no transport, collective or not, takes off the instances.
 
 ``--one-collective`` (with ``--instances N``): the version goes to all N in one collective instead
 of N sends side by side (:mod:`staleflow.adapters.rlkit.collective`, what a global broadcast of the
@@ -210,6 +213,8 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
     solo: list[tuple[float, float]] = []  # (seconds, CPU seconds) of each repeat
     together: list[tuple[float, float]] = []
     pauses: list[list[float]] = []
+    reloads: list[list[float]] = []  # each instance's receive CPU seconds in each version to all
+    solo_receives: list[float] = []
     try:
         server = RemoteParameterServer.place(placement, keep=2,
                                              broadcast={"backend": backend, "wire_dtype": wire_dtype, "bucket_bytes": bucket_bytes})
@@ -240,10 +245,12 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
             pull(engines, collective)  # the collective's group made
         for _ in range(repeats):
             solo.append(pull(engines[:1]))
+            solo_receives.append(engines[0].weight_sync.client.receive_cpu_s[-1])
             before, sent_before = [engine.bytes_received for engine in engines], server.bytes_sent()
             together.append(pull(engines, collective))
             server_bytes = server.bytes_sent() - sent_before
             pauses.append([engine.weight_sync.pauses[-1] for engine in engines])
+            reloads.append([engine.weight_sync.client.receive_cpu_s[-1] for engine in engines])
             sent = [engine.bytes_received - b for engine, b in zip(engines, before)]
     finally:
         for engine in engines:
@@ -261,6 +268,9 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
         "totals_s": [s for s, _ in together], "one_instance_runs_s": [s for s, _ in solo],
         "cpu_s": {"version_to_all": cpu_together, "one_instance": statistics.median(c for _, c in solo)}, "cores": cores,
         "least_ratio_on_these_cores": cpu_together / cores / one,
+        "receive_cpu_s": [statistics.median(r[i] for r in reloads) for i in range(instances)],
+        "one_instance_receive_cpu_s": statistics.median(solo_receives),
+        "least_ratio_from_receives": statistics.median(sum(r) for r in reloads) / cores / one,
         "bytes_sent": sent, "unique_bytes": unique,
     }
 
@@ -302,4 +312,7 @@ def print_side_by_side(row: dict[str, Any], command: str, as_json: bool) -> None
           f"ratio {row['total_to_one_instance']:.2f} (goal <= 1.5); medians of {row['repeats']} repeats")
     print(f"CPU seconds: {row['cpu_s']['version_to_all']:.2f} for the version to all, {row['cpu_s']['one_instance']:.2f} to one; "
           f"on {row['cores']} cores no schedule reaches a ratio below {row['least_ratio_on_these_cores']:.2f}")
+    print(f"each instance's receive (copies, layerwise reload): {', '.join(f'{c:.2f}' for c in row['receive_cpu_s'])} CPU s "
+          f"({row['one_instance_receive_cpu_s']:.2f} alone); "
+          f"from these alone the ratio cannot go below {row['least_ratio_from_receives']:.2f}")
     print(f"\nreproduce: {command}")

@@ -95,11 +95,14 @@ class EngineWeightSyncClient:
     version the engine core stamps on the tokens it samples from then on. Whatever a call raises
     (``collective_rpc`` raises a plain ``Exception`` for a worker's error in another process) is a
     :class:`~staleflow.runtime.interfaces.TransferFailedError`: an instance failure. ``calls``
-    records the calls made, in order (their names)."""
+    records the calls made, in order (their names); ``receive_cpu_s`` the CPU seconds of the calling
+    thread in each ``update_weights``: the receive's copies and the layerwise reload where the
+    engine's workers run in this process (the bench's engines), about 0 where they run elsewhere."""
 
     def __init__(self, llm_engine: Any) -> None:
         self._llm = llm_engine
         self.calls: list[str] = []
+        self.receive_cpu_s: list[float] = []
         in_process = not hasattr(llm_engine.engine_core, "call_utility")  # else its workers run elsewhere
         self._turns: Any = IN_PROCESS_TURNS if in_process else contextlib.nullcontext()
 
@@ -111,7 +114,11 @@ class EngineWeightSyncClient:
             self._rpc("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._rpc("update_weights", {"update_info": update_info})
+        started = time.thread_time()
+        try:
+            self._rpc("update_weights", {"update_info": update_info})
+        finally:
+            self.receive_cpu_s.append(time.thread_time() - started)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         with self._turns:
