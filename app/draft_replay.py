@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from staleflow.adapters.sim.speculation import fit_acceptance
 from staleflow.runtime.drafts import SuffixIndex, longest_match
 
 SOURCES = ("request", "causal", "finished", "whole")
@@ -74,8 +75,13 @@ class DraftAcceptance:
     tokens: int
 
     def acceptance(self, source: str) -> float:
-        """The per-token acceptance rate a geometric model fits to ``tau(1) = 1 + a``."""
-        return self.tau[source][0] - 1.0
+        """The per-token acceptance rate of the geometric model nearest this source's ``tau(k)``,
+        least squares over every ``k`` (:func:`~staleflow.adapters.sim.speculation.fit_acceptance`)."""
+        return fit_acceptance(self.tau[source])[0]
+
+    def residual(self, source: str) -> float:
+        """The root-mean-square distance (tokens per step) of that fit from this source's ``tau(k)``."""
+        return fit_acceptance(self.tau[source])[1]
 
 
 def measure(groups: Mapping[str, Sequence[Sequence[int]]], max_drafts: int = 8, max_match: int = 8,

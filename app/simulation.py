@@ -254,9 +254,9 @@ SPECULATION = ("off", "request", "siblings")
 
 def speculation_knobs(system: str, speculation: str) -> dict[str, float]:
     """The draft acceptance ``system``'s engines get under ``speculation`` (:data:`SPECULATION`;
-    the rates: :data:`~staleflow.adapters.sim.speculation.ASSUMED_ACCEPTANCE`). A system that
+    the rates: :data:`~staleflow.adapters.sim.speculation.DRAFT_ACCEPTANCE`). A system that
     models speculation its own way (``staleflow-spec``) keeps it."""
-    from staleflow.adapters.sim.speculation import ASSUMED_ACCEPTANCE
+    from staleflow.adapters.sim.speculation import DRAFT_ACCEPTANCE
     from staleflow.runtime.settings.policies import make_policy
 
     if speculation not in SPECULATION:
@@ -264,7 +264,7 @@ def speculation_knobs(system: str, speculation: str) -> dict[str, float]:
     if speculation == "off" or make_policy(system).speculative_speedup > 1:
         return {}
     source = "siblings" if speculation == "siblings" and system.startswith("staleflow") else "request"
-    return {"draft_acceptance": ASSUMED_ACCEPTANCE[source]}
+    return {"draft_acceptance": DRAFT_ACCEPTANCE[source]}
 
 
 def knobs_for(system: str, group_redundancy: int, batch_redundancy: int) -> dict[str, int]:

@@ -95,8 +95,9 @@ def builtin_arithmetic(prompts: int, per_prompt: int, seed: int) -> dict[str, li
 
 
 def report(result: DraftAcceptance, command: str) -> dict[str, Any]:
-    return {"tau": result.tau, "acceptance": {s: result.acceptance(s) for s in result.tau}, "groups": result.groups,
-            "tokens": result.tokens, "command": command}
+    return {"tau": result.tau, "acceptance": {s: result.acceptance(s) for s in result.tau},
+            "residual": {s: result.residual(s) for s in result.tau}, "groups": result.groups, "tokens": result.tokens,
+            "command": command}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(figures, indent=1))
         return 0
     print(f"{result.groups} groups, their longest responses replayed ({result.tokens:,} tokens); tau(k), tokens per verification step:")
-    print("source    " + " ".join(f"k={k:<5d}" for k in range(1, args.max_drafts + 1)) + " acceptance (1 + a = tau(1))")
+    print("source    " + " ".join(f"k={k:<5d}" for k in range(1, args.max_drafts + 1)) + " a (geometric fit) rms residual")
     for source in SOURCES:
-        print(f"{source:<9} " + " ".join(f"{tau:<7.3f}" for tau in result.tau[source]) + f" {result.acceptance(source):.3f}")
+        print(f"{source:<9} " + " ".join(f"{tau:<7.3f}" for tau in result.tau[source])
+              + f" {result.acceptance(source):<17.3f} {result.residual(source):.3f}")
     print(f"reproduce: {figures['command']}")
     return 0

@@ -25,11 +25,51 @@ def test_the_own_prefix_drafts_repeats_and_a_finished_sibling_whole() -> None:
     result = measure(group, max_drafts=2)
     assert result.tau["request"] == pytest.approx([9 / 7, 9 / 6])
     assert result.tau["whole"][1] == pytest.approx(9 / 4)
-    assert result.acceptance("request") == pytest.approx(9 / 7 - 1)
     with pytest.raises(ValueError, match="unknown draft source"):
         measure(group, sources=["oracle"])
     with pytest.raises(ValueError, match="no group with two responses"):
         measure({"alone": [[1, 2]]})
+
+
+def test_the_acceptance_is_the_geometric_fit_over_every_k_with_the_residual_it_leaves() -> None:
+    """The geometric model recovers its own rate exactly; on replayed groups (688 tokens: three
+    prompts, four responses each, built from four recurring 6-token phrases and random pairs) it is
+    fitted to tau(1..4) in least squares, not read off tau(1), and says how far it misses."""
+    import random
+
+    from staleflow.adapters.sim.speculation import fit_acceptance, geometric_tau
+
+    assert fit_acceptance(geometric_tau(0.55, 8)) == pytest.approx((0.55, 0.0), abs=1e-9)
+    rng = random.Random(0)
+    phrases = [[rng.randrange(40) for _ in range(6)] for _ in range(4)]
+
+    def response(seed: int) -> list[int]:
+        r = random.Random(seed)
+        out: list[int] = []
+        for _ in range(14):
+            out += phrases[r.randrange(4)] if r.random() < 0.6 else [r.randrange(40), r.randrange(40)]
+        return out
+
+    result = measure({f"p{i}": [response(10 * i + j) for j in range(4)] for i in range(3)}, max_drafts=4)
+    assert (result.groups, result.tokens) == (3, 192)
+    assert result.tau["request"] == pytest.approx([1.3061, 1.4656, 1.4769, 1.5238], abs=1e-4)
+    fits = {s: (round(result.acceptance(s), 4), round(result.residual(s), 4)) for s in result.tau}
+    assert fits == {"request": (0.3385, 0.0211), "causal": (0.5032, 0.0393), "finished": (0.3584, 0.0244),
+                    "whole": (0.6246, 0.0799)}
+    assert result.acceptance("request") != pytest.approx(result.tau["request"][0] - 1, abs=0.01)
+
+
+def test_the_simulators_acceptance_is_the_fit_of_the_measured_tau() -> None:
+    """``staleflow simulate --speculation`` drafts at the geometric fits of tau(k) replayed from a
+    math model's recorded samples (docs/simulation.md): sibling drafts above the own prefix, each
+    fit within 0.05 tokens per step of the measurement."""
+    from staleflow.adapters.sim.speculation import DRAFT_ACCEPTANCE, MEASURED_TAU, fit_acceptance
+
+    assert DRAFT_ACCEPTANCE == {"request": 0.623, "siblings": 0.667}
+    for mode, tau in MEASURED_TAU.items():
+        rate, residual = fit_acceptance(tau)
+        assert rate == pytest.approx(DRAFT_ACCEPTANCE[mode], abs=5e-4) and residual < 0.05
+        assert all(1 < t <= k + 1 for k, t in enumerate(tau, start=1)) and list(tau) == sorted(tau)
 
 
 def test_the_bench_reads_a_samples_file_and_names_a_bad_line(tmp_path, capsys) -> None:
@@ -45,6 +85,7 @@ def test_the_bench_reads_a_samples_file_and_names_a_bad_line(tmp_path, capsys) -
     assert draft_acceptance.run(parser.parse_args(["--samples", str(good), "--max-drafts", "3", "--json"])) == 0
     figures = json.loads(capsys.readouterr().out)
     assert figures["tau"]["whole"][2] == pytest.approx(5 / 3) and figures["groups"] == 1
+    assert set(figures["acceptance"]) == set(figures["residual"]) == {"request", "causal", "finished", "whole"}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"group": "g", "tokens": [1]}\n{"group": "g"}\n')
     assert draft_acceptance.run(parser.parse_args(["--samples", str(bad)])) == 2

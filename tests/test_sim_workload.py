@@ -389,20 +389,20 @@ def test_speculation_for_every_system_and_sibling_drafts_for_staleflow() -> None
     ``siblings`` gives StaleFlow's the group's other responses too (a higher acceptance); the system
     that models speculation its own way keeps it. On small-ci StaleFlow with drafts is faster than
     without, faster with sibling drafts still, and keeps the bound."""
-    from staleflow.adapters.sim.speculation import ASSUMED_ACCEPTANCE
+    from staleflow.adapters.sim.speculation import DRAFT_ACCEPTANCE
     from staleflow.app.simulation import simulate_system, speculation_knobs
 
     assert speculation_knobs("staleflow", "off") == speculation_knobs("staleflow-spec", "siblings") == {}
-    assert speculation_knobs("roll-flash", "siblings") == {"draft_acceptance": ASSUMED_ACCEPTANCE["request"]}
-    assert speculation_knobs("staleflow", "request") == {"draft_acceptance": ASSUMED_ACCEPTANCE["request"]}
-    assert speculation_knobs("staleflow", "siblings") == {"draft_acceptance": ASSUMED_ACCEPTANCE["siblings"]}
+    assert speculation_knobs("roll-flash", "siblings") == {"draft_acceptance": DRAFT_ACCEPTANCE["request"]}
+    assert speculation_knobs("staleflow", "request") == {"draft_acceptance": DRAFT_ACCEPTANCE["request"]}
+    assert speculation_knobs("staleflow", "siblings") == {"draft_acceptance": DRAFT_ACCEPTANCE["siblings"]}
     with pytest.raises(ValueError, match="unknown speculation 'all'"):
         speculation_knobs("staleflow", "all")
     workload = load_workload("small-ci")
     runs = {mode: simulate_system(workload, "staleflow", 2, 4, 0, **speculation_knobs("staleflow", mode))
             for mode in ("off", "request", "siblings")}
     assert runs["off"]["tokens_per_s"] < runs["request"]["tokens_per_s"] < runs["siblings"]["tokens_per_s"]
-    assert [runs[m]["draft_acceptance"] for m in ("off", "siblings")] == [0.0, ASSUMED_ACCEPTANCE["siblings"]]
+    assert [runs[m]["draft_acceptance"] for m in ("off", "siblings")] == [0.0, DRAFT_ACCEPTANCE["siblings"]]
     assert all(r["max_staleness"] <= 2 and r["lost"] == r["duplicated"] == 0 for r in runs.values())
     with pytest.raises(ValueError, match=r"draft_acceptance must be in \[0, 1\), without speculative_speedup"):
         simulate_system(workload, "staleflow-spec", 2, 1, 0, draft_acceptance=0.5)

@@ -167,13 +167,13 @@ def test_redundancy_and_estimation_error_from_the_command_line(capsys) -> None:
 
 
 def test_speculation_from_the_command_line_gives_siblings_to_staleflow_only(capsys) -> None:
-    from staleflow.adapters.sim.speculation import ASSUMED_ACCEPTANCE
+    from staleflow.adapters.sim.speculation import DRAFT_ACCEPTANCE
 
     base = ["--workload", "small-ci", "--eta", "2", "--steps", "2", "--json", "--systems", "staleflow", "roll-flash"]
     assert run_cli([*base, "--speculation", "siblings"]) == 0
     systems = json.loads(capsys.readouterr().out)["systems"]
-    assert systems["staleflow"]["draft_acceptance"] == ASSUMED_ACCEPTANCE["siblings"]
-    assert systems["roll-flash"]["draft_acceptance"] == ASSUMED_ACCEPTANCE["request"]
+    assert systems["staleflow"]["draft_acceptance"] == DRAFT_ACCEPTANCE["siblings"]
+    assert systems["roll-flash"]["draft_acceptance"] == DRAFT_ACCEPTANCE["request"]
     with pytest.raises(SystemExit):
         run_cli([*base, "--speculation", "everything"])
     assert "invalid choice: 'everything'" in capsys.readouterr().err
