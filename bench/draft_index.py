@@ -12,18 +12,20 @@ Two figures, from the proposer alone (no engine):
   each token the group's with probability ``--agree`` and a random one otherwise (a vocabulary of
   ``--vocab``). ``record``: a step with no drafts (``k`` 0, the rows only recorded); ``draft``: a
   step with ``--drafts`` tokens for each row less ``record`` (the same seed run again). Both are the
-  mean over the steps after ``--warmup`` steps; ``prompts``: the CPU time of the first step, which
-  indexes every prompt.
+  mean over the steps after ``--warmup`` steps (each step's rows built, and the garbage collected,
+  before it is timed); ``prompts``: the CPU time of the first step, which indexes every prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
 import time
 import tracemalloc
+from collections.abc import Iterator
 from typing import Any
 
 from staleflow.runtime.drafts import SiblingDrafts, SuffixIndex
@@ -84,25 +86,27 @@ def memory(tokens: int, vocab: int, grown: bool, seed: int) -> dict[str, Any]:
     return {"tokens": tokens, "vocab": vocab, "grown": grown, "bytes_per_token": held / tokens, "peak_bytes_per_token": peak / tokens}
 
 
-def _steps(rows: int, group: int, prompt: int, vocab: int, agree: float, steps: int, seed: int) -> list[list[list[int]]]:
-    """Every step's rows (module docstring)."""
+def _steps(rows: int, group: int, prompt: int, vocab: int, agree: float, steps: int, seed: int) -> Iterator[list[list[int]]]:
+    """Every step's rows (module docstring), one step at a time."""
     rng = random.Random(seed)
     groups = (rows + group - 1) // group
     prompts = [[rng.randrange(vocab) for _ in range(prompt)] for _ in range(groups)]
     common = [[rng.randrange(vocab) for _ in range(steps)] for _ in range(groups)]
     responses = [[c if rng.random() < agree else rng.randrange(vocab) for c in common[i // group]] for i in range(rows)]
-    return [[prompts[i // group] + responses[i][: t + 1] for i in range(rows)] for t in range(steps)]
+    for t in range(steps):
+        yield [prompts[i // group] + responses[i][: t + 1] for i in range(rows)]
 
 
 def step_cpu(rows: int, group: int, prompt: int, vocab: int, agree: float, warmup: int, steps: int, drafts: int,
              seed: int) -> dict[str, float]:
-    """Process CPU time per step to record the rows, and to draft for them (module docstring)."""
-    batches = _steps(rows, group, prompt, vocab, agree, warmup + steps, seed)
+    """Process CPU time per step to record the rows, and to draft for them (module docstring). Each
+    step's rows are built, and the garbage collected, before the step is timed."""
     spent: dict[int, list[float]] = {}
     for k in (0, drafts):
         proposer = SiblingDrafts(lookback=2 * (drafts + 1), capacity=4 * rows)
         spent[k] = []
-        for batch in batches:
+        for batch in _steps(rows, group, prompt, vocab, agree, warmup + steps, seed):
+            gc.collect()
             started = time.process_time()
             proposer.propose(batch, k)
             spent[k].append(time.process_time() - started)
