@@ -158,14 +158,13 @@ class SuffixIndex:
         match its last two) covers, and the positions where it does; 0 when ``ends`` is empty."""
         if not len(ends):
             return 0, ends
-        if isinstance(ends, np.ndarray):
-            if limit == 2:
-                return 2, ends
-            back = ends[:, None] - np.arange(3, limit + 1)  # the positions of the third-last token on
-            same = (self._buffer[np.maximum(back, 0)] == [context[-j] for j in range(3, limit + 1)]) & (back >= 0)
-            lengths = 2 + np.logical_and.accumulate(same, axis=1).sum(axis=1)
-            longest = int(lengths.max())
-            return longest, ends[lengths == longest]
+        if isinstance(ends, np.ndarray):  # keep those matching one more token back, while any do
+            for n in range(3, limit + 1):
+                further = ends[(self._buffer[np.maximum(ends - n, 0)] == context[-n]) & (ends >= n)]
+                if not len(further):
+                    return n - 1, ends
+                ends = further
+            return limit, ends
         token = self._buffer.item
         longest, where = 2, []
         for end in ends:
