@@ -16,7 +16,7 @@ sequence stays readable after its row leaves the batch (finished, or not schedul
 ``capacity`` more recently seen sequences push it out.
 
 The index (:class:`SuffixIndex`) is compact, since a reasoning model's responses run to tens of
-thousands of tokens and a proposer holds hundreds of them: about 20 bytes of host memory per token
+thousands of tokens and a proposer holds hundreds of them: 16-25 bytes of host memory per token
 (``staleflow bench draft-index``; a dict of every 1- to 8-token n-gram, what this began as, held
 1.3-1.5 KB). A sequence's tokens are one int32 array; only each position's last two tokens are
 indexed, packed into one int64 key (last token high, the one before plus one low, 0 where there is
@@ -28,7 +28,10 @@ positions wait in two small dicts (the tail) until there are :data:`_TAIL_MIN` o
 sixteenth of the sorted ones (at most :data:`_TAIL_MAX`), then merge into the sorted arrays at once.
 Among the occurrences of the longest match the draft follows the last one, or the one nearest a
 given position, exactly as the dict did (``tests/test_drafts.py`` checks the two against each other
-on random sequences). Token ids must lie in ``[0, 2**31 - 1)``.
+on random sequences), with one difference no caller meets: a ``readable`` past the sequence's end
+counts as its end (the dict could choose an occurrence ending there and draft nothing). Token ids
+must lie in ``[0, 2**31 - 1)``. What this costs is the dict's constant-time lookup: the work grows
+with how often the context's last two tokens occur (``docs/simulation.md``).
 """
 
 from __future__ import annotations
@@ -101,25 +104,22 @@ class SuffixIndex:
         return view
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Append ``tokens`` and index the positions they end."""
-        count, length = len(tokens), self._length
+        """Append ``tokens`` and index the positions they end (none of them if one is out of range)."""
+        added = [operator.index(token) for token in tokens]
+        if added and not (0 <= min(added) and max(added) < _TOKEN_LIMIT):
+            raise ValueError(f"token ids must lie in [0, {_TOKEN_LIMIT}), got {min(added)}..{max(added)}")
+        count, length = len(added), self._length
         if length + count > len(self._buffer):
             grown = np.zeros(max(64, 2 * len(self._buffer), length + count), dtype=np.int32)
             grown[:length] = self._buffer[:length]
             self._buffer = grown
         buffer = self._buffer
-        if length - self._sorted + count >= self._tail_limit():  # sort it in at once
-            added = np.asarray(tokens, dtype=np.int64)
-            if added.min() < 0 or added.max() >= _TOKEN_LIMIT:
-                raise ValueError(f"token ids must lie in [0, {_TOKEN_LIMIT}), got {added.min()}..{added.max()}")
+        if length - self._sorted + count >= self._tail_limit():  # sort them in at once
             buffer[length : length + count] = added
             self._length += count
             self._merge()
             return
-        for token in tokens:
-            token = operator.index(token)
-            if not 0 <= token < _TOKEN_LIMIT:
-                raise ValueError(f"token ids must lie in [0, {_TOKEN_LIMIT}), got {token}")
+        for token in added:
             buffer[length] = token
             length += 1
             self._tail1.setdefault(token, []).append(length)

@@ -112,6 +112,9 @@ def test_an_index_grown_piece_by_piece_is_the_index_of_the_whole() -> None:
     grown.extend(tokens[2:5])
     grown.extend(tokens[5:])
     assert grown.tokens.tolist() == tokens and len(grown) == len(tokens)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        grown.extend([5, -1])  # a token id the packed keys cannot hold: nothing appended
+    assert grown.tokens.tolist() == tokens
     assert grown.continuation((1, 2), len(tokens), 2) == [3, 4]  # the last occurrence
     assert grown.continuation((1, 2), len(tokens), 2, near=3) == [1, 2]  # the one nearest position 3
 
