@@ -282,3 +282,17 @@ def test_an_index_holds_under_100_bytes_a_token(vocab: int) -> None:
     assert held_whole / len(tokens) < 100
     assert (held_both - held_whole) / len(tokens) < 100
     assert grown.continuation(tokens[-3:-1], len(tokens), 1) == whole.continuation(tokens[-3:-1], len(tokens), 1) == tokens[-1:]
+
+
+def test_the_bench_prints_the_memory_and_step_figures_and_the_command(capsys) -> None:
+    import json
+
+    from staleflow.__main__ import main
+
+    assert main(["bench", "draft-index", "--tokens", "2000", "--rows", "16", "--prompt", "50", "--warmup", "2", "--steps", "2",
+                 "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert [(row["vocab"], row["grown"]) for row in figures["memory"]] == [(50, False), (50, True), (32_000, False), (32_000, True)]
+    assert all(row["tokens"] == 2000 and 0 < row["bytes_per_token"] <= row["peak_bytes_per_token"] for row in figures["memory"])
+    assert set(figures["step"]) == {"record_ms", "draft_ms", "prompts_ms"} and figures["step"]["prompts_ms"] >= 0
+    assert figures["command"].startswith("staleflow bench draft-index")
