@@ -10,6 +10,7 @@ from staleflow.bench import (
     convergence,
     coordinator,
     draft_acceptance,
+    draft_index,
     load,
     mutation,
     protocol,
@@ -32,6 +33,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "weight-check": weight_check,
     "mutation": mutation,
     "draft-acceptance": draft_acceptance,
+    "draft-index": draft_index,
 }
 
 

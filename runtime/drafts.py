@@ -14,51 +14,202 @@ Rows of one prompt are siblings: the responses of one group. A row drafts from, 
 siblings' responses (running or finished, the longest first), its own response, then the prompt. A
 sequence stays readable after its row leaves the batch (finished, or not scheduled for a step) until
 ``capacity`` more recently seen sequences push it out.
+
+The index (:class:`SuffixIndex`) is compact, since a reasoning model's responses run to tens of
+thousands of tokens and a proposer holds hundreds of them: 16-25 bytes of host memory per token
+(``staleflow bench draft-index``; a dict of every 1- to 8-token n-gram, what this began as, held
+1.3-1.5 KB). A sequence's tokens are one int32 array; only each position's last two tokens are
+indexed, packed into one int64 key (last token high, the one before plus one low, 0 where there is
+none) in two numpy arrays sorted by (key, position), so the positions a 2-token suffix ends at form
+one contiguous run and those a 1-token suffix ends at another. A longer match is found by comparing
+each such candidate's earlier tokens with the context's, up to ``max_match``, in Python for a few
+candidates and vectorised for many. Sorting on every token would cost O(n) per token, so new
+positions wait in two small dicts (the tail) until there are :data:`_TAIL_MIN` of them or a
+sixteenth of the sorted ones (at most :data:`_TAIL_MAX`), then merge into the sorted arrays at once.
+Among the occurrences of the longest match the draft follows the last one, or the one nearest a
+given position, exactly as the dict did (``tests/test_drafts.py`` checks the two against each other
+on random sequences), with one difference no caller meets: a ``readable`` past the sequence's end
+counts as its end (the dict could choose an occurrence ending there and draft nothing). Token ids
+must lie in ``[0, 2**31 - 1)``. What this costs is the dict's constant-time lookup: the work grows
+with how often the context's last two tokens occur (``docs/simulation.md``).
 """
 
 from __future__ import annotations
 
 import bisect
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 #: The longest suffix matched, in tokens (``app/draft_replay.py`` measures with the same default).
 MAX_MATCH = 8
 #: How many of a row's last tokens (with its length) recognise it from one step to the next.
 TAIL = 16
+#: Up to this many candidate occurrences are compared in Python; more, with numpy.
+_SMALL = 16
+#: The tail of unsorted positions merges into the sorted arrays at this many, or at a sixteenth of
+#: the sorted ones up to :data:`_TAIL_MAX` (each merge copies the arrays: O(n) every n/16 tokens).
+_TAIL_MIN, _TAIL_MAX = 64, 1024
+_TOKEN_LIMIT = 2**31 - 1
+
+#: Positions a suffix ends at: a list when few, an int32 array when many.
+_Ends = list[int] | np.ndarray
+
+
+def _keys(tokens: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The int64 key of the last two tokens before each of ``ends`` (module docstring)."""
+    before = np.where(ends >= 2, tokens[np.maximum(ends - 2, 0)].astype(np.int64) + 1, 0)
+    return (tokens[ends - 1].astype(np.int64) << 32) | before
+
+
+def _pick(ends: _Ends, near: int | None) -> int:
+    """The last of ``ends`` (not empty), or with ``near`` the one nearest it (at or before it on a tie)."""
+    if isinstance(ends, np.ndarray):  # only the last one at or before near and the first one after it can win
+        if near is None:
+            return int(ends.max())
+        ends = [int(e) for e in (ends[ends <= near].max(initial=-1), ends[ends > near].min(initial=_TOKEN_LIMIT)) if 0 <= e < _TOKEN_LIMIT]
+    if near is None:
+        return max(ends)
+    before = max((e for e in ends if e <= near), default=None)
+    after = min((e for e in ends if e > near), default=None)
+    return after if after is not None and (before is None or after - near < near - before) else before  # type: ignore[return-value]
 
 
 class SuffixIndex:
-    """Where each n-gram (``n <= max_match``) of a growing token sequence ends, ascending."""
+    """A growing token sequence, indexed to find where its suffixes of up to ``max_match`` tokens
+    occur (module docstring). ``tokens`` is a read-only view of the sequence."""
 
     def __init__(self, tokens: Sequence[int] = (), max_match: int = MAX_MATCH) -> None:
-        self.tokens: list[int] = []
         self.max_match = max_match
-        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self._buffer = np.zeros(0, dtype=np.int32)
+        self._length = 0
+        self._sorted = 0  # positions 1.._sorted (a position: how many tokens end there) are in the sorted arrays
+        self._sorted_keys = np.zeros(0, dtype=np.int64)
+        self._sorted_ends = np.zeros(0, dtype=np.int32)
+        self._tail1: dict[int, list[int]] = {}  # last token -> the later positions, ascending
+        self._tail2: dict[int, list[int]] = {}  # key of the last two tokens -> the later positions, ascending
+        self._query = np.zeros(4, dtype=np.int64)  # the keys :meth:`match` looks up
         self.extend(tokens)
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Append ``tokens`` and index the n-grams that end in them."""
-        start = len(self.tokens)
-        self.tokens.extend(tokens)
-        for end in range(start + 1, len(self.tokens) + 1):
-            for n in range(1, min(self.max_match, end) + 1):
-                self.ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+    def __len__(self) -> int:
+        return self._length
 
-    def continuation(self, pattern: tuple[int, ...], readable: int, k: int, near: int | None = None) -> list[int]:
-        """The up to ``k`` tokens after an occurrence of ``pattern`` ending before ``readable`` (only the
-        first ``readable`` tokens may be read): the last one, or with ``near`` the one ending nearest
-        to ``near`` (at or before it on a tie); empty when there is none."""
-        ends = self.ends.get(pattern, ())
-        i = bisect.bisect_left(ends, readable) - 1
-        if i < 0:
+    @property
+    def tokens(self) -> np.ndarray:
+        view = self._buffer[: self._length]
+        view.flags.writeable = False
+        return view
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` and index the positions they end (none of them if one is out of range)."""
+        added = [operator.index(token) for token in tokens]
+        if added and not (0 <= min(added) and max(added) < _TOKEN_LIMIT):
+            raise ValueError(f"token ids must lie in [0, {_TOKEN_LIMIT}), got {min(added)}..{max(added)}")
+        count, length = len(added), self._length
+        if length + count > len(self._buffer):
+            grown = np.zeros(max(64, 2 * len(self._buffer), length + count), dtype=np.int32)
+            grown[:length] = self._buffer[:length]
+            self._buffer = grown
+        buffer = self._buffer
+        if length - self._sorted + count >= self._tail_limit():  # sort them in at once
+            buffer[length : length + count] = added
+            self._length += count
+            self._merge()
+            return
+        for token in added:
+            buffer[length] = token
+            length += 1
+            self._tail1.setdefault(token, []).append(length)
+            if length >= 2:
+                self._tail2.setdefault((token << 32) | (int(buffer[length - 2]) + 1), []).append(length)
+        self._length = length
+
+    def _tail_limit(self) -> int:
+        return max(_TAIL_MIN, min(_TAIL_MAX, self._sorted // 16))
+
+    def _merge(self) -> None:
+        """Sort the tail's positions into the sorted arrays (after the equal keys' positions: all earlier)."""
+        ends = np.arange(self._sorted + 1, self._length + 1, dtype=np.int32)
+        keys = _keys(self._buffer, ends)
+        order = np.argsort(keys, kind="stable")
+        keys, ends = keys[order], ends[order]
+        at = self._sorted_keys.searchsorted(keys, side="right")
+        self._sorted_keys, self._sorted_ends = np.insert(self._sorted_keys, at, keys), np.insert(self._sorted_ends, at, ends)
+        self._sorted = self._length
+        self._tail1.clear()
+        self._tail2.clear()
+
+    def _ends(self, first: int, stop: int, tail: Sequence[int], readable: int) -> _Ends:
+        """The positions before ``readable`` among the sorted ones ``first:stop`` and ``tail``'s."""
+        ends = self._sorted_ends[first:stop]
+        if readable <= self._sorted:  # the tail is past readable
+            ends, tail = ends[ends < readable] if stop > first else ends, ()
+        elif tail:
+            tail = tail[: bisect.bisect_left(tail, readable)]
+        if len(ends) + len(tail) > _SMALL:
+            return np.concatenate((ends, np.asarray(tail, dtype=np.int32)))
+        return ends.tolist() + list(tail)
+
+    def _longest(self, ends: _Ends, context: Sequence[int], limit: int) -> tuple[int, _Ends]:
+        """How many of ``context``'s last tokens (2 to ``limit``) the longest match among ``ends`` (which
+        match its last two) covers, and the positions where it does; 0 when ``ends`` is empty."""
+        if not len(ends):
+            return 0, ends
+        if isinstance(ends, np.ndarray):  # keep those matching one more token back, while any do
+            for n in range(3, limit + 1):
+                further = ends[(self._buffer[np.maximum(ends - n, 0)] == context[-n]) & (ends >= n)]
+                if not len(further):
+                    return n - 1, ends
+                ends = further
+            return limit, ends
+        token = self._buffer.item
+        longest, where = 2, []
+        for end in ends:
+            n = 2
+            while n < limit and n < end and token(end - n - 1) == context[-n - 1]:
+                n += 1
+            if n > longest:
+                longest, where = n, [end]
+            elif n == longest:
+                where.append(end)
+        return longest, where
+
+    def match(self, context: Sequence[int], readable: int, near: int | None = None, floor: int = 0) -> tuple[int, int]:
+        """The longest suffix of ``context`` (at most ``max_match`` tokens) that occurs ending before
+        ``readable`` (only the first ``readable`` tokens may be read), as ``(tokens matched, where the
+        chosen occurrence ends)``: the last occurrence, or with ``near`` the one ending nearest to
+        ``near`` (at or before it on a tie); ``(0, -1)`` when none is longer than ``floor``. ``context``:
+        token ids as Python ints."""
+        readable = readable if readable < self._length else self._length
+        limit = len(context) if len(context) < self.max_match else self.max_match
+        if limit <= floor or readable < 1:
+            return 0, -1
+        last = context[-1]
+        key, one = (last << 32) | (context[-2] + 1 if limit >= 2 else 0), last << 32
+        runs = [0] * 4
+        if self._sorted:  # where the keys of the last two tokens, and those of the last one, run in the sorted arrays
+            query = self._query
+            query[0], query[1], query[2], query[3] = key, key + 1, one, one + (1 << 32)
+            runs = self._sorted_keys.searchsorted(query).tolist()
+        if limit >= 2 and (runs[1] > runs[0] or key in self._tail2):
+            longest, ends = self._longest(self._ends(runs[0], runs[1], self._tail2.get(key, ()), readable), context, limit)
+            if longest:
+                return (longest, _pick(ends, near)) if longest > floor else (0, -1)
+        if floor >= 1 or (runs[3] == runs[2] and last not in self._tail1):
+            return 0, -1
+        ends = self._ends(runs[2], runs[3], self._tail1.get(last, ()), readable)
+        return (1, _pick(ends, near)) if len(ends) else (0, -1)
+
+    def continuation(self, pattern: Sequence[int] | np.ndarray, readable: int, k: int, near: int | None = None) -> list[int]:
+        """The up to ``k`` tokens after an occurrence of ``pattern`` ending before ``readable``, chosen
+        as :meth:`match` chooses; empty when there is none (or ``pattern`` is longer than ``max_match``)."""
+        if not 0 < len(pattern) <= self.max_match:
             return []
-        if near is not None:
-            after = bisect.bisect_right(ends, near, 0, i + 1)  # the first occurrence ending after near
-            i = after if after <= i and (after == 0 or ends[after] - near < near - ends[after - 1]) else after - 1
-        end = ends[i]
-        return self.tokens[end : min(end + k, readable)]
+        matched, end = self.match([int(token) for token in pattern], readable, near, floor=len(pattern) - 1)
+        return self._buffer[end : min(end + k, readable)].tolist() if matched else []
 
 
 #: Where :func:`longest_match` may look: an index, how many of its tokens may be read, and where to look
@@ -66,18 +217,23 @@ class SuffixIndex:
 Source = tuple[SuffixIndex, int, int | None]
 
 
-def longest_match(context: Sequence[int], sources: Sequence[Source], k: int, max_match: int) -> tuple[list[int], int]:
+def longest_match(context: Sequence[int] | np.ndarray, sources: Sequence[Source], k: int, max_match: int) -> tuple[list[int], int]:
     """The ``k``-token draft for a sequence ending in ``context`` and the position in ``sources`` it
-    came from: for the longest suffix of ``context`` first (at most ``max_match`` tokens), the
+    came from: for the longest suffix of ``context`` found (at most ``max_match`` tokens), the
     continuation in the first source that holds one (module docstring); ``([], -1)`` when no suffix
     occurs anywhere."""
-    for n in range(min(max_match, len(context)), 0, -1):
-        pattern = tuple(context[len(context) - n :])
-        for position, (index, readable, near) in enumerate(sources):
-            found = index.continuation(pattern, readable, k, near) if readable else []
-            if found:
-                return found, position
-    return [], -1
+    n = min(max_match, len(context))
+    if n < 1 or k < 1:
+        return [], -1
+    suffix = [int(token) for token in context[len(context) - n :]]
+    longest, found, draft = 0, -1, []
+    for position, (index, readable, near) in enumerate(sources):
+        matched, end = index.match(suffix, readable, near, floor=longest) if readable else (0, -1)
+        if matched > longest:  # a later source wins only with a longer match
+            longest, found, draft = matched, position, index.tokens[end : min(end + k, readable)].tolist()
+            if longest == n:
+                break
+    return draft, found
 
 
 @dataclass(eq=False)
@@ -179,10 +335,10 @@ class SiblingDrafts:
 
     def _draft(self, sequence: _Sequence, k: int) -> list[int]:
         group, own = sequence.group, sequence.response
-        here = len(own.tokens)  # siblings' responses start where this one does: a sibling's text at this position first
-        siblings = sorted((m.response for m in group.members if m is not sequence), key=lambda r: -len(r.tokens))
-        sources: list[Source] = [(r, len(r.tokens), here) for r in siblings]
-        sources += [(own, here, None), (group.prompt, len(group.prompt.tokens), None)]
+        here = len(own)  # siblings' responses start where this one does: a sibling's text at this position first
+        siblings = sorted((m.response for m in group.members if m is not sequence), key=lambda r: -len(r))
+        sources: list[Source] = [(r, len(r), here) for r in siblings]
+        sources += [(own, here, None), (group.prompt, len(group.prompt), None)]
         draft, source = longest_match(own.tokens[-self.max_match :], sources, k, self.max_match)
         self.proposed += len(draft)
         if 0 <= source < len(siblings):

@@ -1,12 +1,19 @@
 """The sibling proposer's memory (``runtime/drafts.py``): rows recognised from step to step by their
 tokens alone, drafts from a finished or running sibling of the same prompt, never from another
-prompt's responses, and the own response and prompt as the fallback."""
+prompt's responses, and the own response and prompt as the fallback; the compact index drafts what a
+dict of every n-gram drafts, in about 20 bytes a token."""
 
 from __future__ import annotations
 
+import bisect
+import random
+import tracemalloc
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from skips import needs
-from staleflow.runtime.drafts import SiblingDrafts, SuffixIndex
+from staleflow.runtime.drafts import SiblingDrafts, SuffixIndex, longest_match
 from staleflow.runtime.settings.config_sections import SIBLING_PROPOSER, RolloutConfig
 
 PROMPT = list(range(1, 11))
@@ -104,7 +111,10 @@ def test_an_index_grown_piece_by_piece_is_the_index_of_the_whole() -> None:
     grown = SuffixIndex(tokens[:2], max_match=3)
     grown.extend(tokens[2:5])
     grown.extend(tokens[5:])
-    assert grown.ends == SuffixIndex(tokens, max_match=3).ends
+    assert grown.tokens.tolist() == tokens and len(grown) == len(tokens)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        grown.extend([5, -1])  # a token id the packed keys cannot hold: nothing appended
+    assert grown.tokens.tolist() == tokens
     assert grown.continuation((1, 2), len(tokens), 2) == [3, 4]  # the last occurrence
     assert grown.continuation((1, 2), len(tokens), 2, near=3) == [1, 2]  # the one nearest position 3
 
@@ -163,3 +173,126 @@ def test_the_vllm_proposer_follows_the_batch_size_schedule_and_the_model_length(
     for t in range(1, len(looping)):
         step([OTHER_PROMPT + looping[:t]])
     assert step([OTHER_PROMPT + looping]) == [[33, 34]]  # its own repeat has [33, 34, 30, 31]: 18 + 2 = max_model_len
+
+
+class _NgramIndex:
+    """The index as it began (a dict of every n-gram's end positions): what :class:`SuffixIndex` must draft."""
+
+    def __init__(self, tokens: list[int], max_match: int) -> None:
+        self.tokens, self.max_match, self.ends = list(tokens), max_match, {}
+        for end in range(1, len(tokens) + 1):
+            for n in range(1, min(max_match, end) + 1):
+                self.ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
+
+    def continuation(self, pattern: tuple[int, ...], readable: int, k: int, near: int | None = None) -> list[int]:
+        ends = self.ends.get(pattern, ())
+        i = bisect.bisect_left(ends, readable) - 1
+        if i < 0:
+            return []
+        if near is not None:
+            after = bisect.bisect_right(ends, near, 0, i + 1)
+            i = after if after <= i and (after == 0 or ends[after] - near < near - ends[after - 1]) else after - 1
+        end = ends[i]
+        return self.tokens[end : min(end + k, readable)]
+
+
+def _ngram_longest_match(context: list[int], sources: list, k: int, max_match: int) -> tuple[list[int], int]:
+    for n in range(min(max_match, len(context)), 0, -1):
+        pattern = tuple(context[len(context) - n :])
+        for position, (index, readable, near) in enumerate(sources):
+            found = index.continuation(pattern, readable, k, near) if readable else []
+            if found:
+                return found, position
+    return [], -1
+
+
+@st.composite
+def _texts(draw: st.DrawFn) -> list[int]:
+    """A token sequence that repeats pieces of itself (so that long matches occur), of a small vocabulary
+    or a larger one, up to 400 tokens (so that the index sorts its tail in, and has many candidates)."""
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    vocab, length = draw(st.sampled_from([1, 2, 3, 6, 50])), draw(st.integers(0, 400))
+    tokens: list[int] = []
+    while len(tokens) < length:
+        if tokens and rng.random() < 0.3:
+            start = rng.randrange(len(tokens))
+            tokens += tokens[start : start + rng.randint(1, 12)]
+        else:
+            tokens.append(rng.randrange(vocab))
+    return tokens[:length]
+
+
+def _grown(tokens: list[int], max_match: int, rng: random.Random) -> SuffixIndex:
+    """``tokens`` indexed in pieces of random sizes (a token at a time to the whole at once)."""
+    index, done = SuffixIndex((), max_match), 0
+    while done < len(tokens):
+        piece = rng.choice([1, 1, 1, 2, 5, 40, 200])
+        index.extend(tokens[done : done + piece])
+        done += piece
+    return index
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts=st.lists(_texts(), min_size=1, max_size=4), seed=st.integers(0, 2**32))
+def test_the_compact_index_drafts_what_a_dict_of_every_ngram_drafts(texts: list[list[int]], seed: int) -> None:
+    """On random sequences grown by ``extend`` in random pieces, every continuation (random patterns,
+    ``readable`` bounds, ``near`` positions and ``k``) and every longest match over several sources are
+    the n-gram dict's: the same tokens from the same occurrence, ties broken the same way."""
+    rng = random.Random(seed)
+    max_matches = [rng.randint(1, 9) for _ in texts]
+    compact = [_grown(tokens, m, rng) for tokens, m in zip(texts, max_matches, strict=True)]
+    reference = [_NgramIndex(tokens, m) for tokens, m in zip(texts, max_matches, strict=True)]
+    assert [index.tokens.tolist() for index in compact] == texts
+
+    def query(tokens: list[int]) -> tuple[list[int], int, int | None, int]:
+        start = rng.randint(0, len(tokens))
+        pattern = tokens[start : start + rng.randint(0, 10)] + ([rng.randrange(60)] if rng.random() < 0.2 else [])
+        near = None if rng.random() < 0.4 else rng.randint(-2, len(tokens) + 2)
+        return pattern, rng.randint(-1, len(tokens)), near, rng.randint(0, 5)
+
+    for _ in range(30):
+        i = rng.randrange(len(texts))
+        pattern, readable, near, k = query(texts[i])
+        assert compact[i].continuation(pattern, readable, k, near) == reference[i].continuation(tuple(pattern), readable, k, near)
+        context, _, _, k = query(texts[rng.randrange(len(texts))])
+        sources = [(i, rng.randint(-1, len(texts[i])), None if rng.random() < 0.5 else rng.randint(0, 400)) for i in range(len(texts))]
+        rng.shuffle(sources)
+        max_match = rng.randint(0, 10)
+        assert longest_match(context, [(compact[i], r, n) for i, r, n in sources], k, max_match) == _ngram_longest_match(
+            context, [(reference[i], r, n) for i, r, n in sources], k, max_match)
+
+
+@pytest.mark.parametrize("vocab", [50, 32_000])
+def test_an_index_holds_under_100_bytes_a_token(vocab: int) -> None:
+    """20,000 tokens indexed at once (a prompt) and a token at a time (a response) hold under 100 bytes a
+    token (tracemalloc: allocations, not timing; about 20 measured, ``staleflow bench draft-index``;
+    the dict of every n-gram held 1,300-1,500)."""
+    rng = random.Random(0)
+    tokens = [rng.randrange(vocab) for _ in range(20_000)]
+    tracemalloc.start()
+    try:
+        whole = SuffixIndex(tokens)
+        held_whole = tracemalloc.get_traced_memory()[0]
+        grown = SuffixIndex()
+        for token in tokens:
+            grown.extend([token])
+        held_both = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held_whole / len(tokens) < 100
+    assert (held_both - held_whole) / len(tokens) < 100
+    assert grown.continuation(tokens[-3:-1], len(tokens), 1) == whole.continuation(tokens[-3:-1], len(tokens), 1) == tokens[-1:]
+
+
+def test_the_bench_prints_the_memory_and_step_figures_and_the_command(capsys) -> None:
+    import json
+
+    from staleflow.__main__ import main
+
+    assert main(["bench", "draft-index", "--tokens", "2000", "--rows", "16", "--prompt", "50", "--warmup", "2", "--steps", "2",
+                 "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert [(row["vocab"], row["grown"]) for row in figures["memory"]] == [(50, False), (50, True), (32_000, False), (32_000, True)]
+    assert all(row["tokens"] == 2000 and 0 < row["bytes_per_token"] <= row["peak_bytes_per_token"] for row in figures["memory"])
+    assert set(figures["step"]) == {"record_ms", "draft_ms", "prompts_ms"} and figures["step"]["prompts_ms"] >= 0
+    assert figures["command"].startswith("staleflow bench draft-index")
