@@ -21,8 +21,8 @@ same load). It prints each instance's pause (its scheduling held: its own transf
 staged before), the version's total time, the bytes sent to each instance and the model's unique
 bytes in the wire dtype, and the two ratios the goals bound (longest / shortest pause, total / one
 instance's transfer: both at most 1.5), as medians over the repeats with every repeat's figure.
-``cpu_s``: the CPU seconds each version cost (this process, its engines, the Ray daemons it
-started and the parameter server's actor); ``least_ratio_on_these_cores``: the version to all's
+``cpu_s``: the CPU seconds each version cost (this process, its engines, and the Ray cluster it
+started: its daemons and the parameter server's actor); ``least_ratio_on_these_cores``: the version to all's
 CPU spread perfectly over this machine's cores, over one instance's time: no schedule of that work
 on these cores could reach a smaller total / one instance ratio (on 2 cores, 4 instances that each
 spend a core copying a version cannot load it in the time one does). ``receive_cpu_s``: each
@@ -229,12 +229,12 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
             if collective:
                 reference = reference.in_collective([engine.instance_id for engine in chosen])
             threads = [threading.Thread(target=engine.load_weights, args=(version, reference)) for engine in chosen]
-            cpu_before, started = bench_cpu_s(), time.perf_counter()
+            cpu_before, started = bench_cpu(), time.perf_counter()
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join()
-            seconds, cpu = time.perf_counter() - started, bench_cpu_s() - cpu_before
+            seconds, cpu = time.perf_counter() - started, cpu_since(cpu_before)
             if any(engine.version != version for engine in chosen):
                 raise RuntimeError(f"version {version} did not load into every instance")
             return seconds, cpu
@@ -275,24 +275,28 @@ def measure_side_by_side(name: str, instances: int, wire_dtype: str, bucket_byte
     }
 
 
-def bench_cpu_s() -> float:
-    """CPU seconds used so far by the bench: this process (its engines' workers run in it, or in its
-    children), the Ray daemons it started and the parameter server's Ray actor process."""
+def bench_cpu() -> dict[tuple[int, float], float]:
+    """CPU seconds used so far by each process of the bench, keyed by pid and start time: this process
+    (its engines' workers run in it, or in its children) and every process under it (the Ray cluster it
+    started: the daemons and the workers, the parameter server's actor among them)."""
     import psutil
 
     me = psutil.Process()
-    processes = {p.pid: p for p in [me, *me.children(recursive=True)]}  # Ray's daemons too, where this process started them
-    for process in psutil.process_iter(["cmdline"]):
-        if any(part.startswith("ray::_Host") for part in process.info["cmdline"] or []):
-            processes[process.pid] = process
-    total = 0.0
-    for process in processes.values():
+    used: dict[tuple[int, float], float] = {}
+    for process in [me, *me.children(recursive=True)]:
         try:
             times = process.cpu_times()
+            used[(process.pid, process.create_time())] = times.user + times.system + times.children_user + times.children_system
         except psutil.Error:  # ended meanwhile
             continue
-        total += times.user + times.system + times.children_user + times.children_system
-    return total
+    return used
+
+
+def cpu_since(before: dict[tuple[int, float], float]) -> float:
+    """The CPU seconds the bench's processes used since ``before`` (:func:`bench_cpu`): each process
+    still running its own increase, a new one all it used; one that ended in between counts where its
+    parent reaped it (so never a negative figure, as a plain difference of totals could give)."""
+    return sum(cpu - before.get(key, 0.0) for key, cpu in bench_cpu().items())
 
 
 def print_side_by_side(row: dict[str, Any], command: str, as_json: bool) -> None:
