@@ -39,6 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from scipy.optimize import least_squares
 from staleflow.runtime.coordination.cost_model import CostModel
 
 
@@ -60,16 +61,12 @@ def fit_acceptance(tau: Sequence[float]) -> tuple[float, float]:
     if not tau:
         raise ValueError("fitting an acceptance needs tau(k) for at least one k")
 
-    def squares(a: float) -> float:
-        return sum((measured - model) ** 2 for measured, model in zip(tau, geometric_tau(a, len(tau))))
+    def residuals(a: Sequence[float]) -> list[float]:
+        return [model - measured for measured, model in zip(tau, geometric_tau(float(a[0]), len(tau)))]
 
-    best = min(range(200), key=lambda i: squares(i / 200)) / 200
-    low, high = max(0.0, best - 0.005), min(0.9999, best + 0.005)
-    for _ in range(40):  # golden-section search around the best point of the grid
-        a, b = high - 0.618 * (high - low), low + 0.618 * (high - low)
-        low, high = (low, b) if squares(a) <= squares(b) else (a, high)
-    a = (low + high) / 2
-    return a, math.sqrt(squares(a) / len(tau))
+    start = min(max(tau[0] - 1, 0.0), 0.99)  # the rate that fits tau(1) alone
+    fit = least_squares(residuals, [start], bounds=(0.0, 0.9999), xtol=1e-15, ftol=1e-15, gtol=1e-15)
+    return float(fit.x[0]), math.sqrt(sum(r * r for r in fit.fun) / len(tau))
 
 
 #: ``tau(k)``, ``k = 1..8``, measured by replaying recorded samples (``staleflow bench
