@@ -5,7 +5,9 @@
 of their log lengths (one-way ANOVA, F interval) and the maximum-likelihood length model (responses at
 ``--cap`` or longer taken as cut there), its ICC with a bootstrap interval over prompts
 (``--bootstrap N``). ``--mean M --clip-ratio C --cap N --icc I``: the length model with that mean,
-clip ratio at the cap and ICC, as a workload's ``response_tokens``. Both: ``runtime/settings/length_fit.py``.
+clip ratio at the cap and ICC, as a workload's ``response_tokens``; ``--clipped-means CAP:MEAN ...
+--cap N --icc I``: the same from mean lengths stated under two token budgets or more.
+All: ``runtime/settings/length_fit.py``.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.bench.draft_acceptance import read_samples
-from staleflow.runtime.settings.length_fit import fit_to_samples, fit_to_targets, icc_anova
+from staleflow.runtime.settings.length_fit import fit_to_clipped_means, fit_to_samples, fit_to_targets, icc_anova
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     given = parser.add_mutually_exclusive_group(required=True)
     given.add_argument("--samples", type=Path, help='JSONL of sampled responses, one per line: {"group": id, "tokens": [ids]}')
     given.add_argument("--mean", type=float, help="fit: the mean response length (of the clipped lengths)")
+    given.add_argument("--clipped-means", nargs="+", metavar="CAP:MEAN", help="fit: mean lengths under two caps or more")
     parser.add_argument("--cap", type=int, help="the generation cap (--samples: lengths at or above it count as cut; fit: required)")
     parser.add_argument("--clip-ratio", type=float, help="fit: the share of responses cut at --cap")
     parser.add_argument("--icc", type=float, help="fit: the share of the log-length variance a prompt's group shares")
@@ -46,12 +49,21 @@ def from_samples(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def from_targets(args: argparse.Namespace) -> dict[str, Any]:
-    missing = [flag for flag, value in (("--cap", args.cap), ("--clip-ratio", args.clip_ratio), ("--icc", args.icc)) if value is None]
+    needed = [("--cap", args.cap), ("--icc", args.icc)] + ([] if args.clipped_means else [("--clip-ratio", args.clip_ratio)])
+    missing = [flag for flag, value in needed if value is None]
     if missing:
-        raise ValueError(f"a fit needs --mean, --cap, --clip-ratio and --icc (missing {', '.join(missing)})")
-    lengths = fit_to_targets(args.mean, args.clip_ratio, args.cap, args.icc, args.min)
-    return {"response_tokens": {"distribution": "lognormal", "mean": args.mean, "sigma": lengths.sigma,
-                                "prompt_sigma": lengths.prompt_sigma, "min": args.min, "max": args.cap}, "mu": lengths.mu}
+        raise ValueError(f"a fit needs --mean and --clip-ratio, or --clipped-means, with --cap and --icc (missing {', '.join(missing)})")
+    if args.clipped_means:
+        try:
+            means = {int(cap): float(mean) for cap, mean in (item.split(":") for item in args.clipped_means)}
+        except ValueError:
+            raise ValueError(f"--clipped-means takes CAP:MEAN pairs, got {' '.join(args.clipped_means)}") from None
+        lengths = fit_to_clipped_means(means, args.cap, args.icc, args.min)
+    else:
+        lengths = fit_to_targets(args.mean, args.clip_ratio, args.cap, args.icc, args.min)
+    return {"response_tokens": {"distribution": "lognormal", "mean": round(lengths.mean, 1), "sigma": lengths.sigma,
+                                "prompt_sigma": lengths.prompt_sigma, "min": args.min, "max": args.cap},
+            "mu": lengths.mu, "clip_ratio": lengths.truncated_share()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,5 +85,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         spec = figures["response_tokens"]
         print(f"response_tokens: {{distribution: lognormal, mean: {spec['mean']:g}, sigma: {spec['sigma']:.4f}, "
-              f"prompt_sigma: {spec['prompt_sigma']:.4f}, min: {spec['min']}, max: {spec['max']}}}  (mu {figures['mu']:.4f})")
+              f"prompt_sigma: {spec['prompt_sigma']:.4f}, min: {spec['min']}, max: {spec['max']}}}  "
+              f"(mu {figures['mu']:.4f}, clip ratio {figures['clip_ratio']:.2%})")
     return 0

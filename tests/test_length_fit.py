@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from staleflow.runtime.settings.length_fit import fit_to_samples, fit_to_targets, icc_anova, lognormal_lengths
-from staleflow.runtime.settings.workload import load_workload
+from staleflow.runtime.settings.length_fit import fit_to_clipped_means, fit_to_samples, fit_to_targets, icc_anova, lognormal_lengths
+from staleflow.runtime.settings.workload import clipped_lognormal_mean, load_workload
 
 #: per-sample lengths of public samples: see the file's own header
 SAMPLES = Path(__file__).parent / "data" / "rl_sft_response_lengths.json"
@@ -47,6 +47,32 @@ def test_a_clip_ratio_out_of_reach_is_refused_with_the_reachable_range() -> None
         fit_to_targets(3500, 0.9, 20480, 0.3)
     with pytest.raises(ValueError, match="ICC must be in"):
         fit_to_targets(3500, 0.01, 20480, 1.0)
+
+
+def test_mean_lengths_under_two_caps_give_back_the_model() -> None:
+    means = {cap: clipped_lognormal_mean(9.0, 1.1, 16, cap) for cap in (8192, 16384)}
+    fitted = fit_to_clipped_means(means, 32768, icc=0.25)
+    assert (fitted.mu, fitted.sigma, fitted.prompt_sigma) == pytest.approx((9.0, 1.1, 0.55), rel=1e-6)
+    assert fitted.mean == pytest.approx(clipped_lognormal_mean(9.0, 1.1, 16, 32768))
+    with pytest.raises(ValueError, match="two caps or more"):
+        fit_to_clipped_means({8192: 5000.0}, 20480)
+
+
+#: mean lengths of DeepSeek-R1-Distill-Qwen-14B and -7B under token budgets of 12,800 and 16,384
+#: (64 traces per question, temperature 0.75): github.com/hav4ik/hav4ik.github.io at 0b892ba,
+#: content/posts/improving-deepseek/index.md, the tables of "14B models" and "7B models"
+R1_DISTILL_BUDGETS = {"14B": {12800: 9473.66, 16384: 10910.2}, "7B": {12800: 9553.74, 16384: 11104.1}}
+
+
+def test_the_r1_distill_models_at_20480_from_their_published_budgets() -> None:
+    """docs/simulation.md's "sourced" table: the R1-Distill rows."""
+    at_20480 = {name: fit_to_clipped_means(means, 20480) for name, means in R1_DISTILL_BUDGETS.items()}
+    assert {name: (round(m.sigma, 2), round(m.mean), round(m.truncated_share(), 3)) for name, m in at_20480.items()} == {
+        "14B": (0.94, 12174, 0.269), "7B": (1.02, 12518, 0.307)}
+    icc = [fit_to_samples(groups, cap=SAMPLES_CAP).icc for groups in (_sets()["qwen2.5-math-7b"], _sets()["qwen2.5-math-1.5b"])]
+    assert [round(fit_to_clipped_means(R1_DISTILL_BUDGETS["14B"], 20480, i).prompt_sigma, 2) for i in icc] == [0.32, 0.47]
+    shipped = load_workload("deepseek-r1-distill-qwen-14b-64gpu")
+    assert round((shipped.length_stats()["mean"] / at_20480["14B"].mean - 1) * 100) == -37
 
 
 def test_the_anova_icc_by_hand() -> None:
@@ -136,5 +162,10 @@ def test_the_command_measures_samples_and_fits_targets(tmp_path: Path, capsys: p
     fit = ["--mean", "9700", "--cap", "40960", "--clip-ratio", "0.01497", "--icc", "0.390625"]
     assert response_lengths.run(parser.parse_args(fit)) == 0
     assert "sigma: 0.8000, prompt_sigma: 0.5000" in capsys.readouterr().out
+    budgets = ["--clipped-means", "12800:9473.66", "16384:10910.2", "--cap", "20480", "--icc", "0", "--json"]
+    assert response_lengths.run(parser.parse_args(budgets)) == 0
+    assert round(json.loads(capsys.readouterr().out)["clip_ratio"], 3) == 0.269
     assert response_lengths.run(parser.parse_args(["--mean", "9700", "--cap", "40960"])) == 2
-    assert "missing --clip-ratio, --icc" in capsys.readouterr().err
+    assert "missing --icc, --clip-ratio" in capsys.readouterr().err
+    assert response_lengths.run(parser.parse_args(["--clipped-means", "12800-9473", "--cap", "20480", "--icc", "0"])) == 2
+    assert "CAP:MEAN pairs" in capsys.readouterr().err

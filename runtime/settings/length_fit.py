@@ -9,6 +9,8 @@ tail: the **clip ratio**, the share of responses cut at ``max``, and the **withi
 
 * :func:`fit_to_targets`: the model with a stated mean, clip ratio at a cap and ICC (``sigma`` by
   ``brentq``, ``prompt_sigma = sqrt(ICC) sigma``).
+* :func:`fit_to_clipped_means`: the model whose mean lengths under two caps or more are stated
+  figures (``mu`` and ``sigma``), e.g. a report's mean lengths under several token budgets.
 * :func:`icc_anova`: the one-way random-effects ICC(1) of recorded log lengths grouped by prompt, with
   its F-distribution confidence interval. It takes clipped lengths at face value, so responses cut
   at a cap pull it away from the model's ICC.
@@ -20,7 +22,7 @@ tail: the **clip ratio**, the share of responses cut at ``max``, and the **withi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -56,6 +58,24 @@ def fit_to_targets(mean: float, clip_ratio: float, cap: int, icc: float, min_tok
                          f"{reach[0]:.4f}..{reach[1]:.4f} of responses at the cap, not {clip_ratio}")
     sigma = float(optimize.brentq(excess, low, high, xtol=1e-12))
     return lognormal_lengths(mean, sigma, cap, math.sqrt(icc) * sigma, min_tokens)
+
+
+def fit_to_clipped_means(means: Mapping[int, float], cap: int, icc: float = 0.0, min_tokens: int = 16) -> LognormalLengths:
+    """The length model under ``cap`` whose clipped means under the caps of ``means`` (cap -> mean
+    length of the responses cut there, two caps or more) are those figures: ``mu`` and ``sigma`` by
+    least squares on the relative errors (exact with two caps), ``prompt_sigma`` from ``icc``. A
+    report of mean lengths under several token budgets fixes the tail beyond them this way."""
+    if len(means) < 2:
+        raise ValueError(f"need the mean under two caps or more, got {len(means)}")
+    if not 0 <= icc < 1:
+        raise ValueError(f"the ICC must be in [0, 1), got {icc}")
+
+    def errors(theta: np.ndarray) -> list[float]:
+        return [clipped_lognormal_mean(theta[0], math.exp(theta[1]), min_tokens, c) / m - 1 for c, m in means.items()]
+
+    result = optimize.least_squares(errors, [math.log(min(means.values())), 0.0], xtol=1e-14, ftol=1e-14)
+    mu, sigma = float(result.x[0]), math.exp(result.x[1])
+    return lognormal_lengths(clipped_lognormal_mean(mu, sigma, min_tokens, cap), sigma, cap, math.sqrt(icc) * sigma, min_tokens)
 
 
 @dataclass(frozen=True)
