@@ -14,6 +14,7 @@ from staleflow.bench import (
     load,
     mutation,
     protocol,
+    response_lengths,
     time_to_quality,
     trace_cost,
     weight_check,
@@ -34,6 +35,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "mutation": mutation,
     "draft-acceptance": draft_acceptance,
     "draft-index": draft_index,
+    "response-lengths": response_lengths,
 }
 
 

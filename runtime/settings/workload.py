@@ -92,6 +92,17 @@ class InstanceSpec(_Strict):
     )
 
 
+def clipped_lognormal_mean(mu: float, sigma: float, low: float, high: float) -> float:
+    """``E[clip(X, low, high)]`` for ``X = exp(N(mu, sigma^2))``: the mean of log-normal lengths clipped to ``[low, high]``."""
+    lo, hi = math.log(low), math.log(high)
+
+    def cdf(x: float) -> float:
+        return 0.5 * math.erfc(-x / math.sqrt(2))
+
+    body = math.exp(mu + sigma * sigma / 2) * (cdf((hi - mu - sigma * sigma) / sigma) - cdf((lo - mu - sigma * sigma) / sigma))
+    return low * cdf((lo - mu) / sigma) + body + high * cdf((mu - hi) / sigma)
+
+
 class LognormalLengths(_Strict):
     """Log-normal response lengths with log-scale spread ``sigma``, clipped at ``max``, clipped mean ``mean``."""
 
@@ -116,22 +127,13 @@ class LognormalLengths(_Strict):
 
     @cached_property
     def mu(self) -> float:
-        """Log-scale location whose clipped mean ``E[min(max(X, min), max)]`` equals ``mean``
-        (the clipped mean grows with ``mu``: found by bisection)."""
+        """Log-scale location whose clipped mean (:func:`clipped_lognormal_mean`) equals ``mean`` (the
+        clipped mean grows with ``mu``: found by bisection)."""
         s, lo, hi = self.sigma, math.log(self.min), math.log(self.max)
-
-        def cdf(x: float) -> float:
-            return 0.5 * math.erfc(-x / math.sqrt(2))
-
-        def clipped_mean(mu: float) -> float:
-            # E[clip(X, a, b)] for X = exp(N(mu, s^2)).
-            body = math.exp(mu + s * s / 2) * (cdf((hi - mu - s * s) / s) - cdf((lo - mu - s * s) / s))
-            return self.min * cdf((lo - mu) / s) + body + self.max * cdf((mu - hi) / s)
-
         low, high = lo - 10 * s, hi + 10 * s
         for _ in range(200):
             mid = (low + high) / 2
-            if clipped_mean(mid) < self.mean:
+            if clipped_lognormal_mean(mid, s, self.min, self.max) < self.mean:
                 low = mid
             else:
                 high = mid
