@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculation", choices=simulation.SPECULATION, default="off",
                         help="engines speculate at every batch size, timed by the cost model: 'request' drafts from each "
                         "request's own tokens for every system; 'siblings' also from the group's other responses for "
-                        "StaleFlow (default: off; the acceptance rates are assumed: docs/simulation.md)")
+                        "StaleFlow (default: off; the acceptance rates are fitted to replayed samples of a math model, not of a reasoning "
+                        "model: docs/simulation.md)")
     parser.add_argument("--rollout-gpus", type=int, default=None, metavar="N",
                         help="give N of the workload's GPUs to rollout and the rest to the trainer (default: the workload's split)")
     parser.add_argument("--tick", type=float, default=None, help="coordinator tick in seconds (default: the workload's)")
