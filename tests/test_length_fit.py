@@ -169,3 +169,25 @@ def test_the_command_measures_samples_and_fits_targets(tmp_path: Path, capsys: p
     assert "missing --icc, --clip-ratio" in capsys.readouterr().err
     assert response_lengths.run(parser.parse_args(["--clipped-means", "12800-9473", "--cap", "20480", "--icc", "0"])) == 2
     assert "CAP:MEAN pairs" in capsys.readouterr().err
+
+
+def test_the_sensitivity_workloads_are_the_shipped_ones_with_the_sourced_lengths() -> None:
+    """docs/workloads/*-icc-measured.yaml and *-budgets.yaml (docs/simulation.md, the sensitivity
+    run): the shipped workload in every field but its response lengths, which are the fits of the
+    sourced figures (the 1.5B samples' ICC; R1-Distill-14B's published budgets)."""
+    root = Path(__file__).resolve().parents[1] / "docs" / "workloads"
+    icc = round(fit_to_samples(_sets()["qwen2.5-math-1.5b"], cap=SAMPLES_CAP).icc, 3)
+    assert icc == 0.256
+    r1 = fit_to_clipped_means(R1_DISTILL_BUDGETS["14B"], 20480, icc)
+    variants = {"qwen3-30b-a3b-128gpu-icc-measured": ("qwen3-30b-a3b-128gpu", None),
+                "qwen3-30b-a3b-128gpu-cap20k-icc-measured": ("qwen3-30b-a3b-128gpu-cap20k", None),
+                "deepseek-r1-distill-qwen-14b-64gpu-budgets": ("deepseek-r1-distill-qwen-14b-64gpu", r1)}
+    for name, (shipped_name, fitted) in variants.items():
+        variant, shipped = load_workload(root / f"{name}.yaml"), load_workload(shipped_name)
+        lengths = variant.response_tokens
+        if fitted is None:  # the shipped model but for the prompt's share
+            fitted = shipped.response_tokens.model_copy(update={"prompt_sigma": math.sqrt(icc) * shipped.response_tokens.sigma})
+        assert (lengths.mean, lengths.sigma, lengths.prompt_sigma, lengths.max) == pytest.approx(
+            (fitted.mean, fitted.sigma, fitted.prompt_sigma, fitted.max), abs=5e-4, rel=5e-5), name
+        same = {"name", "description", "response_tokens"}
+        assert variant.model_dump(exclude=same) == shipped.model_dump(exclude=same), name
