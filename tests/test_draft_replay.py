@@ -90,3 +90,26 @@ def test_the_bench_reads_a_samples_file_and_names_a_bad_line(tmp_path, capsys) -
     bad.write_text('{"group": "g", "tokens": [1]}\n{"group": "g"}\n')
     assert draft_acceptance.run(parser.parse_args(["--samples", str(bad)])) == 2
     assert f"{bad}:2: expected" in capsys.readouterr().err
+
+
+def test_tau_by_position_counts_the_steps_that_start_in_each_bucket() -> None:
+    """[1, 2, 3] x 3 from its own prefix: positions 0-3 have nothing to draft from (a step each,
+    tau 1); from position 4 on, 2 drafts emit 3 then 2 tokens (5 in 2 steps), 1 draft 2, 2, 1 (5 in
+    3); the buckets' steps add up to the whole replay's 9 tokens in 6 (k = 2) and 7 (k = 1) steps."""
+    result = measure({"g": [[1, 2, 3] * 3, [1, 2, 3]]}, max_drafts=2, sources=["request"], position_edges=(0, 4, 100))
+    assert [(b.label, b.tokens) for b in result.by_position] == [("0-4", 4), ("4-100", 5)]  # the empty 100+ left out
+    assert [b.tau["request"] for b in result.by_position] == [[1.0, 1.0], [5 / 3, 5 / 2]]
+    assert result.tau["request"] == pytest.approx([9 / 7, 9 / 6])
+    with pytest.raises(ValueError, match="position_edges must rise from 0"):
+        measure({"g": [[1, 2], [1]]}, position_edges=(4, 0))
+
+
+def test_tau_by_length_puts_each_replayed_response_in_its_quartile() -> None:
+    """Every response replayed (``replayed="all"``): the 3-token [1, 2, 3] repeats nothing (tau 1);
+    the 9-token one is the replay above; the quartiles of the lengths (3, 9) split them at 3."""
+    result = measure({"g": [[1, 2, 3] * 3, [1, 2, 3]]}, max_drafts=2, sources=["request"], replayed="all")
+    assert [(b.label, b.tokens, b.tau["request"]) for b in result.by_length] == [("0-3", 3, [1.0, 1.0]), ("4-9", 9, [9 / 7, 9 / 6])]
+    assert (result.groups, result.tokens) == (1, 12)
+    assert measure({"g": [[1, 2, 3] * 3, [1, 2, 3]]}, max_drafts=2, sources=["request"]).by_length[0].tokens == 9  # the longest only
+    with pytest.raises(ValueError, match="replayed must be one of"):
+        measure({"g": [[1, 2], [1]]}, replayed="some")
