@@ -39,6 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from scipy.optimize import least_squares
 from staleflow.runtime.coordination.cost_model import CostModel
 
@@ -90,6 +91,17 @@ MEASURED_TAU = {
 DRAFT_ACCEPTANCE = {mode: round(fit_acceptance(tau)[0], 3) for mode, tau in MEASURED_TAU.items()}
 
 
+#: The per-token acceptance by where in its response a request drafts: ``(first position, a)``, the
+#: geometric fits of ``tau(k)`` over the replayed steps that start there (``staleflow bench
+#: draft-acceptance --samples FILE --by-position``, the samples of :data:`MEASURED_TAU`; the last
+#: bucket, 2,048 tokens on, is where the capped responses and their loops are). ``simulate
+#: --draft-positions`` drafts at these rates instead of :data:`DRAFT_ACCEPTANCE`'s one rate.
+ACCEPTANCE_BY_POSITION = {
+    "request": ((0, 0.342), (256, 0.566), (1024, 0.683), (2048, 0.719)),
+    "siblings": ((0, 0.508), (256, 0.637), (1024, 0.696), (2048, 0.722)),
+}
+
+
 @dataclass(frozen=True)
 class DraftVerification:
     """The decode timing of an engine that speculates at every batch size (module docstring).
@@ -102,10 +114,17 @@ class DraftVerification:
         cost: the engine's decode cost model without drafts.
         tau: ``tau[k - 1]`` the mean tokens a request emits per verification step with ``k`` drafts
             (``1 <= tau(k) <= k + 1``).
+        by_position: ``((first position, acceptance), ...)``, positions rising from 0: the geometric
+            acceptance of a request that has generated that many tokens or more; empty: ``tau`` for
+            every request. With it the engine times each run of steps with :meth:`at_positions`.
+        budgets: with ``by_position``, each request drafts its own number of tokens
+            (:meth:`at_positions`); without, every request of a step drafts the same ``k``.
     """
 
     cost: CostModel
     tau: tuple[float, ...]
+    by_position: tuple[tuple[int, float], ...] = ()
+    budgets: bool = False
     #: ``per_token[k]``: the cost model of a token-step with ``k`` drafts (``per_token[0]``: ``cost``)
     per_token: tuple[CostModel, ...] = field(init=False, repr=False, compare=False)
 
@@ -115,10 +134,17 @@ class DraftVerification:
         for k, tau in enumerate(self.tau, start=1):
             if not 1.0 <= tau <= k + 1:
                 raise ValueError(f"tau({k}) must be in [1, {k + 1}] tokens per verification, got {tau}")
+        starts = [start for start, _ in self.by_position]
+        if self.by_position and (starts[0] != 0 or starts != sorted(set(starts)) or not all(0 <= a < 1 for _, a in self.by_position)):
+            raise ValueError(f"by_position must rise from position 0 with acceptances in [0, 1), got {self.by_position}")
+        object.__setattr__(self, "per_token", tuple(self._per_token(k, tau) for k, tau in enumerate((1.0,) + self.tau)))
+
+    def _per_token(self, drafts: float, tau: float) -> CostModel:
+        """The cost model of a token-step when a request drafts ``drafts`` tokens and emits ``tau`` (means over the batch)."""
         c = self.cost
-        models = [c] + [CostModel(thr=c.thr / tau, o_b=c.o_b / tau, o_k=c.o_k * (k + 1) / tau, a_b=c.a_b / tau, a_k=c.a_k / tau)
-                        for k, tau in enumerate(self.tau, start=1)]
-        object.__setattr__(self, "per_token", tuple(models))
+        if drafts == 0 and tau == 1.0:
+            return c
+        return CostModel(thr=c.thr / tau, o_b=c.o_b / tau, o_k=c.o_k * (drafts + 1) / tau, a_b=c.a_b / tau, a_k=c.a_k / tau)
 
     def verify_latency(self, n_running: float, kv_tokens: float, drafts: int) -> float:
         """``L_verify(n, K, k)``: seconds of one verification step of ``drafts`` tokens per request."""
@@ -141,6 +167,44 @@ class DraftVerification:
     def steps_within(self, budget_s: float, n_running: int, kv_tokens: int, limit: int) -> int:
         """:meth:`CostModel.steps_within` at the cheapest number of drafts."""
         return self.per_token[self.drafts(n_running, kv_tokens)].steps_within(budget_s, n_running, kv_tokens, limit)
+
+    def at_positions(self, positions: Sequence[int], kv_tokens: int) -> CostModel:
+        """The cost model of the token-steps of running requests that have generated ``positions``
+        tokens each, their drafts chosen to make a token cheapest (timed at the run's start).
+
+        A request at acceptance ``a`` that drafts ``k`` emits ``geometric_tau(a)(k)`` tokens a step; a
+        verification of ``D`` drafts in all costs ``L_verify`` over ``n + D`` tokens. Without
+        ``budgets`` every request drafts the same ``k`` (0 to ``len(tau)``). With them the ``D``
+        drafts go where they are likeliest accepted: the ``k``-th draft of a request adds ``a^k`` to
+        its tokens, so the greedy order of those marginals makes the most tokens of every ``D``
+        (``tau`` is concave in ``k``); the cost per token is a ratio of two functions linear in
+        ``D`` between the points where the marginal or ``L_verify``'s slope changes, so its least is
+        at one of them. At one acceptance and no floor ``thr`` this is the uniform ``k`` (the
+        marginals tie); at the floor a part of the requests may draft one more.
+        """
+        n, c = len(positions), self.cost
+        if not n or not self.by_position:
+            raise ValueError("at_positions needs running requests and an acceptance by position")
+        rates = [a for _, a in self.by_position]
+        bucket = np.searchsorted([start for start, _ in self.by_position], positions, side="right") - 1
+        counts = np.bincount(bucket, minlength=len(rates)).tolist()
+        top = len(self.tau)
+
+        def cost(drafts: float, tokens: float) -> float:  # seconds per token-step of the n requests
+            return n * (c.a_b + c.a_k * kv_tokens + max(c.thr, c.o_b + c.o_k * (n + drafts))) / tokens
+
+        taus = [(1.0,) + geometric_tau(a, top) for a in rates]
+        points = [(k * n, sum(m * t[k] for m, t in zip(counts, taus))) for k in range(top + 1)]
+        if self.budgets:
+            marginals = sorted(((a ** k, b) for b, a in enumerate(rates) if counts[b] for k in range(1, top + 1)), reverse=True)
+            points, floor = [(0, float(n))], (c.thr - c.o_b) / c.o_k - n if c.o_k else math.inf
+            for value, b in marginals:
+                drafts, tokens = points[-1]
+                if drafts < floor < drafts + counts[b]:
+                    points += [(d, tokens + value * (d - drafts)) for d in (math.floor(floor), math.ceil(floor)) if d > drafts]
+                points.append((drafts + counts[b], tokens + value * counts[b]))
+        drafts, tokens = min(points, key=lambda point: cost(*point))
+        return self._per_token(drafts / n, tokens / n)
 
 
 @dataclass(frozen=True)
