@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=8, help="--builtin: responses per prompt (default: 8)")
     parser.add_argument("--max-drafts", type=int, default=8, help="the largest k measured (default: 8)")
     parser.add_argument("--max-match", type=int, default=8, help="the longest context suffix the proposer matches (default: 8)")
+    parser.add_argument("--sources", choices=SOURCES, nargs="+", default=list(SOURCES), help="the draft sources measured (default: all)")
     parser.add_argument("--replayed", choices=REPLAYED, default="longest",
                         help="replay each group's longest response, or every response against the rest of its group (default: longest)")
     parser.add_argument("--positions", type=int, nargs="+", default=list(POSITION_EDGES), metavar="START",
@@ -113,16 +114,16 @@ def report(result: DraftAcceptance, command: str) -> dict[str, Any]:
 
 def _print_buckets(title: str, buckets: list[Bucket], max_drafts: int) -> None:
     print(f"{title}: a (geometric fit) per source; tau(1) / tau({max_drafts})")
-    print(f"{'bucket':<12} {'tokens':>8} " + " ".join(f"{s:<22}" for s in SOURCES))
+    print(f"{'bucket':<12} {'tokens':>8} " + " ".join(f"{s:<22}" for s in buckets[0].tau))
     for b in buckets:
-        print(f"{b.label:<12} {b.tokens:>8,} " + " ".join(f"{b.acceptance(s):.3f} {b.tau[s][0]:.3f}/{b.tau[s][-1]:<7.3f}" for s in SOURCES))
+        print(f"{b.label:<12} {b.tokens:>8,} " + " ".join(f"{b.acceptance(s):.3f} {b.tau[s][0]:.3f}/{b.tau[s][-1]:<7.3f}" for s in b.tau))
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         groups = read_samples(args.samples) if args.samples else builtin_arithmetic(args.prompts, args.samples_per_prompt, args.seed)
         result = measure(groups, max_drafts=args.max_drafts, max_match=args.max_match, position_edges=args.positions,
-                         replayed=args.replayed)
+                         replayed=args.replayed, sources=args.sources)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     which = "their longest responses" if args.replayed == "longest" else "every response"
     print(f"{result.groups} groups, {which} replayed ({result.tokens:,} tokens); tau(k), tokens per verification step:")
     print("source    " + " ".join(f"k={k:<5d}" for k in range(1, args.max_drafts + 1)) + " a (geometric fit) rms residual")
-    for source in SOURCES:
+    for source in result.tau:
         print(f"{source:<9} " + " ".join(f"{tau:<7.3f}" for tau in result.tau[source])
               + f" {result.acceptance(source):<17.3f} {result.residual(source):.3f}")
     _print_buckets("by position in the response (where a step starts)", result.by_position, args.max_drafts)

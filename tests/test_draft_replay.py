@@ -86,6 +86,9 @@ def test_the_bench_reads_a_samples_file_and_names_a_bad_line(tmp_path, capsys) -
     figures = json.loads(capsys.readouterr().out)
     assert figures["tau"]["whole"][2] == pytest.approx(5 / 3) and figures["groups"] == 1
     assert set(figures["acceptance"]) == set(figures["residual"]) == {"request", "causal", "finished", "whole"}
+    assert [(b["label"], b["tokens"]) for b in figures["by_position"] + figures["by_length"]] == [("0-256", 5), ("0-5", 5)]
+    assert draft_acceptance.run(parser.parse_args(["--samples", str(good), "--max-drafts", "3", "--sources", "whole", "--json"])) == 0
+    assert list(json.loads(capsys.readouterr().out)["tau"]) == ["whole"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"group": "g", "tokens": [1]}\n{"group": "g"}\n')
     assert draft_acceptance.run(parser.parse_args(["--samples", str(bad)])) == 2
