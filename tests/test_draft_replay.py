@@ -116,3 +116,24 @@ def test_tau_by_length_puts_each_replayed_response_in_its_quartile() -> None:
     assert measure({"g": [[1, 2, 3] * 3, [1, 2, 3]]}, max_drafts=2, sources=["request"]).by_length[0].tokens == 9  # the longest only
     with pytest.raises(ValueError, match="replayed must be one of"):
         measure({"g": [[1, 2], [1]]}, replayed="some")
+
+
+def test_the_acceptance_rises_along_a_response_as_replayed() -> None:
+    """By where in its response a step starts (the same samples, docs/simulation.md): the geometric
+    fits of each position bucket's tau(k) rise from 0.34 (own prefix) and 0.51 (with siblings) in
+    the first 256 tokens to 0.72 from 2,048 on; siblings matter most early, when the own prefix is
+    short. ``simulate --draft-positions`` drafts at these rates; off by default."""
+    from staleflow.adapters.sim.speculation import ACCEPTANCE_BY_POSITION, DRAFT_ACCEPTANCE, MEASURED_TAU_BY_POSITION, fit_acceptance
+    from staleflow.app.simulation import drafts_by_position
+
+    assert ACCEPTANCE_BY_POSITION == {"request": ((0, 0.342), (256, 0.566), (1024, 0.683), (2048, 0.719)),
+                                      "siblings": ((0, 0.508), (256, 0.637), (1024, 0.696), (2048, 0.722))}
+    for mode, buckets in MEASURED_TAU_BY_POSITION.items():
+        assert all(fit_acceptance(tau)[1] < 0.045 for _, tau in buckets)
+        rates = [rate for _, rate in ACCEPTANCE_BY_POSITION[mode]]
+        assert rates == sorted(rates) and rates[-1] - rates[0] > 0.2
+    assert drafts_by_position(DRAFT_ACCEPTANCE["siblings"], "per-request") == {"by_position": ACCEPTANCE_BY_POSITION["siblings"],
+                                                                              "budgets": True}
+    assert drafts_by_position(DRAFT_ACCEPTANCE["request"], "off") == {}
+    with pytest.raises(ValueError, match="needs a measured acceptance"):
+        drafts_by_position(0.5, "uniform")

@@ -91,15 +91,28 @@ MEASURED_TAU = {
 DRAFT_ACCEPTANCE = {mode: round(fit_acceptance(tau)[0], 3) for mode, tau in MEASURED_TAU.items()}
 
 
-#: The per-token acceptance by where in its response a request drafts: ``(first position, a)``, the
-#: geometric fits of ``tau(k)`` over the replayed steps that start there (``staleflow bench
-#: draft-acceptance --samples FILE --by-position``, the samples of :data:`MEASURED_TAU`; the last
-#: bucket, 2,048 tokens on, is where the capped responses and their loops are). ``simulate
-#: --draft-positions`` drafts at these rates instead of :data:`DRAFT_ACCEPTANCE`'s one rate.
-ACCEPTANCE_BY_POSITION = {
-    "request": ((0, 0.342), (256, 0.566), (1024, 0.683), (2048, 0.719)),
-    "siblings": ((0, 0.508), (256, 0.637), (1024, 0.696), (2048, 0.722)),
+#: ``tau(k)``, ``k = 1..8``, of the replayed steps of :data:`MEASURED_TAU`'s samples by where in its
+#: response a step starts: ``(first position, tau)`` (``staleflow bench draft-acceptance --samples
+#: FILE --sources request causal``, its ``by_position``; each group's longest response, most of them
+#: at the 3,072-token cap, so the last bucket, 2,048 tokens on, is where the capped responses and
+#: their loops are). The rate rises along a response: little to repeat in its first 256 tokens.
+MEASURED_TAU_BY_POSITION = {
+    "request": ((0, (1.2895, 1.4072, 1.4666, 1.5018, 1.5253, 1.5400, 1.5524, 1.5623)),
+                (256, (1.5388, 1.8345, 2.0117, 2.1293, 2.2120, 2.2713, 2.3151, 2.3497)),
+                (1024, (1.6844, 2.1236, 2.4248, 2.6432, 2.8061, 2.9251, 3.0295, 3.1049)),
+                (2048, (1.7262, 2.2287, 2.5793, 2.8394, 3.0457, 3.1943, 3.3267, 3.4287))),
+    "siblings": ((0, (1.4713, 1.7110, 1.8461, 1.9325, 1.9879, 2.0312, 2.0605, 2.0832)),
+                 (256, (1.6305, 2.0134, 2.2590, 2.4265, 2.5492, 2.6382, 2.7066, 2.7621)),
+                 (1024, (1.7036, 2.1629, 2.4817, 2.7123, 2.8873, 3.0173, 3.1289, 3.2099)),
+                 (2048, (1.7320, 2.2404, 2.5964, 2.8595, 3.0681, 3.2174, 3.3524, 3.4537))),
 }
+
+#: The per-token acceptance by position (the geometric fits of :data:`MEASURED_TAU_BY_POSITION`):
+#: ``simulate --draft-positions`` drafts at these rates instead of :data:`DRAFT_ACCEPTANCE`'s one
+#: rate, a request at the rate of the bucket its generated length is in (past 3,072 tokens the
+#: measurement has nothing: the last bucket's rate, an extrapolation).
+ACCEPTANCE_BY_POSITION = {mode: tuple((start, round(fit_acceptance(tau)[0], 3)) for start, tau in buckets)
+                          for mode, buckets in MEASURED_TAU_BY_POSITION.items()}
 
 
 @dataclass(frozen=True)
