@@ -14,6 +14,9 @@ model's own), so a token costs ``L_verify(n, K, k) / tau(k)`` and the speed-up o
 drafts are nearly free even at full batch; at a large batch over short contexts they are not, and
 ``k = 0`` (no drafts) wins. ``tau`` is an input: :func:`geometric_tau` turns a per-token acceptance
 rate into it (each draft accepted with the same probability given the ones before it).
+With ``by_position`` the rate depends on how far into its response a request is (measured:
+:data:`ACCEPTANCE_BY_POSITION`) and the drafts of a run of steps are chosen for the running
+requests' positions, one ``k`` for all or each request its own (:meth:`DraftVerification.at_positions`).
 
 :class:`SpeculativeDecoding` (the older, assumed form): a decode step of an instance running at most
 ``max_batch`` requests takes ``1 / speedup`` of its time.
