@@ -20,11 +20,11 @@ responses. What the proposer may read at ``t`` (:data:`SOURCES`):
 * ``whole``: also every sibling whole (an upper bound: no proposer has them all).
 
 Each group's longest response is replayed (the tail the trainer waits for), its siblings the
-group's other responses (or, ``replayed="all"``, every response in turn). ``tau(k)`` is also split
-by where in its response a step starts (position buckets) and by the replayed response's length
-(quartiles): whether acceptance varies between requests, the only case where drafting more for some
-requests than for others can pay (docs/simulation.md). The own prefix is searched first, then the siblings in order. The
-matching is :func:`staleflow.runtime.drafts.longest_match`, which a vLLM engine's sibling proposer
+group's other responses (or, ``replayed="all"``, every response in turn). The own prefix is
+searched first, then the siblings in order. ``tau(k)`` is also split by where in its response a
+step starts (position buckets) and by the replayed response's length (quartiles): whether acceptance
+varies between requests, the only case where drafting more for some requests than for others can
+pay (docs/simulation.md). The matching is :func:`staleflow.runtime.drafts.longest_match`, which a vLLM engine's sibling proposer
 runs too (``rollout.speculation.method: siblings``), reading the siblings first and, in each, the
 occurrence nearest the row's own position rather than the last one.
 """
