@@ -103,6 +103,7 @@ def simulate_system(
     estimation_error: float = 0.0,
     admission_eta: int | None = None,
     cost_refit_s: float | None = None,
+    draft_positions: str = "off",
     **knobs: Any,
 ) -> dict[str, Any]:
     """Run one system for ``steps`` training steps; returns its figures (the JSON entry).
@@ -112,8 +113,9 @@ def simulate_system(
     run the exact one); ``cost_refit_s``: the coordinator refits that model to the engines' decode
     steps every so many simulated seconds, as a training job does (None: it plans with it as it is).
     ``admission_eta``: a system that does not keep the bound admits with this
-    bound instead of ``eta`` (its staleness is still measured against ``eta``). ``knobs`` override
-    the policy's.
+    bound instead of ``eta`` (its staleness is still measured against ``eta``). ``draft_positions``:
+    how engines that verify drafts accept them along a response (:data:`DRAFT_POSITIONS`). ``knobs``
+    override the policy's.
     """
     from staleflow.adapters.sim.engine import SimEngine
     from staleflow.adapters.sim.network import Broadcast, ParameterServerLink, WeightTransfer, prefill_seconds, trainer_offload_seconds
@@ -152,7 +154,8 @@ def simulate_system(
     if policy.speculative_speedup > 1:
         speculate = partial(SpeculativeDecoding, speedup=policy.speculative_speedup, max_batch=policy.speculative_max_batch)
     elif policy.draft_acceptance:
-        speculate = partial(DraftVerification, tau=geometric_tau(policy.draft_acceptance, policy.max_drafts))
+        speculate = partial(DraftVerification, tau=geometric_tau(policy.draft_acceptance, policy.max_drafts),
+                            **drafts_by_position(policy.draft_acceptance, draft_positions))
     engines = [
         SimEngine.from_workload(workload, f"i{i}", clock, event_quantum_s=quantum, weight_link=link, speculate=speculate)
         for i in range(instances)
@@ -267,6 +270,28 @@ def speculation_knobs(system: str, speculation: str) -> dict[str, float]:
     return {"draft_acceptance": DRAFT_ACCEPTANCE[source]}
 
 
+#: ``--draft-positions``: ``off``: a request accepts drafts at its mode's one rate wherever it is;
+#: ``uniform``: at the rate measured where it is in its response (``ACCEPTANCE_BY_POSITION``), every
+#: request of a step drafting the same ``k``; ``per-request``: so too, each drafting its own number.
+DRAFT_POSITIONS = ("off", "uniform", "per-request")
+
+
+def drafts_by_position(acceptance: float, draft_positions: str) -> dict[str, Any]:
+    """The :class:`~staleflow.adapters.sim.speculation.DraftVerification` arguments of
+    ``draft_positions`` (:data:`DRAFT_POSITIONS`) for an engine drafting at one of the measured
+    ``DRAFT_ACCEPTANCE`` rates (the position profile of the same draft source)."""
+    from staleflow.adapters.sim.speculation import ACCEPTANCE_BY_POSITION, DRAFT_ACCEPTANCE
+
+    if draft_positions not in DRAFT_POSITIONS:
+        raise ValueError(f"unknown draft_positions {draft_positions!r}; known: {', '.join(DRAFT_POSITIONS)}")
+    if draft_positions == "off":
+        return {}
+    source = next((source for source, rate in DRAFT_ACCEPTANCE.items() if rate == acceptance), None)
+    if source is None:
+        raise ValueError(f"draft_positions {draft_positions!r} needs a measured acceptance {DRAFT_ACCEPTANCE}, got {acceptance}")
+    return {"by_position": ACCEPTANCE_BY_POSITION[source], "budgets": draft_positions == "per-request"}
+
+
 def knobs_for(system: str, group_redundancy: int, batch_redundancy: int) -> dict[str, int]:
     """The redundancy asked for, for StaleFlow's policies only."""
     if not system.startswith("staleflow"):
@@ -338,6 +363,7 @@ class Comparison:
     batch_redundancy: int = 0
     trace_dir: Path | None = None
     speculation: str = "off"
+    draft_positions: str = "off"
 
 
 def compare_systems(
@@ -365,6 +391,7 @@ def compare_systems(
         "event_quantum_s": comparison.event_quantum_s if comparison.event_quantum_s is not None else workload.simulation.event_quantum_s,
         "rollout_gpus": workload.gpus - workload.cluster.trainer_gpus,
         "speculation": comparison.speculation,
+        **({"draft_positions": comparison.draft_positions} if comparison.draft_positions != "off" else {}),
         "upper_bound_tokens_per_s": bound.tokens_per_s,
         "upper_bound": bound.to_dict(),
         "by_eta": {},
@@ -422,7 +449,7 @@ def _runner(
         figures = simulate_system(
             workload, system, eta, comparison.steps, comparison.seed, comparison.tick_s, comparison.event_quantum_s,
             on_step=lambda: progress.advance(task), trace_path=trace, estimation_error=comparison.estimation_error,
-            cost_refit_s=comparison.cost_refit_s,
+            cost_refit_s=comparison.cost_refit_s, draft_positions=comparison.draft_positions,
             **knobs_for(system, comparison.group_redundancy, comparison.batch_redundancy),
             **speculation_knobs(system, comparison.speculation), **extra,
         )

@@ -2,10 +2,12 @@
 
 ``--samples FILE``: a JSONL file of sampled responses, one per line, ``{"group": id, "tokens": [ids]}``
 (several samples per prompt, tokenized with the model's own tokenizer, drawn at the training
-temperature). ``--builtin arithmetic``: the second built-in CPU job's groups, made here: its tiny
+temperature); ``--replayed all`` replays every response, not only each group's longest.
+``--builtin arithmetic``: the second built-in CPU job's groups, made here: its tiny
 model warmed up as the job does (``runtime/settings/configs/arithmetic.yaml``'s warm-up), then
 ``--samples-per-prompt`` responses per prompt sampled at temperature 1.0 with transformers. Prints
-tau(k) for k = 1..``--max-drafts`` for each source and the command that reproduces it.
+tau(k) for k = 1..``--max-drafts`` for each source, the fitted acceptance by position bucket
+(``--positions``) and by response-length quartile, and the command that reproduces it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from staleflow.app.draft_replay import SOURCES, DraftAcceptance, measure
+from staleflow.app.draft_replay import POSITION_EDGES, REPLAYED, SOURCES, Bucket, DraftAcceptance, measure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=8, help="--builtin: responses per prompt (default: 8)")
     parser.add_argument("--max-drafts", type=int, default=8, help="the largest k measured (default: 8)")
     parser.add_argument("--max-match", type=int, default=8, help="the longest context suffix the proposer matches (default: 8)")
+    parser.add_argument("--sources", choices=SOURCES, nargs="+", default=list(SOURCES), help="the draft sources measured (default: all)")
+    parser.add_argument("--replayed", choices=REPLAYED, default="longest",
+                        help="replay each group's longest response, or every response against the rest of its group (default: longest)")
+    parser.add_argument("--positions", type=int, nargs="+", default=list(POSITION_EDGES), metavar="START",
+                        help=f"where the position buckets start, from 0 (default: {' '.join(map(str, POSITION_EDGES))})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
@@ -94,16 +101,29 @@ def builtin_arithmetic(prompts: int, per_prompt: int, seed: int) -> dict[str, li
     return groups
 
 
+def _bucket(bucket: Bucket) -> dict[str, Any]:
+    return {"label": bucket.label, "tokens": bucket.tokens, "tau": bucket.tau, "acceptance": {s: bucket.acceptance(s) for s in bucket.tau}}
+
+
 def report(result: DraftAcceptance, command: str) -> dict[str, Any]:
     return {"tau": result.tau, "acceptance": {s: result.acceptance(s) for s in result.tau},
             "residual": {s: result.residual(s) for s in result.tau}, "groups": result.groups, "tokens": result.tokens,
+            "by_position": [_bucket(b) for b in result.by_position], "by_length": [_bucket(b) for b in result.by_length],
             "command": command}
+
+
+def _print_buckets(title: str, buckets: list[Bucket], max_drafts: int) -> None:
+    print(f"{title}: a (geometric fit) per source; tau(1) / tau({max_drafts})")
+    print(f"{'bucket':<12} {'tokens':>8} " + " ".join(f"{s:<22}" for s in buckets[0].tau))
+    for b in buckets:
+        print(f"{b.label:<12} {b.tokens:>8,} " + " ".join(f"{b.acceptance(s):.3f} {b.tau[s][0]:.3f}/{b.tau[s][-1]:<7.3f}" for s in b.tau))
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         groups = read_samples(args.samples) if args.samples else builtin_arithmetic(args.prompts, args.samples_per_prompt, args.seed)
-        result = measure(groups, max_drafts=args.max_drafts, max_match=args.max_match)
+        result = measure(groups, max_drafts=args.max_drafts, max_match=args.max_match, position_edges=args.positions,
+                         replayed=args.replayed, sources=args.sources)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -112,10 +132,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(figures, indent=1))
         return 0
-    print(f"{result.groups} groups, their longest responses replayed ({result.tokens:,} tokens); tau(k), tokens per verification step:")
+    which = "their longest responses" if args.replayed == "longest" else "every response"
+    print(f"{result.groups} groups, {which} replayed ({result.tokens:,} tokens); tau(k), tokens per verification step:")
     print("source    " + " ".join(f"k={k:<5d}" for k in range(1, args.max_drafts + 1)) + " a (geometric fit) rms residual")
-    for source in SOURCES:
+    for source in result.tau:
         print(f"{source:<9} " + " ".join(f"{tau:<7.3f}" for tau in result.tau[source])
               + f" {result.acceptance(source):<17.3f} {result.residual(source):.3f}")
+    _print_buckets("by position in the response (where a step starts)", result.by_position, args.max_drafts)
+    _print_buckets("by the response's length (quartiles of the replayed ones)", result.by_length, args.max_drafts)
     print(f"reproduce: {figures['command']}")
     return 0

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "request's own tokens for every system; 'siblings' also from the group's other responses for "
                         "StaleFlow (default: off; the acceptance rates are fitted to replayed samples of a math model, not of a reasoning "
                         "model: docs/simulation.md)")
+    parser.add_argument("--draft-positions", choices=simulation.DRAFT_POSITIONS, default="off",
+                        help="with --speculation: 'uniform' accepts drafts at the rate measured where each request is in its "
+                        "response, every request drafting the same k; 'per-request': each its own k (default: off, one rate)")
     parser.add_argument("--rollout-gpus", type=int, default=None, metavar="N",
                         help="give N of the workload's GPUs to rollout and the rest to the trainer (default: the workload's split)")
     parser.add_argument("--tick", type=float, default=None, help="coordinator tick in seconds (default: the workload's)")
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         systems=systems, etas=list(args.eta), steps=args.steps, seed=args.seed, tick_s=args.tick, event_quantum_s=args.quantum,
         estimation_error=args.estimation_error, cost_refit_s=args.cost_refit_s, group_redundancy=args.group_redundancy,
         batch_redundancy=args.batch_redundancy,
-        trace_dir=args.trace_dir, speculation=args.speculation,
+        trace_dir=args.trace_dir, speculation=args.speculation, draft_positions=args.draft_positions,
     )
     with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
         report, exit_code = simulation.compare_systems(workload, comparison, progress, lambda line: err.print(line, highlight=False))
@@ -106,6 +109,7 @@ def _problems(args: argparse.Namespace) -> list[str]:
     problems += [] if args.cost_refit_s is None or args.cost_refit_s > 0 else [f"--cost-refit-s must be > 0, got {args.cost_refit_s}"]
     problems += [] if 0 <= args.estimation_error < 0.5 else [f"--estimation-error must be in [0, 0.5), got {args.estimation_error}"]
     problems += [f"--{k.replace('_', '-')} must be >= 0" for k in ("group_redundancy", "batch_redundancy") if getattr(args, k) < 0]
+    problems += ["--draft-positions needs --speculation"] if args.draft_positions != "off" and args.speculation == "off" else []
     return problems
 
 

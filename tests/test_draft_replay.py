@@ -86,7 +86,54 @@ def test_the_bench_reads_a_samples_file_and_names_a_bad_line(tmp_path, capsys) -
     figures = json.loads(capsys.readouterr().out)
     assert figures["tau"]["whole"][2] == pytest.approx(5 / 3) and figures["groups"] == 1
     assert set(figures["acceptance"]) == set(figures["residual"]) == {"request", "causal", "finished", "whole"}
+    assert [(b["label"], b["tokens"]) for b in figures["by_position"] + figures["by_length"]] == [("0-256", 5), ("0-5", 5)]
+    assert draft_acceptance.run(parser.parse_args(["--samples", str(good), "--max-drafts", "3", "--sources", "whole", "--json"])) == 0
+    assert list(json.loads(capsys.readouterr().out)["tau"]) == ["whole"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"group": "g", "tokens": [1]}\n{"group": "g"}\n')
     assert draft_acceptance.run(parser.parse_args(["--samples", str(bad)])) == 2
     assert f"{bad}:2: expected" in capsys.readouterr().err
+
+
+def test_tau_by_position_counts_the_steps_that_start_in_each_bucket() -> None:
+    """[1, 2, 3] x 3 from its own prefix: positions 0-3 have nothing to draft from (a step each,
+    tau 1); from position 4 on, 2 drafts emit 3 then 2 tokens (5 in 2 steps), 1 draft 2, 2, 1 (5 in
+    3); the buckets' steps add up to the whole replay's 9 tokens in 6 (k = 2) and 7 (k = 1) steps."""
+    result = measure({"g": [[1, 2, 3] * 3, [1, 2, 3]]}, max_drafts=2, sources=["request"], position_edges=(0, 4, 100))
+    assert [(b.label, b.tokens) for b in result.by_position] == [("0-4", 4), ("4-100", 5)]  # the empty 100+ left out
+    assert [b.tau["request"] for b in result.by_position] == [[1.0, 1.0], [5 / 3, 5 / 2]]
+    assert result.tau["request"] == pytest.approx([9 / 7, 9 / 6])
+    with pytest.raises(ValueError, match="position_edges must rise from 0"):
+        measure({"g": [[1, 2], [1]]}, position_edges=(4, 0))
+
+
+def test_tau_by_length_puts_each_replayed_response_in_its_quartile() -> None:
+    """Every response replayed (``replayed="all"``): the 3-token [1, 2, 3] repeats nothing (tau 1);
+    the 9-token one is the replay above; the quartiles of the lengths (3, 9) split them at 3."""
+    result = measure({"g": [[1, 2, 3] * 3, [1, 2, 3]]}, max_drafts=2, sources=["request"], replayed="all")
+    assert [(b.label, b.tokens, b.tau["request"]) for b in result.by_length] == [("0-3", 3, [1.0, 1.0]), ("4-9", 9, [9 / 7, 9 / 6])]
+    assert (result.groups, result.tokens) == (1, 12)
+    assert measure({"g": [[1, 2, 3] * 3, [1, 2, 3]]}, max_drafts=2, sources=["request"]).by_length[0].tokens == 9  # the longest only
+    with pytest.raises(ValueError, match="replayed must be one of"):
+        measure({"g": [[1, 2], [1]]}, replayed="some")
+
+
+def test_the_acceptance_rises_along_a_response_as_replayed() -> None:
+    """By where in its response a step starts (the same samples, docs/simulation.md): the geometric
+    fits of each position bucket's tau(k) rise from 0.34 (own prefix) and 0.51 (with siblings) in
+    the first 256 tokens to 0.72 from 2,048 on; siblings matter most early, when the own prefix is
+    short. ``simulate --draft-positions`` drafts at these rates; off by default."""
+    from staleflow.adapters.sim.speculation import ACCEPTANCE_BY_POSITION, DRAFT_ACCEPTANCE, MEASURED_TAU_BY_POSITION, fit_acceptance
+    from staleflow.app.simulation import drafts_by_position
+
+    assert ACCEPTANCE_BY_POSITION == {"request": ((0, 0.342), (256, 0.566), (1024, 0.683), (2048, 0.719)),
+                                      "siblings": ((0, 0.508), (256, 0.637), (1024, 0.696), (2048, 0.722))}
+    for mode, buckets in MEASURED_TAU_BY_POSITION.items():
+        assert all(fit_acceptance(tau)[1] < 0.045 for _, tau in buckets)
+        rates = [rate for _, rate in ACCEPTANCE_BY_POSITION[mode]]
+        assert rates == sorted(rates) and rates[-1] - rates[0] > 0.2
+    assert drafts_by_position(DRAFT_ACCEPTANCE["siblings"], "per-request") == {"by_position": ACCEPTANCE_BY_POSITION["siblings"],
+                                                                              "budgets": True}
+    assert drafts_by_position(DRAFT_ACCEPTANCE["request"], "off") == {}
+    with pytest.raises(ValueError, match="needs a measured acceptance"):
+        drafts_by_position(0.5, "uniform")

@@ -336,3 +336,54 @@ def test_an_engine_verifying_drafts_finishes_a_lone_long_request_sooner_by_the_m
         assert len(done["a"][1].output_ids) == 4000
     assert times["spec"] == pytest.approx(spec.per_token[8].decode_seconds(4000, 1, 500), rel=1e-12)
     assert times["plain"] / times["spec"] == pytest.approx(spec.tau[7], rel=1e-9) and spec.tau[7] == pytest.approx(2.4748, abs=1e-4)
+
+
+def test_drafts_per_request_go_where_they_are_likeliest_accepted() -> None:
+    """Two requests, one at acceptance 0.2 (position 0), one at 0.8 (position 100), up to 2 drafts,
+    L_verify = 1 + 0.25 (n + D) over D drafts in all. One k for both: k = 1 emits 1.8 + 1.2 = 3
+    tokens for 2.0 s, 1.333 s per token-step of the two (k = 0: 1.5, k = 2: 2 x 2.5 / 3.68 = 1.359).
+    Per request, both drafts go to the 0.8 one (marginals 0.8, 0.64 before 0.2): 1 + 1.8 + 0.64 =
+    3.44 tokens for 2.0 s, 1.163 s. At one acceptance the drafts are the uniform k, except at the
+    memory-bound floor: 10 requests at 0.5 where L = max(15, 10 + D) draft 5 in all (12 s a
+    token-step), where one k can only make 10 (13.33 s) or none (15 s)."""
+    from staleflow.adapters.sim.speculation import DraftVerification, geometric_tau
+
+    linear = CostModel(thr=0.0, o_b=0.0, o_k=0.25, a_b=1.0, a_k=0.0)
+    profile = ((0, 0.2), (100, 0.8))
+    uniform, budgets = (DraftVerification(linear, geometric_tau(0.5, 2), profile, b) for b in (False, True))
+    assert uniform.at_positions([0, 100], 0).step_latency(2, 0) == pytest.approx(2 * 2.0 / 3.0)
+    assert budgets.at_positions([0, 100], 0).step_latency(2, 0) == pytest.approx(2 * 2.0 / 3.44)
+    floor = CostModel(thr=15.0, o_b=0.0, o_k=1.0, a_b=0.0, a_k=0.0)
+    one = {b: DraftVerification(floor, geometric_tau(0.5, 2), ((0, 0.5),), b).at_positions([7] * 10, 0) for b in (False, True)}
+    assert (one[False].step_latency(10, 0), one[True].step_latency(10, 0)) == pytest.approx((10 * 20 / 15, 12.0))
+    with pytest.raises(ValueError, match="by_position must rise from position 0"):
+        DraftVerification(linear, (1.5,), ((10, 0.5),))
+
+
+def test_an_acceptance_that_is_one_rate_everywhere_times_the_engine_as_before() -> None:
+    """Qwen3's terms at acceptance 0.6: one rate by position gives each token-step the cost of the
+    plain model's cheapest k at every batch and KV (per request too: above the floor the marginals
+    tie), and an engine's finish times to the last digit. A rate that rises along the response
+    (0.3 to 0.8), 12 requests 1,000 tokens or more in when 12 more join: drafting per request
+    finishes them sooner in all than one k for all."""
+    from staleflow.adapters.sim.speculation import DraftVerification, geometric_tau
+
+    tau = geometric_tau(0.6, 8)
+    plain = DraftVerification(QWEN3, tau)
+    for budgets in (False, True):
+        flat = DraftVerification(QWEN3, tau, ((0, 0.6),), budgets)
+        for n, kv in ((1, 41_000), (26, 226_000), (128, 300_000), (512, 100_000)):
+            assert flat.at_positions([500] * n, kv).step_latency(n, kv) == pytest.approx(plain.step_latency(n, kv), rel=1e-12)
+    finish = {}
+    for name, model in (("plain", plain), ("flat", DraftVerification(QWEN3, tau, ((0, 0.6),), True)),
+                        ("uniform", DraftVerification(QWEN3, tau, ((0, 0.3), (1000, 0.8)))),
+                        ("budgets", DraftVerification(QWEN3, tau, ((0, 0.3), (1000, 0.8)), True))):
+        clock = VirtualClock()
+        engine = SimEngine("i0", clock, model, 300_000)
+        engine.submit([request(f"r{i}", 3000 + 100 * i, prompt=500) for i in range(12)])
+        clock.sleep_until(12.0)
+        assert engine.snapshot().kv_tokens > 12 * 1500
+        engine.submit([request(f"s{i}", 2000 + 100 * i, prompt=500) for i in range(12)])
+        finish[name] = {rid: t.metadata["finish_time"] for rid, (_, t) in run_to_idle(engine, clock).items()}
+    assert finish["flat"] == pytest.approx(finish["plain"], rel=1e-12)
+    assert sum(finish["budgets"].values()) < sum(finish["uniform"].values())

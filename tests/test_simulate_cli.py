@@ -179,6 +179,21 @@ def test_speculation_from_the_command_line_gives_siblings_to_staleflow_only(caps
     assert "invalid choice: 'everything'" in capsys.readouterr().err
 
 
+def test_acceptance_by_position_from_the_command_line_is_off_by_default(capsys) -> None:
+    """``--draft-positions`` times the drafts at the acceptance measured along a response (one k for
+    all, or per request); it needs ``--speculation``, and without it the run is the one-rate run."""
+    base = ["--workload", "small-ci", "--eta", "1", "--steps", "2", "--json", "--systems", "staleflow", "--speculation", "siblings"]
+    figures = {}
+    for positions in ("off", "uniform", "per-request"):
+        assert run_cli([*base, "--draft-positions", positions]) == 0
+        figures[positions] = json.loads(capsys.readouterr().out)["systems"]["staleflow"]
+    assert run_cli(base) == 0
+    assert json.loads(capsys.readouterr().out)["systems"]["staleflow"]["tokens_per_s"] == figures["off"]["tokens_per_s"]
+    assert figures["uniform"]["tokens_per_s"] != figures["off"]["tokens_per_s"]
+    assert run_cli(base[:-2] + ["--draft-positions", "uniform"]) == 2
+    assert "--draft-positions needs --speculation" in capsys.readouterr().err
+
+
 def test_a_run_that_does_not_depend_on_eta_runs_once_and_matches_a_fresh_run(capsys) -> None:
     """verl-sync (bound 0) and one-step-off (bound 1) run once for every eta; areal-tight at eta 3
     reuses areal's run at eta 2 when its p99 is within 3. Reused figures equal a fresh run's, with

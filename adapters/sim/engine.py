@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from staleflow.adapters.sim.network import WeightTransfer, prefill_seconds
-from staleflow.adapters.sim.speculation import Decode
+from staleflow.adapters.sim.speculation import Decode, DraftVerification
 from staleflow.adapters.sim.tokens import RunLengthList
 from staleflow.runtime.coordination.cost_fit import DecodeStepLog
 from staleflow.runtime.coordination.cost_model import CostModel, ProfileRecord
@@ -135,6 +135,7 @@ class SimEngine:
         self._changes = 0  # bumped whenever the running or waiting set changes
         self._quiet = -1  # ``_changes`` when :meth:`_advance` last stopped inside a cached segment
         self._seg: tuple[int, float] | None = None  # cached :meth:`_segment`
+        self._positioned: tuple[tuple[int, int], Decode] = ((-1, -1), cost_model)  # cached :meth:`_decode`
         self._ids: tuple[int, tuple[str, ...], tuple[str, ...]] = (0, (), ())
         self._decode_steps = DecodeStepLog()
         self._closed = False
@@ -215,17 +216,9 @@ class SimEngine:
             self._last_snapshot = (now, tokens)
         if self._ids[0] != self._changes:  # the same tuples while the sets are unchanged
             self._ids = (self._changes, tuple(self._running), tuple(self._waiting))
-        return InstanceSnapshot(
-            instance_id=self.instance_id,
-            version=self._version,
-            running=self._ids[1],
-            waiting=self._ids[2],
-            kv_tokens=kv,
-            kv_capacity=self._capacity,
-            tokens_per_s=self._last_rate,
-            time=now,
-            loading=self._load_until > now,
-        )
+        return InstanceSnapshot(instance_id=self.instance_id, version=self._version, running=self._ids[1], waiting=self._ids[2],
+                                kv_tokens=kv, kv_capacity=self._capacity, tokens_per_s=self._last_rate, time=now,
+                                loading=self._load_until > now)
 
     def collect(self) -> list[Trajectory]:
         self._advance(self._clock.now())
@@ -267,7 +260,7 @@ class SimEngine:
     def _steps_done_in_segment(self, now: float) -> int:
         """Whole decode steps of the segment in progress done by ``now`` (0 outside a segment)."""
         if self._running and self._busy_until <= self._t < now:
-            return self._cost.steps_within(now - self._t, len(self._running), self._kv, self._segment()[0])
+            return self._decode().steps_within(now - self._t, len(self._running), self._kv, self._segment()[0])
         return 0
 
     # ------------------------------------------------------------------ execution
@@ -300,19 +293,29 @@ class SimEngine:
     def _steps_to_overflow(self, n: int) -> int:
         return (self._capacity - self._kv) // n
 
+    def _decode(self) -> Decode:
+        """What times the running set's steps from now: the cost model, or with an acceptance that varies
+        along a response, the drafts chosen for the running requests' positions (kept until a step or a change)."""
+        if not isinstance(self._cost, DraftVerification) or not self._cost.by_position:
+            return self._cost
+        if self._positioned[0] != (self._changes, self._steps):
+            positions = [live.produced + self._steps - live.base_step for live in self._running.values()]
+            self._positioned = ((self._changes, self._steps), self._cost.at_positions(positions, self._kv))
+        return self._positioned[1]
+
     def _segment(self) -> tuple[int, float]:
         """Steps of the running set until its next event (a finish or a KV overflow), and the time
         they end; cached until the state changes."""
         if self._seg is None:
             n = len(self._running)
             steps = min(self._steps_to_finish(), self._steps_to_overflow(n))
-            self._seg = (steps, self._t + self._cost.decode_seconds(steps, n, self._kv))
+            self._seg = (steps, self._t + self._decode().decode_seconds(steps, n, self._kv))
         return self._seg
 
     def _do_steps(self, steps: int) -> None:
         self._seg = None
         n = len(self._running)
-        elapsed = self._cost.decode_seconds(steps, n, self._kv)
+        elapsed = self._decode().decode_seconds(steps, n, self._kv)
         if steps and n:  # one record of the segment's mean step (exact: L is linear in K along it)
             self._decode_steps.record(n, self._kv + n * (steps - 1) // 2, elapsed / steps)
         self._t += elapsed
@@ -453,13 +456,6 @@ class SimEngine:
         request = live.request
         output_ids, logprobs, versions = self._outputs(live)
         reason = "length" if live.target >= request.max_new_tokens else "stop"
-        return Trajectory(
-            request_id=request.request_id,
-            group_id=request.group_id,
-            prompt_ids=request.prompt_ids,
-            output_ids=output_ids,
-            logprobs=logprobs,
-            versions=versions,
-            finish_reason=reason,
-            metadata={**request.metadata, "instance_id": self.instance_id, "finish_time": self._t},
-        )
+        return Trajectory(request_id=request.request_id, group_id=request.group_id, prompt_ids=request.prompt_ids, output_ids=output_ids,
+                          logprobs=logprobs, versions=versions, finish_reason=reason,
+                          metadata={**request.metadata, "instance_id": self.instance_id, "finish_time": self._t})

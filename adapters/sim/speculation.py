@@ -14,6 +14,9 @@ model's own), so a token costs ``L_verify(n, K, k) / tau(k)`` and the speed-up o
 drafts are nearly free even at full batch; at a large batch over short contexts they are not, and
 ``k = 0`` (no drafts) wins. ``tau`` is an input: :func:`geometric_tau` turns a per-token acceptance
 rate into it (each draft accepted with the same probability given the ones before it).
+With ``by_position`` the rate depends on how far into its response a request is (measured:
+:data:`ACCEPTANCE_BY_POSITION`) and the drafts of a run of steps are chosen for the running
+requests' positions, one ``k`` for all or each request its own (:meth:`DraftVerification.at_positions`).
 
 :class:`SpeculativeDecoding` (the older, assumed form): a decode step of an instance running at most
 ``max_batch`` requests takes ``1 / speedup`` of its time.
@@ -39,6 +42,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from scipy.optimize import least_squares
 from staleflow.runtime.coordination.cost_model import CostModel
 
@@ -90,6 +94,30 @@ MEASURED_TAU = {
 DRAFT_ACCEPTANCE = {mode: round(fit_acceptance(tau)[0], 3) for mode, tau in MEASURED_TAU.items()}
 
 
+#: ``tau(k)``, ``k = 1..8``, of the replayed steps of :data:`MEASURED_TAU`'s samples by where in its
+#: response a step starts: ``(first position, tau)`` (``staleflow bench draft-acceptance --samples
+#: FILE --sources request causal``, its ``by_position``; each group's longest response, most of them
+#: at the 3,072-token cap, so the last bucket, 2,048 tokens on, is where the capped responses and
+#: their loops are). The rate rises along a response: little to repeat in its first 256 tokens.
+MEASURED_TAU_BY_POSITION = {
+    "request": ((0, (1.2895, 1.4072, 1.4666, 1.5018, 1.5253, 1.5400, 1.5524, 1.5623)),
+                (256, (1.5388, 1.8345, 2.0117, 2.1293, 2.2120, 2.2713, 2.3151, 2.3497)),
+                (1024, (1.6844, 2.1236, 2.4248, 2.6432, 2.8061, 2.9251, 3.0295, 3.1049)),
+                (2048, (1.7262, 2.2287, 2.5793, 2.8394, 3.0457, 3.1943, 3.3267, 3.4287))),
+    "siblings": ((0, (1.4713, 1.7110, 1.8461, 1.9325, 1.9879, 2.0312, 2.0605, 2.0832)),
+                 (256, (1.6305, 2.0134, 2.2590, 2.4265, 2.5492, 2.6382, 2.7066, 2.7621)),
+                 (1024, (1.7036, 2.1629, 2.4817, 2.7123, 2.8873, 3.0173, 3.1289, 3.2099)),
+                 (2048, (1.7320, 2.2404, 2.5964, 2.8595, 3.0681, 3.2174, 3.3524, 3.4537))),
+}
+
+#: The per-token acceptance by position (the geometric fits of :data:`MEASURED_TAU_BY_POSITION`):
+#: ``simulate --draft-positions`` drafts at these rates instead of :data:`DRAFT_ACCEPTANCE`'s one
+#: rate, a request at the rate of the bucket its generated length is in (past 3,072 tokens the
+#: measurement has nothing: the last bucket's rate, an extrapolation).
+ACCEPTANCE_BY_POSITION = {mode: tuple((start, round(fit_acceptance(tau)[0], 3)) for start, tau in buckets)
+                          for mode, buckets in MEASURED_TAU_BY_POSITION.items()}
+
+
 @dataclass(frozen=True)
 class DraftVerification:
     """The decode timing of an engine that speculates at every batch size (module docstring).
@@ -102,10 +130,17 @@ class DraftVerification:
         cost: the engine's decode cost model without drafts.
         tau: ``tau[k - 1]`` the mean tokens a request emits per verification step with ``k`` drafts
             (``1 <= tau(k) <= k + 1``).
+        by_position: ``((first position, acceptance), ...)``, positions rising from 0: the geometric
+            acceptance of a request that has generated that many tokens or more; empty: ``tau`` for
+            every request. With it the engine times each run of steps with :meth:`at_positions`.
+        budgets: with ``by_position``, each request drafts its own number of tokens
+            (:meth:`at_positions`); without, every request of a step drafts the same ``k``.
     """
 
     cost: CostModel
     tau: tuple[float, ...]
+    by_position: tuple[tuple[int, float], ...] = ()
+    budgets: bool = False
     #: ``per_token[k]``: the cost model of a token-step with ``k`` drafts (``per_token[0]``: ``cost``)
     per_token: tuple[CostModel, ...] = field(init=False, repr=False, compare=False)
 
@@ -115,10 +150,17 @@ class DraftVerification:
         for k, tau in enumerate(self.tau, start=1):
             if not 1.0 <= tau <= k + 1:
                 raise ValueError(f"tau({k}) must be in [1, {k + 1}] tokens per verification, got {tau}")
+        starts = [start for start, _ in self.by_position]
+        if self.by_position and (starts[0] != 0 or starts != sorted(set(starts)) or not all(0 <= a < 1 for _, a in self.by_position)):
+            raise ValueError(f"by_position must rise from position 0 with acceptances in [0, 1), got {self.by_position}")
+        object.__setattr__(self, "per_token", tuple(self._per_token(k, tau) for k, tau in enumerate((1.0,) + self.tau)))
+
+    def _per_token(self, drafts: float, tau: float) -> CostModel:
+        """The cost model of a token-step when a request drafts ``drafts`` tokens and emits ``tau`` (means over the batch)."""
         c = self.cost
-        models = [c] + [CostModel(thr=c.thr / tau, o_b=c.o_b / tau, o_k=c.o_k * (k + 1) / tau, a_b=c.a_b / tau, a_k=c.a_k / tau)
-                        for k, tau in enumerate(self.tau, start=1)]
-        object.__setattr__(self, "per_token", tuple(models))
+        if drafts == 0 and tau == 1.0:
+            return c
+        return CostModel(thr=c.thr / tau, o_b=c.o_b / tau, o_k=c.o_k * (drafts + 1) / tau, a_b=c.a_b / tau, a_k=c.a_k / tau)
 
     def verify_latency(self, n_running: float, kv_tokens: float, drafts: int) -> float:
         """``L_verify(n, K, k)``: seconds of one verification step of ``drafts`` tokens per request."""
@@ -141,6 +183,44 @@ class DraftVerification:
     def steps_within(self, budget_s: float, n_running: int, kv_tokens: int, limit: int) -> int:
         """:meth:`CostModel.steps_within` at the cheapest number of drafts."""
         return self.per_token[self.drafts(n_running, kv_tokens)].steps_within(budget_s, n_running, kv_tokens, limit)
+
+    def at_positions(self, positions: Sequence[int], kv_tokens: int) -> CostModel:
+        """The cost model of the token-steps of running requests that have generated ``positions``
+        tokens each, their drafts chosen to make a token cheapest (timed at the run's start).
+
+        A request at acceptance ``a`` that drafts ``k`` emits ``geometric_tau(a)(k)`` tokens a step; a
+        verification of ``D`` drafts in all costs ``L_verify`` over ``n + D`` tokens. Without
+        ``budgets`` every request drafts the same ``k`` (0 to ``len(tau)``). With them the ``D``
+        drafts go where they are likeliest accepted: the ``k``-th draft of a request adds ``a^k`` to
+        its tokens, so the greedy order of those marginals makes the most tokens of every ``D``
+        (``tau`` is concave in ``k``); the cost per token is a ratio of two functions linear in
+        ``D`` between the points where the marginal or ``L_verify``'s slope changes, so its least is
+        at one of them. At one acceptance and no floor ``thr`` this is the uniform ``k`` (the
+        marginals tie); at the floor a part of the requests may draft one more.
+        """
+        n, c = len(positions), self.cost
+        if not n or not self.by_position:
+            raise ValueError("at_positions needs running requests and an acceptance by position")
+        rates = [a for _, a in self.by_position]
+        bucket = np.searchsorted([start for start, _ in self.by_position], positions, side="right") - 1
+        counts = np.bincount(bucket, minlength=len(rates)).tolist()
+        top = len(self.tau)
+
+        def cost(drafts: float, tokens: float) -> float:  # seconds per token-step of the n requests
+            return n * (c.a_b + c.a_k * kv_tokens + max(c.thr, c.o_b + c.o_k * (n + drafts))) / tokens
+
+        taus = [(1.0,) + geometric_tau(a, top) for a in rates]
+        points = [(k * n, sum(m * t[k] for m, t in zip(counts, taus))) for k in range(top + 1)]
+        if self.budgets:
+            marginals = sorted(((a ** k, b) for b, a in enumerate(rates) if counts[b] for k in range(1, top + 1)), reverse=True)
+            points, floor = [(0, float(n))], (c.thr - c.o_b) / c.o_k - n if c.o_k else math.inf
+            for value, b in marginals:
+                drafts, tokens = points[-1]
+                if drafts < floor < drafts + counts[b]:
+                    points += [(d, tokens + value * (d - drafts)) for d in (math.floor(floor), math.ceil(floor)) if d > drafts]
+                points.append((drafts + counts[b], tokens + value * counts[b]))
+        drafts, tokens = min(points, key=lambda point: cost(*point))
+        return self._per_token(drafts / n, tokens / n)
 
 
 @dataclass(frozen=True)
