@@ -5,6 +5,7 @@ fails the suite. Re-run by hand: ``.venv/bin/mkdocs build --strict``."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,11 @@ def test_the_strict_build_refuses_a_broken_anchor_and_a_link_out_of_docs_but_tak
     assert any("../tests/test_x.py" in line for line in warnings), bad.stderr
     assert not any("rollout---training-eta-v2" in line for line in warnings), bad.stderr  # GitHub's slug is the site's
     assert len(warnings) == 2, bad.stderr
+
+
+def test_every_benchmark_is_listed_in_the_benchmarks_page() -> None:
+    """docs/benchmarks.md names every `staleflow bench` command, with a section or a row of its own."""
+    from staleflow.bench.cli import BENCHMARKS
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    assert [name for name in BENCHMARKS if not re.search(rf"`{name}`|`staleflow bench {name}[` ]", page)] == []
